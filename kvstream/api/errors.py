@@ -1,0 +1,140 @@
+"""OpenAI-shaped errors and the middleware that guarantees every failure becomes one.
+
+Body: ``{"error": {"message", "type", "param", "code"}}`` with the right status, never a
+traceback. Every response, error or not, carries ``X-Request-Id``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from kvstream.backends.base import BackendError, BackendRejected, BackendUnavailable
+from kvstream.scheduler import SchedulerError
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID = web.RequestKey("request_id", str)
+MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "server_error",
+    504: "server_error",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: int | None = None,
+        should_retry: bool | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after
+        self.should_retry = should_retry
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self, request_id: str | None = None) -> web.Response:
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
+        if self.should_retry is not None:
+            # The OpenAI SDKs obey this before their own retry rules.
+            headers["x-should-retry"] = "true" if self.should_retry else "false"
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+def from_exception(exc: BaseException, retry_after: int = 1) -> APIError:
+    """The APIError for any exception the request path can raise."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, SchedulerError):
+        retry = retry_after if exc.status in (429, 503) else None
+        return APIError(exc.status, str(exc), code=exc.code, retry_after=retry, should_retry=exc.status != 400)
+    if isinstance(exc, BackendRejected):
+        return APIError(exc.status, exc.message, code=exc.code, param=exc.param, should_retry=False)
+    if isinstance(exc, BackendUnavailable):
+        return APIError(503, exc.message, code=exc.code, retry_after=retry_after)
+    if isinstance(exc, BackendError):
+        return APIError(exc.status, exc.message, code=exc.code)
+    return APIError(500, "Internal error in KVStream; see its log.", code="internal_error")
+
+
+_HTTP_CODES = {
+    404: ("Unknown route.", "unknown_route"),
+    405: ("Method not allowed on this route.", "method_not_allowed"),
+    413: ("Request body too large.", "request_too_large"),
+}
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Tag every request with an id and turn every failure into an OpenAI-shaped error."""
+    incoming = request.headers.get("X-Request-Id", "")
+    request_id = incoming if 0 < len(incoming) <= 128 and incoming.isprintable() else f"req-{uuid.uuid4().hex}"
+    request[REQUEST_ID] = request_id
+    try:
+        response = await handler(request)
+    except APIError as exc:
+        return exc.response(request_id)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message, code = _HTTP_CODES.get(exc.status, (exc.reason, None))
+        if exc.status == 413:
+            limit = request.app.get(MAX_BODY_BYTES)
+            message = f"Request body too large (the limit is {limit} bytes)." if limit else message
+        return APIError(exc.status, message, code=code).response(request_id)
+    except (SchedulerError, BackendError) as exc:
+        return from_exception(exc).response(request_id)
+    except Exception:
+        logger.exception("[%s] unhandled error", request_id)
+        return from_exception(RuntimeError()).response(request_id)
+    if not response.prepared:
+        response.headers["X-Request-Id"] = request_id
+    return response
+
+
+def json_body_error(exc: Exception) -> APIError:
+    if isinstance(exc, UnicodeDecodeError):
+        return APIError(400, "The request body is not valid UTF-8.", code="invalid_json")
+    msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+    return APIError(400, f"The request body is not valid JSON ({msg}).", code="invalid_json")

@@ -1,0 +1,152 @@
+"""OpenAI response objects: stream chunks, SSE framing, and the non-streamed aggregate.
+
+The stream is framed exactly as OpenAI's: a role chunk first, one chunk per token, a final
+chunk with an empty delta and the finish_reason, then (with include_usage) a chunk whose
+``choices`` is ``[]`` and which carries ``usage``, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstream.backends.base import Token, Usage
+
+SYSTEM_FINGERPRINT = "kvstream"
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def usage_dict(usage: Usage) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+    if usage.cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return body
+
+
+@dataclass
+class StreamFormatter:
+    """Builds the chunks of one response, chat or completions, with one id and timestamp."""
+
+    model: str
+    chat: bool
+    include_usage: bool = False
+    id: str = field(default="")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _choice(self, token: Token | None, finish_reason: str | None) -> dict[str, Any]:
+        if self.chat:
+            delta = token.chat_delta() if token is not None else {}
+            return {"index": 0, "delta": delta, "logprobs": token.logprobs if token else None, "finish_reason": finish_reason}
+        return {
+            "index": 0,
+            "text": token.text if token is not None else "",
+            "logprobs": token.logprobs if token else None,
+            "finish_reason": finish_reason,
+        }
+
+    def role_chunk(self) -> bytes | None:
+        """The first chat chunk (``role: assistant``); completions have none."""
+        if not self.chat:
+            return None
+        return sse(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+
+    def token_chunk(self, token: Token) -> bytes:
+        return sse(self._chunk([self._choice(token, None)]))
+
+    def finish_chunks(self, finish_reason: str, usage: Usage | None) -> bytes:
+        out = sse(self._chunk([self._choice(None, finish_reason)]))
+        if self.include_usage and usage is not None:
+            chunk = self._chunk([])
+            chunk["usage"] = usage_dict(usage)
+            out += sse(chunk)
+        return out + DONE
+
+    @staticmethod
+    def error_event(body: dict[str, Any]) -> bytes:
+        """A mid-stream failure: an error payload, after which the stream simply ends
+        (no [DONE], so no client can mistake it for a complete answer)."""
+        return sse(body)
+
+
+@dataclass
+class Aggregate:
+    """Collects a stream into one non-streamed response."""
+
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    logprobs: list[Any] = field(default_factory=list)
+
+    def add(self, token: Token) -> None:
+        delta = token.chat_delta()
+        if delta.get("content"):
+            self.text.append(delta["content"])
+        elif token.delta is None and token.text:
+            self.text.append(token.text)
+        if delta.get("reasoning_content"):
+            self.reasoning.append(delta["reasoning_content"])
+        for call in delta.get("tool_calls") or []:
+            index = call.get("index", len(self.tool_calls))
+            merged = self.tool_calls.setdefault(index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+            if call.get("id"):
+                merged["id"] = call["id"]
+            function = call.get("function") or {}
+            merged["function"]["name"] += function.get("name") or ""
+            merged["function"]["arguments"] += function.get("arguments") or ""
+        if token.logprobs:
+            self.logprobs.append(token.logprobs)
+
+    def chat_response(self, fmt: StreamFormatter, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) if self.text or not self.tool_calls else None}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return {
+            "id": fmt.id,
+            "object": "chat.completion",
+            "created": fmt.created,
+            "model": fmt.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage_dict(usage),
+        }
+
+    def completion_response(self, fmt: StreamFormatter, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        return {
+            "id": fmt.id,
+            "object": "text_completion",
+            "created": fmt.created,
+            "model": fmt.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": [{"index": 0, "text": "".join(self.text), "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage_dict(usage),
+        }

@@ -1,0 +1,217 @@
+"""The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models.
+
+Each generation goes through the engine (queue, admission, KV accounting); the response is
+written token by token the moment the backend yields it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import PurePath
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from kvstream.api.errors import REQUEST_ID, APIError, from_exception, json_body_error
+from kvstream.api.openai_format import Aggregate, StreamFormatter
+from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest
+from kvstream.api.state import STATE, AppState
+from kvstream.backends.base import BackendError, Token
+from kvstream.engine import Generation
+from kvstream.scheduler import Priority
+
+logger = logging.getLogger(__name__)
+routes = web.RouteTableDef()
+
+PRIORITY_HEADER = "X-KVStream-Priority"
+
+
+async def read_body(request: web.Request, model: type[BaseModel]) -> Any:
+    """Parse and validate a JSON body: 400 if it is not JSON, 422 if a field is wrong."""
+    raw = await request.read()  # 413 past client_max_size, raised by aiohttp
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise json_body_error(exc) from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        loc = ".".join(str(p) for p in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        raise APIError(422, f"Invalid value for '{loc}': {message}." if loc else f"{message}.", param=loc or None, code="invalid_value") from None
+
+
+def parse_priority(request: web.Request, body_value: object) -> Priority:
+    value = request.headers.get(PRIORITY_HEADER, body_value)
+    if value is None:
+        return Priority.NORMAL
+    try:
+        return Priority.parse(value)
+    except ValueError as exc:
+        raise APIError(422, str(exc), param="priority", code="invalid_value") from None
+
+
+async def resolve_model(state: AppState, name: str) -> str:
+    """The runtime's id for ``name``: an exact id, or its file name with or without the
+    extension (llama-server names its model by path). Unknown names get 404."""
+    try:
+        models = await state.engine.models()
+    except BackendError:
+        return name  # the runtime is down; the request itself will get the 503
+    if not models:
+        return name
+    configured = state.engine.backend.model
+    for info in models:
+        path = PurePath(info.id)
+        if name in (info.id, path.name, path.stem) or (configured and name == configured):
+            return info.id if name != configured else name
+    known = ", ".join(m.id for m in models[:10])
+    raise APIError(404, f"The model '{name}' does not exist on this server (available: {known}).", param="model", code="model_not_found")
+
+
+def retry_after(state: AppState) -> int:
+    """Seconds a rejected client should wait: the queue ahead drained at the recent rate."""
+    sched = state.engine.scheduler
+    per_request = state.recent_latency_s or 1.0
+    waves = (len(sched.waiting) + 1) / max(1, sched.config.max_batch_size)
+    return max(1, min(60, math.ceil(per_request * waves)))
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_body(request, ChatCompletionRequest if chat else CompletionRequest)
+    if body.n != 1:
+        raise APIError(400, "KVStream serves one choice per request (n must be 1).", param="n", code="unsupported_value")
+    if chat and len(body.messages) > state.settings.server.max_messages:
+        raise APIError(
+            413, f"Too many messages ({len(body.messages)}; the limit is {state.settings.server.max_messages}).",
+            param="messages", code="too_many_messages",
+        )
+    priority = parse_priority(request, body.priority)
+    request_id = request[REQUEST_ID]
+    generate = body.to_generate(request_id)
+    generate.model = await resolve_model(state, body.model)
+    try:
+        gen = await state.engine.submit(generate, priority)
+    except Exception as exc:
+        raise from_exception(exc, retry_after(state)) from None
+    outcome = "cancelled"
+    stream = aiter(gen)
+    try:
+        try:
+            await gen.admitted()
+        except Exception as exc:
+            raise from_exception(exc, retry_after(state)) from None
+        first = await _next(stream)
+        headers = {
+            "X-Request-Id": request_id,
+            "X-KVStream-Queue-Ms": f"{gen.queue_ms:.1f}",
+            "X-KVStream-Prefix-Hit-Tokens": str(gen.prefix_hit_tokens),
+        }
+        fmt = StreamFormatter(model=body.model, chat=chat, include_usage=body.include_usage)
+        if body.stream:
+            response = web.StreamResponse(
+                headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            )
+            outcome = await _write_stream(request, response, gen, stream, first, fmt)
+            return response
+        aggregate = Aggregate()
+        token = first
+        while token.finish_reason is None:
+            aggregate.add(token)
+            token = await _next(stream)
+        assert gen.usage is not None
+        outcome = "finished"
+        build = aggregate.chat_response if chat else aggregate.completion_response
+        return web.json_response(build(fmt, token.finish_reason, gen.usage), headers=headers)
+    except BackendError as exc:
+        outcome = "failed"
+        logger.warning("[%s] backend error: %s", request_id, exc.message)
+        raise from_exception(exc, retry_after(state)) from None
+    finally:
+        await _close_quietly(stream)
+        gen.close(outcome)
+        if outcome == "finished":
+            state.observe_latency(gen)
+
+
+async def _next(stream: Any) -> Token:
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        raise BackendError("the runtime ended the stream without finishing the generation") from None
+
+
+async def _close_quietly(stream: Any) -> None:
+    try:
+        await stream.aclose()
+    except Exception:  # the upstream is already gone; nothing more to release
+        pass
+
+
+async def _write_stream(
+    request: web.Request, response: web.StreamResponse, gen: Generation, stream: Any, first: Token, fmt: StreamFormatter
+) -> str:
+    """Write the SSE response; returns the outcome (finished, failed, cancelled)."""
+    try:
+        await response.prepare(request)
+        role = fmt.role_chunk()
+        if role:
+            await response.write(role)
+        token = first
+        while token.finish_reason is None:
+            await response.write(fmt.token_chunk(token))
+            token = await _next(stream)
+        await response.write(fmt.finish_chunks(token.finish_reason, gen.usage))
+        await response.write_eof()
+        return "finished"
+    except BackendError as exc:
+        logger.warning("[%s] backend failed mid-stream: %s", request[REQUEST_ID], exc.message)
+        try:
+            await response.write(fmt.error_event(from_exception(exc).body()))
+            await response.write_eof()
+        except ConnectionError:
+            pass
+        return "failed"
+    except ConnectionError:
+        return "cancelled"  # the client went away; the finally upstream cancels the runtime
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+def _model_object(info: Any) -> dict[str, Any]:
+    return {"id": info.id, "object": "model", "created": info.created, "owned_by": info.owned_by}
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        models = await state.engine.models()
+    except BackendError as exc:
+        raise from_exception(exc) from None
+    return web.json_response({"object": "list", "data": [_model_object(m) for m in models]})
+
+
+@routes.get("/v1/models/{model:.+}")
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = await resolve_model(state, request.match_info["model"])
+    for info in await state.engine.models():
+        if info.id == name:
+            return web.json_response(_model_object(info))
+    raise APIError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")

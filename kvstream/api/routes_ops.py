@@ -1,0 +1,40 @@
+"""Operator routes: /health (liveness), /ready (the backend answers), /status (snapshot)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from kvstream.api.state import STATE
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    """The proxy process is alive. Never depends on the backend (that is /ready)."""
+    return web.json_response({"status": "ok"})
+
+
+@routes.get("/ready")
+async def ready(request: web.Request) -> web.Response:
+    """200 when the backend answers its health probe, else 503 with the reason."""
+    engine = request.app[STATE].engine
+    if await engine.refresh():
+        return web.json_response({"status": "ready", "backend": engine.backend.name})
+    body = {
+        "status": "unavailable",
+        "backend": engine.backend.name,
+        "error": {
+            "message": f"backend {engine.backend.name} at {engine.backend.base_url or '(undiscovered)'} is not answering",
+            "type": "server_error",
+            "param": None,
+            "code": "backend_unavailable",
+        },
+    }
+    return web.json_response(body, status=503, headers={"Retry-After": "5"})
+
+
+@routes.get("/status")
+async def status(request: web.Request) -> web.Response:
+    """A JSON snapshot of backend, queue, KV pool and counters."""
+    return web.json_response(request.app[STATE].engine.snapshot())

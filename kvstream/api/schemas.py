@@ -1,0 +1,140 @@
+"""Pydantic models of the OpenAI request bodies KVStream accepts.
+
+They accept what the OpenAI API accepts (``stop`` as a string or list, ``content`` as a string,
+a list of parts or null, unknown fields kept and passed through to the runtime) and reject
+what it rejects (no messages, an unknown role, out-of-range sampling values).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvstream.backends.base import GenerateRequest
+
+Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> Message:
+        if self.content is None and self.role not in ("assistant", "function") and not self.tool_calls:
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by chat and completions requests."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    # KVStream's own field (also the X-KVStream-Priority header); never sent upstream.
+    priority: str | int | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stops
+
+    OWN_FIELDS: ClassVar[set[str]] = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream", "stream_options", "priority"}
+
+    def passthrough(self) -> dict[str, Any]:
+        """The fields KVStream does not interpret, for the runtime."""
+        return self.model_dump(exclude_none=True, exclude=self.OWN_FIELDS | self._own_extra())
+
+    def _own_extra(self) -> set[str]:
+        return set()
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    """Body of POST /v1/chat/completions."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def _own_extra(self) -> set[str]:
+        return {"messages", "max_completion_tokens"}
+
+    def to_generate(self, request_id: str) -> GenerateRequest:
+        return GenerateRequest(
+            model=self.model,
+            messages=[m.model_dump(exclude_none=True) for m in self.messages],
+            max_tokens=self.max_completion_tokens or self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop or [],  # type: ignore[arg-type]
+            extra=self.passthrough(),
+            request_id=request_id,
+        )
+
+
+class CompletionRequest(_Sampling):
+    """Body of POST /v1/completions (a single prompt string)."""
+
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and len(value) != 1:
+            raise ValueError("KVStream accepts one prompt per request (a string or a list of one string)")
+        return value
+
+    def _own_extra(self) -> set[str]:
+        return {"prompt"}
+
+    def to_generate(self, request_id: str) -> GenerateRequest:
+        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        return GenerateRequest(
+            model=self.model,
+            prompt=prompt,
+            max_tokens=self.max_tokens if self.max_tokens is not None else 16,  # OpenAI's default
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop or [],  # type: ignore[arg-type]
+            extra=self.passthrough(),
+            request_id=request_id,
+        )

@@ -1,0 +1,43 @@
+"""``--backend auto``: probe the local runtimes in turn and take the first that answers."""
+
+from __future__ import annotations
+
+import logging
+from urllib.parse import urlsplit
+
+from kvstream.backends.base import BaseBackend
+from kvstream.backends.foundry import FoundryBackend
+from kvstream.backends.llamacpp import LlamaCppBackend
+from kvstream.backends.lmstudio import LMStudioBackend
+from kvstream.backends.ollama import OllamaBackend
+
+logger = logging.getLogger(__name__)
+
+# Each runtime at its default address. llama-server's default port moved from 8080 to 9931.
+CANDIDATES: list[tuple[type[BaseBackend], str | None]] = [
+    (OllamaBackend, "http://127.0.0.1:11434"),
+    (LlamaCppBackend, "http://127.0.0.1:9931"),
+    (LlamaCppBackend, "http://127.0.0.1:8080"),
+    (LMStudioBackend, "http://127.0.0.1:1234"),
+    (FoundryBackend, None),  # discovered through the foundry CLI
+]
+
+
+async def probe_runtimes(own_port: int, model: str | None = None, **options) -> BaseBackend | None:
+    """A backend (not yet started) for the first runtime that passes its health probe,
+    never on KVStream's own port; None when nothing answers."""
+    for cls, url in CANDIDATES:
+        if url is not None and urlsplit(url).port == own_port:
+            continue
+        probe = cls(url, model, **options)
+        await probe.start()
+        try:
+            healthy = await probe.health()
+        except Exception:
+            healthy = False
+        finally:
+            await probe.close()
+        if healthy:
+            logger.info("auto: found %s at %s", probe.name, probe.base_url)
+            return cls(probe.base_url, model, **options)
+    return None

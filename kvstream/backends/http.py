@@ -1,0 +1,196 @@
+"""HTTP plumbing shared by the remote adapters: one session per upstream, the stale
+keep-alive retry, SSE and NDJSON readers, and upstream error bodies mapped to BackendErrors."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+
+from kvstream.backends.base import BackendError, BackendRejected, BackendUnavailable
+
+logger = logging.getLogger(__name__)
+
+# Failures of a request sent on a pooled keep-alive connection the server had already closed:
+# nothing reached the runtime's handler and no byte came back, so one retry is safe.
+_STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+class UpstreamSession:
+    """Two aiohttp sessions to one runtime: a pooled one for normal traffic and a
+    close-after-use one for the single retry after a stale pooled connection."""
+
+    def __init__(self, base_url: str, *, connect_timeout: float, read_timeout: float, headers: dict[str, str]):
+        self.base_url = base_url
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=read_timeout)
+        self._pooled = aiohttp.ClientSession(timeout=timeout, headers=headers)
+        self._fresh = aiohttp.ClientSession(
+            timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(force_close=True)
+        )
+        self.connect_timeout = connect_timeout
+
+    async def close(self) -> None:
+        await self._pooled.close()
+        await self._fresh.close()
+
+    @asynccontextmanager
+    async def request(
+        self, method: str, path: str, *, json_body: Any = None, timeout: float | None = None
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """Send a request; yields the response once its headers arrived.
+
+        Connection failures become BackendUnavailable; a stale pooled connection is retried
+        once on a fresh one.
+        """
+        url = self.base_url + path
+        kwargs: dict[str, Any] = {"json": json_body} if json_body is not None else {}
+        if timeout is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout, sock_connect=self.connect_timeout)
+        response = None
+        for session in (self._pooled, self._fresh):
+            try:
+                response = await session.request(method, url, **kwargs)
+                break
+            except aiohttp.ClientConnectorError as exc:
+                raise BackendUnavailable(f"cannot connect to the runtime at {self.base_url} ({exc.strerror or exc})") from None
+            except _STALE_CONNECTION as exc:
+                if session is self._fresh:
+                    raise BackendUnavailable(f"the runtime at {self.base_url} closed the connection ({exc})") from None
+                logger.debug("stale keep-alive connection to %s, retrying once on a fresh one", self.base_url)
+            except TimeoutError:
+                raise BackendError(f"the runtime at {self.base_url} did not answer in time", 504, code="backend_timeout") from None
+        assert response is not None
+        try:
+            yield response
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            response.close()
+            raise BackendError(f"the runtime closed the stream mid-response ({exc.__class__.__name__})") from None
+        except TimeoutError:
+            response.close()
+            raise BackendError("the runtime stopped sending (read timeout)", 504, code="backend_timeout") from None
+        except BaseException:
+            # Cancelled (the client left) or failed: closing the connection is what makes
+            # the runtime stop generating; returning it to the pool would not.
+            response.close()
+            raise
+        else:
+            response.release()
+
+    async def get_json(self, path: str, timeout: float = 5.0) -> Any:
+        """GET a JSON document; raises for any non-2xx answer."""
+        async with self.request("GET", path, timeout=timeout) as resp:
+            await raise_for_upstream_status(resp)
+            return await read_json(resp)
+
+    async def post_json(self, path: str, body: Any, timeout: float | None = None) -> Any:
+        async with self.request("POST", path, json_body=body, timeout=timeout) as resp:
+            await raise_for_upstream_status(resp)
+            return await read_json(resp)
+
+
+async def read_json(resp: aiohttp.ClientResponse) -> Any:
+    try:
+        return json.loads(await resp.read())
+    except ValueError:
+        raise BackendError(f"the runtime sent a body that is not JSON (HTTP {resp.status})") from None
+
+
+def error_message(body: Any) -> tuple[str, str | None, str | None]:
+    """(message, code, param) from any runtime's error body shape."""
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, str):
+            return err, None, None
+        if isinstance(err, dict):
+            code = err.get("code")
+            return (
+                str(err.get("message") or err.get("detail") or err),
+                str(code) if code is not None and not isinstance(code, int) else err.get("type"),
+                err.get("param"),
+            )
+    return str(body)[:500], None, None
+
+
+async def raise_for_upstream_status(resp: aiohttp.ClientResponse) -> None:
+    """Map an upstream error status to the BackendError KVStream answers with."""
+    if resp.status < 400:
+        return
+    raw = await resp.read()
+    try:
+        body: Any = json.loads(raw)
+    except ValueError:
+        body = raw.decode("utf-8", "replace")
+    message, code, param = error_message(body)
+    if resp.status == 503 or resp.status == 429:
+        raise BackendUnavailable(f"runtime busy or not ready: {message}", 503, code=code or "backend_unavailable")
+    if resp.status in (400, 404, 413, 422):
+        raise BackendRejected(message, resp.status, code=code or "invalid_request", param=param)
+    if resp.status == 401 or resp.status == 403:
+        raise BackendError(f"the runtime refused KVStream's credentials: {message}", 502, code="backend_auth")
+    raise BackendError(f"runtime error (HTTP {resp.status}): {message}", 502)
+
+
+async def iter_lines(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """Lines of a streamed body, as they arrive, without their line ending."""
+    buffer = b""
+    async for chunk in resp.content.iter_any():
+        buffer += chunk
+        while True:
+            newline = buffer.find(b"\n")
+            if newline < 0:
+                break
+            line, buffer = buffer[:newline], buffer[newline + 1 :]
+            yield line.rstrip(b"\r")
+    if buffer.strip():
+        yield buffer.rstrip(b"\r")
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any] | None]:
+    """JSON payloads of an SSE stream; ``None`` marks ``data: [DONE]``.
+
+    Skips ``:`` keep-alive comments; an ``error:`` field (older llama-server) or a data
+    payload with an ``error`` key raises BackendError.
+    """
+    async for line in iter_lines(resp):
+        if not line or line.startswith(b":"):
+            continue
+        field, _, value = line.partition(b":")
+        value = value.strip()
+        if field == b"data":
+            if value == b"[DONE]":
+                yield None
+                return
+            try:
+                payload = json.loads(value)
+            except ValueError:
+                raise BackendError("the runtime sent a malformed stream event") from None
+            if isinstance(payload, dict) and "error" in payload and not payload.get("choices"):
+                raise BackendError(f"the runtime failed mid-stream: {error_message(payload)[0]}")
+            yield payload
+        elif field == b"error":
+            try:
+                message = error_message({"error": json.loads(value)})[0]
+            except ValueError:
+                message = value.decode("utf-8", "replace")
+            raise BackendError(f"the runtime failed mid-stream: {message}")
+        # "event:", "id:" and "retry:" fields carry nothing the OpenAI stream needs.
+
+
+async def ndjson_objects(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """Objects of an NDJSON stream (Ollama); a line with an ``error`` key raises."""
+    async for line in iter_lines(resp):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            raise BackendError("the runtime sent a malformed NDJSON line") from None
+        if not isinstance(obj, dict):
+            raise BackendError("the runtime sent an NDJSON line that is not an object")
+        if "error" in obj:
+            raise BackendError(f"the runtime failed mid-stream: {error_message(obj)[0]}")
+        yield obj

@@ -1,0 +1,41 @@
+"""LM Studio's OpenAI-compatible server (default port 1234).
+
+Quirks (protocols.md section 4): unknown routes answer 200, so health is probed on
+/v1/models; /api/v0/models tells which model is loaded and its context length; "Max
+Concurrent Predictions" defaults to 4 and is not reported, so it is a backend option.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstream.backends.base import BackendError, RuntimeLimits
+from kvstream.backends.openai_compat import OpenAICompatibleBackend
+
+
+class LMStudioBackend(OpenAICompatibleBackend):
+    """Adapter for LM Studio's server."""
+
+    name = "lmstudio"
+    default_url = "http://127.0.0.1:1234"
+
+    def __init__(self, base_url: str | None = None, model: str | None = None, **options: Any) -> None:
+        super().__init__(base_url, model, **options)
+        self.parallel = int(options.get("num_parallel") or 4)
+
+    async def limits(self) -> RuntimeLimits:
+        n_ctx = None
+        try:
+            payload = await self.http.get_json("/api/v0/models")
+        except BackendError:
+            payload = {}
+        for m in payload.get("data", []) if isinstance(payload, dict) else []:
+            if not isinstance(m, dict) or m.get("type") == "embeddings":
+                continue
+            if (self.model is None and m.get("state") == "loaded") or m.get("id") == self.model:
+                n_ctx = m.get("max_context_length")
+                break
+        n_ctx = int(n_ctx) if n_ctx else None
+        return RuntimeLimits(
+            n_ctx_total=n_ctx * self.parallel if n_ctx else None, n_ctx_per_request=n_ctx, parallel=self.parallel
+        )

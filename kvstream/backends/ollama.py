@@ -1,0 +1,254 @@
+"""Ollama through its native API: /api/chat and /api/generate (NDJSON), /api/tags, /api/ps.
+
+The native routes are used rather than Ollama's /v1 layer because only they accept
+``num_ctx``, ``keep_alive``, ``num_predict``, ``seed`` and ``stop`` as options, and report
+``done_reason`` and token counts (protocols.md section 2.10).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvstream.backends.base import (
+    BackendError,
+    BaseBackend,
+    GenerateRequest,
+    ModelInfo,
+    RuntimeLimits,
+    Token,
+    Usage,
+)
+from kvstream.backends.http import UpstreamSession, ndjson_objects, raise_for_upstream_status
+
+# OpenAI fields with an Ollama option of another name.
+_OPTION_FIELDS = {
+    "max_tokens": "num_predict",
+    "max_completion_tokens": "num_predict",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "min_p": "min_p",
+    "repeat_penalty": "repeat_penalty",
+}
+
+
+def _text_of(content: Any) -> tuple[str, list[str]]:
+    """Ollama wants a plain string plus base64 images; OpenAI content may be a list of parts."""
+    if content is None:
+        return "", []
+    if isinstance(content, str):
+        return content, []
+    texts, images = [], []
+    for part in content:
+        if not isinstance(part, dict):
+            continue
+        if part.get("type") == "text":
+            texts.append(part.get("text") or "")
+        elif part.get("type") == "image_url":
+            url = (part.get("image_url") or {}).get("url", "")
+            if url.startswith("data:") and "," in url:
+                images.append(url.split(",", 1)[1])
+    return "".join(texts), images
+
+
+def to_ollama_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages as Ollama's: string content, images apart, tool call arguments as
+    objects (OpenAI sends a JSON string), tool results named."""
+    out = []
+    for message in messages:
+        text, images = _text_of(message.get("content"))
+        role = "system" if message.get("role") == "developer" else message.get("role")
+        converted: dict[str, Any] = {"role": role, "content": text}
+        if images:
+            converted["images"] = images
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                function = dict(call.get("function") or {})
+                args = function.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        function["arguments"] = json.loads(args) if args else {}
+                    except ValueError:
+                        function["arguments"] = {}
+                calls.append({"function": function})
+            converted["tool_calls"] = calls
+        if role == "tool" and message.get("name"):
+            converted["tool_name"] = message["name"]
+        out.append(converted)
+    return out
+
+
+def _openai_tool_calls(calls: list[dict[str, Any]], start_index: int) -> list[dict[str, Any]]:
+    result = []
+    for offset, call in enumerate(calls):
+        function = call.get("function") or {}
+        args = function.get("arguments")
+        result.append(
+            {
+                "index": start_index + offset,
+                "id": f"call_{start_index + offset}",
+                "type": "function",
+                "function": {
+                    "name": function.get("name", ""),
+                    "arguments": args if isinstance(args, str) else json.dumps(args or {}),
+                },
+            }
+        )
+    return result
+
+
+class OllamaBackend(BaseBackend):
+    """Adapter for an Ollama server (default http://127.0.0.1:11434)."""
+
+    name = "ollama"
+    default_url = "http://127.0.0.1:11434"
+
+    def __init__(self, base_url: str | None = None, model: str | None = None, **options: Any) -> None:
+        super().__init__(base_url, model, **options)
+        self.session: UpstreamSession | None = None
+        # Load-time options must stay constant per model or Ollama reloads it every request.
+        self.num_ctx: int | None = options.get("num_ctx")
+        self.keep_alive: str | int | None = options.get("keep_alive")
+        self.num_parallel: int = int(options.get("num_parallel") or 1)
+
+    async def start(self) -> None:
+        self.session = UpstreamSession(
+            self.base_url,
+            connect_timeout=self.options.get("connect_timeout_s", 5.0),
+            read_timeout=self.options.get("request_timeout_s", 600.0),
+            headers={},
+        )
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    @property
+    def http(self) -> UpstreamSession:
+        if self.session is None:
+            raise RuntimeError("ollama backend used before start()")
+        return self.session
+
+    def build_body(self, request: GenerateRequest) -> tuple[str, dict[str, Any]]:
+        options: dict[str, Any] = {}
+        for key in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+            value = getattr(request, key)
+            if value is not None:
+                options[_OPTION_FIELDS[key]] = value
+        for key, value in request.extra.items():
+            if key in _OPTION_FIELDS and value is not None:
+                options.setdefault(_OPTION_FIELDS[key], value)
+        if request.stop:
+            options["stop"] = request.stop
+        if self.num_ctx:
+            options["num_ctx"] = self.num_ctx
+        body: dict[str, Any] = {"model": request.model or self.model, "stream": True, "options": options}
+        if self.keep_alive is not None:
+            body["keep_alive"] = self.keep_alive
+        response_format = request.extra.get("response_format")
+        if isinstance(response_format, dict):
+            if response_format.get("type") == "json_object":
+                body["format"] = "json"
+            elif response_format.get("type") == "json_schema":
+                body["format"] = (response_format.get("json_schema") or {}).get("schema", "json")
+        if request.is_chat:
+            body["messages"] = to_ollama_messages(request.messages or [])
+            if request.extra.get("tools"):
+                body["tools"] = request.extra["tools"]
+            return "/api/chat", body
+        body["prompt"] = request.prompt or ""
+        return "/api/generate", body
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
+        path, body = self.build_body(request)
+        async with self.http.request("POST", path, json_body=body) as resp:
+            await raise_for_upstream_status(resp)
+            tool_calls = 0
+            async for obj in ndjson_objects(resp):
+                if request.is_chat:
+                    message = obj.get("message") or {}
+                    text = message.get("content") or ""
+                    delta: dict[str, Any] = {"content": text} if text else {}
+                    if message.get("thinking"):
+                        delta["reasoning_content"] = message["thinking"]
+                    if message.get("tool_calls"):
+                        delta["tool_calls"] = _openai_tool_calls(message["tool_calls"], tool_calls)
+                        tool_calls += len(message["tool_calls"])
+                    if delta:
+                        yield Token(text=text, delta=delta)
+                else:
+                    text = obj.get("response") or ""
+                    if text:
+                        yield Token(text=text)
+                if obj.get("done"):
+                    reason = obj.get("done_reason") or "stop"
+                    if reason not in ("stop", "length"):
+                        reason = "stop"
+                    if tool_calls and reason == "stop":
+                        reason = "tool_calls"
+                    usage = None
+                    if "prompt_eval_count" in obj or "eval_count" in obj:
+                        # Ollama omits zero metrics (omitempty): absent means 0.
+                        usage = Usage(int(obj.get("prompt_eval_count") or 0), int(obj.get("eval_count") or 0))
+                    yield Token(finish_reason=reason, usage=usage)
+                    return
+            raise BackendError("Ollama ended the stream without a final done:true object")
+
+    async def health(self) -> bool:
+        try:
+            await self.http.get_json("/api/version", timeout=3.0)
+        except BackendError:
+            return False
+        return True
+
+    async def models(self) -> list[ModelInfo]:
+        payload = await self.http.get_json("/api/tags")
+        models = []
+        for m in payload.get("models", []) if isinstance(payload, dict) else []:
+            if isinstance(m, dict) and m.get("name"):
+                models.append(ModelInfo(id=m["name"], owned_by="ollama", created=_epoch(m.get("modified_at"))))
+        return models
+
+    async def limits(self) -> RuntimeLimits:
+        """Context from /api/ps for the resident model, times OLLAMA_NUM_PARALLEL (which
+        Ollama does not report: configure it as backend option num_parallel, default 1)."""
+        n_ctx = self.num_ctx
+        if n_ctx is None:
+            try:
+                payload = await self.http.get_json("/api/ps")
+            except BackendError:
+                payload = {}
+            for m in payload.get("models", []) if isinstance(payload, dict) else []:
+                if isinstance(m, dict) and m.get("context_length") and (self.model in (None, m.get("name"), m.get("model"))):
+                    n_ctx = int(m["context_length"])
+                    break
+        return RuntimeLimits(
+            n_ctx_total=n_ctx * self.num_parallel if n_ctx else None,
+            n_ctx_per_request=n_ctx,
+            parallel=self.num_parallel,
+        )
+
+
+def _epoch(stamp: Any) -> int:
+    if not isinstance(stamp, str):
+        return 0
+    from datetime import datetime
+
+    try:
+        # Ollama's timestamps carry nanoseconds; Python parses at most microseconds.
+        head, _, rest = stamp.partition(".")
+        tz = ""
+        for sep in ("Z", "+", "-"):
+            if sep in rest:
+                tz = rest[rest.index(sep) :]
+                break
+        return int(datetime.fromisoformat(head + tz.replace("Z", "+00:00")).timestamp())
+    except ValueError:
+        return int(time.time())

@@ -1,0 +1,152 @@
+"""Any OpenAI-compatible server (vLLM, SGLang, another KVStream): the base for the llama.cpp,
+LM Studio and Foundry Local adapters, which add their runtime's quirks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvstream.backends.base import (
+    BackendError,
+    BaseBackend,
+    GenerateRequest,
+    ModelInfo,
+    Token,
+    Usage,
+)
+from kvstream.backends.http import UpstreamSession, raise_for_upstream_status, sse_events
+
+
+def usage_from(payload: dict[str, Any] | None) -> Usage | None:
+    """An OpenAI ``usage`` object (with llama.cpp's cached_tokens when present)."""
+    if not isinstance(payload, dict) or "prompt_tokens" not in payload:
+        return None
+    details = payload.get("prompt_tokens_details") or {}
+    return Usage(
+        prompt_tokens=int(payload.get("prompt_tokens") or 0),
+        completion_tokens=int(payload.get("completion_tokens") or 0),
+        cached_tokens=details.get("cached_tokens") if isinstance(details, dict) else None,
+    )
+
+
+class OpenAICompatibleBackend(BaseBackend):
+    """Streams every request upstream (even when the client did not ask to stream), so that
+    tokens are counted as they come and a client that leaves stops the runtime at once."""
+
+    name = "openai"
+    default_url = "http://127.0.0.1:8000"
+    chat_path = "/v1/chat/completions"
+    completions_path = "/v1/completions"
+    models_path = "/v1/models"
+    health_path = "/v1/models"
+
+    def __init__(self, base_url: str | None = None, model: str | None = None, **options: Any) -> None:
+        super().__init__(base_url, model, **options)
+        self.session: UpstreamSession | None = None
+        self._models_cache: tuple[float, list[ModelInfo]] | None = None
+
+    async def start(self) -> None:
+        headers = {}
+        if self.options.get("api_key"):
+            headers["Authorization"] = f"Bearer {self.options['api_key']}"
+        self.session = UpstreamSession(
+            self.base_url,
+            connect_timeout=self.options.get("connect_timeout_s", 5.0),
+            read_timeout=self.options.get("request_timeout_s", 600.0),
+            headers=headers,
+        )
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    @property
+    def http(self) -> UpstreamSession:
+        if self.session is None:
+            raise RuntimeError(f"{self.name} backend used before start()")
+        return self.session
+
+    # ---------------------------------------------------------------- requests
+    def build_body(self, request: GenerateRequest) -> dict[str, Any]:
+        """The upstream JSON body: the client's extra fields, then the ones KVStream owns."""
+        body: dict[str, Any] = dict(request.extra)
+        body["model"] = request.model or self.model
+        if request.is_chat:
+            body["messages"] = request.messages
+        else:
+            body["prompt"] = request.prompt
+        for key in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+            value = getattr(request, key)
+            if value is not None:
+                body[key] = value
+        if request.stop:
+            body["stop"] = request.stop
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        return body
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
+        path = self.chat_path if request.is_chat else self.completions_path
+        body = self.build_body(request)
+        async with self.http.request("POST", path, json_body=body) as resp:
+            await raise_for_upstream_status(resp)
+            finish_reason: str | None = None
+            usage: Usage | None = None
+            async for event in sse_events(resp):
+                if event is None:
+                    break
+                usage = usage_from(event.get("usage")) or usage
+                self.observe_event(event, request)
+                for choice in event.get("choices") or []:
+                    token = self._token_from_choice(choice, request.is_chat)
+                    if token is not None:
+                        yield token
+                    finish_reason = choice.get("finish_reason") or finish_reason
+            if finish_reason is None:
+                # [DONE] or EOF without a finish_reason: the runtime stopped mid-generation.
+                raise BackendError("the runtime ended the stream before the generation finished")
+            yield Token(finish_reason=finish_reason, usage=usage)
+
+    def observe_event(self, event: dict[str, Any], request: GenerateRequest) -> None:
+        """Hook for adapters that read runtime-specific fields (llama.cpp ``timings``)."""
+
+    @staticmethod
+    def _token_from_choice(choice: dict[str, Any], is_chat: bool) -> Token | None:
+        if is_chat:
+            delta = dict(choice.get("delta") or {})
+            delta.pop("role", None)  # KVStream sends its own role chunk first
+            if not any(v not in (None, "", []) for v in delta.values()):
+                return None
+            return Token(text=delta.get("content") or "", delta=delta, logprobs=choice.get("logprobs"))
+        text = choice.get("text") or ""
+        if not text:
+            return None
+        return Token(text=text, logprobs=choice.get("logprobs"))
+
+    # ------------------------------------------------------------------ probes
+    async def health(self) -> bool:
+        try:
+            await self.http.get_json(self.health_path, timeout=3.0)
+        except BackendError:
+            return False
+        return True
+
+    async def models(self) -> list[ModelInfo]:
+        cached = self._models_cache
+        if cached and time.monotonic() - cached[0] < 5.0:
+            return cached[1]
+        payload = await self.http.get_json(self.models_path)
+        data = payload.get("data", []) if isinstance(payload, dict) else []
+        models = [
+            ModelInfo(
+                id=str(m["id"]),
+                owned_by=str(m.get("owned_by") or self.name),
+                created=int(m.get("created") or 0),
+                context_length=(m.get("meta") or {}).get("n_ctx_train") if isinstance(m.get("meta"), dict) else None,
+            )
+            for m in data
+            if isinstance(m, dict) and "id" in m
+        ]
+        self._models_cache = (time.monotonic(), models)
+        return models

@@ -1,0 +1,1 @@
+"""The ``kvstream`` command line."""

@@ -1,0 +1,49 @@
+"""``kvstream serve``: build the backend named by the settings and serve in front of it."""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+
+from kvstream.backends import get_backend_class
+from kvstream.backends.auto import CANDIDATES, probe_runtimes
+from kvstream.backends.base import BaseBackend
+from kvstream.config import Settings
+from kvstream.engine import KVStreamEngine
+from kvstream.server import serve
+
+logger = logging.getLogger("kvstream")
+
+
+def backend_options(settings: Settings) -> dict:
+    b = settings.backend
+    return {
+        "api_key": b.api_key.get_secret_value() if b.api_key else None,
+        "request_timeout_s": b.request_timeout_s,
+        "connect_timeout_s": b.connect_timeout_s,
+    }
+
+
+async def build_backend(settings: Settings) -> BaseBackend:
+    """The configured backend; for ``auto`` the first local runtime that answers."""
+    b = settings.backend
+    if b.type == "auto":
+        found = await probe_runtimes(settings.server.port, b.model, **backend_options(settings))
+        if found is None:
+            tried = ", ".join(f"{cls.name} ({url or 'foundry CLI'})" for cls, url in CANDIDATES)
+            logger.error("auto: no runtime answered; tried %s. Start one, or pass --backend and --backend-url.", tried)
+            raise typer.Exit(1)
+        return found
+    try:
+        cls = get_backend_class(b.type)
+    except KeyError as exc:
+        logger.error("%s", exc.args[0])
+        raise typer.Exit(2) from None
+    return cls(b.base_url, b.model, **backend_options(settings))
+
+
+async def run(settings: Settings) -> None:
+    backend = await build_backend(settings)
+    engine = KVStreamEngine(backend, settings)
+    await serve(settings, engine)

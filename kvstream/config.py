@@ -1,0 +1,228 @@
+"""KVStream's configuration: one pydantic-settings model and its layered sources.
+
+Precedence, highest first: CLI flags, environment (``KVSTREAM_SECTION__KEY``, plus the short
+forms ``KVSTREAM_BACKEND`` and ``KVSTREAM_BACKEND_URL``), ``kvstream.yaml`` in the working
+directory or ``--config PATH``, then the defaults below. ``load_settings`` also records where
+every value came from, for ``kvstream config show``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "KVSTREAM_"
+DEFAULT_CONFIG_FILE = "kvstream.yaml"
+SHORT_ENV = {"KVSTREAM_BACKEND": ("backend", "type"), "KVSTREAM_BACKEND_URL": ("backend", "base_url")}
+
+
+class ConfigError(Exception):
+    """An invalid configuration value; the message is one line naming the key and problem."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class BackendSettings(_Section):
+    type: str = Field("auto", description="ollama | llamacpp | lmstudio | foundry | openai | auto, or a plugin name")
+    base_url: str | None = Field(None, description="the runtime's URL; each backend has its own default")
+    model: str | None = Field(None, description="the model to serve; default: the runtime's first model")
+    api_key: SecretStr | None = Field(None, description="a key KVStream sends upstream, if the runtime needs one")
+    request_timeout_s: float = Field(600.0, gt=0, description="longest a single upstream request may take")
+    connect_timeout_s: float = Field(5.0, gt=0, description="longest to wait for the runtime to accept a connection")
+
+
+class MemorySettings(_Section):
+    num_gpu_blocks: int | Literal["auto"] = Field(
+        "auto", description="KV blocks in the pool; auto = sized from what the runtime reports"
+    )
+    num_cpu_blocks: int = Field(512, ge=0, description="blocks in the host swap pool")
+    block_size: Literal[8, 16, 32] = Field(16, description="tokens per KV block")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="KV dtype (in-process backend)")
+
+    @field_validator("num_gpu_blocks")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be a positive number of blocks or 'auto'")
+        return value
+
+
+class SchedulerSettings(_Section):
+    max_batch_size: int = Field(8, ge=1, description="most requests in flight to the runtime at once")
+    preemption_policy: Literal["swap", "recompute"] = Field("swap", description="how a preempted sequence is paused")
+    priority: Literal["fcfs", "sjf"] = Field("fcfs", description="queue order: arrival, or shortest job (with aging)")
+    max_queue_size: int = Field(256, ge=0, description="waiting requests beyond this get 429 + Retry-After")
+    queue_timeout_s: float = Field(120.0, gt=0, description="a request waiting longer gets 503 + Retry-After")
+
+
+class PrefixCacheSettings(_Section):
+    enabled: bool = Field(True, description="share KV blocks of common prompt prefixes")
+    max_prefix_length: int | None = Field(None, ge=0, description="longest prefix (tokens) reused; none = no cap")
+    ttl_seconds: float = Field(3600.0, gt=0, description="unreferenced cached blocks older than this are dropped")
+
+
+class AttentionSettings(_Section):
+    backend: Literal["auto", "sdpa", "eager"] = Field("auto", description="attention kernel (in-process backend)")
+
+
+class ServerSettings(_Section):
+    host: str = Field("127.0.0.1", description="address to bind; anything but loopback exposes the API")
+    port: int = Field(8080, ge=0, le=65535, description="port to listen on")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
+    max_messages: int = Field(2048, ge=1, description="most messages in one chat request")
+    api_keys: list[SecretStr] = Field(default_factory=list, description="accepted Bearer keys; empty = no auth")
+    api_keys_file: Path | None = Field(None, description="a file with one accepted key per line")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="time running requests get to finish on SIGTERM")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+
+class Settings(BaseSettings):
+    """The whole configuration. Build it with ``load_settings`` to get the layered sources."""
+
+    model_config = SettingsConfigDict(extra="forbid", validate_assignment=True)
+
+    backend: BackendSettings = Field(default_factory=BackendSettings)
+    memory: MemorySettings = Field(default_factory=MemorySettings)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    prefix_cache: PrefixCacheSettings = Field(default_factory=PrefixCacheSettings)
+    attention: AttentionSettings = Field(default_factory=AttentionSettings)
+    server: ServerSettings = Field(default_factory=ServerSettings)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, *_sources):  # type: ignore[override]
+        # load_settings merges the layers itself so that it can tell where each value came
+        # from; the model only validates the merged result.
+        return (init_settings,)
+
+    def accepted_keys(self) -> list[str]:
+        """Every API key from ``server.api_keys`` and ``server.api_keys_file``."""
+        keys = [k.get_secret_value() for k in self.server.api_keys]
+        if self.server.api_keys_file is not None:
+            text = self.server.api_keys_file.read_text()
+            keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+        return keys
+
+
+SECTIONS: dict[str, type[BaseModel]] = {
+    name: field.annotation  # type: ignore[misc]
+    for name, field in Settings.model_fields.items()
+}
+
+
+def env_layer(environ: Mapping[str, str]) -> tuple[dict[str, dict[str, Any]], dict[tuple[str, str], str]]:
+    """The KVSTREAM_* variables as a nested dict, and the variable behind each key."""
+    layer: dict[str, dict[str, Any]] = {}
+    origin: dict[tuple[str, str], str] = {}
+    for name, value in environ.items():
+        if name in SHORT_ENV:
+            path = SHORT_ENV[name]
+        elif name.startswith(ENV_PREFIX) and "__" in name:
+            section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
+            if section not in SECTIONS or key not in SECTIONS[section].model_fields:
+                raise ConfigError(f"{name}: unknown setting {section}.{key}")
+            path = (section, key)
+        else:
+            continue
+        # The long form wins over the short one when both are set.
+        if path in origin and name in SHORT_ENV:
+            continue
+        layer.setdefault(path[0], {})[path[1]] = value
+        origin[path] = name
+    return layer, origin
+
+
+def yaml_layer(path: Path) -> dict[str, dict[str, Any]]:
+    """The YAML file as a nested dict (an empty file is no settings)."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc.__class__.__name__})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections")
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{path}: unknown section '{section}'")
+        if values is None:
+            data[section] = {}
+        elif not isinstance(values, dict):
+            raise ConfigError(f"{path}: section '{section}' must be a mapping")
+    return data
+
+
+class LoadedSettings(BaseModel):
+    """Validated settings plus the source of each value (``section.key`` -> where)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    settings: Settings
+    sources: dict[str, str]
+
+
+def load_settings(
+    cli: Mapping[str, Mapping[str, Any]] | None = None,
+    config_path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> LoadedSettings:
+    """Merge defaults < YAML < environment < CLI and validate. Raises ConfigError."""
+    environ = os.environ if environ is None else environ
+    cli = {s: {k: v for k, v in values.items() if v is not None} for s, values in (cli or {}).items()}
+    if config_path is not None:
+        path = Path(config_path)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+    else:
+        path = (cwd or Path.cwd()) / DEFAULT_CONFIG_FILE
+    yaml_values = yaml_layer(path) if path.is_file() else {}
+    env_values, env_origin = env_layer(environ)
+
+    merged: dict[str, dict[str, Any]] = {}
+    sources: dict[str, str] = {}
+    for section, model in SECTIONS.items():
+        merged[section] = {}
+        for key in model.model_fields:
+            for layer, label in ((cli, "cli"), (env_values, "env"), (yaml_values, str(path))):
+                if key in layer.get(section, {}):
+                    merged[section][key] = layer[section][key]
+                    sources[f"{section}.{key}"] = env_origin[(section, key)] if label == "env" else label
+                    break
+            else:
+                sources[f"{section}.{key}"] = "default"
+        unknown = set(yaml_values.get(section, {})) - set(model.model_fields)
+        if unknown:
+            raise ConfigError(f"{path}: unknown setting {section}.{sorted(unknown)[0]}")
+    try:
+        settings = Settings(**merged)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        key = ".".join(str(p) for p in error["loc"][:2])
+        where = sources.get(key, "?")
+        raise ConfigError(f"invalid setting {key} (from {where}): {error['msg']}") from None
+    return LoadedSettings(settings=settings, sources=sources)
+
+
+def describe(loaded: LoadedSettings) -> list[tuple[str, str, str]]:
+    """Rows of (key, value, source) for display; secrets are masked."""
+    rows = []
+    data = loaded.settings.model_dump()
+    for section, values in data.items():
+        for key, value in values.items():
+            if key in ("api_keys", "api_key"):
+                shown = "(none)" if not value else f"({len(value) if isinstance(value, list) else 1} set, hidden)"
+            else:
+                shown = "null" if value is None else str(value)
+            rows.append((f"{section}.{key}", shown, loaded.sources[f"{section}.{key}"]))
+    return rows

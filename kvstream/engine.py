@@ -1,0 +1,425 @@
+"""KVStreamEngine: one backend, one BlockManager, one Scheduler, and the async glue between
+them. ``engine.generate(request)`` is the whole product in one call: count the prompt, queue
+it, wait for admission, stream the tokens while the block table grows, and free everything
+on every way out (finished, failed, cancelled)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstream.backends.base import (
+    BackendError,
+    BackendRejected,
+    BaseBackend,
+    GenerateRequest,
+    ModelInfo,
+    RuntimeLimits,
+    Token,
+    Usage,
+)
+from kvstream.config import Settings
+from kvstream.kv.block_manager import UNKNOWN_TOKEN, BlockManager
+from kvstream.scheduler import Priority, Scheduler, SchedulerConfig, SchedulerError, Sequence
+
+logger = logging.getLogger(__name__)
+
+# Pool size when num_gpu_blocks is auto and the runtime reports nothing (tokens).
+FALLBACK_POOL_TOKENS = 32768
+# Worst-case output assumed for admission when a request sets no max_tokens and the model's
+# context is unknown.
+FALLBACK_MAX_TOKENS = 2048
+# Characters per token when a runtime cannot tokenize for us; corrected by the usage it
+# reports (see EngineStats.estimate_error).
+CHARS_PER_TOKEN = 4
+
+
+class QueueTimeout(SchedulerError):
+    status = 503
+    code = "queue_timeout"
+
+
+def estimate_tokens(text: str) -> list[int]:
+    """Stand-in token ids for runtimes that cannot tokenize: one per CHARS_PER_TOKEN
+    characters, each the CRC of its piece, so equal text prefixes give equal ids (and share
+    blocks) while counts stay estimates."""
+    return [zlib.crc32(text[i : i + CHARS_PER_TOKEN].encode()) for i in range(0, len(text), CHARS_PER_TOKEN)] or [0]
+
+
+def flatten_messages(messages: list[dict[str, Any]]) -> str:
+    """A template-like rendering of chat messages, for estimating only."""
+    parts = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"<|{message.get('role')}|>\n{content or ''}\n")
+    return "".join(parts)
+
+
+@dataclass
+class EngineStats:
+    """Counters behind /status and /metrics."""
+
+    started_at: float = field(default_factory=time.time)
+    requests_total: int = 0
+    requests_finished: int = 0
+    requests_failed: int = 0
+    requests_cancelled: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    # Sum of |estimated - reported| prompt tokens for runtimes that cannot tokenize.
+    estimate_error: int = 0
+    estimated_prompts: int = 0
+
+
+class Generation:
+    """One request in flight: queued, then admitted, then streaming; always closed.
+
+    Use as::
+
+        gen = await engine.submit(request)      # may raise SchedulerError at once
+        try:
+            await gen.admitted()                 # may raise QueueTimeout
+            async for token in gen: ...
+        finally:
+            gen.close()
+    """
+
+    def __init__(self, engine: KVStreamEngine, request: GenerateRequest, seq: Sequence, exact: bool) -> None:
+        self.engine = engine
+        self.request = request
+        self.seq = seq
+        self.exact_prompt = exact
+        self.ticket: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.submitted_at = time.monotonic()
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.usage: Usage | None = None
+        self.finish_reason: str | None = None
+        self.num_tokens = 0
+        self._closed = False
+
+    @property
+    def queue_ms(self) -> float:
+        end = self.admitted_at if self.admitted_at is not None else time.monotonic()
+        return (end - self.submitted_at) * 1000
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.seq.num_cached_tokens
+
+    async def admitted(self) -> None:
+        """Wait for a batch slot and KV blocks; QueueTimeout after queue_timeout_s."""
+        done, _ = await asyncio.wait({self.ticket}, timeout=self.engine.settings.scheduler.queue_timeout_s)
+        if not done:
+            # No await between the check and close(): the scheduler cannot admit us meanwhile.
+            rejected = self.engine.stats.rejected
+            rejected[QueueTimeout.code] = rejected.get(QueueTimeout.code, 0) + 1
+            self.close("rejected")
+            raise QueueTimeout(
+                f"The request waited {self.engine.settings.scheduler.queue_timeout_s:g}s in the queue without a free slot."
+            )
+        self.admitted_at = time.monotonic()
+
+    def __aiter__(self) -> AsyncIterator[Token]:
+        return self._stream()
+
+    async def _stream(self) -> AsyncIterator[Token]:
+        engine = self.engine
+        async for token in engine.backend.generate(self.request):
+            if token.finish_reason is None:
+                if self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
+                self.num_tokens += 1
+                engine.scheduler.append(self.seq, token.token_id if token.token_id is not None else UNKNOWN_TOKEN)
+                yield token
+                continue
+            self.finish_reason = token.finish_reason
+            self.usage = token.usage or Usage(len(self.seq.prompt_token_ids), self.num_tokens)
+            if token.usage is not None and not self.exact_prompt:
+                engine.stats.estimated_prompts += 1
+                engine.stats.estimate_error += abs(token.usage.prompt_tokens - len(self.seq.prompt_token_ids))
+            yield token
+            return
+
+    def close(self, outcome: str | None = None) -> None:
+        """Release the slot and every block. Idempotent; safe on every exit path."""
+        if self._closed:
+            return
+        self._closed = True
+        engine = self.engine
+        engine.scheduler.finish(self.seq)
+        engine._generations.pop(self.seq.seq_id, None)
+        if not self.ticket.done():
+            self.ticket.cancel()
+        stats = engine.stats
+        if outcome is None:
+            outcome = "finished" if self.finish_reason else "cancelled"
+        if outcome == "finished":
+            stats.requests_finished += 1
+            if self.usage is not None:
+                stats.prompt_tokens += self.usage.prompt_tokens
+                stats.generation_tokens += self.usage.completion_tokens
+        elif outcome == "failed":
+            stats.requests_failed += 1
+        elif outcome == "cancelled":
+            stats.requests_cancelled += 1
+        engine._kick()
+
+
+class KVStreamEngine:
+    """Owns the scheduler, the block manager and the backend; admission is event-driven:
+    every arrival, finish and abort runs one synchronous scheduling pass."""
+
+    def __init__(self, backend: BaseBackend, settings: Settings | None = None) -> None:
+        self.backend = backend
+        self.settings = settings or Settings()
+        self.stats = EngineStats()
+        self.limits = RuntimeLimits()
+        self._generations: dict[str, Generation] = {}
+        self._pool_from_runtime = False
+        self.scheduler = self._build_scheduler(self.limits)
+        self._ready = False
+        self._started = False
+        self._models: list[ModelInfo] = []
+
+    # ----------------------------------------------------------------- setup
+    def _build_scheduler(self, limits: RuntimeLimits) -> Scheduler:
+        memory, sched = self.settings.memory, self.settings.scheduler
+        if memory.num_gpu_blocks == "auto":
+            tokens = limits.n_ctx_total or FALLBACK_POOL_TOKENS
+            num_blocks = max(1, tokens // memory.block_size)
+        else:
+            num_blocks = memory.num_gpu_blocks
+        max_batch = sched.max_batch_size
+        if limits.parallel:
+            # More in flight than the runtime has slots only queues inside the runtime,
+            # where nobody can see or order it.
+            max_batch = min(max_batch, limits.parallel)
+        bm = BlockManager(
+            num_blocks,
+            memory.block_size,
+            memory.num_cpu_blocks if self.backend.capabilities.preemptible else 0,
+            enable_prefix_cache=self.settings.prefix_cache.enabled,
+            max_prefix_length=self.settings.prefix_cache.max_prefix_length,
+            model_identity=f"{self.backend.name}:{self.backend.base_url}:{self.backend.model}",
+        )
+        config = SchedulerConfig(
+            max_batch_size=max_batch,
+            preemption_policy=sched.preemption_policy,
+            priority=sched.priority,
+            max_queue_size=sched.max_queue_size,
+            max_model_len=limits.n_ctx_per_request,
+        )
+        return Scheduler(bm, config, preemptible=self.backend.capabilities.preemptible)
+
+    async def start(self) -> None:
+        """Start the backend and size the pool from the runtime, if it answers."""
+        if self._started:
+            return
+        self._started = True
+        await self.backend.start()
+        await self.refresh()
+        if not self._ready:
+            logger.warning(
+                "backend %s at %s is not reachable; requests get 503 until it answers",
+                self.backend.name,
+                self.backend.base_url or "(undiscovered)",
+            )
+
+    async def refresh(self) -> bool:
+        """Probe the runtime; on first contact size the pool from what it reports."""
+        try:
+            healthy = await self.backend.health()
+        except Exception:  # a probe must never take the proxy down
+            logger.exception("health probe of backend %s failed", self.backend.name)
+            healthy = False
+        if healthy and not self._pool_from_runtime:
+            try:
+                limits = await self.backend.limits()
+            except BackendError as exc:
+                logger.warning("could not read the runtime's limits: %s", exc.message)
+                limits = RuntimeLimits()
+            if self.scheduler.bm.is_idle() and not self.scheduler.waiting:
+                self.limits = limits
+                self.scheduler = self._build_scheduler(limits)
+                self._pool_from_runtime = True
+                bm = self.scheduler.bm
+                logger.info(
+                    "KV pool: %d blocks x %d tokens%s; max in flight %d; model context %s",
+                    bm.pool.num_blocks,
+                    bm.block_size,
+                    " (sized from the runtime)" if limits.n_ctx_total and self.settings.memory.num_gpu_blocks == "auto" else "",
+                    self.scheduler.config.max_batch_size,
+                    limits.n_ctx_per_request or "unknown",
+                )
+        self._ready = healthy
+        return healthy
+
+    async def close(self) -> None:
+        for gen in list(self._generations.values()):
+            gen.close("cancelled")
+        if self._started:
+            self._started = False
+            await self.backend.close()
+
+    async def serve(self, host: str | None = None, port: int | None = None, stop: asyncio.Event | None = None) -> None:
+        """Serve the OpenAI API in front of this engine until SIGINT/SIGTERM or ``stop``."""
+        from kvstream.server import serve
+
+        settings = self.settings.model_copy(deep=True)
+        if host is not None:
+            settings.server.host = host
+        if port is not None:
+            settings.server.port = port
+        await serve(settings, self, stop=stop)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    # ------------------------------------------------------------- requests
+    async def models(self) -> list[ModelInfo]:
+        try:
+            self._models = await self.backend.models()
+        except BackendError:
+            if not self._models:
+                raise
+        return self._models
+
+    async def prompt_tokens(self, request: GenerateRequest) -> tuple[list[int], bool]:
+        """Prompt token ids and whether they are exact (from the runtime) or estimated."""
+        if self.backend.capabilities.exact_prompt_tokens:
+            try:
+                tokens = await self.backend.tokenize(request)
+            except BackendRejected:
+                raise
+            except BackendError as exc:
+                logger.debug("tokenize failed (%s); estimating", exc.message)
+                tokens = None
+            if tokens:
+                return tokens, True
+        text = flatten_messages(request.messages) if request.is_chat else (request.prompt or "")
+        return estimate_tokens(text), False
+
+    async def submit(self, request: GenerateRequest, priority: Priority = Priority.NORMAL) -> Generation:
+        """Count the prompt and queue the request. Raises NeverFits or QueueFull at once."""
+        self.stats.requests_total += 1
+        prompt_ids, exact = await self.prompt_tokens(request)
+        limit = self.scheduler.config.max_model_len
+        if request.max_tokens is not None:
+            max_tokens = request.max_tokens
+        elif limit is not None:
+            max_tokens = max(1, limit - len(prompt_ids))
+        else:
+            max_tokens = FALLBACK_MAX_TOKENS
+        seq = Sequence(prompt_ids, max_tokens, priority)
+        try:
+            self.scheduler.add(seq)
+        except SchedulerError as exc:
+            self.stats.rejected[exc.code] = self.stats.rejected.get(exc.code, 0) + 1
+            raise
+        gen = Generation(self, request, seq, exact)
+        self._generations[seq.seq_id] = gen
+        self._kick()
+        return gen
+
+    async def generate(
+        self, request: GenerateRequest | str, priority: Priority = Priority.NORMAL, **sampling: Any
+    ) -> AsyncIterator[Token]:
+        """Queue, wait for admission and stream; the Python API's one call.
+
+        ``request`` is a GenerateRequest, or a plain prompt string with sampling keywords
+        (``max_tokens``, ``temperature``, ...)::
+
+            async for token in engine.generate("Once upon a time", max_tokens=32):
+                print(token.text, end="")
+        """
+        if not self._started:
+            await self.start()
+        if isinstance(request, str):
+            request = GenerateRequest(model=self.backend.model, prompt=request, **sampling)
+        gen = await self.submit(request, priority)
+        outcome = "cancelled"
+        try:
+            await gen.admitted()
+            async for token in gen:
+                yield token
+            outcome = "finished"
+        except BackendError:
+            outcome = "failed"
+            raise
+        finally:
+            gen.close(outcome)
+
+    def _kick(self) -> None:
+        """Run one scheduling pass and wake whoever it admitted."""
+        out = self.scheduler.schedule()
+        for seq in out.admitted + out.resumed:
+            gen = self._generations.get(seq.seq_id)
+            if gen is not None and not gen.ticket.done():
+                gen.ticket.set_result(None)
+                self.stats.prefix_hit_tokens += seq.num_cached_tokens
+                self.stats.prefix_query_tokens += len(seq.prompt_token_ids)
+
+    # ------------------------------------------------------------- snapshot
+    def snapshot(self) -> dict[str, Any]:
+        """The JSON body of /status."""
+        sched, bm = self.scheduler, self.scheduler.bm
+        pool = bm.pool
+        hit_ratio = self.stats.prefix_hit_tokens / self.stats.prefix_query_tokens if self.stats.prefix_query_tokens else 0.0
+        now = time.monotonic()
+        waits = [now - g.submitted_at for g in self._generations.values() if g.admitted_at is None]
+        return {
+            "backend": self.backend.describe() | {"ready": self._ready},
+            "uptime_s": round(time.time() - self.stats.started_at, 1),
+            "queue": {
+                "waiting": len(sched.waiting),
+                "running": len(sched.running),
+                "swapped": len(sched.swapped),
+                "max_batch_size": sched.config.max_batch_size,
+                "max_queue_size": sched.config.max_queue_size,
+                "oldest_wait_s": round(max(waits), 3) if waits else 0.0,
+            },
+            "kv": {
+                "estimated": not self.backend.capabilities.owns_kv,
+                "block_size": bm.block_size,
+                "blocks_total": pool.num_blocks,
+                "blocks_used": pool.num_used,
+                "blocks_free": pool.num_free,
+                "blocks_cached": pool.num_cached,
+                "usage_ratio": round(pool.usage(), 4),
+                "cpu_blocks_total": bm.num_cpu_blocks,
+                "cpu_blocks_free": bm.num_free_cpu_blocks,
+            },
+            "prefix_cache": {
+                "enabled": bm.enable_prefix_cache,
+                "hit_tokens": self.stats.prefix_hit_tokens,
+                "query_tokens": self.stats.prefix_query_tokens,
+                "hit_ratio": round(hit_ratio, 4),
+            },
+            "requests": {
+                "total": self.stats.requests_total,
+                "finished": self.stats.requests_finished,
+                "failed": self.stats.requests_failed,
+                "cancelled": self.stats.requests_cancelled,
+                "rejected": dict(self.stats.rejected),
+                "prompt_tokens": self.stats.prompt_tokens,
+                "generation_tokens": self.stats.generation_tokens,
+            },
+            "preemption": {
+                "preemptions": sched.stats.preemptions,
+                "swap_outs": sched.stats.swap_outs,
+                "swap_ins": sched.stats.swap_ins,
+            },
+            "model_context": self.limits.n_ctx_per_request,
+        }

@@ -1,0 +1,310 @@
+"""Per-sequence block tables over a BlockPool: prefix sharing, streaming growth, copy-on-write
+forks and an all-or-nothing CPU swap pool.
+
+The manager decides *which* blocks hold a sequence's KV; moving bytes is the backend's job.
+Every mutation that needs bytes moved returns the copies to perform as ``(src, dst)`` block-id
+pairs: a copy-on-write on append, a swap out (device -> host) or a swap in (host -> device).
+A backend that only accounts for a remote runtime's memory ignores them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from kvstream.kv.block_pool import Block, BlockPool, NoFreeBlocks
+from kvstream.kv.hashing import BlockHash, hash_block, model_key
+
+SeqId = Hashable
+
+# Token id for a token whose id the backend does not report (remote runtimes that stream
+# text). Blocks holding one are counted but never hashed.
+UNKNOWN_TOKEN = -1
+
+
+@dataclass(slots=True)
+class BlockTable:
+    """The blocks holding one sequence's KV, in order, and the tokens they hold."""
+
+    blocks: list[Block] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    # Hashes of the leading full blocks, chained; len(hashes) <= len(blocks).
+    hashes: list[BlockHash] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at allocation
+
+
+@dataclass(slots=True)
+class SwappedTable:
+    """A swapped-out sequence: host blocks for what it held alone, device refs for the rest."""
+
+    # One entry per logical block: ("gpu", Block) kept shared on the device, or ("cpu", id).
+    entries: list[tuple[str, Block | int]]
+    token_ids: list[int]
+    hashes: list[BlockHash]
+    num_cached_tokens: int
+
+
+class BlockManager:
+    """Allocates, grows, forks, swaps and frees block tables over one device pool."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        *,
+        enable_prefix_cache: bool = True,
+        max_prefix_length: int | None = None,
+        model_identity: str = "",
+        clock: object | None = None,
+    ) -> None:
+        kwargs = {"clock": clock} if clock is not None else {}
+        self.pool = BlockPool(num_gpu_blocks, block_size, **kwargs)
+        self.block_size = block_size
+        self.num_cpu_blocks = num_cpu_blocks
+        self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.enable_prefix_cache = enable_prefix_cache
+        self.max_prefix_length = max_prefix_length
+        self.salt = model_key(model_identity)
+        self.tables: dict[SeqId, BlockTable] = {}
+        self.swapped: dict[SeqId, SwappedTable] = {}
+
+    # ------------------------------------------------------------------ sizing
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self._cpu_free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def cached_prefix(self, token_ids: Sequence[int]) -> list[Block]:
+        """The cached blocks that a sequence with these prompt tokens would share.
+
+        At least one prompt token is always left to compute (a runtime needs a forward pass
+        to produce the next token's logits), and the hit is capped at max_prefix_length.
+        """
+        if not self.enable_prefix_cache:
+            return []
+        limit = len(token_ids) - 1
+        if self.max_prefix_length is not None:
+            limit = min(limit, self.max_prefix_length)
+        hits: list[Block] = []
+        parent: BlockHash | None = None
+        for start in range(0, limit - self.block_size + 1, self.block_size):
+            chunk = tuple(token_ids[start : start + self.block_size])
+            if UNKNOWN_TOKEN in chunk:
+                break
+            parent = hash_block(parent, chunk, self.salt)
+            block = self.pool.lookup(parent, chunk)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def blocks_needed(self, token_ids: Sequence[int]) -> int:
+        """Free blocks that allocate(token_ids) would consume, counting cached hits that are
+        idle (they leave the free queue when taken)."""
+        hits = self.cached_prefix(token_ids)
+        idle_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        return self.blocks_for(len(token_ids)) - len(hits) + idle_hits
+
+    # -------------------------------------------------------------- lifecycle
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
+        """Give a new sequence blocks for its prompt, sharing cached prefix blocks.
+
+        Returns the number of prompt tokens whose KV is already cached. All or nothing: on
+        NoFreeBlocks nothing is held.
+        """
+        if seq_id in self.tables or seq_id in self.swapped:
+            raise ValueError(f"sequence {seq_id!r} already has blocks")
+        if not token_ids:
+            raise ValueError("a sequence needs at least one token")
+        hits = self.cached_prefix(token_ids)
+        if self.blocks_needed(token_ids) > self.pool.num_free:
+            raise NoFreeBlocks
+        table = BlockTable()
+        for block in hits:
+            self.pool.touch(block)
+            table.blocks.append(block)
+        table.hashes = [b.block_hash for b in hits]  # type: ignore[misc]
+        table.num_cached_tokens = len(hits) * self.block_size
+        table.token_ids = list(token_ids[: table.num_cached_tokens])
+        self.tables[seq_id] = table
+        self.pool.stats.cache_queries += self.blocks_for(len(token_ids))
+        self.pool.stats.cache_hits += len(hits)
+        for token in token_ids[table.num_cached_tokens :]:
+            self._append(table, token)
+        return table.num_cached_tokens
+
+    def append_token(self, seq_id: SeqId, token_id: int = UNKNOWN_TOKEN) -> tuple[int, int] | None:
+        """Append one token, taking a new block when the last one is full.
+
+        Returns a ``(src, dst)`` copy when the last block was shared and had to be copied
+        first (copy-on-write), else None. Raises NoFreeBlocks, changing nothing, when a block
+        is needed and none is free.
+        """
+        return self._append(self.tables[seq_id], token_id)
+
+    def _append(self, table: BlockTable, token_id: int) -> tuple[int, int] | None:
+        copy = None
+        pos = len(table.token_ids)
+        if pos % self.block_size == 0:
+            table.blocks.append(self.pool.allocate())
+        elif table.blocks[-1].ref_cnt > 1:
+            # A fork shares its parent's partial last block: copy before writing into it.
+            fresh = self.pool.allocate()
+            shared = table.blocks[-1]
+            self.pool.free([shared])
+            table.blocks[-1] = fresh
+            copy = (shared.block_id, fresh.block_id)
+        table.token_ids.append(token_id)
+        if (pos + 1) % self.block_size == 0:
+            self._seal_last_block(table)
+        return copy
+
+    def _seal_last_block(self, table: BlockTable) -> None:
+        """Hash a block that just became full, so later requests can share it."""
+        index = len(table.blocks) - 1
+        if not self.enable_prefix_cache or len(table.hashes) != index:
+            return  # an earlier block is unhashable, so the chain is broken
+        chunk = tuple(table.token_ids[index * self.block_size :])
+        if UNKNOWN_TOKEN in chunk:
+            return
+        parent = table.hashes[-1] if table.hashes else None
+        block_hash = hash_block(parent, chunk, self.salt)
+        self.pool.cache(table.blocks[index], block_hash, chunk)
+        table.hashes.append(block_hash)
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """Give ``child_id`` a table sharing every block of ``parent_id`` (copy-on-write)."""
+        if child_id in self.tables or child_id in self.swapped:
+            raise ValueError(f"sequence {child_id!r} already has blocks")
+        parent = self.tables[parent_id]
+        for block in parent.blocks:
+            self.pool.touch(block)
+        self.tables[child_id] = BlockTable(
+            list(parent.blocks), list(parent.token_ids), list(parent.hashes), parent.num_cached_tokens
+        )
+
+    def free(self, seq_id: SeqId) -> None:
+        """Release everything a sequence holds, running or swapped. Unknown ids are ignored,
+        so every exit path may call it."""
+        table = self.tables.pop(seq_id, None)
+        if table is not None:
+            self.pool.free(reversed(table.blocks))
+        swapped = self.swapped.pop(seq_id, None)
+        if swapped is not None:
+            for kind, ref in reversed(swapped.entries):
+                if kind == "gpu":
+                    self.pool.free([ref])  # type: ignore[list-item]
+                else:
+                    self._cpu_free.append(ref)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------- swap
+    def can_swap_out(self, seq_id: SeqId) -> bool:
+        table = self.tables[seq_id]
+        return sum(1 for b in table.blocks if b.ref_cnt == 1) <= len(self._cpu_free)
+
+    def swap_out(self, seq_id: SeqId) -> list[tuple[int, int]]:
+        """Move a sequence's blocks to the host pool; returns (gpu_id, cpu_id) copies.
+
+        Blocks shared with other sequences stay on the device, still shared. All or nothing:
+        raises NoFreeBlocks, changing nothing, when the host pool is short. The caller must
+        perform the copies before the freed device blocks are allocated again.
+        """
+        if not self.can_swap_out(seq_id):
+            raise NoFreeBlocks
+        table = self.tables.pop(seq_id)
+        entries: list[tuple[str, Block | int]] = []
+        copies: list[tuple[int, int]] = []
+        for block in table.blocks:
+            if block.ref_cnt > 1:
+                entries.append(("gpu", block))
+            else:
+                cpu_id = self._cpu_free.pop()
+                copies.append((block.block_id, cpu_id))
+                entries.append(("cpu", cpu_id))
+        # Freed last-to-first: cached tail blocks are evicted before the head of the chain.
+        self.pool.free(reversed([b for b in table.blocks if b.ref_cnt == 1]))
+        self.swapped[seq_id] = SwappedTable(entries, table.token_ids, table.hashes, table.num_cached_tokens)
+        return copies
+
+    def can_swap_in(self, seq_id: SeqId) -> bool:
+        swapped = self.swapped[seq_id]
+        return sum(1 for kind, _ in swapped.entries if kind == "cpu") <= self.pool.num_free
+
+    def swap_in(self, seq_id: SeqId) -> list[tuple[int, int]]:
+        """Bring a swapped sequence back to the device; returns (cpu_id, gpu_id) copies.
+
+        All or nothing: raises NoFreeBlocks, changing nothing, when the device is short.
+        """
+        if not self.can_swap_in(seq_id):
+            raise NoFreeBlocks
+        swapped = self.swapped.pop(seq_id)
+        table = BlockTable(
+            token_ids=swapped.token_ids, hashes=swapped.hashes, num_cached_tokens=swapped.num_cached_tokens
+        )
+        copies: list[tuple[int, int]] = []
+        for index, (kind, ref) in enumerate(swapped.entries):
+            if kind == "gpu":
+                table.blocks.append(ref)  # type: ignore[arg-type]
+                continue
+            self._cpu_free.append(ref)  # type: ignore[arg-type]
+            chunk = tuple(swapped.token_ids[index * self.block_size : (index + 1) * self.block_size])
+            if index < len(swapped.hashes):
+                cached = self.pool.lookup(swapped.hashes[index], chunk)
+                if cached is not None:
+                    # The device copy is still in the prefix cache: no bytes to move.
+                    self.pool.touch(cached)
+                    table.blocks.append(cached)
+                    continue
+            block = self.pool.allocate()
+            copies.append((ref, block.block_id))  # type: ignore[arg-type]
+            if index < len(swapped.hashes):
+                self.pool.cache(block, swapped.hashes[index], chunk)
+            table.blocks.append(block)
+        self.tables[seq_id] = table
+        return copies
+
+    # ----------------------------------------------------------------- checks
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any invariant of DESIGN.md section 3 is broken."""
+        self.pool.check_invariants()
+        holders: dict[int, int] = {}
+        for table in self.tables.values():
+            assert len(table.blocks) == self.blocks_for(len(table.token_ids)), "table/token count mismatch"
+            for block in table.blocks:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        cpu_held: list[int] = []
+        for swapped in self.swapped.values():
+            for kind, ref in swapped.entries:
+                if kind == "gpu":
+                    holders[ref.block_id] = holders.get(ref.block_id, 0) + 1  # type: ignore[union-attr]
+                else:
+                    cpu_held.append(ref)  # type: ignore[arg-type]
+        for block in self.pool.blocks:
+            assert block.ref_cnt == holders.get(block.block_id, 0), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders.get(block.block_id, 0)} holders"
+            )
+        assert len(set(cpu_held)) == len(cpu_held), "a host block is held twice"
+        assert not set(cpu_held) & set(self._cpu_free), "a held host block is also free"
+        assert len(cpu_held) + len(self._cpu_free) == self.num_cpu_blocks, "host blocks leaked"
+        for table in self.tables.values():
+            for index, block_hash in enumerate(table.hashes):
+                block = table.blocks[index]
+                # A block whose hash went to a twin computed at the same time stays unhashed.
+                assert block.block_hash in (None, block_hash), f"block {block.block_id} carries a foreign hash"
+
+    def is_idle(self) -> bool:
+        """True when no sequence holds anything: the pool is back to all-free."""
+        return (
+            not self.tables
+            and not self.swapped
+            and self.pool.num_free == self.pool.num_blocks
+            and len(self._cpu_free) == self.num_cpu_blocks
+        )

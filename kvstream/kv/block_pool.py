@@ -1,0 +1,189 @@
+"""A pool of fixed-size KV blocks: reference counts, an LRU free queue and the prefix-cache map.
+
+Every block is in exactly one of three states:
+
+* in use: ``ref_cnt >= 1``, held by one or more block tables, not in the free queue;
+* free and cached: ``ref_cnt == 0`` with a hash, in the free queue and in the cache map, so a
+  later request with the same prefix can take it back (vLLM v1 semantics);
+* free: ``ref_cnt == 0``, no hash, in the free queue.
+
+The free queue is ordered for eviction: blocks without a hash are handed out first, then
+cached blocks from least to most recently used.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvstream.kv.hashing import BlockHash
+
+
+class NoFreeBlocks(Exception):
+    """Raised when the pool has no block to hand out (callers preempt or wait)."""
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """One KV block: ``block_size`` token slots in the runtime's (or our own) KV memory."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    # The tokens the hash covers, kept to rule out a hash collision on lookup.
+    token_ids: tuple[int, ...] | None = None
+    last_used: float = 0.0
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """Counters the metrics and /status read."""
+
+    cache_queries: int = 0  # blocks looked up
+    cache_hits: int = 0  # blocks found
+    evictions: int = 0  # cached blocks whose hash was dropped to reuse the block
+    expired: int = 0  # cached blocks dropped by the TTL
+
+
+@dataclass
+class BlockPool:
+    """``num_blocks`` blocks of ``block_size`` tokens with O(1) allocate, free and lookup."""
+
+    num_blocks: int
+    block_size: int
+    clock: object = time.monotonic
+    blocks: list[Block] = field(init=False)
+    stats: PoolStats = field(init=False, default_factory=PoolStats)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError("a block pool needs at least one block")
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        # Insertion order is eviction order: the first entry is handed out next.
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[BlockHash, Block] = {}
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free(self) -> int:
+        """Blocks with no holder, cached or not (all of them can be handed out)."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks that carry a hash and are findable by a prefix lookup."""
+        return len(self._cached)
+
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences, 0..1."""
+        return self.num_used / self.num_blocks
+
+    def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> Block | None:
+        """The cached block for ``block_hash``, if its stored tokens match too."""
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    # ---------------------------------------------------------------- mutation
+    def allocate(self) -> Block:
+        """Take the next block off the free queue; it loses any cached hash."""
+        if not self._free:
+            raise NoFreeBlocks
+        _, block = self._free.popitem(last=False)
+        if block.block_hash is not None:
+            self._uncache(block)
+            self.stats.evictions += 1
+        block.ref_cnt = 1
+        block.last_used = self.clock()
+        return block
+
+    def touch(self, block: Block) -> None:
+        """Add a holder to ``block`` (a prefix hit or a fork)."""
+        if block.ref_cnt == 0:
+            del self._free[block.block_id]
+        block.ref_cnt += 1
+        block.last_used = self.clock()
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one holder from each block; blocks nobody holds return to the free queue.
+
+        Pass a sequence's blocks tail first: among cached blocks freed together the tail of
+        a chain is then evicted before its head, which more requests share.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise AssertionError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                block.last_used = self.clock()
+                self._free[block.block_id] = block
+                if block.block_hash is None:
+                    # Nothing worth keeping: hand it out before any cached block.
+                    self._free.move_to_end(block.block_id, last=False)
+
+    def cache(self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...]) -> Block:
+        """Register a full, computed block under ``block_hash``.
+
+        If another block already carries the hash (two sequences computed the same prefix at
+        once) the existing one stays canonical and ``block`` stays unhashed, so block tables
+        never change under a running sequence. Returns the canonical block.
+        """
+        if block.block_hash is not None:
+            if block.block_hash != block_hash:
+                raise AssertionError(f"block {block.block_id} re-hashed with a different hash")
+            return block
+        existing = self._cached.get(block_hash)
+        if existing is not None:
+            return existing
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self._cached[block_hash] = block
+        return block
+
+    def drop_expired(self, ttl_seconds: float) -> int:
+        """Forget cached blocks nobody holds that were last used over ``ttl_seconds`` ago."""
+        deadline = self.clock() - ttl_seconds
+        stale = [b for b in self._free.values() if b.block_hash is not None and b.last_used < deadline]
+        for block in stale:
+            self._uncache(block)
+            self._free.move_to_end(block.block_id, last=False)
+        self.stats.expired += len(stale)
+        return len(stale)
+
+    def reset_cache(self) -> None:
+        """Forget every cached hash held by no one (used when the runtime loses its KV)."""
+        for block in list(self._free.values()):
+            if block.block_hash is not None:
+                self._uncache(block)
+                self._free.move_to_end(block.block_id, last=False)
+
+    def _uncache(self, block: Block) -> None:
+        assert block.block_hash is not None
+        if self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+
+    # -------------------------------------------------------------- invariants
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool's own state is inconsistent."""
+        for block in self.blocks:
+            in_free = block.block_id in self._free
+            assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
+            assert in_free == (block.ref_cnt == 0), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue={in_free}"
+            )
+            if block.block_hash is not None:
+                assert block.token_ids is not None and len(block.token_ids) == self.block_size, (
+                    f"block {block.block_id} is hashed but not full"
+                )
+        for block_hash, block in self._cached.items():
+            assert block.block_hash == block_hash, f"cache map entry for block {block.block_id} is stale"
+        assert len(self._free) + sum(1 for b in self.blocks if b.ref_cnt > 0) == self.num_blocks

@@ -1,0 +1,335 @@
+"""The iteration-level scheduler: waiting, running and swapped queues over one BlockManager.
+
+It is a plain synchronous policy object, like nano-vllm's: the engine calls ``add`` when a
+request arrives, ``schedule`` whenever something changed (an arrival, a finish, an abort; no
+timer), ``append`` as tokens are produced, and ``finish`` on every exit path. It knows nothing
+about HTTP, asyncio or any runtime.
+
+Two admission modes, chosen by the backend's capabilities:
+
+* preemptible (in-process engine, llama.cpp slot swap): admit while blocks are free; when a
+  running sequence needs a block and none is left, preempt the lowest-priority running
+  sequence by swap or recompute and resume it first when room returns.
+* not preemptible (remote runtimes whose streams cannot be paused): a request is admitted only
+  if its worst-case growth (up to max_tokens) fits beside the worst-case growth of everything
+  running, so an append never fails. Blocks are still allocated one at a time as tokens
+  stream back; the headroom is bookkeeping, not memory.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvstream.kv.block_manager import UNKNOWN_TOKEN, BlockManager
+from kvstream.kv.block_pool import NoFreeBlocks
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class Priority(enum.IntEnum):
+    """Per-request priority class; lower runs first."""
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+    @classmethod
+    def parse(cls, value: object) -> Priority:
+        """Accept 'high'|'normal'|'low' or 0|1|2 (body field or X-KVStream-Priority header)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text in cls.__members__.keys() | {m.lower() for m in cls.__members__}:
+                return cls[text.upper()]
+            if text.isdigit():
+                value = int(text)
+        if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1, 2):
+            return cls(value)
+        raise ValueError("priority must be one of high, normal, low (or 0, 1, 2)")
+
+
+class SchedulerError(Exception):
+    """A request the scheduler refuses; ``status`` is the HTTP status to answer with."""
+
+    status = 400
+    code = "invalid_request"
+
+
+class NeverFits(SchedulerError):
+    status = 400
+    code = "context_length_exceeded"
+
+
+class QueueFull(SchedulerError):
+    status = 429
+    code = "queue_full"
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request as the scheduler sees it."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+    priority: Priority = Priority.NORMAL
+    seq_id: str = field(default_factory=lambda: f"seq-{next(_seq_counter)}")
+    arrival: float = field(default_factory=time.monotonic)
+    status: SeqStatus = SeqStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    admitted_at: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.max_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        return max(0, self.max_tokens - len(self.output_token_ids))
+
+
+@dataclass
+class SchedulerConfig:
+    """The knobs of the scheduling policy (mirrors the `scheduler` config section)."""
+
+    max_batch_size: int = 8
+    preemption_policy: str = "swap"  # swap | recompute
+    priority: str = "fcfs"  # fcfs | sjf
+    max_queue_size: int = 256
+    # sjf aging: a waiting request's expected size shrinks by this many tokens per second
+    # waited, so a long request is eventually first however many short ones arrive.
+    sjf_aging_tokens_per_s: float = 200.0
+    max_model_len: int | None = None
+
+
+@dataclass
+class ScheduleOutput:
+    """What one scheduling pass changed: whom to start, resume and pause, and bytes to move."""
+
+    admitted: list[Sequence] = field(default_factory=list)
+    resumed: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    swap_in_copies: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    swap_out_copies: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    cow_copies: list[tuple[int, int]] = field(default_factory=list)  # (device, device)
+
+    def __bool__(self) -> bool:
+        return bool(self.admitted or self.resumed or self.preempted)
+
+
+@dataclass
+class SchedulerStats:
+    preemptions: int = 0
+    swap_outs: int = 0
+    swap_ins: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    append_overflows: int = 0  # non-preemptible appends that found no block (should stay 0)
+
+
+class Scheduler:
+    """Admits, orders, preempts and resumes sequences; owns the three queues."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        config: SchedulerConfig,
+        *,
+        preemptible: bool,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.bm = block_manager
+        self.config = config
+        self.preemptible = preemptible
+        self.clock = clock
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    # ----------------------------------------------------------------- intake
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise NeverFits if ``seq`` could not run even on an empty pool."""
+        limit = self.config.max_model_len
+        if limit is not None and seq.max_total_tokens > limit:
+            raise NeverFits(
+                f"This request needs {seq.max_total_tokens} tokens ({len(seq.prompt_token_ids)} in the "
+                f"prompt + max_tokens {seq.max_tokens}), more than the model's context of {limit} tokens."
+            )
+        capacity = self.bm.pool.num_blocks * self.bm.block_size
+        if self.bm.blocks_for(seq.max_total_tokens) > self.bm.pool.num_blocks:
+            raise NeverFits(
+                f"This request needs {seq.max_total_tokens} tokens ({len(seq.prompt_token_ids)} in the "
+                f"prompt + max_tokens {seq.max_tokens}), more than the whole KV pool of {capacity} tokens."
+            )
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request, or raise NeverFits / QueueFull at once."""
+        self.check_fits(seq)
+        if len(self.waiting) >= self.config.max_queue_size:
+            raise QueueFull(f"The queue is full ({self.config.max_queue_size} requests waiting).")
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    # ------------------------------------------------------------- scheduling
+    def _order_key(self, seq: Sequence, now: float) -> tuple[float, float, float]:
+        if self.config.priority == "sjf":
+            waited = now - seq.arrival
+            size = seq.max_total_tokens - self.config.sjf_aging_tokens_per_s * waited
+            return (seq.priority, size, seq.arrival)
+        return (seq.priority, seq.arrival, 0.0)
+
+    def _headroom_blocks(self) -> int:
+        """Blocks that running non-preemptible sequences may still claim as they grow."""
+        if self.preemptible:
+            return 0
+        total = 0
+        for seq in self.running:
+            table = self.bm.tables.get(seq.seq_id)
+            held = len(table.blocks) if table else 0
+            total += max(0, self.bm.blocks_for(seq.max_total_tokens) - held)
+        return total
+
+    def _blocks_to_admit(self, seq: Sequence) -> int:
+        tokens = seq.prompt_token_ids + seq.output_token_ids
+        needed = self.bm.blocks_needed(tokens)
+        if not self.preemptible:
+            needed += self.bm.blocks_for(seq.max_total_tokens) - self.bm.blocks_for(len(tokens))
+        return needed
+
+    def schedule(self) -> ScheduleOutput:
+        """Resume swapped sequences, then admit waiting ones, while slots and blocks allow."""
+        out = ScheduleOutput()
+        now = self.clock()
+        for seq in sorted(self.swapped, key=lambda s: self._order_key(s, now)):
+            if len(self.running) >= self.config.max_batch_size or not self.bm.can_swap_in(seq.seq_id):
+                break
+            out.swap_in_copies += self.bm.swap_in(seq.seq_id)
+            self.stats.swap_ins += 1
+            self.swapped.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.resumed.append(seq)
+        if self.swapped:
+            return out  # the preempted resume first; nobody jumps ahead of them
+        self.waiting.sort(key=lambda s: self._order_key(s, now))
+        while self.waiting and len(self.running) < self.config.max_batch_size:
+            seq = self.waiting[0]
+            while self._blocks_to_admit(seq) > self.bm.num_free_blocks - self._headroom_blocks():
+                victim = self._pick_victim(below=seq.priority)
+                if victim is None:
+                    return out  # head of line waits; admitting around it could starve it
+                self._preempt(victim, out)
+            self.waiting.remove(seq)
+            if out.preempted:
+                # Recompute victims re-entered the queue; put them in their place behind.
+                self.waiting.sort(key=lambda s: self._order_key(s, now))
+            seq.num_cached_tokens = self.bm.allocate(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids)
+            seq.status = SeqStatus.RUNNING
+            seq.admitted_at = now
+            self.running.append(seq)
+            out.admitted.append(seq)
+        return out
+
+    # ---------------------------------------------------------------- growth
+    def append(self, seq: Sequence, token_id: int = UNKNOWN_TOKEN) -> ScheduleOutput:
+        """Record one generated token; preempts others (or ``seq`` itself) if memory is short.
+
+        Returns what was preempted and the copies the backend must perform first.
+        """
+        out = ScheduleOutput()
+        while True:
+            try:
+                copy = self.bm.append_token(seq.seq_id, token_id)
+            except NoFreeBlocks:
+                if not self.preemptible:
+                    # The headroom rule makes this unreachable unless the runtime produced
+                    # more than max_tokens; count it rather than corrupt the table.
+                    self.stats.append_overflows += 1
+                    seq.output_token_ids.append(token_id)
+                    return out
+                victim = self._pick_victim(below=None) or seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    return out
+                continue
+            seq.output_token_ids.append(token_id)
+            if copy is not None:
+                out.cow_copies.append(copy)
+            return out
+
+    # ------------------------------------------------------------ preemption
+    def _pick_victim(self, below: Priority | None) -> Sequence | None:
+        """The running sequence to preempt: lowest priority class, then latest arrival.
+
+        With ``below`` set (admission of a waiting request), only sequences of a strictly
+        lower priority class qualify, so equals never evict each other.
+        """
+        if not self.preemptible:
+            return None
+        candidates = [s for s in self.running if below is None or s.priority > below]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda s: (s.priority, s.arrival))
+
+    def _preempt(self, seq: Sequence, out: ScheduleOutput) -> None:
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.stats.preemptions += 1
+        out.preempted.append(seq)
+        if self.config.preemption_policy == "swap" and self.bm.can_swap_out(seq.seq_id):
+            copies = self.bm.swap_out(seq.seq_id)
+            self.stats.swap_outs += 1
+            self.stats.swapped_out_blocks += len(copies)
+            out.swap_out_copies += copies
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.append(seq)
+            return
+        # Recompute: drop the KV; the prompt plus what was generated is prefilled again
+        # (mostly from the prefix cache, since freed blocks keep their hashes).
+        self.bm.free(seq.seq_id)
+        seq.status = SeqStatus.WAITING
+        self.waiting.insert(0, seq)
+
+    # ----------------------------------------------------------------- exits
+    def finish(self, seq: Sequence) -> None:
+        """Remove ``seq`` from whatever queue holds it and free its blocks. Idempotent."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        self.bm.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+
+    # ----------------------------------------------------------------- checks
+    def check_invariants(self) -> None:
+        """The block manager's invariants plus the scheduler's budget and queue rules."""
+        self.bm.check_invariants()
+        assert len(self.running) <= self.config.max_batch_size, "sequence budget exceeded"
+        ids = [s.seq_id for s in self.running + self.waiting + self.swapped]
+        assert len(ids) == len(set(ids)), "a sequence is in two queues"
+        for seq in self.running:
+            assert seq.seq_id in self.bm.tables and seq.status is SeqStatus.RUNNING
+        for seq in self.swapped:
+            assert seq.seq_id in self.bm.swapped and seq.status is SeqStatus.SWAPPED
+        for seq in self.waiting:
+            assert seq.seq_id not in self.bm.tables and seq.seq_id not in self.bm.swapped
+        if not self.preemptible:
+            assert self._headroom_blocks() <= self.bm.num_free_blocks, "growth headroom overcommitted"

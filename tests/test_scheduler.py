@@ -1,0 +1,211 @@
+"""Scheduler policy: order, aging, priorities, preemption and resume, bounded queue, never-fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstream.kv import BlockManager
+from kvstream.scheduler import (
+    NeverFits,
+    Priority,
+    QueueFull,
+    Scheduler,
+    SchedulerConfig,
+    SeqStatus,
+    Sequence,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(num_blocks=16, block_size=4, cpu=8, preemptible=True, **config) -> tuple[Scheduler, Clock]:
+    clock = Clock()
+    bm = BlockManager(num_blocks, block_size, cpu, model_identity="t")
+    return Scheduler(bm, SchedulerConfig(**config), preemptible=preemptible, clock=clock), clock
+
+
+def seq(n_prompt: int, max_tokens: int = 4, priority=Priority.NORMAL, arrival: float = 0.0, first: int = 0) -> Sequence:
+    return Sequence(list(range(first, first + n_prompt)), max_tokens, priority, arrival=arrival)
+
+
+def admitted_ids(out) -> list[str]:
+    return [s.seq_id for s in out.admitted]
+
+
+def test_fcfs_admits_in_arrival_order_up_to_the_batch_size():
+    sched, _ = make(max_batch_size=2)
+    a, b, c = seq(4, arrival=1, first=100), seq(4, arrival=2, first=200), seq(4, arrival=3, first=300)
+    for s in (c, a, b):
+        sched.add(s)
+    assert admitted_ids(sched.schedule()) == [a.seq_id, b.seq_id]
+    assert sched.waiting == [c]
+    sched.finish(a)
+    assert admitted_ids(sched.schedule()) == [c.seq_id]
+    sched.check_invariants()
+
+
+def test_sjf_prefers_short_jobs_and_ages_long_ones():
+    sched, clock = make(max_batch_size=1, priority="sjf", sjf_aging_tokens_per_s=10)
+    long = seq(20, max_tokens=20, arrival=0, first=0)  # expected 40 tokens
+    sched.add(long)
+    short = seq(2, max_tokens=2, arrival=0.5, first=500)  # expected 4 tokens
+    sched.add(short)
+    clock.now = 1.0
+    assert admitted_ids(sched.schedule()) == [short.seq_id]
+    sched.finish(short)
+    # A new short job keeps arriving, but after enough waiting the long job's aged size
+    # (40 - 10/s x waited) is below the newcomer's 4 tokens.
+    newcomer = seq(2, max_tokens=2, arrival=5.0, first=600)
+    sched.add(newcomer)
+    clock.now = 5.0  # long: 40 - 50 = -10 < newcomer: 4 - 0
+    assert admitted_ids(sched.schedule()) == [long.seq_id]
+
+
+def test_priority_class_comes_before_arrival():
+    sched, _ = make(max_batch_size=1)
+    low = seq(4, priority=Priority.LOW, arrival=0, first=0)
+    high = seq(4, priority=Priority.HIGH, arrival=5, first=100)
+    sched.add(low)
+    sched.add(high)
+    assert admitted_ids(sched.schedule()) == [high.seq_id]
+
+
+def test_priority_parse_accepts_names_and_numbers():
+    assert Priority.parse("high") is Priority.HIGH
+    assert Priority.parse("LOW") is Priority.LOW
+    assert Priority.parse("1") is Priority.NORMAL
+    assert Priority.parse(0) is Priority.HIGH
+    with pytest.raises(ValueError):
+        Priority.parse("urgent")
+    with pytest.raises(ValueError):
+        Priority.parse(True)
+
+
+def test_queue_full_is_refused_at_once():
+    sched, _ = make(max_queue_size=2, max_batch_size=1)
+    sched.add(seq(4, first=0))
+    sched.add(seq(4, first=10))
+    with pytest.raises(QueueFull) as err:
+        sched.add(seq(4, first=20))
+    assert err.value.status == 429
+
+
+def test_never_fits_is_refused_at_once():
+    sched, _ = make(num_blocks=4, block_size=4, max_model_len=64)
+    with pytest.raises(NeverFits):
+        sched.add(seq(10, max_tokens=10))  # 20 tokens > 16-token pool
+    with pytest.raises(NeverFits):
+        make(num_blocks=100, max_model_len=16)[0].add(seq(10, max_tokens=10))  # > model context
+    assert not sched.waiting
+
+
+def test_memory_pressure_preempts_lowest_priority_by_swap_and_resumes_it_first():
+    sched, _ = make(num_blocks=4, block_size=4, cpu=8, max_batch_size=4, preemption_policy="swap")
+    low = seq(4, max_tokens=8, priority=Priority.LOW, arrival=0, first=0)
+    normal = seq(7, max_tokens=8, priority=Priority.NORMAL, arrival=1, first=100)
+    sched.add(low)
+    sched.add(normal)
+    sched.schedule()  # low: 1 block, normal: 2 blocks; 1 free
+    assert set(sched.running) == {low, normal}
+    sched.append(normal, 1)  # fills normal's second block (8 tokens)
+    out = sched.append(normal, 2)  # takes the last free block
+    assert not out.preempted and sched.bm.num_free_blocks == 0
+    for t in range(3, 6):
+        assert not sched.append(normal, t).preempted  # tokens 10..12 fill that block
+    out = sched.append(normal, 6)  # the 13th token needs a block: low is swapped out
+    assert out.preempted == [low] and low.status is SeqStatus.SWAPPED
+    assert out.swap_out_copies
+    sched.check_invariants()
+    newcomer = seq(2, max_tokens=1, arrival=2, first=900)
+    sched.add(newcomer)
+    sched.finish(normal)
+    out = sched.schedule()
+    assert out.resumed == [low]  # the swapped resume before anyone waiting is admitted
+    assert sched.bm.tables[low.seq_id].token_ids == list(range(4))
+    sched.check_invariants()
+
+
+def test_recompute_preemption_requeues_with_generated_tokens():
+    sched, _ = make(num_blocks=3, block_size=4, cpu=0, max_batch_size=2, preemption_policy="recompute")
+    a = seq(4, max_tokens=4, arrival=0, first=0)
+    b = seq(3, max_tokens=4, arrival=1, first=100)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()  # a: 1 block, b: 1 block, 1 free
+    sched.append(b, 7)  # b's block is full now
+    sched.append(a, 8)  # a takes the last block
+    out = sched.append(b, 9)  # b needs a block: b (latest arrival) is recomputed
+    assert out.preempted == [b] and b.status is SeqStatus.WAITING and sched.waiting[0] is b
+    assert b.output_token_ids == [7]
+    sched.finish(a)
+    out = sched.schedule()
+    assert out.admitted == [b]
+    # Its prompt and generated token are back, found in the prefix cache (the full block
+    # it held was freed with its hash), and the token that did not fit is not there.
+    assert sched.bm.tables[b.seq_id].token_ids == [100, 101, 102, 7]
+    assert b.num_cached_tokens == 0  # a 4-token prompt hit leaves one token: no full block
+    sched.check_invariants()
+
+
+def test_a_sequence_that_cannot_grow_preempts_itself_when_it_is_the_lowest():
+    sched, _ = make(num_blocks=2, block_size=4, cpu=4, max_batch_size=2, preemption_policy="swap")
+    high = seq(4, max_tokens=4, priority=Priority.HIGH, first=0)
+    low = seq(4, max_tokens=4, priority=Priority.LOW, first=100)
+    sched.add(high)
+    sched.add(low)
+    sched.schedule()
+    out = sched.append(low, 1)  # needs a block; the only lower-or-equal victim is itself
+    assert out.preempted == [low] and low.status is SeqStatus.SWAPPED
+    assert high.status is SeqStatus.RUNNING
+    sched.finish(low)
+    sched.finish(high)
+    assert sched.bm.is_idle()
+
+
+def test_non_preemptible_admission_keeps_headroom_for_growth():
+    sched, _ = make(num_blocks=4, block_size=4, cpu=0, preemptible=False, max_batch_size=4)
+    a = seq(4, max_tokens=8, first=0)  # worst case 12 tokens = 3 blocks
+    b = seq(4, max_tokens=4, first=100)  # worst case 2 blocks: does not fit beside a
+    sched.add(a)
+    sched.add(b)
+    assert admitted_ids(sched.schedule()) == [a.seq_id]
+    for t in range(8):
+        out = sched.append(a, t)
+        assert not out.preempted
+    assert sched.stats.append_overflows == 0
+    sched.finish(a)
+    assert admitted_ids(sched.schedule()) == [b.seq_id]
+    sched.check_invariants()
+
+
+def test_head_of_line_waits_instead_of_being_starved():
+    sched, _ = make(num_blocks=4, block_size=4, cpu=0, preemptible=False, max_batch_size=4)
+    running = seq(4, max_tokens=4, first=0)
+    sched.add(running)
+    sched.schedule()
+    big = seq(8, max_tokens=4, arrival=1, first=100)  # 3 blocks: waits for `running`
+    small = seq(1, max_tokens=1, arrival=2, first=200)
+    sched.add(big)
+    sched.add(small)
+    assert sched.schedule().admitted == []  # small does not overtake big
+    sched.finish(running)
+    assert admitted_ids(sched.schedule()) == [big.seq_id, small.seq_id]
+
+
+def test_finish_is_idempotent_and_frees_from_any_queue():
+    sched, _ = make(max_batch_size=1)
+    a, b = seq(4, first=0), seq(4, first=100)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    sched.finish(b)  # still waiting
+    sched.finish(a)  # running
+    sched.finish(a)
+    assert not sched.running and not sched.waiting
+    assert sched.bm.is_idle()
