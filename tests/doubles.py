@@ -1,0 +1,291 @@
+"""Protocol-faithful doubles of the runtimes that cannot be installed here (Ollama, LM Studio,
+Foundry Local) and a scriptable OpenAI-compatible upstream for fault and timing tests.
+
+Their payloads are built from the verbatim examples in tests/fixtures/protocols/ (copied from
+shared/protocols/, see its README for sources): same field names, framing, error bodies and
+status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+PROTOCOLS = Path(__file__).parent / "fixtures" / "protocols"
+
+
+def payload(name: str) -> Any:
+    return json.loads((PROTOCOLS / name).read_text())
+
+
+def ndjson(name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (PROTOCOLS / name).read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class Script:
+    """What a double does with the next generation requests."""
+
+    tokens: list[str] = field(default_factory=lambda: ["Hello", ",", " world", "!"])
+    delay_s: float = 0.0  # between tokens
+    first_delay_s: float = 0.0  # before the first token
+    finish_reason: str = "stop"
+    die_after: int | None = None  # close the connection after this many tokens
+    error_after: int | None = None  # send a runtime error event after this many tokens
+    status: int | None = None  # answer with this HTTP error status instead
+    error_body: Any = None
+    hang: bool = False  # never answer
+    malformed_after: int | None = None  # send garbage after this many tokens
+    prompt_tokens: int = 7
+    usage_in_stream: bool = True
+
+
+@dataclass
+class Recorder:
+    """What a double saw: bodies, concurrency, cancellations."""
+
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    cancelled: int = 0
+    completed: int = 0
+    token_times: list[float] = field(default_factory=list)
+
+    def enter(self, body: dict[str, Any]) -> None:
+        self.bodies.append(body)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+
+async def _kill_connection(request: web.Request) -> None:
+    transport = request.transport
+    if transport is not None:
+        transport.abort()  # RST mid-stream, as a crashing runtime does
+    raise asyncio.CancelledError
+
+
+# ----------------------------------------------------------------- OpenAI-compatible
+def openai_upstream(script: Script, recorder: Recorder, model_id: str = "test-model") -> web.Application:
+    """A scripted OpenAI-compatible server: /v1/models, /v1/chat/completions, /v1/completions."""
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": model_id, "object": "model", "created": 1, "owned_by": "double"}]})
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        chat = request.path.endswith("chat/completions")
+        recorder.enter(body)
+        try:
+            if script.hang:
+                await asyncio.sleep(3600)
+            if script.status is not None:
+                return web.json_response(
+                    script.error_body or {"error": {"code": script.status, "message": "scripted failure", "type": "server_error"}},
+                    status=script.status,
+                )
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            cid = "chatcmpl-double"
+            base = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": 1, "model": model_id}
+
+            def frame(obj: dict[str, Any]) -> bytes:
+                return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+            if script.first_delay_s:
+                await asyncio.sleep(script.first_delay_s)
+            if chat:
+                await resp.write(frame(base | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}))
+            for i, text in enumerate(script.tokens):
+                if script.die_after is not None and i == script.die_after:
+                    await _kill_connection(request)
+                if script.error_after is not None and i == script.error_after:
+                    await resp.write(frame({"error": {"code": 500, "message": "scripted runtime crash", "type": "server_error"}}))
+                    return resp
+                if script.malformed_after is not None and i == script.malformed_after:
+                    await resp.write(b"data: {not json\n\n")
+                    return resp
+                if i and script.delay_s:
+                    await asyncio.sleep(script.delay_s)
+                recorder.token_times.append(time.monotonic())
+                choice = {"index": 0, "delta": {"content": text}, "finish_reason": None} if chat else {"index": 0, "text": text, "finish_reason": None}
+                await resp.write(frame(base | {"choices": [choice]}))
+            final = {"index": 0, "delta": {}, "finish_reason": script.finish_reason} if chat else {"index": 0, "text": "", "finish_reason": script.finish_reason}
+            await resp.write(frame(base | {"choices": [final]}))
+            include = (body.get("stream_options") or {}).get("include_usage")
+            if include and script.usage_in_stream:
+                usage = {"prompt_tokens": script.prompt_tokens, "completion_tokens": len(script.tokens), "total_tokens": script.prompt_tokens + len(script.tokens)}
+                await resp.write(frame(base | {"choices": [], "usage": usage}))
+            await resp.write(b"data: [DONE]\n\n")
+            recorder.completed += 1
+            return resp
+        except asyncio.CancelledError:
+            recorder.cancelled += 1
+            raise
+        finally:
+            recorder.in_flight -= 1
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", generate)
+    app.router.add_post("/v1/completions", generate)
+    return app
+
+
+# ---------------------------------------------------------------------------- Ollama
+def ollama_double(script: Script, recorder: Recorder, models: list[str] | None = None) -> web.Application:
+    """Ollama's native API: /api/version, /api/tags, /api/ps, /api/chat, /api/generate (NDJSON)."""
+    tags = payload("ollama/tags_response.json")
+    known = models or [m["name"] for m in tags["models"]]
+    chat_template = ndjson("ollama/chat_stream.ndjson")
+    gen_template = ndjson("ollama/generate_stream_with_done_reason.ndjson")
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response(payload("ollama/version_response.json"))
+
+    async def list_tags(request: web.Request) -> web.Response:
+        return web.json_response(tags)
+
+    async def ps(request: web.Request) -> web.Response:
+        body = payload("ollama/ps_response.json")
+        for m in body["models"]:
+            m["context_length"] = 4096
+        return web.json_response(body)
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        chat = request.path == "/api/chat"
+        recorder.enter(body)
+        try:
+            if body.get("model") not in known:
+                return web.json_response({"error": f'model "{body.get("model")}" not found, try pulling it first'}, status=404)
+            if script.status == 503:
+                return web.json_response(payload("ollama/error_queue_full_503.json"), status=503)
+            if script.status is not None:
+                return web.json_response(payload("ollama/error_response.json"), status=script.status)
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await resp.prepare(request)
+            template = chat_template[0] if chat else gen_template[0]
+            for i, text in enumerate(script.tokens):
+                if script.error_after is not None and i == script.error_after:
+                    await resp.write(json.dumps(ndjson("ollama/stream_error.ndjson")[-1]).encode() + b"\n")
+                    return resp
+                if script.die_after is not None and i == script.die_after:
+                    return resp  # EOF without done:true
+                if i and script.delay_s:
+                    await asyncio.sleep(script.delay_s)
+                obj = dict(template, model=body["model"])
+                if chat:
+                    obj["message"] = {"role": "assistant", "content": text}
+                else:
+                    obj["response"] = text
+                await resp.write(json.dumps(obj).encode() + b"\n")
+            final = dict(chat_template[-1] if chat else gen_template[-1])
+            final.update(model=body["model"], done=True, done_reason="length" if script.finish_reason == "length" else "stop")
+            if chat:
+                final["message"] = {"role": "assistant", "content": ""}
+            else:
+                final["response"] = ""
+            final.update(prompt_eval_count=script.prompt_tokens, eval_count=len(script.tokens), total_duration=4883583458, eval_duration=4535599000)
+            await resp.write(json.dumps(final).encode() + b"\n")
+            recorder.completed += 1
+            return resp
+        except asyncio.CancelledError:
+            recorder.cancelled += 1
+            raise
+        finally:
+            recorder.in_flight -= 1
+
+    app = web.Application()
+    app.router.add_get("/api/version", version)
+    app.router.add_get("/api/tags", list_tags)
+    app.router.add_get("/api/ps", ps)
+    app.router.add_post("/api/chat", generate)
+    app.router.add_post("/api/generate", generate)
+    return app
+
+
+# ------------------------------------------------------------------------- LM Studio
+def lmstudio_double(script: Script, recorder: Recorder, loaded: bool = True) -> web.Application:
+    """LM Studio: OpenAI routes, /api/v0/models, the no-models-loaded error, 200 on unknown routes."""
+    models = payload("lmstudio/api_v0_models_response.json")
+    if loaded:
+        models["data"][1]["state"] = "loaded"
+    model_id = models["data"][1]["id"]
+    inner = openai_upstream(script, recorder, model_id)
+
+    async def v0_models(request: web.Request) -> web.Response:
+        return web.json_response(models)
+
+    async def v1_models(request: web.Request) -> web.Response:
+        data = [{"id": m["id"], "object": "model", "owned_by": m["publisher"]} for m in models["data"]]
+        return web.json_response({"object": "list", "data": data})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        if not loaded:
+            return web.json_response(payload("lmstudio/error_no_models_loaded.json"), status=404)
+        return await _delegate(inner, request)
+
+    async def unknown(request: web.Request) -> web.Response:
+        # LM Studio answers unknown routes with 200 (lmstudio-bug-tracker#1879).
+        return web.json_response({"error": f"Unexpected endpoint or method. ({request.method} {request.path}). Returning 200 anyway"})
+
+    app = web.Application()
+    app.router.add_get("/api/v0/models", v0_models)
+    app.router.add_get("/v1/models", v1_models)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", chat)
+    app.router.add_route("*", "/{tail:.*}", unknown)
+    return app
+
+
+async def _delegate(inner: web.Application, request: web.Request) -> web.StreamResponse:
+    match = await inner.router.resolve(request)
+    return await match.handler(request)
+
+
+# --------------------------------------------------------------------- Foundry Local
+def foundry_double(script: Script, recorder: Recorder) -> web.Application:
+    """Foundry Local: /openai/status, /foundry/list, /openai/models, the /v1/models envelope,
+    and OpenAI chat that only knows model ids, not aliases."""
+    model_id = "Phi-4-mini-instruct-generic-cpu"
+    inner = openai_upstream(script, recorder, model_id)
+    catalog = [
+        {"name": "Phi-4-mini-instruct-generic-gpu", "alias": "phi-4-mini", "runtime": {"deviceType": "GPU", "executionProvider": "CUDAExecutionProvider"}},
+        {"name": model_id, "alias": "phi-4-mini", "runtime": {"deviceType": "CPU", "executionProvider": "CPUExecutionProvider"}},
+    ]
+
+    async def status(request: web.Request) -> web.Response:
+        body = payload("foundry/openai_status_response.json")
+        body["Endpoints"] = [f"http://127.0.0.1:{request.url.port}"]
+        return web.json_response(body)
+
+    async def foundry_list(request: web.Request) -> web.Response:
+        return web.json_response(catalog)
+
+    async def v1_models(request: web.Request) -> web.Response:
+        body = payload("foundry/v1_models_response_empty.json")
+        body["data"] = [{"id": model_id, "object": "model", "owned_by": "Microsoft"}]
+        return web.json_response(body)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body.get("model") not in (model_id, "Phi-4-mini-instruct-generic-gpu"):
+            return web.json_response(
+                {"error": {"message": f"No OpenAIService provider found for modelName {body.get('model')}", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}},
+                status=400,
+            )
+        return await _delegate(inner, request)
+
+    app = web.Application()
+    app.router.add_get("/openai/status", status)
+    app.router.add_get("/foundry/list", foundry_list)
+    app.router.add_get("/openai/models", lambda r: web.json_response(payload("foundry/openai_models_response.json")))
+    app.router.add_get("/v1/models", v1_models)
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
