@@ -285,7 +285,10 @@ def foundry_double(script: Script, recorder: Recorder) -> web.Application:
     app = web.Application()
     app.router.add_get("/openai/status", status)
     app.router.add_get("/foundry/list", foundry_list)
-    app.router.add_get("/openai/models", lambda r: web.json_response(payload("foundry/openai_models_response.json")))
+    async def openai_models(request: web.Request) -> web.Response:
+        return web.json_response(payload("foundry/openai_models_response.json"))
+
+    app.router.add_get("/openai/models", openai_models)
     app.router.add_get("/v1/models", v1_models)
     app.router.add_post("/v1/chat/completions", chat)
     return app

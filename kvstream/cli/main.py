@@ -18,7 +18,6 @@ from kvstream.config import ConfigError, LoadedSettings, describe, load_settings
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="KVStream: a KV-aware proxy for local LLM runtimes.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect the configuration.")
 app.add_typer(config_app, name="config")
-err = Console(stderr=True)
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML config file (default: ./kvstream.yaml)")]
 
@@ -27,7 +26,7 @@ def _load(cli: dict[str, dict[str, Any]], config: Path | None) -> LoadedSettings
     try:
         return load_settings(cli, config)
     except ConfigError as exc:
-        err.print(f"[red]config error:[/red] {exc}", highlight=False)
+        print(f"config error: {exc}", file=sys.stderr)
         raise typer.Exit(2) from None
 
 
@@ -62,7 +61,7 @@ def serve(
     except SystemExit:
         raise
     except OSError as exc:
-        err.print(f"[red]cannot start:[/red] {exc}", highlight=False)
+        print(f"cannot start: {exc}", file=sys.stderr)
         raise typer.Exit(1) from None
 
 

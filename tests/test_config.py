@@ -1,0 +1,95 @@
+"""Configuration precedence (CLI > env > YAML > defaults), provenance, and one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvstream.config import ConfigError, Settings, describe, load_settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_defaults(tmp_path):
+    loaded = load_settings(environ={}, cwd=tmp_path)
+    s = loaded.settings
+    assert s.server.host == "127.0.0.1" and s.server.port == 8080
+    assert s.memory.block_size == 16 and s.memory.num_gpu_blocks == "auto"
+    assert set(loaded.sources.values()) == {"default"}
+
+
+def test_precedence_cli_over_env_over_yaml_over_defaults(tmp_path):
+    (tmp_path / "kvstream.yaml").write_text(
+        "memory:\n  num_gpu_blocks: 100\n  num_cpu_blocks: 7\nscheduler:\n  max_batch_size: 3\nserver:\n  port: 9000\n"
+    )
+    env = {"KVSTREAM_MEMORY__NUM_GPU_BLOCKS": "4096", "KVSTREAM_SCHEDULER__MAX_BATCH_SIZE": "5"}
+    loaded = load_settings({"scheduler": {"max_batch_size": 9}}, environ=env, cwd=tmp_path)
+    s = loaded.settings
+    assert s.scheduler.max_batch_size == 9 and loaded.sources["scheduler.max_batch_size"] == "cli"
+    assert s.memory.num_gpu_blocks == 4096 and loaded.sources["memory.num_gpu_blocks"] == "KVSTREAM_MEMORY__NUM_GPU_BLOCKS"
+    assert s.memory.num_cpu_blocks == 7 and loaded.sources["memory.num_cpu_blocks"].endswith("kvstream.yaml")
+    assert s.server.port == 9000
+    assert s.server.host == "127.0.0.1" and loaded.sources["server.host"] == "default"
+
+
+def test_short_env_forms_and_long_form_wins(tmp_path):
+    env = {"KVSTREAM_BACKEND": "ollama", "KVSTREAM_BACKEND_URL": "http://box:11434"}
+    s = load_settings(environ=env, cwd=tmp_path).settings
+    assert s.backend.type == "ollama" and s.backend.base_url == "http://box:11434"
+    env["KVSTREAM_BACKEND__TYPE"] = "lmstudio"
+    assert load_settings(environ=env, cwd=tmp_path).settings.backend.type == "lmstudio"
+
+
+def test_explicit_config_path(tmp_path):
+    path = tmp_path / "other.yaml"
+    path.write_text("prefix_cache:\n  enabled: false\n")
+    assert load_settings(config_path=path, environ={}, cwd=tmp_path).settings.prefix_cache.enabled is False
+    with pytest.raises(ConfigError, match="no such file"):
+        load_settings(config_path=tmp_path / "missing.yaml", environ={})
+
+
+@pytest.mark.parametrize(
+    "env, yaml_text, message",
+    [
+        ({"KVSTREAM_MEMORY__BLOCK_SIZE": "12"}, None, "memory.block_size (from KVSTREAM_MEMORY__BLOCK_SIZE)"),
+        ({"KVSTREAM_SCHEDULER__PREEMPTION_POLICY": "kill"}, None, "scheduler.preemption_policy"),
+        ({"KVSTREAM_MEMORY__NUM_GPU_BLOCKS": "0"}, None, "memory.num_gpu_blocks"),
+        ({"KVSTREAM_SERVER__PORTT": "1"}, None, "unknown setting server.portt"),
+        ({}, "memory:\n  block_size: 64\n", "memory.block_size (from"),
+        ({}, "memroy:\n  block_size: 16\n", "unknown section 'memroy'"),
+        ({}, "server: [1, 2\n", "not valid YAML"),
+    ],
+)
+def test_invalid_values_fail_with_one_line_naming_the_key(tmp_path, env, yaml_text, message):
+    if yaml_text is not None:
+        (tmp_path / "kvstream.yaml").write_text(yaml_text)
+    with pytest.raises(ConfigError) as err:
+        load_settings(environ=env, cwd=tmp_path)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_api_keys_from_env_are_split_and_never_shown(tmp_path):
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text("# comment\nk-file\n")
+    env = {"KVSTREAM_SERVER__API_KEYS": "k1, k2", "KVSTREAM_SERVER__API_KEYS_FILE": str(keys_file)}
+    loaded = load_settings(environ=env, cwd=tmp_path)
+    assert loaded.settings.accepted_keys() == ["k1", "k2", "k-file"]
+    shown = " ".join(value for _, value, _ in describe(loaded))
+    assert "k1" not in shown and "k2" not in shown and "(2 set, hidden)" in shown
+
+
+def test_repo_kvstream_yaml_lists_every_key_with_its_default():
+    """The documented file is the defaults, key for key (docs as tests)."""
+    data = yaml.safe_load((REPO / "kvstream.yaml").read_text())
+    defaults = Settings().model_dump(mode="json")
+    for section, values in defaults.items():
+        assert set(data[section]) == set(values), section
+        for key, value in values.items():
+            assert data[section][key] == value, f"{section}.{key}"
+    text = (REPO / "kvstream.yaml").read_text()
+    for section, values in defaults.items():
+        for key in values:
+            line = next(line for line in text.splitlines() if line.startswith(f"  {key}:"))
+            assert "#" in line, f"{section}.{key} has no comment"

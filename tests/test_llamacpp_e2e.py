@@ -1,0 +1,159 @@
+"""End to end through KVStream against the real llama-server running the real SmolLM2 model,
+driven by the official openai client, compared with calling llama-server directly."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import aiohttp
+import openai
+import pytest
+
+from kvstream.backends import GenerateRequest, LlamaCppBackend
+
+pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(300)]
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "List three colors.",
+    "What is 2 + 2?",
+]
+
+
+def clients(proxy, llama_server) -> tuple[openai.AsyncOpenAI, openai.AsyncOpenAI]:
+    return (
+        openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0),
+        openai.AsyncOpenAI(base_url=llama_server.url + "/v1", api_key="unused", max_retries=0),
+    )
+
+
+@pytest.fixture
+async def proxy(start_proxy, llama_server):
+    return await start_proxy(LlamaCppBackend(llama_server.url), scheduler={"max_batch_size": 2})
+
+
+async def model_id(c: openai.AsyncOpenAI) -> str:
+    return (await c.models.list()).data[0].id
+
+
+async def test_chat_greedy_output_and_usage_equal_direct(proxy, llama_server):
+    via, direct = clients(proxy, llama_server)
+    model = await model_id(via)
+    assert model == await model_id(direct)
+    for question in QUESTIONS:
+        kwargs = dict(model=model, messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0)
+        # Cold in both runs: llama-server's cache can make a revisit differ (documented).
+        await direct.chat.completions.create(**kwargs)
+        a = await direct.chat.completions.create(**kwargs)
+        b = await via.chat.completions.create(**kwargs)
+        assert b.choices[0].message.content == a.choices[0].message.content, question
+        assert b.choices[0].finish_reason == a.choices[0].finish_reason
+        assert (b.usage.prompt_tokens, b.usage.completion_tokens) == (a.usage.prompt_tokens, a.usage.completion_tokens)
+    assert proxy.engine.scheduler.bm.is_idle()
+
+
+async def test_streaming_equals_non_streaming_and_completions_work(proxy, llama_server):
+    via, direct = clients(proxy, llama_server)
+    model = await model_id(via)
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=16, temperature=0)
+    whole = await via.chat.completions.create(**kwargs)
+    stream = await via.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    pieces, usage, finish = [], None, None
+    async for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert usage.completion_tokens == whole.usage.completion_tokens and finish == whole.choices[0].finish_reason
+    a = await direct.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    b = await via.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert b.choices[0].text == a.choices[0].text
+    assert b.usage.prompt_tokens == a.usage.prompt_tokens
+    # max_tokens reached: "length", as the runtime says.
+    assert b.choices[0].finish_reason == "length"
+
+
+async def test_prompt_token_count_is_exact(proxy, llama_server):
+    backend = proxy.engine.backend
+    via, _ = clients(proxy, llama_server)
+    model = await model_id(via)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there, how are you?"}]
+    tokens = await backend.tokenize(GenerateRequest(model=model, messages=messages))
+    out = await via.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    assert len(tokens) == out.usage.prompt_tokens
+    tokens = await backend.tokenize(GenerateRequest(model=model, prompt="Once upon a time"))
+    out = await via.completions.create(model=model, prompt="Once upon a time", max_tokens=4, temperature=0)
+    assert len(tokens) == out.usage.prompt_tokens
+
+
+async def test_pool_is_sized_from_the_runtime(proxy, http):
+    async with http.get(proxy.url + "/ready") as resp:
+        assert resp.status == 200
+    status = proxy.engine.snapshot()
+    # llama-server -np 2 -c 4096: two slots of 2048 tokens.
+    assert status["model_context"] == 2048
+    assert status["kv"]["blocks_total"] * status["kv"]["block_size"] == 4096
+    assert status["queue"]["max_batch_size"] == 2
+
+
+async def test_64_concurrent_streams_never_exceed_two_in_flight(proxy, llama_server):
+    """Admission control: 64 clients, max_batch_size 2: everything completes, llama-server
+    never queues a request itself (requests_deferred stays 0), the pool ends all-free."""
+    via, _ = clients(proxy, llama_server)
+    model = await model_id(via)
+    system = "You are a helpful assistant. Answer in one short sentence. " * 4  # a shared prefix
+    observed = {"deferred": 0.0, "processing": 0.0, "running": 0}
+    done = asyncio.Event()
+
+    async def watch():
+        async with aiohttp.ClientSession() as session:
+            while not done.is_set():
+                async with session.get(llama_server.url + "/metrics") as resp:
+                    text = await resp.text()
+                for name in ("deferred", "processing"):
+                    match = re.search(rf"^llamacpp:requests_{name} (\S+)$", text, re.M)
+                    observed[name] = max(observed[name], float(match.group(1)))
+                observed["running"] = max(observed["running"], len(proxy.engine.scheduler.running))
+                await asyncio.sleep(0.05)
+
+    async def one(i: int) -> str:
+        stream = await via.chat.completions.create(
+            model=model,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Say the number {i}."}],
+            max_tokens=8, temperature=0, stream=True,
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    watcher = asyncio.create_task(watch())
+    results = await asyncio.gather(*(one(i) for i in range(64)))
+    done.set()
+    await watcher
+    assert len(results) == 64 and all(results)
+    assert observed["deferred"] == 0 and observed["processing"] <= 2 and observed["running"] <= 2
+    assert proxy.engine.scheduler.bm.is_idle()
+    assert proxy.engine.stats.requests_finished == 64
+    # The shared system prompt was counted once: later requests hit its cached blocks.
+    assert proxy.engine.stats.prefix_hit_tokens > 0
+
+
+async def test_client_disconnect_stops_the_runtime(proxy, llama_server):
+    via, _ = clients(proxy, llama_server)
+    model = await model_id(via)
+    async with aiohttp.ClientSession() as session:
+        body = {"model": model, "messages": [{"role": "user", "content": "Tell me a very long story."}], "max_tokens": 1500, "stream": True}
+        async with session.post(proxy.v1 + "/chat/completions", json=body) as resp:
+            for _ in range(4):
+                await resp.content.readline()
+    for _ in range(100):
+        async with aiohttp.ClientSession() as session:
+            async with session.get(llama_server.url + "/slots") as resp:
+                slots = await resp.json()
+        if not any(s["is_processing"] for s in slots) and proxy.engine.scheduler.bm.is_idle():
+            break
+        await asyncio.sleep(0.1)
+    assert not any(s["is_processing"] for s in slots), "llama-server kept generating for a client that left"
+    assert proxy.engine.scheduler.bm.is_idle()

@@ -1,0 +1,166 @@
+"""The Ollama, LM Studio and Foundry Local adapters against protocol-faithful doubles, driven
+through the proxy by the official openai client."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import openai
+import pytest
+
+from kvstream.backends import FoundryBackend, LMStudioBackend, OllamaBackend
+from kvstream.backends.foundry import parse_status_output, resolve_alias
+from tests.doubles import PROTOCOLS, Script, foundry_double, lmstudio_double, ollama_double
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def client(proxy) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+
+
+# ---------------------------------------------------------------------------- Ollama
+@pytest.fixture
+async def ollama(start_upstream, start_proxy):
+    script = Script(tokens=["The", " sky", " is", " blue"], prompt_tokens=26)
+    url, recorder = await start_upstream(script, factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url))
+    return proxy, script, recorder
+
+
+async def test_ollama_chat_maps_options_usage_and_done_reason(ollama):
+    proxy, script, recorder = ollama
+    out = await client(proxy).chat.completions.create(
+        model="llama3.2:latest",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Why is the sky blue?"}]}],
+        max_tokens=20, temperature=0.1, top_p=0.9, seed=42, stop=["\n\n"],
+    )
+    assert out.choices[0].message.content == "The sky is blue"
+    assert out.usage.prompt_tokens == 26 and out.usage.completion_tokens == 4
+    sent = recorder.bodies[0]
+    assert sent["messages"] == [{"role": "user", "content": "Why is the sky blue?"}]
+    assert sent["options"] == {"num_predict": 20, "temperature": 0.1, "top_p": 0.9, "seed": 42, "stop": ["\n\n"]}
+    assert sent["stream"] is True
+    script.finish_reason = "length"
+    out = await client(proxy).completions.create(model="llama3.2:latest", prompt="Why", max_tokens=4)
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text == "The sky is blue"
+    assert recorder.bodies[1]["prompt"] == "Why"
+
+
+async def test_ollama_streams_and_lists_models(ollama):
+    proxy, *_ = ollama
+    models = await client(proxy).models.list()
+    assert [m.id for m in models.data] == ["deepseek-r1:latest", "llama3.2:latest"]
+    stream = await client(proxy).chat.completions.create(model="llama3.2:latest", messages=[{"role": "user", "content": "hi"}], stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text == "The sky is blue"
+    # Soft backend: the pool is sized from /api/ps context_length x parallel (1).
+    assert proxy.engine.scheduler.bm.pool.num_blocks * proxy.engine.scheduler.bm.block_size == 4096
+    assert proxy.engine.scheduler.bm.is_idle()
+
+
+async def test_ollama_errors(ollama):
+    proxy, script, _ = ollama
+    c = client(proxy)
+    with pytest.raises(openai.NotFoundError):  # unknown to /api/tags: KVStream's own 404
+        await c.chat.completions.create(model="mistral", messages=[{"role": "user", "content": "hi"}])
+    script.status = 503  # Ollama's "server busy" queue-full answer
+    with pytest.raises(openai.InternalServerError) as err:
+        await c.chat.completions.create(model="llama3.2:latest", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status_code == 503 and "maximum pending requests exceeded" in err.value.message
+    script.status = None
+    script.error_after = 2  # {"error": ...} line mid-stream
+    with pytest.raises(openai.APIError, match="error was encountered while running the model"):
+        stream = await c.chat.completions.create(model="llama3.2:latest", messages=[{"role": "user", "content": "hi"}], stream=True)
+        async for _ in stream:
+            pass
+    script.error_after, script.die_after = None, 2  # EOF without done:true
+    with pytest.raises(openai.APIStatusError) as err:
+        await c.chat.completions.create(model="llama3.2:latest", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status_code == 502 and "done:true" in err.value.message
+    assert proxy.engine.scheduler.bm.is_idle()
+
+
+def test_ollama_tool_calls_and_images_translate_both_ways():
+    from kvstream.backends.ollama import _openai_tool_calls, to_ollama_messages
+
+    messages = to_ollama_messages([
+        {"role": "user", "content": [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD"}}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "content": "2", "name": "f"},
+    ])
+    assert messages[0] == {"role": "user", "content": "what is this?", "images": ["QUJD"]}
+    assert messages[1]["tool_calls"] == [{"function": {"name": "f", "arguments": {"x": 1}}}]  # an object, as Ollama wants
+    assert messages[2]["tool_name"] == "f"
+    stream = [json.loads(line) for line in (PROTOCOLS / "ollama/chat_stream_tools.ndjson").read_text().splitlines() if line.strip()]
+    calls = _openai_tool_calls(stream[0]["message"]["tool_calls"], 0)
+    assert isinstance(calls[0]["function"]["arguments"], str)  # a JSON string, as OpenAI wants
+    assert json.loads(calls[0]["function"]["arguments"]) == stream[0]["message"]["tool_calls"][0]["function"]["arguments"]
+
+
+# ------------------------------------------------------------------------- LM Studio
+async def test_lmstudio_chat_and_context_from_api_v0(start_upstream, start_proxy):
+    url, recorder = await start_upstream(Script(), factory=lmstudio_double)
+    proxy = await start_proxy(LMStudioBackend(url))
+    out = await client(proxy).chat.completions.create(model="meta-llama-3.1-8b-instruct", messages=[{"role": "user", "content": "hi"}])
+    assert out.choices[0].message.content == "Hello, world!"
+    limits = proxy.engine.limits
+    assert limits.n_ctx_per_request == 131072 and limits.parallel == 4  # the loaded model's context
+    assert proxy.engine.scheduler.config.max_batch_size == 4
+
+
+async def test_lmstudio_no_model_loaded_passes_its_error_on(start_upstream, start_proxy):
+    url, _ = await start_upstream(Script(), factory=lmstudio_double, loaded=False)
+    proxy = await start_proxy(LMStudioBackend(url))
+    with pytest.raises(openai.NotFoundError) as err:
+        await client(proxy).chat.completions.create(model="meta-llama-3.1-8b-instruct", messages=[{"role": "user", "content": "hi"}])
+    assert "No models loaded" in err.value.message
+    assert err.value.body["code"] == "model_not_found"
+
+
+# --------------------------------------------------------------------- Foundry Local
+def test_foundry_status_output_parsing():
+    text = (PROTOCOLS / "foundry/cli_service_status_outputs.txt").read_text()
+    blocks = text.split("\n\n")
+    assert parse_status_output(blocks[0]) == "http://127.0.0.1:55064"  # the /openai/status path is dropped
+    assert parse_status_output(blocks[1]) is None  # not running
+    assert parse_status_output(blocks[-1]) == "http://127.0.0.1:52364"  # CLI 0.10.2 `server status`
+
+
+def test_foundry_alias_resolution_prefers_gpu_over_cpu_and_exact_ids():
+    catalog = [
+        {"name": "Phi-4-mini-instruct-generic-cpu", "alias": "phi-4-mini", "runtime": {"deviceType": "CPU"}},
+        {"name": "Phi-4-mini-instruct-generic-gpu", "alias": "phi-4-mini", "runtime": {"deviceType": "GPU"}},
+        {"name": "qwen:1", "alias": "qwen"},
+        {"name": "qwen:3", "alias": "qwen"},
+    ]
+    assert resolve_alias("phi-4-mini", catalog) == "Phi-4-mini-instruct-generic-gpu"
+    assert resolve_alias("PHI-4-MINI-INSTRUCT-GENERIC-CPU", catalog) == "Phi-4-mini-instruct-generic-cpu"
+    assert resolve_alias("qwen", catalog) == "qwen:3"
+    assert resolve_alias("unknown", catalog) is None
+
+
+async def test_foundry_discovered_through_its_cli(start_upstream, start_proxy, tmp_path, monkeypatch):
+    url, recorder = await start_upstream(Script(), factory=foundry_double)
+    port = url.rsplit(":", 1)[1]
+    # A stand-in `foundry` CLI that prints what CLI 0.10.2's `foundry server status` prints.
+    cli = tmp_path / "foundry"
+    cli.write_text(f"#!/bin/sh\n[ \"$1\" = server ] || exit 1\nprintf 'State    Ready\\nWeb URLs http://127.0.0.1:{port}\\n'\n")
+    cli.chmod(cli.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    proxy = await start_proxy(FoundryBackend(None, "phi-4-mini"))
+    assert proxy.engine.backend.base_url == url
+    assert proxy.engine.scheduler.config.max_batch_size == 1  # Foundry serves one at a time
+    out = await client(proxy).chat.completions.create(model="phi-4-mini", messages=[{"role": "user", "content": "hi"}])
+    assert out.choices[0].message.content == "Hello, world!"
+    assert recorder.bodies[0]["model"] == "Phi-4-mini-instruct-generic-gpu"  # the alias became an id
+
+
+async def test_foundry_not_running_is_a_clear_503(start_proxy, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no foundry CLI at all
+    proxy = await start_proxy(FoundryBackend(None, "phi-4-mini"))
+    with pytest.raises(openai.InternalServerError) as err:
+        await client(proxy).chat.completions.create(model="phi-4-mini", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status_code == 503 and "Foundry Local is not running" in err.value.message
