@@ -119,8 +119,9 @@ class Generation:
 
     async def admitted(self) -> None:
         """Wait for a batch slot and KV blocks; QueueTimeout after queue_timeout_s."""
-        done, _ = await asyncio.wait({self.ticket}, timeout=self.engine.settings.scheduler.queue_timeout_s)
-        if not done:
+        if not self.ticket.done():  # admitted at submit(): the common case when not loaded
+            await asyncio.wait({self.ticket}, timeout=self.engine.settings.scheduler.queue_timeout_s)
+        if not self.ticket.done():
             # No await between the check and close(): the scheduler cannot admit us meanwhile.
             rejected = self.engine.stats.rejected
             rejected[QueueTimeout.code] = rejected.get(QueueTimeout.code, 0) + 1

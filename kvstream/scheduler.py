@@ -164,6 +164,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.stats = SchedulerStats()
+        # Non-preemptible mode: blocks each running sequence may still claim, and their sum.
+        self._growth: dict[str, int] = {}
+        self._headroom = 0
 
     # ----------------------------------------------------------------- intake
     def check_fits(self, seq: Sequence) -> None:
@@ -198,15 +201,27 @@ class Scheduler:
         return (seq.priority, seq.arrival, 0.0)
 
     def _headroom_blocks(self) -> int:
-        """Blocks that running non-preemptible sequences may still claim as they grow."""
-        if self.preemptible:
-            return 0
+        """Blocks that running non-preemptible sequences may still claim as they grow
+        (kept incrementally: admission must stay O(1) with hundreds running)."""
+        return self._headroom
+
+    def _recount_headroom(self) -> int:
         total = 0
         for seq in self.running:
             table = self.bm.tables.get(seq.seq_id)
             held = len(table.blocks) if table else 0
             total += max(0, self.bm.blocks_for(seq.max_total_tokens) - held)
         return total
+
+    def _reserve_growth(self, seq: Sequence) -> None:
+        if self.preemptible:
+            return
+        growth = max(0, self.bm.blocks_for(seq.max_total_tokens) - len(self.bm.tables[seq.seq_id].blocks))
+        self._growth[seq.seq_id] = growth
+        self._headroom += growth
+
+    def _release_growth(self, seq: Sequence) -> None:
+        self._headroom -= self._growth.pop(seq.seq_id, 0)
 
     def _blocks_to_admit(self, seq: Sequence) -> int:
         tokens = seq.prompt_token_ids + seq.output_token_ids
@@ -218,6 +233,8 @@ class Scheduler:
     def schedule(self) -> ScheduleOutput:
         """Resume swapped sequences, then admit waiting ones, while slots and blocks allow."""
         out = ScheduleOutput()
+        if not self.waiting and not self.swapped:
+            return out
         now = self.clock()
         for seq in sorted(self.swapped, key=lambda s: self._order_key(s, now)):
             if len(self.running) >= self.config.max_batch_size or not self.bm.can_swap_in(seq.seq_id):
@@ -243,6 +260,7 @@ class Scheduler:
                 # Recompute victims re-entered the queue; put them in their place behind.
                 self.waiting.sort(key=lambda s: self._order_key(s, now))
             seq.num_cached_tokens = self.bm.allocate(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids)
+            self._reserve_growth(seq)
             seq.status = SeqStatus.RUNNING
             seq.admitted_at = now
             self.running.append(seq)
@@ -274,6 +292,10 @@ class Scheduler:
             seq.output_token_ids.append(token_id)
             if copy is not None:
                 out.cow_copies.append(copy)
+            elif self._growth.get(seq.seq_id) and len(self.bm.tables[seq.seq_id].token_ids) % self.bm.block_size == 1:
+                # This token opened a new block: one less the sequence may still claim.
+                self._growth[seq.seq_id] -= 1
+                self._headroom -= 1
             return out
 
     # ------------------------------------------------------------ preemption
@@ -315,6 +337,7 @@ class Scheduler:
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
+        self._release_growth(seq)
         self.bm.free(seq.seq_id)
         seq.status = SeqStatus.FINISHED
 
@@ -332,4 +355,5 @@ class Scheduler:
         for seq in self.waiting:
             assert seq.seq_id not in self.bm.tables and seq.seq_id not in self.bm.swapped
         if not self.preemptible:
-            assert self._headroom_blocks() <= self.bm.num_free_blocks, "growth headroom overcommitted"
+            assert self._headroom == self._recount_headroom(), "growth headroom bookkeeping drifted"
+            assert self._headroom <= self.bm.num_free_blocks, "growth headroom overcommitted"

@@ -47,6 +47,12 @@ class StreamFormatter:
     def __post_init__(self) -> None:
         if not self.id:
             self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        # Every token chunk is the same JSON but for the delta (or text): render the rest
+        # once, so a token costs one small json.dumps (this is the proxy's hot path).
+        marker = "\u0000KVSTREAM\u0000"
+        template = self._chunk([{"index": 0, ("delta" if self.chat else "text"): marker, "logprobs": None, "finish_reason": None}])
+        head, tail = sse(template).split(json.dumps(marker).encode())
+        self._head, self._tail = head, tail
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk: dict[str, Any] = {
@@ -79,7 +85,10 @@ class StreamFormatter:
         return sse(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
 
     def token_chunk(self, token: Token) -> bytes:
-        return sse(self._chunk([self._choice(token, None)]))
+        if token.logprobs is not None:
+            return sse(self._chunk([self._choice(token, None)]))
+        value = token.chat_delta() if self.chat else token.text
+        return self._head + json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode() + self._tail
 
     def finish_chunks(self, finish_reason: str, usage: Usage | None) -> bytes:
         out = sse(self._chunk([self._choice(None, finish_reason)]))
