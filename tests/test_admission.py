@@ -1,0 +1,121 @@
+"""Admission through the HTTP front: queue full, queue timeout, never-fits, priorities, and
+clients that leave while queued; plus the Python API."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from kvstream import KVStreamEngine
+from kvstream.backends import OpenAICompatibleBackend
+from tests.conftest import make_settings
+from tests.doubles import Script
+
+pytestmark = pytest.mark.timeout(60)
+
+BODY = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+@pytest.fixture
+async def one_slot(start_upstream, start_proxy):
+    """A proxy with one slot in front of an upstream that takes 0.5 s per request."""
+    script = Script(tokens=["a", "b"], first_delay_s=0.5)
+    url, recorder = await start_upstream(script)
+    proxy = await start_proxy(
+        OpenAICompatibleBackend(url),
+        scheduler={"max_batch_size": 1, "max_queue_size": 2, "queue_timeout_s": 0.3},
+    )
+    return proxy, script, recorder
+
+
+async def post(session: aiohttp.ClientSession, proxy, body=BODY, headers=None) -> tuple[int, dict, dict]:
+    async with session.post(proxy.v1 + "/chat/completions", json=body, headers=headers or {}) as resp:
+        return resp.status, await resp.json(), dict(resp.headers)
+
+
+async def test_queue_timeout_is_503_with_retry_after(one_slot):
+    proxy, _, recorder = one_slot
+    async with aiohttp.ClientSession() as s:
+        first = asyncio.create_task(post(s, proxy))
+        await asyncio.sleep(0.1)
+        status, body, headers = await post(s, proxy)
+        assert status == 503 and body["error"]["code"] == "queue_timeout"
+        assert int(headers["Retry-After"]) >= 1
+        assert (await first)[0] == 200
+    assert len(recorder.bodies) == 1  # the timed-out request never reached the runtime
+    assert proxy.engine.scheduler.bm.is_idle() and not proxy.engine.scheduler.waiting
+    assert proxy.engine.stats.rejected == {"queue_timeout": 1}
+
+
+async def test_queue_full_is_429_with_retry_after(start_upstream, start_proxy):
+    url, _ = await start_upstream(Script(tokens=["a"], first_delay_s=0.5))
+    proxy = await start_proxy(OpenAICompatibleBackend(url), scheduler={"max_batch_size": 1, "max_queue_size": 1})
+    async with aiohttp.ClientSession() as s:
+        running = asyncio.create_task(post(s, proxy))
+        await asyncio.sleep(0.1)
+        queued = asyncio.create_task(post(s, proxy))
+        await asyncio.sleep(0.1)
+        status, body, headers = await post(s, proxy)
+        assert status == 429 and body["error"]["code"] == "queue_full" and int(headers["Retry-After"]) >= 1
+        assert headers["x-should-retry"] == "true"
+        assert (await running)[0] == 200 and (await queued)[0] == 200
+    assert proxy.engine.scheduler.bm.is_idle()
+
+
+async def test_a_request_that_can_never_fit_is_400_at_once(start_upstream, start_proxy):
+    url, recorder = await start_upstream()
+    proxy = await start_proxy(OpenAICompatibleBackend(url), memory={"num_gpu_blocks": 4, "block_size": 8})
+    async with aiohttp.ClientSession() as s:
+        status, body, headers = await post(s, proxy, BODY | {"max_tokens": 64})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert "32 tokens" in body["error"]["message"] and headers["x-should-retry"] == "false"
+    assert recorder.bodies == []
+
+
+async def test_client_leaving_while_queued_frees_its_place(one_slot):
+    proxy, _, recorder = one_slot
+    proxy.engine.settings.scheduler.queue_timeout_s = 30
+    async with aiohttp.ClientSession() as s:
+        first = asyncio.create_task(post(s, proxy))
+        await asyncio.sleep(0.1)
+        leaver = asyncio.create_task(post(s, proxy))
+        await asyncio.sleep(0.1)
+        assert len(proxy.engine.scheduler.waiting) == 1
+        leaver.cancel()
+        for _ in range(50):
+            if not proxy.engine.scheduler.waiting:
+                break
+            await asyncio.sleep(0.02)
+        assert not proxy.engine.scheduler.waiting
+        assert (await first)[0] == 200
+    assert len(recorder.bodies) == 1 and proxy.engine.scheduler.bm.is_idle()
+
+
+async def test_priority_header_jumps_the_queue(start_upstream, start_proxy):
+    url, recorder = await start_upstream(Script(tokens=["a"], first_delay_s=0.3))
+    proxy = await start_proxy(OpenAICompatibleBackend(url), scheduler={"max_batch_size": 1})
+    async with aiohttp.ClientSession() as s:
+        tasks = [asyncio.create_task(post(s, proxy, BODY | {"messages": [{"role": "user", "content": "first"}]}))]
+        await asyncio.sleep(0.1)
+        tasks.append(asyncio.create_task(post(s, proxy, BODY | {"messages": [{"role": "user", "content": "normal"}]})))
+        await asyncio.sleep(0.05)
+        tasks.append(asyncio.create_task(post(s, proxy, BODY | {"messages": [{"role": "user", "content": "low"}], "priority": "low"})))
+        await asyncio.sleep(0.05)
+        tasks.append(asyncio.create_task(post(s, proxy, BODY | {"messages": [{"role": "user", "content": "urgent"}]}, {"X-KVStream-Priority": "high"})))
+        results = await asyncio.gather(*tasks)
+    assert all(status == 200 for status, _, _ in results)
+    order = [b["messages"][0]["content"] for b in recorder.bodies]
+    assert order == ["first", "urgent", "normal", "low"]
+
+
+async def test_python_api_generate_and_close(start_upstream):
+    url, recorder = await start_upstream()
+    engine = KVStreamEngine(OpenAICompatibleBackend(url, "test-model"), make_settings())
+    tokens = [t async for t in engine.generate("Once upon a time", max_tokens=8)]
+    assert "".join(t.text for t in tokens) == "Hello, world!"
+    assert tokens[-1].finish_reason == "stop" and tokens[-1].usage.completion_tokens == 4
+    assert recorder.bodies[0]["prompt"] == "Once upon a time" and recorder.bodies[0]["max_tokens"] == 8
+    assert engine.scheduler.bm.is_idle()
+    await engine.close()
