@@ -25,6 +25,7 @@ from kvstream.backends.base import (
 )
 from kvstream.config import Settings
 from kvstream.kv.block_manager import UNKNOWN_TOKEN, BlockManager
+from kvstream.metrics import Metrics
 from kvstream.scheduler import Priority, Scheduler, SchedulerConfig, SchedulerError, Sequence
 
 logger = logging.getLogger(__name__)
@@ -94,15 +95,21 @@ class Generation:
             gen.close()
     """
 
-    def __init__(self, engine: KVStreamEngine, request: GenerateRequest, seq: Sequence, exact: bool) -> None:
+    def __init__(
+        self, engine: KVStreamEngine, request: GenerateRequest, seq: Sequence, exact: bool, arrived_at: float | None = None
+    ) -> None:
         self.engine = engine
         self.request = request
         self.seq = seq
         self.exact_prompt = exact
         self.ticket: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.submitted_at = time.monotonic()
+        # When the request reached KVStream (before validation and tokenizing).
+        self.arrived_at = arrived_at if arrived_at is not None else self.submitted_at
         self.admitted_at: float | None = None
+        self.upstream_at: float | None = None
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self.usage: Usage | None = None
         self.finish_reason: str | None = None
         self.num_tokens = 0
@@ -136,10 +143,18 @@ class Generation:
 
     async def _stream(self) -> AsyncIterator[Token]:
         engine = self.engine
+        metrics = engine.metrics
+        self.upstream_at = time.monotonic()
+        if metrics is not None and self.admitted_at is not None:
+            metrics.overhead.observe(max(0.0, self.upstream_at - self.arrived_at - (self.admitted_at - self.submitted_at)))
         async for token in engine.backend.generate(self.request):
             if token.finish_reason is None:
+                now = time.monotonic()
                 if self.first_token_at is None:
-                    self.first_token_at = time.monotonic()
+                    self.first_token_at = now
+                elif metrics is not None:
+                    metrics.observe_token_gap(now - self.last_token_at)  # type: ignore[operator]
+                self.last_token_at = now
                 self.num_tokens += 1
                 engine.scheduler.append(self.seq, token.token_id if token.token_id is not None else UNKNOWN_TOKEN)
                 yield token
@@ -167,6 +182,8 @@ class Generation:
             outcome = "finished" if self.finish_reason else "cancelled"
         if outcome == "finished":
             stats.requests_finished += 1
+            if engine.metrics is not None:
+                engine.metrics.observe_finished(self)
             if self.usage is not None:
                 stats.prompt_tokens += self.usage.prompt_tokens
                 stats.generation_tokens += self.usage.completion_tokens
@@ -181,9 +198,12 @@ class KVStreamEngine:
     """Owns the scheduler, the block manager and the backend; admission is event-driven:
     every arrival, finish and abort runs one synchronous scheduling pass."""
 
-    def __init__(self, backend: BaseBackend, settings: Settings | None = None) -> None:
+    def __init__(self, backend: BaseBackend, settings: Settings | None = None, metrics: Metrics | None = None) -> None:
         self.backend = backend
         self.settings = settings or Settings()
+        self.metrics: Metrics | None = None
+        if metrics is not None:
+            self.attach_metrics(metrics)
         self.stats = EngineStats()
         self.limits = RuntimeLimits()
         self._generations: dict[str, Generation] = {}
@@ -194,6 +214,11 @@ class KVStreamEngine:
         self._models: list[ModelInfo] = []
 
     # ----------------------------------------------------------------- setup
+    def attach_metrics(self, metrics: Metrics) -> None:
+        """Export this engine's state through ``metrics`` and observe its requests."""
+        self.metrics = metrics
+        metrics.bind(self)
+
     def _build_scheduler(self, limits: RuntimeLimits) -> Scheduler:
         memory, sched = self.settings.memory, self.settings.scheduler
         if memory.num_gpu_blocks == "auto":
@@ -312,24 +337,26 @@ class KVStreamEngine:
         text = flatten_messages(request.messages) if request.is_chat else (request.prompt or "")
         return estimate_tokens(text), False
 
-    async def submit(self, request: GenerateRequest, priority: Priority = Priority.NORMAL) -> Generation:
+    async def submit(
+        self, request: GenerateRequest, priority: Priority = Priority.NORMAL, arrived_at: float | None = None
+    ) -> Generation:
         """Count the prompt and queue the request. Raises NeverFits or QueueFull at once."""
         self.stats.requests_total += 1
         prompt_ids, exact = await self.prompt_tokens(request)
+        # Without max_tokens a request may run to the end of the context; with no known
+        # context, assume FALLBACK_MAX_TOKENS, within what the pool can ever hold.
         limit = self.scheduler.config.max_model_len
-        if request.max_tokens is not None:
-            max_tokens = request.max_tokens
-        elif limit is not None:
-            max_tokens = max(1, limit - len(prompt_ids))
-        else:
-            max_tokens = FALLBACK_MAX_TOKENS
+        if limit is None:
+            pool_tokens = self.scheduler.bm.pool.num_blocks * self.scheduler.bm.block_size
+            limit = len(prompt_ids) + min(FALLBACK_MAX_TOKENS, pool_tokens - len(prompt_ids))
+        max_tokens = request.max_tokens if request.max_tokens is not None else max(1, limit - len(prompt_ids))
         seq = Sequence(prompt_ids, max_tokens, priority)
         try:
             self.scheduler.add(seq)
         except SchedulerError as exc:
             self.stats.rejected[exc.code] = self.stats.rejected.get(exc.code, 0) + 1
             raise
-        gen = Generation(self, request, seq, exact)
+        gen = Generation(self, request, seq, exact, arrived_at)
         self._generations[seq.seq_id] = gen
         self._kick()
         return gen

@@ -239,8 +239,10 @@ class Scheduler:
         for seq in sorted(self.swapped, key=lambda s: self._order_key(s, now)):
             if len(self.running) >= self.config.max_batch_size or not self.bm.can_swap_in(seq.seq_id):
                 break
-            out.swap_in_copies += self.bm.swap_in(seq.seq_id)
+            copies = self.bm.swap_in(seq.seq_id)
+            out.swap_in_copies += copies
             self.stats.swap_ins += 1
+            self.stats.swapped_in_blocks += len(copies)
             self.swapped.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

@@ -13,6 +13,7 @@ from kvstream.api.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_midd
 from kvstream.api.state import STATE, AppState
 from kvstream.config import Settings
 from kvstream.engine import KVStreamEngine
+from kvstream.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
     if keys:
         middlewares.append(auth_middleware(keys))
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=middlewares)
+    if engine.metrics is None:
+        engine.attach_metrics(Metrics())
     app[STATE] = AppState(engine=engine, settings=settings)
     app[MAX_BODY_BYTES] = settings.server.max_body_bytes
     app.add_routes(routes_openai.routes)

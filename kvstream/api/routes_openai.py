@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from pathlib import PurePath
 from typing import Any
 
@@ -19,7 +20,7 @@ from kvstream.api.errors import REQUEST_ID, APIError, from_exception, json_body_
 from kvstream.api.openai_format import Aggregate, StreamFormatter
 from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest
 from kvstream.api.state import STATE, AppState
-from kvstream.backends.base import BackendError, Token
+from kvstream.backends.base import BackendError, BackendRejected, BackendUnavailable, Token
 from kvstream.engine import Generation
 from kvstream.scheduler import Priority
 
@@ -83,7 +84,16 @@ def retry_after(state: AppState) -> int:
     return max(1, min(60, math.ceil(per_request * waves)))
 
 
+def _error_kind(exc: BackendError) -> str:
+    if isinstance(exc, BackendUnavailable):
+        return "unavailable"
+    if isinstance(exc, BackendRejected):
+        return "rejected"
+    return "timeout" if exc.status == 504 else "error"
+
+
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    arrived_at = time.monotonic()
     state = request.app[STATE]
     body = await read_body(request, ChatCompletionRequest if chat else CompletionRequest)
     if body.n != 1:
@@ -98,8 +108,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     generate = body.to_generate(request_id)
     generate.model = await resolve_model(state, body.model)
     try:
-        gen = await state.engine.submit(generate, priority)
+        gen = await state.engine.submit(generate, priority, arrived_at)
     except Exception as exc:
+        if isinstance(exc, BackendError):
+            state.engine.metrics.backend_errors.labels(_error_kind(exc)).inc()  # type: ignore[union-attr]
         raise from_exception(exc, retry_after(state)) from None
     outcome = "cancelled"
     stream = aiter(gen)
@@ -132,6 +144,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return web.json_response(build(fmt, token.finish_reason, gen.usage), headers=headers)
     except BackendError as exc:
         outcome = "failed"
+        state.engine.metrics.backend_errors.labels(_error_kind(exc)).inc()  # type: ignore[union-attr]
         logger.warning("[%s] backend error: %s", request_id, exc.message)
         raise from_exception(exc, retry_after(state)) from None
     finally:
@@ -172,6 +185,7 @@ async def _write_stream(
         await response.write_eof()
         return "finished"
     except BackendError as exc:
+        request.app[STATE].engine.metrics.backend_errors.labels(_error_kind(exc)).inc()  # type: ignore[union-attr]
         logger.warning("[%s] backend failed mid-stream: %s", request[REQUEST_ID], exc.message)
         try:
             await response.write(fmt.error_event(from_exception(exc).body()))
@@ -183,14 +197,30 @@ async def _write_stream(
         return "cancelled"  # the client went away; the finally upstream cancels the runtime
 
 
+async def _counted(request: web.Request, chat: bool) -> web.StreamResponse:
+    """Run a generation and count its answer by route and status."""
+    counter = request.app[STATE].engine.metrics.http_requests  # type: ignore[union-attr]
+    route = "chat" if chat else "completions"
+    try:
+        response = await _generate(request, chat)
+    except APIError as exc:
+        counter.labels(route, str(exc.status)).inc()
+        raise
+    except Exception:
+        counter.labels(route, "500").inc()
+        raise
+    counter.labels(route, str(response.status)).inc()
+    return response
+
+
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=True)
+    return await _counted(request, chat=True)
 
 
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=False)
+    return await _counted(request, chat=False)
 
 
 def _model_object(info: Any) -> dict[str, Any]:

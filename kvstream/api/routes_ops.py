@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from kvstream.api.state import STATE
+from kvstream.metrics import CONTENT_TYPE
 
 routes = web.RouteTableDef()
 
@@ -38,3 +39,11 @@ async def ready(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     """A JSON snapshot of backend, queue, KV pool and counters."""
     return web.json_response(request.app[STATE].engine.snapshot())
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text format (see the metrics table in the README)."""
+    engine = request.app[STATE].engine
+    assert engine.metrics is not None
+    return web.Response(body=engine.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

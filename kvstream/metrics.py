@@ -1,0 +1,139 @@
+"""Every Prometheus series KVStream exports, in one place.
+
+Names follow Prometheus conventions (``kvstream_`` prefix, base units, ``_total`` on
+counters, ratios in 0..1) and map onto vLLM's concepts so dashboards translate. Histograms
+are observed on the request path; gauges and counters that the engine already keeps are
+read at scrape time by a collector, so they cost nothing per token.
+
+For remote runtimes the KV series describe KVStream's *estimate* of the runtime's memory;
+``kvstream_kv_estimated`` is 1 then.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstream import __version__
+
+if TYPE_CHECKING:
+    from kvstream.engine import Generation, KVStreamEngine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Latency buckets (seconds) spanning a fast cache hit to a long CPU prefill.
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+_OVERHEAD = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class Metrics:
+    """The registry of one KVStream process (tests build one per app)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.http_requests = Counter(
+            "kvstream_requests", "Generation requests answered, by route and HTTP status.", ["route", "code"], registry=r
+        )
+        self.queue_time = Histogram(
+            "kvstream_queue_time_seconds", "Time a request waited for a batch slot and KV blocks.", buckets=_LATENCY, registry=r
+        )
+        self.ttft = Histogram(
+            "kvstream_time_to_first_token_seconds", "From arrival at KVStream to the first token.", buckets=_LATENCY, registry=r
+        )
+        self.tpot = Histogram(
+            "kvstream_time_per_output_token_seconds", "Mean time per output token after the first, per request.", buckets=_TOKEN, registry=r
+        )
+        self.itl = Histogram(
+            "kvstream_inter_token_latency_seconds", "Time between consecutive tokens of a stream.", buckets=_TOKEN, registry=r
+        )
+        self.e2e = Histogram(
+            "kvstream_e2e_request_latency_seconds", "From arrival to the last token.", buckets=_LATENCY, registry=r
+        )
+        self.overhead = Histogram(
+            "kvstream_proxy_overhead_seconds",
+            "KVStream's own time before the runtime is called (validation, tokenizing, scheduling), queue wait excluded.",
+            buckets=_OVERHEAD,
+            registry=r,
+        )
+        self.backend_errors = Counter(
+            "kvstream_backend_errors", "Runtime failures, by kind.", ["kind"], registry=r
+        )
+        self._engine: KVStreamEngine | None = None
+
+    def bind(self, engine: KVStreamEngine) -> None:
+        """Export the engine's gauges and counters (read at scrape time)."""
+        self._engine = engine
+        self.registry.register(_EngineCollector(self))
+
+    # ---------------------------------------------------------- observations
+    def observe_token_gap(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def observe_finished(self, gen: Generation) -> None:
+        now = time.monotonic()
+        if gen.admitted_at is not None:
+            self.queue_time.observe(gen.admitted_at - gen.submitted_at)
+        if gen.first_token_at is not None:
+            self.ttft.observe(gen.first_token_at - gen.submitted_at)
+            if gen.num_tokens > 1:
+                self.tpot.observe((now - gen.first_token_at) / (gen.num_tokens - 1))
+        self.e2e.observe(now - gen.submitted_at)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator:
+        engine = self.metrics._engine
+        if engine is None:
+            return
+        sched, bm, stats = engine.scheduler, engine.scheduler.bm, engine.stats
+        pool = bm.pool
+        yield InfoMetricFamily("kvstream_build", "KVStream version and backend.", value={"version": __version__, "backend": engine.backend.name})
+        yield GaugeMetricFamily("kvstream_backend_up", "1 when the runtime answered its last health probe.", value=1.0 if engine.ready else 0.0)
+        yield GaugeMetricFamily("kvstream_requests_running", "Requests admitted and in flight to the runtime.", value=len(sched.running))
+        yield GaugeMetricFamily("kvstream_requests_waiting", "Requests queued for admission.", value=len(sched.waiting))
+        yield GaugeMetricFamily("kvstream_requests_swapped", "Preempted requests whose KV is in the host pool.", value=len(sched.swapped))
+        yield GaugeMetricFamily("kvstream_max_batch_size", "Most requests in flight to the runtime at once.", value=sched.config.max_batch_size)
+        yield GaugeMetricFamily("kvstream_kv_estimated", "1 when the KV series estimate a remote runtime's memory, 0 when KVStream owns the KV.", value=0.0 if engine.backend.capabilities.owns_kv else 1.0)
+        yield GaugeMetricFamily("kvstream_kv_block_size_tokens", "Tokens per KV block.", value=bm.block_size)
+        blocks = GaugeMetricFamily("kvstream_kv_blocks", "KV blocks by tier and state.", labels=["tier", "state"])
+        blocks.add_metric(["gpu", "used"], pool.num_used)
+        blocks.add_metric(["gpu", "free"], pool.num_free)
+        blocks.add_metric(["gpu", "cached"], pool.num_cached)
+        blocks.add_metric(["cpu", "used"], bm.num_cpu_blocks - bm.num_free_cpu_blocks)
+        blocks.add_metric(["cpu", "free"], bm.num_free_cpu_blocks)
+        yield blocks
+        yield GaugeMetricFamily("kvstream_kv_usage_ratio", "Fraction of device KV blocks held by live requests (0..1).", value=pool.usage())
+        outcomes = CounterMetricFamily("kvstream_request_outcomes", "Requests that ended, by outcome.", labels=["outcome"])
+        outcomes.add_metric(["finished"], stats.requests_finished)
+        outcomes.add_metric(["failed"], stats.requests_failed)
+        outcomes.add_metric(["cancelled"], stats.requests_cancelled)
+        yield outcomes
+        rejected = CounterMetricFamily("kvstream_admission_rejections", "Requests refused by admission, by reason.", labels=["reason"])
+        for reason in ("queue_full", "queue_timeout", "context_length_exceeded"):
+            rejected.add_metric([reason], stats.rejected.get(reason, 0))
+        yield rejected
+        yield CounterMetricFamily("kvstream_prompt_tokens", "Prompt tokens of finished requests (the runtime's count).", value=stats.prompt_tokens)
+        yield CounterMetricFamily("kvstream_generation_tokens", "Generated tokens of finished requests.", value=stats.generation_tokens)
+        yield CounterMetricFamily("kvstream_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.", value=stats.prefix_query_tokens)
+        yield CounterMetricFamily("kvstream_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.", value=stats.prefix_hit_tokens)
+        yield CounterMetricFamily("kvstream_prefix_cache_query_blocks", "KV blocks looked up in the prefix cache.", value=pool.stats.cache_queries)
+        yield CounterMetricFamily("kvstream_prefix_cache_hit_blocks", "KV blocks found in the prefix cache.", value=pool.stats.cache_hits)
+        yield CounterMetricFamily("kvstream_kv_evictions", "Cached blocks reclaimed for new requests (LRU).", value=pool.stats.evictions)
+        yield CounterMetricFamily("kvstream_preemptions", "Running requests preempted for memory.", value=sched.stats.preemptions)
+        swapped = CounterMetricFamily("kvstream_swapped_blocks", "KV blocks moved between device and host pools.", labels=["direction"])
+        swapped.add_metric(["out"], sched.stats.swapped_out_blocks)
+        swapped.add_metric(["in"], sched.stats.swapped_in_blocks)
+        yield swapped
