@@ -39,6 +39,10 @@ class BackendSettings(_Section):
     connect_timeout_s: float = Field(5.0, gt=0, description="longest to wait for the runtime to accept a connection")
     managed_slots: int = Field(2, ge=1, description="slots (-np) of a llama-server KVStream starts itself")
     managed_ctx: int = Field(4096, ge=256, description="total context (-c) of a llama-server KVStream starts itself")
+    slot_save_path: Path | None = Field(None, description="llama.cpp: the server's --slot-save-path, where KVStream keeps slot files")
+    inject: bool = Field(True, description="llama.cpp: hard KV inject (save and restore slot state) when slot saving works")
+    inject_min_tokens: int = Field(64, ge=1, description="llama.cpp: shortest prefix worth restoring from a slot file")
+    slot_budget_bytes: int = Field(2 * 1024**3, ge=0, description="llama.cpp: most bytes of slot files kept (LRU)")
 
 
 class MemorySettings(_Section):

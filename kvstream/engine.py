@@ -6,6 +6,7 @@ on every way out (finished, failed, cancelled)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import zlib
@@ -147,25 +148,29 @@ class Generation:
         self.upstream_at = time.monotonic()
         if metrics is not None and self.admitted_at is not None:
             metrics.overhead.observe(max(0.0, self.upstream_at - self.arrived_at - (self.admitted_at - self.submitted_at)))
-        async for token in engine.backend.generate(self.request):
-            if token.finish_reason is None:
-                now = time.monotonic()
-                if self.first_token_at is None:
-                    self.first_token_at = now
-                elif metrics is not None:
-                    metrics.observe_token_gap(now - self.last_token_at)  # type: ignore[operator]
-                self.last_token_at = now
-                self.num_tokens += 1
-                engine.scheduler.append(self.seq, token.token_id if token.token_id is not None else UNKNOWN_TOKEN)
+        upstream = engine.backend.generate(self.request)
+        # Closed explicitly, not left to garbage collection: closing is what releases the
+        # runtime's connection (and lets a backend finish its bookkeeping) at once.
+        async with contextlib.aclosing(upstream):
+            async for token in upstream:
+                if token.finish_reason is None:
+                    now = time.monotonic()
+                    if self.first_token_at is None:
+                        self.first_token_at = now
+                    elif metrics is not None:
+                        metrics.observe_token_gap(now - self.last_token_at)  # type: ignore[operator]
+                    self.last_token_at = now
+                    self.num_tokens += 1
+                    engine.scheduler.append(self.seq, token.token_id if token.token_id is not None else UNKNOWN_TOKEN)
+                    yield token
+                    continue
+                self.finish_reason = token.finish_reason
+                self.usage = token.usage or Usage(len(self.seq.prompt_token_ids), self.num_tokens)
+                if token.usage is not None and not self.exact_prompt:
+                    engine.stats.estimated_prompts += 1
+                    engine.stats.estimate_error += abs(token.usage.prompt_tokens - len(self.seq.prompt_token_ids))
                 yield token
-                continue
-            self.finish_reason = token.finish_reason
-            self.usage = token.usage or Usage(len(self.seq.prompt_token_ids), self.num_tokens)
-            if token.usage is not None and not self.exact_prompt:
-                engine.stats.estimated_prompts += 1
-                engine.stats.estimate_error += abs(token.usage.prompt_tokens - len(self.seq.prompt_token_ids))
-            yield token
-            return
+                return
 
     def close(self, outcome: str | None = None) -> None:
         """Release the slot and every block. Idempotent; safe on every exit path."""
@@ -343,6 +348,8 @@ class KVStreamEngine:
         """Count the prompt and queue the request. Raises NeverFits or QueueFull at once."""
         self.stats.requests_total += 1
         prompt_ids, exact = await self.prompt_tokens(request)
+        if exact:
+            request.hints["prompt_tokens"] = prompt_ids  # for slot routing and KV inject
         # Without max_tokens a request may run to the end of the context; with no known
         # context, assume FALLBACK_MAX_TOKENS, within what the pool can ever hold.
         limit = self.scheduler.config.max_model_len

@@ -137,3 +137,25 @@ class _EngineCollector(Collector):
         swapped.add_metric(["out"], sched.stats.swapped_out_blocks)
         swapped.add_metric(["in"], sched.stats.swapped_in_blocks)
         yield swapped
+        inject = getattr(engine.backend, "inject", None)
+        if inject is not None:
+            yield from _inject_families(inject)
+
+
+def _inject_families(inject) -> Iterator:
+    """llama.cpp hard KV inject series (only for a backend that has it)."""
+    s = inject.stats
+    yield GaugeMetricFamily("kvstream_hard_inject_enabled", "1 while hard KV inject (slot save/restore) is on.", value=1.0 if inject.enabled else 0.0)
+    restores = CounterMetricFamily("kvstream_hard_inject_restores", "Slot-file restores, by result.", labels=["result"])
+    restores.add_metric(["ok"], s.restores)
+    restores.add_metric(["failed"], s.restore_failures)
+    restores.add_metric(["ineffective"], s.ineffective)
+    yield restores
+    yield CounterMetricFamily("kvstream_hard_inject_restored_tokens", "Prompt tokens restored instead of prefilled.", value=s.restored_tokens)
+    yield CounterMetricFamily("kvstream_hard_inject_restored_bytes", "Bytes of KV state read back into slots.", value=s.restored_bytes)
+    yield CounterMetricFamily("kvstream_hard_inject_saves", "Slot states saved to disk.", value=s.saves)
+    yield CounterMetricFamily("kvstream_hard_inject_saved_bytes", "Bytes of KV state written to disk.", value=s.saved_bytes)
+    yield CounterMetricFamily("kvstream_hard_inject_evicted_files", "Slot files deleted for the byte budget.", value=s.evicted_files)
+    yield CounterMetricFamily("kvstream_slot_affinity_hits", "Requests routed to a slot already holding their prefix.", value=s.affinity_hits)
+    store = inject.store
+    yield GaugeMetricFamily("kvstream_hard_inject_disk_bytes", "Bytes of slot files on disk.", value=store.total_bytes if store is not None else 0)

@@ -118,16 +118,23 @@ class LlamaServer:
     args: list[str]
 
 
-def launch_llama_server(slots: int = 2, ctx: int = 4096, slot_dir: Path | None = None, extra: list[str] | None = None) -> LlamaServer:
-    """Start llama-server on a free loopback port and wait until it is healthy."""
+def launch_llama_server(
+    slots: int = 2,
+    ctx: int = 4096,
+    slot_dir: Path | None = None,
+    extra: list[str] | None = None,
+    port: int | None = None,
+    slot_saving: bool = True,
+) -> LlamaServer:
+    """Start llama-server on a loopback port and wait until it is healthy."""
     model = smollm2_gguf()
     binary = llama_server_binary()
-    port = free_port()
+    port = port or free_port()
     slot_dir = slot_dir or Path(tempfile.mkdtemp(prefix="kvstream-slots-"))
     # -t 1: with -t 2 on these 2-core machines decode collapses whenever another process
     # (the proxy, the test) is busy.
     args = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-np", str(slots),
-            "-c", str(ctx), "--slot-save-path", str(slot_dir), "--metrics", "--no-webui"] + (extra or [])
+            "-c", str(ctx), "--metrics", "--no-webui"] + (["--slot-save-path", str(slot_dir)] if slot_saving else []) + (extra or [])
     log = open(Path(tempfile.gettempdir()) / f"llama-server-{port}.log", "w")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

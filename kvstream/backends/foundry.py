@@ -10,6 +10,7 @@ at a time, so KVStream's queue is the only useful queue (parallel = 1).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from typing import Any
@@ -140,8 +141,9 @@ class FoundryBackend(OpenAICompatibleBackend):
 
     async def generate(self, request: GenerateRequest):  # type: ignore[override]
         await self.model_id(request.model or self.model)
-        async for token in super().generate(request):
-            yield token
+        async with contextlib.aclosing(super().generate(request)) as tokens:
+            async for token in tokens:
+                yield token
 
     async def limits(self) -> RuntimeLimits:
         return RuntimeLimits(parallel=1)

@@ -1,5 +1,6 @@
 """llama.cpp's llama-server: its OpenAI routes plus /props, /tokenize, /apply-template and
-/health, with ``id_slot`` and ``cache_prompt`` passed through.
+/health, with ``id_slot`` and ``cache_prompt`` passed through, slot affinity, and hard KV
+inject through /slots save and restore (see llamacpp_slots).
 
 Measured here: llama-server closes kept-alive connections after a few requests, and a request
 sent on such a pooled connection fails before any byte returns; UpstreamSession retries
@@ -8,12 +9,20 @@ exactly that case once on a fresh connection.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from kvstream.backends.base import BackendError, Capabilities, GenerateRequest, RuntimeLimits
+from kvstream.backends.base import BackendError, Capabilities, GenerateRequest, RuntimeLimits, Token
 from kvstream.backends.llamacpp_runtime import ManagedLlamaServer, embedded_model
+from kvstream.backends.llamacpp_slots import HardInject, SlotFileStore
 from kvstream.backends.openai_compat import OpenAICompatibleBackend
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SLOT_BUDGET_BYTES = 2 * 1024**3
 
 
 class LlamaCppBackend(OpenAICompatibleBackend):
@@ -28,9 +37,10 @@ class LlamaCppBackend(OpenAICompatibleBackend):
     def __init__(self, base_url: str | None = None, model: str | None = None, **options: Any) -> None:
         super().__init__(base_url, model, **options)
         self.props: dict[str, Any] | None = None
-        # The last timings llama-server reported, per request id (cache_n = reused tokens).
-        self.last_timings: dict[str, dict[str, Any]] = {}
         self.runtime: ManagedLlamaServer | None = None
+        self.inject: HardInject | None = None
+        self.slot_save_path = Path(options["slot_save_path"]) if options.get("slot_save_path") else None
+        self._runtime_restarts = 0
         if not base_url:
             gguf = Path(model) if model else embedded_model()
             if gguf is None or not gguf.is_file():
@@ -42,8 +52,9 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                 gguf,
                 slots=int(options.get("managed_slots") or 2),
                 ctx=int(options.get("managed_ctx") or 4096),
-                slot_save_path=Path(options["slot_save_path"]) if options.get("slot_save_path") else None,
+                slot_save_path=self.slot_save_path,
             )
+            self.slot_save_path = self.runtime.slot_save_path
             self.model = self.runtime.alias
 
     async def start(self) -> None:
@@ -61,7 +72,56 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         info = super().describe()
         if self.runtime is not None:
             info["managed"] = {"pid": self.runtime.pid, "restarts": self.runtime.restarts, "model_path": str(self.runtime.model)}
+        if self.inject is not None:
+            info["hard_inject"] = self.inject.snapshot()
         return info
+
+    async def _setup_inject(self, props: dict[str, Any]) -> None:
+        """On first contact: slot table for affinity, and hard inject if slot saving works."""
+        slots = int(props.get("total_slots") or 1)
+        store = None
+        if self.options.get("inject", True):
+            async with self.http.request("POST", "/slots/0?action=probe", json_body={}, timeout=10) as resp:
+                supported = resp.status != 501  # 400 "Invalid action" when slot actions are on
+            if not supported:
+                logger.warning("llama-server at %s was started without --slot-save-path: hard KV inject is off (soft inject only)", self.base_url)
+            elif self.slot_save_path is None:
+                logger.warning("hard KV inject needs --slot-save-path DIR (the server's slot directory) to manage its files; soft inject only")
+            else:
+                identity = f"{props.get('model_path')}|{props.get('build_info')}|{(props.get('default_generation_settings') or {}).get('n_ctx')}"
+                store = SlotFileStore(
+                    self.slot_save_path, identity, int(self.options.get("block_size") or 16),
+                    int(self.options.get("slot_budget_bytes") or DEFAULT_SLOT_BUDGET_BYTES),
+                )
+                logger.info("hard KV inject on: %d slot files indexed in %s", len(store), self.slot_save_path)
+        self.inject = HardInject(self.http, slots, store, min_tokens=int(self.options.get("inject_min_tokens") or 64))
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
+        prompt = request.hints.get("prompt_tokens")
+        inject = self.inject
+        if inject is None or not prompt:
+            async with contextlib.aclosing(super().generate(request)) as tokens:
+                async for token in tokens:
+                    yield token
+            return
+        if self.runtime is not None and self.runtime.restarts != self._runtime_restarts:
+            self._runtime_restarts = self.runtime.restarts
+            inject.table.forget()  # the managed server restarted: its slots are empty
+        slot, restored = await inject.prepare(prompt)
+        request.hints["id_slot"] = slot.id
+        completed, cached = False, None
+        try:
+            async with contextlib.aclosing(super().generate(request)) as tokens:
+                async for token in tokens:
+                    if token.finish_reason is not None:
+                        completed = True
+                        cached = request.hints.get("cache_n")
+                        if cached is None and token.usage is not None:
+                            cached = token.usage.cached_tokens
+                    yield token
+        finally:
+            # Runs on completion, failure and cancellation alike; saving only after success.
+            await inject.finish(slot, prompt, restored, cached, completed)
 
     def build_body(self, request: GenerateRequest) -> dict[str, Any]:
         body = super().build_body(request)
@@ -72,10 +132,8 @@ class LlamaCppBackend(OpenAICompatibleBackend):
 
     def observe_event(self, event: dict[str, Any], request: GenerateRequest) -> None:
         timings = event.get("timings")
-        if isinstance(timings, dict) and request.request_id:
-            self.last_timings[request.request_id] = timings
-            if len(self.last_timings) > 1024:
-                self.last_timings.pop(next(iter(self.last_timings)))
+        if isinstance(timings, dict) and "cache_n" in timings:
+            request.hints["cache_n"] = int(timings["cache_n"])  # prompt tokens reused from the slot
 
     async def health(self) -> bool:
         try:
@@ -90,6 +148,8 @@ class LlamaCppBackend(OpenAICompatibleBackend):
 
     async def limits(self) -> RuntimeLimits:
         props = await self.fetch_props()
+        if self.inject is None:
+            await self._setup_inject(props)
         slots = int(props.get("total_slots") or 1)
         n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0) or None
         return RuntimeLimits(

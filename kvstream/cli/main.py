@@ -34,7 +34,8 @@ def _load(cli: dict[str, dict[str, Any]], config: Path | None) -> LoadedSettings
 def serve(
     backend: Annotated[Optional[str], typer.Option(help="ollama | llamacpp | lmstudio | foundry | openai | auto")] = None,
     backend_url: Annotated[Optional[str], typer.Option(help="the runtime's URL (default: the runtime's own)")] = None,
-    model: Annotated[Optional[str], typer.Option(help="model to serve (default: the runtime's)")] = None,
+    model: Annotated[Optional[str], typer.Option(help="model to serve (default: the runtime's); llamacpp: a .gguf to run")] = None,
+    slot_save_path: Annotated[Optional[Path], typer.Option(help="llamacpp: the server's slot directory (enables hard KV inject)")] = None,
     host: Annotated[Optional[str], typer.Option(help="address to bind (default 127.0.0.1)")] = None,
     port: Annotated[Optional[int], typer.Option(help="port to listen on (default 8080)")] = None,
     max_batch_size: Annotated[Optional[int], typer.Option(help="most requests in flight upstream")] = None,
@@ -46,7 +47,7 @@ def serve(
     """Start the proxy in front of a runtime."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cli = {
-        "backend": {"type": backend, "base_url": backend_url, "model": model},
+        "backend": {"type": backend, "base_url": backend_url, "model": model, "slot_save_path": slot_save_path},
         "server": {"host": host, "port": port},
         "scheduler": {"max_batch_size": max_batch_size},
         "memory": {"num_gpu_blocks": num_gpu_blocks, "block_size": block_size},

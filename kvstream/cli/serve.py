@@ -26,6 +26,11 @@ def backend_options(settings: Settings) -> dict:
         "connect_timeout_s": b.connect_timeout_s,
         "managed_slots": b.managed_slots,
         "managed_ctx": b.managed_ctx,
+        "slot_save_path": str(b.slot_save_path) if b.slot_save_path else None,
+        "inject": b.inject,
+        "inject_min_tokens": b.inject_min_tokens,
+        "slot_budget_bytes": b.slot_budget_bytes,
+        "block_size": settings.memory.block_size,
     }
 
 

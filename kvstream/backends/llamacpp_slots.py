@@ -1,0 +1,368 @@
+"""Hard KV inject for llama-server: slot affinity, and slot states saved to disk and restored.
+
+llama-server can write a slot's KV cache (with the tokens it holds) to a file and read it
+back into any slot (``POST /slots/{id}?action=save|restore``). KVStream saves the state of
+long prompts and indexes each file by the chained hashes of its prompt's full blocks. When a
+later request shares a long prefix with a saved prompt but no slot holds it (the runtime
+restarted, evicted it, or it was computed on another replica that shares the directory),
+the file is restored into the chosen slot first, so llama-server computes only the suffix.
+
+Correctness does not depend on the index being right: a slot file carries its own tokens and
+llama-server reuses only the longest common token prefix with the new prompt, so a stale or
+mismatched file can cost time, never produce a wrong answer. A corrupt file fails to restore
+(llama-server answers 400 and clears the slot); it is deleted and the request prefilled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstream.kv.hashing import block_hashes, model_key
+
+logger = logging.getLogger(__name__)
+
+# A verified restore: the next request reused at least the restored prefix, give or take a
+# block (llama-server may re-evaluate the tail of what it restored).
+RESTORE_SLACK_TOKENS = 16
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class SlotState:
+    """What KVStream believes one llama-server slot holds."""
+
+    id: int
+    busy: bool = False
+    tokens: list[int] = field(default_factory=list)
+    last_used: float = 0.0
+
+
+@dataclass
+class InjectStats:
+    """Counters for /status and /metrics."""
+
+    restores: int = 0
+    restore_failures: int = 0  # the runtime refused the file (missing, corrupt, no space)
+    ineffective: int = 0  # restored, but the next request did not reuse it
+    restored_tokens: int = 0
+    restored_bytes: int = 0
+    saves: int = 0
+    saved_bytes: int = 0
+    evicted_files: int = 0
+    affinity_hits: int = 0  # requests routed to a slot that already held their prefix
+
+
+class SlotFileStore:
+    """Saved slot files in one directory, indexed by prefix hash, bounded by a byte budget.
+
+    The index lives next to the files (one per model identity, written atomically under a
+    lock), so it survives a KVStream restart and is shared by replicas using the directory.
+    """
+
+    def __init__(self, directory: Path, identity: str, block_size: int, budget_bytes: int) -> None:
+        self.directory = directory
+        self.block_size = block_size
+        self.budget_bytes = budget_bytes
+        self.salt = model_key(identity)
+        self.tag = self.salt.hex()[:12]
+        self.index_path = directory / f"kvstream-index-{self.tag}.json"
+        self.lock_path = directory / f"kvstream-index-{self.tag}.lock"
+        self.identity = identity
+        self._files: dict[str, dict] = {}
+        self._by_hash: dict[str, list[str]] = {}
+        self._mtime = -1.0
+        directory.mkdir(parents=True, exist_ok=True)
+        self._reload()
+
+    # ---------------------------------------------------------------- index
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self.lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                self._reload()
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _reload(self) -> None:
+        try:
+            mtime = self.index_path.stat().st_mtime
+        except FileNotFoundError:
+            self._files, self._by_hash, self._mtime = {}, {}, -1.0
+            return
+        if mtime == self._mtime:
+            return
+        try:
+            data = json.loads(self.index_path.read_text())
+            files = data["files"] if data.get("identity") == self.identity else {}
+        except (ValueError, KeyError, OSError):
+            logger.warning("slot index %s is unreadable; starting a new one", self.index_path)
+            files = {}
+        self._files = {name: meta for name, meta in files.items() if (self.directory / name).is_file()}
+        self._by_hash = {}
+        for name, meta in self._files.items():
+            for h in meta["hashes"]:
+                self._by_hash.setdefault(h, []).append(name)
+        self._mtime = mtime
+
+    def _write(self) -> None:
+        tmp = self.index_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"identity": self.identity, "files": self._files}))
+        os.replace(tmp, self.index_path)
+        self._mtime = self.index_path.stat().st_mtime
+
+    # ---------------------------------------------------------------- queries
+    def prefix_hashes(self, tokens: Sequence[int]) -> list[str]:
+        return [h.hex() for h in block_hashes(tokens, self.block_size, self.salt)]
+
+    def filename_for(self, tokens: Sequence[int]) -> str:
+        """A name derived from the prefix hash only: no user text, no path separators."""
+        hashes = self.prefix_hashes(tokens)
+        return f"kvs-{self.tag}-{hashes[-1][:32]}.bin" if hashes else ""
+
+    def lookup(self, prompt: Sequence[int]) -> tuple[str, int] | None:
+        """The most recently used file holding the longest saved prefix of ``prompt`` (at
+        least one token is left for the runtime to compute), and that prefix's length."""
+        self._reload()
+        hashes = self.prefix_hashes(prompt[: max(0, len(prompt) - 1)])
+        for i in range(len(hashes) - 1, -1, -1):
+            names = self._by_hash.get(hashes[i])
+            if names:
+                best = max(names, key=lambda n: self._files[n]["last_used"])
+                return best, (i + 1) * self.block_size
+        return None
+
+    def covered(self, prompt: Sequence[int]) -> int:
+        found = self.lookup(list(prompt) + [0])
+        return found[1] if found else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(meta["bytes"] for meta in self._files.values())
+
+    def __len__(self) -> int:
+        self._reload()
+        return len(self._files)
+
+    # --------------------------------------------------------------- updates
+    def add(self, name: str, prompt: Sequence[int], nbytes: int) -> list[str]:
+        """Index a file the runtime just wrote; returns the files evicted for the budget."""
+        with self._locked():
+            self._files[name] = {"tokens": len(prompt), "bytes": nbytes, "hashes": self.prefix_hashes(prompt), "last_used": time.time()}
+            evicted = []
+            while self.total_bytes > self.budget_bytes and len(self._files) > 1:
+                oldest = min((n for n in self._files if n != name), key=lambda n: self._files[n]["last_used"])
+                self._drop(oldest)
+                evicted.append(oldest)
+            if self.total_bytes > self.budget_bytes:  # the new file alone exceeds the budget
+                self._drop(name)
+                evicted.append(name)
+            self._rebuild_hashes()
+            self._write()
+        return evicted
+
+    def touch(self, name: str) -> None:
+        with self._locked():
+            if name in self._files:
+                self._files[name]["last_used"] = time.time()
+                self._write()
+
+    def remove(self, name: str) -> None:
+        with self._locked():
+            if name in self._files or (self.directory / name).exists():
+                self._drop(name)
+                self._rebuild_hashes()
+                self._write()
+
+    def _drop(self, name: str) -> None:
+        self._files.pop(name, None)
+        with contextlib.suppress(FileNotFoundError):
+            (self.directory / name).unlink()
+
+    def _rebuild_hashes(self) -> None:
+        self._by_hash = {}
+        for name, meta in self._files.items():
+            for h in meta["hashes"]:
+                self._by_hash.setdefault(h, []).append(name)
+
+
+class SlotTable:
+    """KVStream's view of llama-server's slots, for affinity routing."""
+
+    def __init__(self, count: int) -> None:
+        self.slots = [SlotState(i) for i in range(count)]
+
+    def acquire(self, prompt: Sequence[int]) -> tuple[SlotState, int]:
+        """The idle slot sharing the longest prefix with ``prompt`` (least recently used
+        among equals), marked busy, and the length of that shared prefix."""
+        idle = [s for s in self.slots if not s.busy]
+        if not idle:
+            # More in flight than slots (another client shares the runtime): any slot will
+            # do, llama-server queues the request behind it.
+            idle = list(self.slots)
+        best = max(idle, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
+        best.busy = True
+        return best, common_prefix(best.tokens, prompt)
+
+    def release(self, slot: SlotState, tokens: list[int] | None) -> None:
+        """Mark idle; ``tokens`` is what it holds now (None: unknown, so assume nothing)."""
+        slot.busy = False
+        slot.tokens = tokens or []
+        slot.last_used = time.monotonic()
+
+    def forget(self) -> None:
+        """The runtime lost its KV (restart): believe nothing about any slot."""
+        for slot in self.slots:
+            slot.tokens = []
+
+
+class HardInject:
+    """Routes requests to slots and restores or saves slot files around them.
+
+    Used by LlamaCppBackend: ``prepare`` before the request (choose a slot, restore a file
+    if it saves prefill), ``finish`` after it (verify the reuse, save new long prefixes,
+    release the slot).
+    """
+
+    def __init__(
+        self,
+        http,
+        slots: int,
+        store: SlotFileStore | None,
+        *,
+        min_tokens: int = 64,
+        save_min_new_tokens: int = 128,
+        max_failures: int = 5,
+    ) -> None:
+        self.http = http
+        self.table = SlotTable(slots)
+        self.store = store
+        self.min_tokens = min_tokens
+        self.save_min_new_tokens = save_min_new_tokens
+        self.max_failures = max_failures
+        self.stats = InjectStats()
+        self.enabled = store is not None
+        self._failures_in_a_row = 0
+
+    async def _post(self, path: str, body: dict | None = None) -> tuple[int, dict]:
+        async with self.http.request("POST", path, json_body=body or {}, timeout=120) as resp:
+            try:
+                payload = await resp.json(content_type=None)
+            except ValueError:
+                payload = {}
+            return resp.status, payload if isinstance(payload, dict) else {}
+
+    async def _slot_tokens(self, slot_id: int) -> int | None:
+        """How many tokens llama-server says the slot holds (None if it does not say)."""
+        try:
+            slots = await self.http.get_json("/slots", timeout=10)
+        except Exception as exc:
+            logger.warning("GET /slots failed: %r", exc)
+            return None
+        for slot in slots if isinstance(slots, list) else []:
+            if isinstance(slot, dict) and slot.get("id") == slot_id:
+                # A slot that never ran a task lists no token counts: it holds nothing.
+                value = slot.get("n_prompt_tokens", 0)
+                return int(value) if isinstance(value, int) else None
+        return None
+
+    def _fail(self, why: str) -> None:
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row >= self.max_failures and self.enabled:
+            self.enabled = False
+            logger.error("hard inject disabled after %d failed or ineffective restores in a row (last: %s)", self._failures_in_a_row, why)
+
+    async def prepare(self, prompt: list[int]) -> tuple[SlotState, int]:
+        """Pick the slot for ``prompt``; restore a saved prefix into it when that saves work.
+        Returns the slot and the number of prompt tokens restored (0 if none)."""
+        slot, shared = self.table.acquire(prompt)
+        if shared >= self.min_tokens:
+            # Trust but verify: a restarted runtime holds nothing, whatever we remember.
+            held = await self._slot_tokens(slot.id)
+            if held is not None and held < shared:
+                logger.info("slot %d holds %d tokens, not the %d expected: the runtime lost its KV", slot.id, held, shared)
+                self.table.forget()
+                shared = 0
+            else:
+                self.stats.affinity_hits += 1
+        if not self.enabled or self.store is None:
+            return slot, 0
+        found = self.store.lookup(prompt)
+        if found is None or found[1] < shared + self.min_tokens:
+            return slot, 0
+        name, n_tokens = found
+        status, body = await self._post(f"/slots/{slot.id}?action=restore", {"filename": name})
+        if status != 200 or int(body.get("n_restored") or 0) < n_tokens:
+            self.stats.restore_failures += 1
+            logger.warning("restore of %s into slot %d failed (HTTP %s: %s); prefilling instead", name, slot.id, status, body.get("error", body))
+            await self._post(f"/slots/{slot.id}?action=erase")
+            slot.tokens = []
+            self.store.remove(name)
+            self._fail(f"HTTP {status}")
+            return slot, 0
+        self.stats.restores += 1
+        self.stats.restored_tokens += n_tokens
+        self.stats.restored_bytes += int(body.get("n_read") or 0)
+        self.store.touch(name)
+        slot.tokens = list(prompt[:n_tokens])
+        return slot, n_tokens
+
+    async def finish(self, slot: SlotState, prompt: list[int], restored: int, cached: int | None, completed: bool) -> None:
+        """Verify a restore was used, save a new long prefix, release the slot."""
+        try:
+            if restored and cached is not None:
+                if cached + RESTORE_SLACK_TOKENS < min(restored, len(prompt) - 1):
+                    self.stats.ineffective += 1
+                    self._fail(f"restored {restored} tokens but the runtime reused {cached}")
+                else:
+                    self._failures_in_a_row = 0
+            if completed and self.enabled and self.store is not None and len(prompt) >= self.min_tokens:
+                if self.store.covered(prompt) + self.save_min_new_tokens <= len(prompt):
+                    await self._save(slot, prompt)
+        finally:
+            self.table.release(slot, prompt if completed else None)
+
+    async def _save(self, slot: SlotState, prompt: list[int]) -> None:
+        assert self.store is not None
+        name = self.store.filename_for(prompt)
+        if not name:
+            return
+        status, body = await self._post(f"/slots/{slot.id}?action=save", {"filename": name})
+        if status != 200:
+            logger.warning("saving slot %d failed (HTTP %s: %s)", slot.id, status, body.get("error", body))
+            return
+        nbytes = int(body.get("n_written") or 0)
+        evicted = self.store.add(name, prompt, nbytes)
+        self.stats.saves += 1
+        self.stats.saved_bytes += nbytes
+        self.stats.evicted_files += len(evicted)
+
+    def snapshot(self) -> dict:
+        s = self.stats
+        return {
+            "enabled": self.enabled,
+            "restores": s.restores,
+            "restore_failures": s.restore_failures,
+            "ineffective_restores": s.ineffective,
+            "restored_tokens": s.restored_tokens,
+            "saves": s.saves,
+            "files": len(self.store) if self.store is not None else 0,
+            "bytes_on_disk": self.store.total_bytes if self.store is not None else 0,
+            "affinity_hits": s.affinity_hits,
+        }

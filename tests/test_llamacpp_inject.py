@@ -1,0 +1,161 @@
+"""Hard KV inject against the real llama-server: restore after a restart, verified by the
+runtime's own cache_n; corrupt/missing files fall back to prefill; two replicas share a
+directory; file names carry no user text and the byte budget holds."""
+
+from __future__ import annotations
+
+import re
+
+import openai
+import pytest
+
+from kvstream.backends import LlamaCppBackend
+from tests.conftest import launch_llama_server, stop_process
+
+pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(300)]
+
+SYSTEM = (
+    "You are the support assistant of the Lighthouse Bakery. The bakery opens at seven in the morning and "
+    "closes at six in the evening, every day but Monday. It sells sourdough, rye, croissants, cinnamon rolls "
+    "and seasonal fruit tarts. Orders for cakes need two days of notice. Deliveries go to addresses within "
+    "ten kilometres for a fee of four euros. Answer briefly and politely, and never invent products. "
+) * 4
+FILE_NAME = re.compile(r"kvs-[0-9a-f]{12}-[0-9a-f]{32}\.bin")
+
+
+def ask(question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+@pytest.fixture
+def server(tmp_path):
+    servers = []
+
+    def launch(**kw):
+        s = launch_llama_server(slot_dir=kw.pop("slot_dir", tmp_path), **kw)
+        servers.append(s)
+        return s
+
+    yield launch
+    for s in servers:
+        stop_process(s.process)
+
+
+async def proxy_for(start_proxy, srv, slot_dir, **options):
+    backend = LlamaCppBackend(srv.url, slot_save_path=str(slot_dir), **options)
+    proxy = await start_proxy(backend)
+    client = openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+    model = (await client.models.list()).data[0].id
+    return proxy, backend, client, model
+
+
+async def chat(client, model, question, **kw):
+    return await client.chat.completions.create(model=model, messages=ask(question), max_tokens=12, temperature=0, **kw)
+
+
+async def test_restore_after_runtime_restart_is_verified_and_answers_like_the_cached_path(server, start_proxy, tmp_path):
+    srv = server()
+    proxy, backend, client, model = await proxy_for(start_proxy, srv, tmp_path)
+    first = await chat(client, model, "When do you open?")
+    prompt_tokens = first.usage.prompt_tokens
+    assert prompt_tokens > 300
+    inject = backend.inject
+    assert inject.enabled and inject.stats.saves == 1
+    files = [p.name for p in tmp_path.glob("*.bin")]
+    assert len(files) == 1 and FILE_NAME.fullmatch(files[0])
+    # The runtime restarts: its own caches are gone.
+    port = srv.url.rsplit(":", 1)[1]
+    stop_process(srv.process)
+    srv = server(port=int(port))
+    second = await chat(client, model, "Do you sell rye bread?")
+    assert inject.stats.restores == 1 and inject.stats.restore_failures == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 300, f"the restored prefix was not reused (cached_tokens={cached})"
+    assert inject.stats.ineffective == 0
+    # The same request on the runtime's own cached path gives the same answer.
+    direct = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    again = await direct.chat.completions.create(model=model, messages=ask("Do you sell rye bread?"), max_tokens=12, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 300
+    assert again.choices[0].message.content == second.choices[0].message.content
+    assert proxy.engine.scheduler.bm.is_idle()
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
+async def test_a_damaged_slot_file_falls_back_to_prefill(server, start_proxy, tmp_path, damage):
+    srv = server()
+    proxy, backend, client, model = await proxy_for(start_proxy, srv, tmp_path)
+    await chat(client, model, "When do you open?")
+    (path,) = list(tmp_path.glob("*.bin"))
+    if damage == "corrupt":
+        path.write_bytes(b"\x00garbage" * 1000)
+    elif damage == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    else:
+        path.unlink()
+    damaged = path.read_bytes() if path.exists() else None
+    backend.inject.table.forget()  # as after a restart: the slot's prefix must come from the file
+    await backend.http.post_json("/slots/0?action=erase", {})
+    await backend.http.post_json("/slots/1?action=erase", {})
+    out = await chat(client, model, "Do you deliver?")
+    assert out.choices[0].message.content  # still answered, by normal prefill
+    stats = backend.inject.stats
+    if damage == "delete":
+        assert stats.restores == 0  # the index dropped the missing file on reload
+    else:
+        assert stats.restore_failures == 1 and stats.restores == 0
+    assert stats.saves == 2  # the prefix was saved again after the fallback prefill
+    assert not path.exists() or path.read_bytes() != damaged  # the damaged file is gone
+
+
+async def test_two_replicas_share_a_slot_directory(server, start_proxy, tmp_path):
+    a, b = server(), server()
+    _, backend_a, client_a, model = await proxy_for(start_proxy, a, tmp_path)
+    _, backend_b, client_b, _ = await proxy_for(start_proxy, b, tmp_path)
+    await chat(client_a, model, "When do you open?")
+    assert backend_a.inject.stats.saves == 1
+    out = await chat(client_b, model, "Do you sell croissants?")
+    assert backend_b.inject.stats.restores == 1
+    assert out.usage.prompt_tokens_details.cached_tokens >= 300
+
+
+async def test_byte_budget_evicts_least_recently_used_files(server, start_proxy, tmp_path):
+    srv = server()
+    _, backend, client, model = await proxy_for(start_proxy, srv, tmp_path, slot_budget_bytes=12_000_000)
+    await client.chat.completions.create(model=model, messages=ask("When do you open?"), max_tokens=4, temperature=0)
+    other = [{"role": "system", "content": "You are a pirate who talks about ships and the sea. " * 20}, {"role": "user", "content": "Ahoy?"}]
+    await client.chat.completions.create(model=model, messages=other, max_tokens=4, temperature=0)
+    files = list(tmp_path.glob("*.bin"))
+    assert backend.inject.stats.saves == 2 and backend.inject.stats.evicted_files >= 1
+    assert sum(p.stat().st_size for p in files) <= 12_000_000
+    assert all(FILE_NAME.fullmatch(p.name) for p in files)
+
+
+async def test_a_server_without_slot_saving_gets_soft_inject(server, start_proxy, tmp_path):
+    srv = server(slot_saving=False)
+    _, backend, client, model = await proxy_for(start_proxy, srv, tmp_path)
+    out = await chat(client, model, "When do you open?")
+    assert out.choices[0].message.content
+    assert backend.inject is not None and not backend.inject.enabled and backend.inject.store is None
+    assert not list(tmp_path.glob("*.bin"))
+
+
+async def test_inject_metrics_move(server, start_proxy, tmp_path):
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    srv = server()
+    proxy, backend, client, model = await proxy_for(start_proxy, srv, tmp_path)
+    await chat(client, model, "When do you open?")
+    backend.inject.table.forget()
+    await backend.http.post_json("/slots/0?action=erase", {})
+    await backend.http.post_json("/slots/1?action=erase", {})
+    await chat(client, model, "Do you deliver?")
+    async with aiohttp.ClientSession() as s:
+        async with s.get(proxy.url + "/metrics") as resp:
+            text = await resp.text()
+    samples = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in text_string_to_metric_families(text) for x in f.samples}
+    assert samples[("kvstream_hard_inject_enabled", ())] == 1
+    assert samples[("kvstream_hard_inject_restores_total", (("result", "ok"),))] == 1
+    assert samples[("kvstream_hard_inject_saves_total", ())] == 1
+    assert samples[("kvstream_hard_inject_restored_tokens_total", ())] >= 300
+    assert samples[("kvstream_hard_inject_disk_bytes", ())] > 0
