@@ -287,3 +287,33 @@ async def test_client_disconnect_cancels_upstream_and_frees_blocks(proxied, stre
     assert recorder.cancelled == 1 and recorder.completed == 0
     assert proxy.engine.scheduler.bm.is_idle() and not proxy.engine.scheduler.running
     assert proxy.engine.stats.requests_cancelled == 1
+
+
+async def test_client_hanging_up_while_the_backend_finishes_releases_everything(start_upstream, start_proxy):
+    """A backend that does work after its last token (llama.cpp saves the slot): the client
+    reads [DONE] and hangs up at once, which cancels the handler mid-cleanup. The request's
+    slot and blocks must be released all the same."""
+    url, _ = await start_upstream()
+    finished_cleanup = asyncio.Event()
+
+    class SlowCleanup(OpenAICompatibleBackend):
+        async def generate(self, request):
+            try:
+                async for token in super().generate(request):
+                    yield token
+            finally:
+                await asyncio.sleep(0.3)
+                finished_cleanup.set()
+
+    proxy = await start_proxy(SlowCleanup(url), scheduler={"max_batch_size": 1, "queue_timeout_s": 5})
+    body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    for _ in range(3):  # with one slot, a leaked slot would block the second request
+        async with aiohttp.ClientSession() as session:
+            async with session.post(proxy.v1 + "/chat/completions", json=body) as resp:
+                text = await resp.text()
+                assert text.endswith("data: [DONE]\n\n")
+    for _ in range(100):
+        if proxy.engine.scheduler.bm.is_idle() and not proxy.engine.scheduler.running:
+            break
+        await asyncio.sleep(0.02)
+    assert proxy.engine.scheduler.bm.is_idle() and not proxy.engine.scheduler.running

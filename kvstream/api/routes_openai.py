@@ -148,10 +148,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         logger.warning("[%s] backend error: %s", request_id, exc.message)
         raise from_exception(exc, retry_after(state)) from None
     finally:
-        await _close_quietly(stream)
-        gen.close(outcome)
-        if outcome == "finished":
-            state.observe_latency(gen)
+        try:
+            await _close_quietly(stream)
+        finally:
+            # Even if this handler is cancelled while closing (the client hung up right
+            # after the last byte), the slot and the blocks must be released.
+            gen.close(outcome)
+            if outcome == "finished":
+                state.observe_latency(gen)
 
 
 async def _next(stream: Any) -> Token:
@@ -164,8 +168,8 @@ async def _next(stream: Any) -> Token:
 async def _close_quietly(stream: Any) -> None:
     try:
         await stream.aclose()
-    except Exception:  # the upstream is already gone; nothing more to release
-        pass
+    except Exception as exc:  # the upstream is already gone; nothing more to release
+        logger.warning("closing the upstream stream failed: %r", exc)
 
 
 async def _write_stream(

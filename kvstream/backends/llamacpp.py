@@ -9,6 +9,7 @@ exactly that case once on a fresh connection.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -41,6 +42,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         self.inject: HardInject | None = None
         self.slot_save_path = Path(options["slot_save_path"]) if options.get("slot_save_path") else None
         self._runtime_restarts = 0
+        self._background: set[asyncio.Task[None]] = set()
         if not base_url:
             gguf = Path(model) if model else embedded_model()
             if gguf is None or not gguf.is_file():
@@ -64,6 +66,8 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         await super().start()
 
     async def close(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
         await super().close()
         if self.runtime is not None:
             await self.runtime.stop()
@@ -109,19 +113,26 @@ class LlamaCppBackend(OpenAICompatibleBackend):
             inject.table.forget()  # the managed server restarted: its slots are empty
         slot, restored = await inject.prepare(prompt)
         request.hints["id_slot"] = slot.id
-        completed, cached = False, None
+        prefilled, cached = False, None
         try:
             async with contextlib.aclosing(super().generate(request)) as tokens:
                 async for token in tokens:
+                    # Once a token came back, the runtime holds the whole prompt's KV.
+                    prefilled = True
                     if token.finish_reason is not None:
-                        completed = True
                         cached = request.hints.get("cache_n")
                         if cached is None and token.usage is not None:
                             cached = token.usage.cached_tokens
                     yield token
         finally:
-            # Runs on completion, failure and cancellation alike; saving only after success.
-            await inject.finish(slot, prompt, restored, cached, completed)
+            # Runs on completion, failure and a client leaving alike: a prompt the runtime
+            # has prefilled is worth saving even if nobody reads the rest of the answer.
+            # Shielded: a client hanging up after the last byte must not abort the save
+            # (nor leave the slot marked busy); close() waits for saves still running.
+            task = asyncio.ensure_future(inject.finish(slot, prompt, restored, cached, prefilled))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            await asyncio.shield(task)
 
     def build_body(self, request: GenerateRequest) -> dict[str, Any]:
         body = super().build_body(request)

@@ -324,7 +324,10 @@ class HardInject:
         return slot, n_tokens
 
     async def finish(self, slot: SlotState, prompt: list[int], restored: int, cached: int | None, completed: bool) -> None:
-        """Verify a restore was used, save a new long prefix, release the slot."""
+        """Verify a restore was used, save a new long prefix, release the slot.
+
+        ``completed``: the runtime has the prompt's KV (it produced at least one token).
+        """
         try:
             if restored and cached is not None:
                 if cached + RESTORE_SLACK_TOKENS < min(restored, len(prompt) - 1):
