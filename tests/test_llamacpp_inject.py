@@ -93,7 +93,7 @@ async def test_a_damaged_slot_file_falls_back_to_prefill(server, start_proxy, tm
     else:
         path.unlink()
     damaged = path.read_bytes() if path.exists() else None
-    backend.inject.table.forget()  # as after a restart: the slot's prefix must come from the file
+    backend.inject.reset()  # as after a restart: the slot's prefix must come from the file
     await backend.http.post_json("/slots/0?action=erase", {})
     await backend.http.post_json("/slots/1?action=erase", {})
     out = await chat(client, model, "Do you deliver?")
@@ -146,7 +146,7 @@ async def test_inject_metrics_move(server, start_proxy, tmp_path):
     srv = server()
     proxy, backend, client, model = await proxy_for(start_proxy, srv, tmp_path)
     await chat(client, model, "When do you open?")
-    backend.inject.table.forget()
+    backend.inject.reset()
     await backend.http.post_json("/slots/0?action=erase", {})
     await backend.http.post_json("/slots/1?action=erase", {})
     await chat(client, model, "Do you deliver?")

@@ -110,7 +110,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
             return
         if self.runtime is not None and self.runtime.restarts != self._runtime_restarts:
             self._runtime_restarts = self.runtime.restarts
-            inject.table.forget()  # the managed server restarted: its slots are empty
+            inject.reset()  # the managed server restarted: its slots and caches are empty
         slot, restored = await inject.prepare(prompt)
         request.hints["id_slot"] = slot.id
         prefilled, cached = False, None

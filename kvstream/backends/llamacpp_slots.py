@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 # A verified restore: the next request reused at least the restored prefix, give or take a
 # block (llama-server may re-evaluate the tail of what it restored).
 RESTORE_SLACK_TOKENS = 16
+# Block hashes remembered as computed by the running runtime (a bounded LRU).
+MAX_SEEN_BLOCKS = 200_000
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -259,6 +261,13 @@ class HardInject:
         self.stats = InjectStats()
         self.enabled = store is not None
         self._failures_in_a_row = 0
+        # Prefixes (block hashes) this runtime instance has computed since it started, and
+        # whether its own host-RAM prompt cache can be trusted to still hold them.
+        self._seen: dict[bytes, None] = {}
+        self.trust_runtime_cache = True
+        self._runtime_cache_misses = 0
+        self._expect_runtime_cache = 0
+        self._max_task_seen = -1
 
     async def _post(self, path: str, body: dict | None = None) -> tuple[int, dict]:
         async with self.http.request("POST", path, json_body=body or {}, timeout=120) as resp:
@@ -268,19 +277,59 @@ class HardInject:
                 payload = {}
             return resp.status, payload if isinstance(payload, dict) else {}
 
-    async def _slot_tokens(self, slot_id: int) -> int | None:
-        """How many tokens llama-server says the slot holds (None if it does not say)."""
+    async def _sync_with_runtime(self) -> None:
+        """Compare what we believe the slots hold with what llama-server reports (cheap: an
+        idle GET /slots takes under a millisecond). A slot holding fewer tokens than we
+        believe, or task ids going backwards, means the runtime restarted or dropped its KV:
+        believe nothing about its slots or its own prompt cache then."""
         try:
-            slots = await self.http.get_json("/slots", timeout=10)
+            reported = await self.http.get_json("/slots", timeout=10)
         except Exception as exc:
-            logger.warning("GET /slots failed: %r", exc)
-            return None
-        for slot in slots if isinstance(slots, list) else []:
-            if isinstance(slot, dict) and slot.get("id") == slot_id:
-                # A slot that never ran a task lists no token counts: it holds nothing.
-                value = slot.get("n_prompt_tokens", 0)
-                return int(value) if isinstance(value, int) else None
-        return None
+            logger.debug("GET /slots failed: %r", exc)
+            return
+        if not isinstance(reported, list):
+            return
+        lost = False
+        max_task = -1
+        for entry in reported:
+            if not isinstance(entry, dict) or not isinstance(entry.get("id"), int) or entry["id"] >= len(self.table.slots):
+                continue
+            # A slot that never ran a task lists no token counts: it holds nothing.
+            held = entry.get("n_prompt_tokens", 0)
+            believed = self.table.slots[entry["id"]]
+            if isinstance(held, int) and held < len(believed.tokens) and not believed.busy:
+                lost = True
+            task = entry.get("id_task")
+            max_task = max(max_task, task if isinstance(task, int) else -1)
+        if max_task < self._max_task_seen:
+            lost = True
+        self._max_task_seen = max_task
+        if lost:
+            logger.info("llama-server lost its KV (restart or eviction); slot and prompt-cache beliefs reset")
+            self.reset()
+
+    def reset(self) -> None:
+        """The runtime lost its KV (restart): believe nothing about its slots or its cache."""
+        self.table.forget()
+        self._seen.clear()
+
+    def _seen_prefix(self, prompt: Sequence[int]) -> int:
+        if self.store is None:
+            return 0
+        hashes = block_hashes(prompt[: max(0, len(prompt) - 1)], self.store.block_size, self.store.salt)
+        for i in range(len(hashes) - 1, -1, -1):
+            if hashes[i] in self._seen:
+                return (i + 1) * self.store.block_size
+        return 0
+
+    def _remember_seen(self, prompt: Sequence[int]) -> None:
+        if self.store is None:
+            return
+        for h in block_hashes(prompt, self.store.block_size, self.store.salt):
+            self._seen.pop(h, None)
+            self._seen[h] = None
+        while len(self._seen) > MAX_SEEN_BLOCKS:
+            self._seen.pop(next(iter(self._seen)))
 
     def _fail(self, why: str) -> None:
         self._failures_in_a_row += 1
@@ -291,20 +340,21 @@ class HardInject:
     async def prepare(self, prompt: list[int]) -> tuple[SlotState, int]:
         """Pick the slot for ``prompt``; restore a saved prefix into it when that saves work.
         Returns the slot and the number of prompt tokens restored (0 if none)."""
+        await self._sync_with_runtime()
         slot, shared = self.table.acquire(prompt)
+        self._expect_runtime_cache = 0
         if shared >= self.min_tokens:
-            # Trust but verify: a restarted runtime holds nothing, whatever we remember.
-            held = await self._slot_tokens(slot.id)
-            if held is not None and held < shared:
-                logger.info("slot %d holds %d tokens, not the %d expected: the runtime lost its KV", slot.id, held, shared)
-                self.table.forget()
-                shared = 0
-            else:
-                self.stats.affinity_hits += 1
+            self.stats.affinity_hits += 1
         if not self.enabled or self.store is None:
             return slot, 0
         found = self.store.lookup(prompt)
         if found is None or found[1] < shared + self.min_tokens:
+            return slot, 0
+        seen = self._seen_prefix(prompt)
+        if self.trust_runtime_cache and seen >= found[1]:
+            # This runtime computed the prefix since it started: its own host-RAM prompt
+            # cache (--cache-ram) restores it faster than a file would. Verified in finish.
+            self._expect_runtime_cache = seen
             return slot, 0
         name, n_tokens = found
         status, body = await self._post(f"/slots/{slot.id}?action=restore", {"filename": name})
@@ -335,6 +385,17 @@ class HardInject:
                     self._fail(f"restored {restored} tokens but the runtime reused {cached}")
                 else:
                     self._failures_in_a_row = 0
+            expected = self._expect_runtime_cache
+            if expected and cached is not None:
+                if cached + RESTORE_SLACK_TOKENS < min(expected, len(prompt) - 1):
+                    self._runtime_cache_misses += 1
+                    if self._runtime_cache_misses >= 2 and self.trust_runtime_cache:
+                        self.trust_runtime_cache = False
+                        logger.info("llama-server's own prompt cache misses (--cache-ram 0?); restoring from slot files instead")
+                else:
+                    self._runtime_cache_misses = 0
+            if completed:
+                self._remember_seen(prompt)
             if completed and self.enabled and self.store is not None and len(prompt) >= self.min_tokens:
                 if self.store.covered(prompt) + self.save_min_new_tokens <= len(prompt):
                     await self._save(slot, prompt)
