@@ -1,0 +1,121 @@
+"""API keys on every route but /health, constant-time comparison, keys never disclosed; the
+bind warning; graceful shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import aiohttp
+import pytest
+
+from kvstream.backends import OpenAICompatibleBackend
+from kvstream.engine import KVStreamEngine
+from kvstream.server import serve
+from tests.conftest import free_port, make_settings
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture
+async def locked(start_upstream, start_proxy):
+    url, _ = await start_upstream()
+    return await start_proxy(OpenAICompatibleBackend(url), server={"api_keys": [KEY, "second-key"]})
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/status", "/metrics", "/ready"])
+async def test_every_route_but_health_needs_a_key(locked, path):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(locked.url + path) as resp:
+            assert resp.status == 401
+            body = await resp.json()
+            assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["type"] == "authentication_error"
+        async with s.get(locked.url + path, headers={"Authorization": "Bearer wrong"}) as resp:
+            assert resp.status == 401 and KEY not in await resp.text()
+        async with s.get(locked.url + path, headers={"Authorization": f"Bearer {KEY}"}) as resp:
+            assert resp.status == 200
+            assert KEY not in await resp.text()
+        async with s.get(locked.url + path, headers={"Authorization": "Bearer second-key"}) as resp:
+            assert resp.status == 200
+        async with s.get(locked.url + "/health") as resp:
+            assert resp.status == 200
+
+
+async def test_generation_needs_a_key_and_works_with_the_openai_client(locked):
+    import openai
+
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=locked.v1, api_key="nope", max_retries=0).chat.completions.create(
+            model="test-model", messages=[{"role": "user", "content": "hi"}])
+    out = await openai.AsyncOpenAI(base_url=locked.v1, api_key=KEY, max_retries=0).chat.completions.create(
+        model="test-model", messages=[{"role": "user", "content": "hi"}])
+    assert out.choices[0].message.content == "Hello, world!"
+    assert locked.engine.scheduler.bm.is_idle()
+
+
+async def test_binding_beyond_loopback_without_keys_warns(start_upstream, caplog):
+    url, _ = await start_upstream()
+    settings = make_settings(server={"host": "0.0.0.0", "port": free_port()})
+    engine = KVStreamEngine(OpenAICompatibleBackend(url), settings)
+    stop = asyncio.Event()
+    caplog.set_level(logging.WARNING)
+    task = asyncio.create_task(serve(settings, engine, stop=stop))
+    await asyncio.sleep(0.5)
+    stop.set()
+    await task
+    assert any("without API keys" in r.getMessage() for r in caplog.records)
+
+
+def test_sigterm_lets_running_requests_finish_then_exits(tmp_path):
+    """Graceful shutdown: SIGTERM stops accepting, a running stream completes."""
+    up_port, port = free_port(), free_port()
+    upstream_code = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from aiohttp import web\n"
+        "from tests.doubles import Script, Recorder, openai_upstream\n"
+        "web.run_app(openai_upstream(Script(tokens=['slow'] * 10, delay_s=0.2), Recorder()), host='127.0.0.1', port=%d, print=None)\n"
+    ) % (str(__import__("pathlib").Path(__file__).resolve().parent.parent), up_port)
+    upstream = subprocess.Popen([sys.executable, "-c", upstream_code])
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "kvstream.cli.main", "serve", "--backend", "openai", "--backend-url", f"http://127.0.0.1:{up_port}", "--port", str(port)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.2)
+
+        async def stream_and_terminate() -> str:
+            async with aiohttp.ClientSession() as s:
+                body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+                async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as resp:
+                    first = await resp.content.readline()
+                    assert first.startswith(b"data: ")
+                    proxy.send_signal(signal.SIGTERM)
+                    rest = await resp.read()
+                # New connections are refused once shutdown began.
+                await asyncio.sleep(0.5)
+                with pytest.raises(aiohttp.ClientError):
+                    async with s.get(f"http://127.0.0.1:{port}/health") as r:
+                        await r.read()
+                return (first + rest).decode()
+
+        text = asyncio.run(stream_and_terminate())
+        assert text.count("slow") == 10 and text.endswith("data: [DONE]\n\n")
+        assert proxy.wait(20) == 0
+    finally:
+        for p in (proxy, upstream):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
