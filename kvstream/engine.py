@@ -6,6 +6,7 @@ on every way out (finished, failed, cancelled)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -81,6 +82,8 @@ class EngineStats:
     # Sum of |estimated - reported| prompt tokens for runtimes that cannot tokenize.
     estimate_error: int = 0
     estimated_prompts: int = 0
+    # (finished_at, ttft_s, e2e_s, decode tokens/s) of recent requests, for /status.
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1024))
 
 
 class Generation:
@@ -187,6 +190,11 @@ class Generation:
             outcome = "finished" if self.finish_reason else "cancelled"
         if outcome == "finished":
             stats.requests_finished += 1
+            now = time.monotonic()
+            if self.first_token_at is not None:
+                decode = now - self.first_token_at
+                rate = (self.num_tokens - 1) / decode if self.num_tokens > 1 and decode > 0 else None
+                stats.recent.append((now, self.first_token_at - self.arrived_at, now - self.arrived_at, rate))
             if engine.metrics is not None:
                 engine.metrics.observe_finished(self)
             if self.usage is not None:
@@ -457,4 +465,27 @@ class KVStreamEngine:
                 "swap_ins": sched.stats.swap_ins,
             },
             "model_context": self.limits.n_ctx_per_request,
+            "recent": self._recent_window(now),
+        }
+
+    def _recent_window(self, now: float, window_s: float = 60.0) -> dict[str, Any]:
+        """Percentiles over requests finished in the last ``window_s`` seconds."""
+        rows = [r for r in self.stats.recent if now - r[0] <= window_s]
+
+        def pct(values: list[float], q: float) -> float | None:
+            if not values:
+                return None
+            values = sorted(values)
+            return round(values[min(len(values) - 1, int(q * len(values)))], 4)
+
+        ttft = [r[1] for r in rows]
+        e2e = [r[2] for r in rows]
+        rates = [r[3] for r in rows if r[3] is not None]
+        return {
+            "window_s": window_s,
+            "requests": len(rows),
+            "ttft_p50_s": pct(ttft, 0.5),
+            "ttft_p90_s": pct(ttft, 0.9),
+            "e2e_p50_s": pct(e2e, 0.5),
+            "decode_tokens_per_s_p50": pct(rates, 0.5),
         }

@@ -89,6 +89,65 @@ def config_show(
 
 
 @app.command()
+def status(
+    url: Annotated[str, typer.Option(help="KVStream's address", envvar="KVSTREAM_URL")] = "http://127.0.0.1:8080",
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="live dashboard, refreshed in place")] = False,
+    interval: Annotated[float, typer.Option(help="seconds between refreshes with --watch")] = 1.0,
+    json_out: Annotated[bool, typer.Option("--json", help="print the raw /status snapshot")] = False,
+    api_key: Annotated[Optional[str], typer.Option(help="API key, if KVStream requires one", envvar="KVSTREAM_API_KEY")] = None,
+) -> None:
+    """Show what a running KVStream is doing."""
+    from kvstream.cli.status import run as run_status
+
+    raise typer.Exit(run_status(url, watch, interval, json_out, api_key))
+
+
+@app.command()
+def bench(
+    url: Annotated[str, typer.Option(help="OpenAI-compatible base URL (KVStream or the runtime itself)")] = "http://127.0.0.1:8080",
+    model: Annotated[Optional[str], typer.Option(help="model (default: the first the server lists)")] = None,
+    concurrency: Annotated[int, typer.Option(help="most requests (or conversations) in flight")] = 8,
+    total_requests: Annotated[Optional[int], typer.Option(help="requests to send (default: the dataset's size)")] = None,
+    duration: Annotated[Optional[float], typer.Option(help="send for this many seconds instead")] = None,
+    request_rate: Annotated[Optional[float], typer.Option(help="Poisson arrivals per second (default: closed loop)")] = None,
+    prompt_len: Annotated[int, typer.Option(help="prompt (or shared prefix / system prompt) length, tokens")] = 256,
+    output_len: Annotated[int, typer.Option(help="max_tokens per request")] = 64,
+    dataset: Annotated[str, typer.Option(help="random | prefix-repetition | multi-turn | FILE.jsonl")] = "random",
+    num_prompts: Annotated[int, typer.Option(help="requests in a generated dataset")] = 64,
+    num_prefixes: Annotated[int, typer.Option(help="prefix-repetition: distinct shared prefixes")] = 4,
+    suffix_len: Annotated[int, typer.Option(help="prefix-repetition: per-request suffix; multi-turn: user turn length")] = 32,
+    conversations: Annotated[int, typer.Option(help="multi-turn: conversations")] = 4,
+    turns: Annotated[int, typer.Option(help="multi-turn: turns per conversation")] = 5,
+    seed: Annotated[int, typer.Option(help="seed for datasets and arrivals")] = 0,
+    stream: Annotated[bool, typer.Option("--stream/--no-stream", help="stream responses (TTFT and ITL need it)")] = True,
+    warmup: Annotated[int, typer.Option(help="short requests sent first, not measured")] = 2,
+    timeout: Annotated[float, typer.Option(help="per-request timeout, seconds")] = 600.0,
+    compare: Annotated[Optional[str], typer.Option(help="a second URL: same workload, both columns and ratios")] = None,
+    json_file: Annotated[Optional[Path], typer.Option("--json", help="write the results (vLLM's keys) to this file")] = None,
+    plot_file: Annotated[Optional[Path], typer.Option("--plot", help="draw latency CDFs (and TTFT per turn) to this PNG")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="ask the server to generate exactly output-len tokens (llama.cpp, vLLM)")] = False,
+    api_key: Annotated[Optional[str], typer.Option(help="API key to send", envvar="KVSTREAM_API_KEY")] = None,
+) -> None:
+    """Load-test an OpenAI-compatible server; compare two with --compare."""
+    from kvstream.bench.runner import Load
+    from kvstream.cli.bench import Workload, run as run_bench
+
+    if total_requests is not None and duration is not None:
+        print("give --total-requests or --duration, not both", file=sys.stderr)
+        raise typer.Exit(2)
+    workload = Workload(dataset, num_prompts, prompt_len, output_len, num_prefixes, suffix_len, conversations, turns, seed)
+    try:
+        workload.build()
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        raise typer.Exit(2) from None
+    load = Load(concurrency, request_rate, total_requests, duration, seed)
+    urls = [url] + ([compare] if compare else [])
+    extra = {"ignore_eos": True} if ignore_eos else {}
+    raise typer.Exit(run_bench(urls, model, api_key, workload, load, stream, warmup, timeout, json_file, plot_file, extra))
+
+
+@app.command()
 def version() -> None:
     """Print KVStream's version."""
     print(__version__)

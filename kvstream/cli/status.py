@@ -1,0 +1,177 @@
+"""``kvstream status``: one snapshot of a running KVStream, or a live dashboard (``--watch``).
+
+Reads ``GET /status`` (and ``/metrics`` for counters that move, such as errors). An
+unreachable proxy is shown as such and retried; Ctrl-C leaves cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def fetch_status(url: str, api_key: str | None, timeout: float = 3.0) -> dict[str, Any]:
+    """GET {url}/status; raises OSError (unreachable) or ValueError (not KVStream)."""
+    request = urllib.request.Request(url.rstrip("/") + "/status")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise PermissionError("KVStream needs an API key (--api-key or KVSTREAM_API_KEY)") from None
+        raise OSError(f"HTTP {exc.code}") from None
+
+
+def sparkline(values: list[float], width: int = 30) -> str:
+    """A unicode sparkline of the last ``width`` values, scaled to their own maximum."""
+    values = values[-width:]
+    if not values:
+        return ""
+    top = max(values) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1)))] for v in values)
+
+
+@dataclass
+class History:
+    """Recent snapshots, for sparklines and rates."""
+
+    points: deque = field(default_factory=lambda: deque(maxlen=120))
+
+    def add(self, snap: dict[str, Any]) -> None:
+        self.points.append((time.monotonic(), snap))
+
+    def series(self, *path: str) -> list[float]:
+        out = []
+        for _, snap in self.points:
+            value: Any = snap
+            for key in path:
+                value = (value or {}).get(key)
+            out.append(float(value or 0))
+        return out
+
+    def rate(self, *path: str) -> list[float]:
+        """Per-second increase of a counter between consecutive snapshots."""
+        pts = list(self.points)
+        values = self.series(*path)
+        return [max(0.0, (values[i] - values[i - 1]) / max(1e-6, pts[i][0] - pts[i - 1][0])) for i in range(1, len(values))]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:,.0f} ms"
+
+
+def render(snap: dict[str, Any], history: History | None = None, url: str = "") -> Group:
+    """The dashboard for one snapshot (pure: testable with a recorded payload)."""
+    backend = snap.get("backend", {})
+    queue, kv, prefix, reqs, recent = snap.get("queue", {}), snap.get("kv", {}), snap.get("prefix_cache", {}), snap.get("requests", {}), snap.get("recent", {})
+    ready = backend.get("ready")
+    head = Text.assemble(
+        ("KVStream ", "bold"), (url, "dim"), "  backend ", (str(backend.get("type")), "cyan"), " ",
+        (str(backend.get("model") or ""), "cyan"), "  ",
+        ("● ready" if ready else "● backend down", "green" if ready else "red"),
+        f"  up {snap.get('uptime_s', 0):,.0f}s",
+    )
+    load = Table.grid(padding=(0, 2))
+    load.add_row("running", f"{queue.get('running', 0)} / {queue.get('max_batch_size', '?')}", "waiting", str(queue.get("waiting", 0)),
+                 "swapped", str(queue.get("swapped", 0)), "oldest wait", f"{queue.get('oldest_wait_s', 0):.1f}s")
+    total = kv.get("blocks_total") or 1
+    used = kv.get("blocks_used", 0)
+    kv_table = Table.grid(padding=(0, 2))
+    kv_table.add_row(
+        "KV blocks" + (" (estimated)" if kv.get("estimated") else ""),
+        Group(ProgressBar(total=total, completed=used, width=24),
+              Text(f"{used}/{total} used, {kv.get('blocks_cached', 0)} cached, {kv.get('block_size')} tokens/block")),
+    )
+    kv_table.add_row("prefix cache", f"hit ratio {prefix.get('hit_ratio', 0):.1%}", f"{prefix.get('hit_tokens', 0):,} of {prefix.get('query_tokens', 0):,} prompt tokens")
+    pre = snap.get("preemption", {})
+    kv_table.add_row("preemption", f"{pre.get('preemptions', 0)} preempted", f"swap out {pre.get('swap_outs', 0)} / in {pre.get('swap_ins', 0)}")
+    lat = Table.grid(padding=(0, 2))
+    decode = "-" if recent.get("decode_tokens_per_s_p50") is None else f"{recent['decode_tokens_per_s_p50']:.0f} tok/s"
+    lat.add_row(f"last {recent.get('window_s', 60):.0f}s: {recent.get('requests', 0)} requests",
+                f"TTFT p50 {_ms(recent.get('ttft_p50_s'))}, p90 {_ms(recent.get('ttft_p90_s'))}",
+                f"e2e p50 {_ms(recent.get('e2e_p50_s'))}", f"decode p50 {decode}")
+    rejected = reqs.get("rejected", {})
+    counts = Table.grid(padding=(0, 2))
+    counts.add_row("requests", f"{reqs.get('total', 0):,} total", f"{reqs.get('finished', 0):,} finished",
+                   Text(f"{reqs.get('failed', 0):,} failed", style="red" if reqs.get("failed") else ""),
+                   f"{reqs.get('cancelled', 0):,} cancelled", "rejected " + (", ".join(f"{k} {v}" for k, v in rejected.items()) or "0"))
+    parts: list[Any] = [head, load, kv_table, lat, counts]
+    inject = backend.get("hard_inject")
+    if inject:
+        t = Table.grid(padding=(0, 2))
+        t.add_row("hard inject", "on" if inject.get("enabled") else Text("off", style="yellow"), f"{inject.get('restores', 0)} restores",
+                  Text(f"{inject.get('restore_failures', 0)} failed", style="red" if inject.get("restore_failures") else ""),
+                  f"{inject.get('saves', 0)} saves", f"{inject.get('files', 0)} files, {inject.get('bytes_on_disk', 0) / 1e6:,.0f} MB")
+        parts.append(t)
+    if history is not None and len(history.points) > 1:
+        spark = Table.grid(padding=(0, 2))
+        spark.add_row("running", Text(sparkline(history.series("queue", "running")), style="cyan"))
+        spark.add_row("waiting", Text(sparkline(history.series("queue", "waiting")), style="yellow"))
+        spark.add_row("KV used", Text(sparkline(history.series("kv", "blocks_used")), style="magenta"))
+        spark.add_row("tokens/s", Text(sparkline(history.rate("requests", "generation_tokens")), style="green"))
+        parts.append(Panel(spark, title="history", title_align="left"))
+    return Group(*parts)
+
+
+def render_unreachable(url: str, error: str, retrying: bool = False) -> Panel:
+    tail = "retrying..." if retrying else "is KVStream running there? (kvstream serve)"
+    return Panel(Text.assemble(("unreachable ", "bold red"), url, "\n", (error, "dim"), "\n", tail), title="KVStream")
+
+
+def run(url: str, watch: bool, interval: float, as_json: bool, api_key: str | None, console: Console | None = None,
+        iterations: int | None = None) -> int:
+    """The command; returns the exit status. ``iterations`` bounds --watch (for tests)."""
+    console = console or Console()
+    if not watch:
+        try:
+            snap = fetch_status(url, api_key)
+        except PermissionError as exc:
+            console.print(f"[red]{exc}[/red]")
+            return 2
+        except (OSError, ValueError) as exc:
+            if as_json:
+                print(json.dumps({"error": f"unreachable: {exc}", "url": url}))
+            else:
+                console.print(render_unreachable(url, str(exc)))
+            return 1
+        if as_json:
+            print(json.dumps(snap, indent=2))
+        else:
+            console.print(render(snap, url=url))
+        return 0
+    from rich.live import Live
+
+    history = History()
+    try:
+        with Live(console=console, screen=console.is_terminal, refresh_per_second=4, transient=False) as live:
+            while iterations is None or iterations > 0:
+                if iterations is not None:
+                    iterations -= 1
+                try:
+                    snap = fetch_status(url, api_key)
+                    history.add(snap)
+                    live.update(render(snap, history, url))
+                except PermissionError as exc:
+                    live.update(Text(str(exc), style="red"))
+                    return 2
+                except (OSError, ValueError) as exc:
+                    live.update(render_unreachable(url, str(exc), retrying=True))
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    return 0

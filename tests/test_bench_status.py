@@ -1,0 +1,146 @@
+"""`kvstream bench` arithmetic, datasets and a real comparison run; `kvstream status`
+rendering, the unreachable case and --watch, headless."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from rich.console import Console
+
+from kvstream.bench import datasets
+from kvstream.bench.metrics import RequestResult, calculate, percentile, tpot, ttft_by_turn
+from kvstream.cli import status as status_cli
+from tests.conftest import free_port
+
+VLLM_KEYS = {
+    "duration", "completed", "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput",
+    "total_token_throughput", *[f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p90", "p99")],
+}
+
+
+def test_metrics_arithmetic_on_recorded_timelines():
+    a = RequestResult(True, 200, ttft=0.1, latency=0.5, itl=[0.1, 0.1, 0.2], prompt_tokens=10, output_tokens=4)
+    b = RequestResult(True, 200, ttft=0.3, latency=0.3, itl=[], prompt_tokens=20, output_tokens=1)
+    c = RequestResult(False, 429, error="http 429")
+    assert tpot(a) == pytest.approx((0.5 - 0.1) / 3) and tpot(b) is None
+    m = calculate([a, b, c], duration=2.0)
+    assert VLLM_KEYS <= set(m)
+    assert m["completed"] == 2 and m["failed"] == 1 and m["errors"] == {"429": 1}
+    assert m["total_input_tokens"] == 30 and m["total_output_tokens"] == 5
+    assert m["request_throughput"] == pytest.approx(1.0) and m["output_throughput"] == pytest.approx(2.5)
+    assert m["mean_ttft_ms"] == pytest.approx(200) and m["median_ttft_ms"] == pytest.approx(200)
+    assert m["mean_tpot_ms"] == pytest.approx(400 / 3)
+    assert m["mean_itl_ms"] == pytest.approx(400 / 3)
+    assert m["mean_e2el_ms"] == pytest.approx(400)
+    for r in (a, b):
+        assert r.ttft <= r.latency
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5
+    assert ttft_by_turn([RequestResult(True, ttft=0.1, turn=0), RequestResult(True, ttft=0.3, turn=0), RequestResult(True, ttft=0.2, turn=1)]) == {0: 200.0, 1: 200.0}
+
+
+def test_datasets_are_seeded_and_shaped():
+    assert datasets.random_dataset(5, 50, 8, seed=1) == datasets.random_dataset(5, 50, 8, seed=1)
+    assert datasets.random_dataset(5, 50, 8, seed=1) != datasets.random_dataset(5, 50, 8, seed=2)
+    rep = datasets.prefix_repetition_dataset(12, 3, 40, 8, 8, seed=0)
+    assert len({r.messages[0]["content"] for r in rep}) == 3 and len({r.messages[1]["content"] for r in rep}) == 12
+    convs = datasets.multi_turn_dataset(2, 4, 30, 10, 8, seed=0)
+    assert len(convs) == 2 and all(len(c.user_turns) == 4 for c in convs)
+
+
+def test_file_dataset_reads_openai_and_sharegpt_lines(tmp_path):
+    path = tmp_path / "reqs.jsonl"
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "a"}], "max_tokens": 3}) + "\n"
+        + json.dumps({"prompt": "b"}) + "\n\n"
+        + json.dumps({"conversations": [{"from": "human", "value": "c"}, {"from": "gpt", "value": "d"}]}) + "\n"
+    )
+    reqs = datasets.file_dataset(path, None, 16)
+    assert [r.messages[0]["content"] for r in reqs] == ["a", "b", "c"] and reqs[0].max_tokens == 3 and reqs[1].max_tokens == 16
+    (tmp_path / "bad.jsonl").write_text("{oops\n")
+    with pytest.raises(ValueError, match="not JSON"):
+        datasets.file_dataset(tmp_path / "bad.jsonl", None, 16)
+
+
+SNAPSHOT = {
+    "backend": {"type": "llamacpp", "url": "http://127.0.0.1:9931", "model": "smol", "ready": True,
+                "hard_inject": {"enabled": True, "restores": 3, "restore_failures": 1, "saves": 2, "files": 2, "bytes_on_disk": 30_000_000}},
+    "uptime_s": 120.0,
+    "queue": {"waiting": 5, "running": 2, "swapped": 0, "max_batch_size": 2, "max_queue_size": 256, "oldest_wait_s": 1.5},
+    "kv": {"estimated": True, "block_size": 16, "blocks_total": 256, "blocks_used": 64, "blocks_free": 192, "blocks_cached": 10,
+           "usage_ratio": 0.25, "cpu_blocks_total": 0, "cpu_blocks_free": 0},
+    "prefix_cache": {"enabled": True, "hit_tokens": 500, "query_tokens": 1000, "hit_ratio": 0.5},
+    "requests": {"total": 40, "finished": 30, "failed": 2, "cancelled": 1, "rejected": {"queue_full": 3}, "prompt_tokens": 9000, "generation_tokens": 900},
+    "preemption": {"preemptions": 0, "swap_outs": 0, "swap_ins": 0},
+    "model_context": 2048,
+    "recent": {"window_s": 60.0, "requests": 12, "ttft_p50_s": 0.25, "ttft_p90_s": 0.9, "e2e_p50_s": 1.2, "decode_tokens_per_s_p50": 88.0},
+}
+
+
+def test_status_renders_a_recorded_snapshot():
+    console = Console(record=True, width=140, file=io.StringIO())
+    history = status_cli.History()
+    for used in (10, 40, 64):
+        history.add(SNAPSHOT | {"kv": SNAPSHOT["kv"] | {"blocks_used": used}})
+    console.print(status_cli.render(SNAPSHOT, history, "http://127.0.0.1:8080"))
+    text = console.export_text()
+    for expected in ("llamacpp", "ready", "2 / 2", "waiting  5", "64/256 used", "(estimated)", "hit ratio 50.0%",
+                     "TTFT p50 250 ms", "2 failed", "queue_full 3", "3 restores", "1 failed", "history"):
+        assert expected in text, expected
+    assert status_cli.sparkline([0, 1, 2, 4]) == "▁▂▄█"
+
+
+def test_status_unreachable_and_json(capsys):
+    console = Console(record=True, width=100, file=io.StringIO())
+    port = free_port()
+    assert status_cli.run(f"http://127.0.0.1:{port}", False, 1, False, None, console) == 1
+    assert "unreachable" in console.export_text()
+    assert status_cli.run(f"http://127.0.0.1:{port}", False, 1, True, None, console) == 1
+    assert "unreachable" in json.loads(capsys.readouterr().out)["error"]
+    # --watch keeps retrying an unreachable proxy instead of failing.
+    assert status_cli.run(f"http://127.0.0.1:{port}", True, 0.01, False, None, console, iterations=3) == 0
+
+
+@pytest.mark.llamacpp
+@pytest.mark.timeout(300)
+def test_bench_compares_kvstream_with_llama_server_directly(llama_server, tmp_path):
+    port = free_port()
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "kvstream.cli.main", "serve", "--backend", "llamacpp", "--backend-url", llama_server.url, "--port", str(port)],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(100):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.2)
+        out = tmp_path / "bench.json"
+        cmd = [sys.executable, "-m", "kvstream.cli.main", "bench", "--url", f"http://127.0.0.1:{port}", "--compare", llama_server.url,
+               "--dataset", "prefix-repetition", "--num-prompts", "8", "--prompt-len", "64", "--output-len", "8",
+               "--concurrency", "4", "--json", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "Serving Benchmark Result" in done.stdout
+        result = json.loads(out.read_text())
+        assert VLLM_KEYS <= set(result)
+        assert result["completed"] == 8 and result["failed"] == 0 and result["compare"]["completed"] == 8
+        assert result["total_output_tokens"] > 0 and result["mean_queue_ms"] is not None
+        assert result["compare"]["mean_queue_ms"] is None  # llama-server sends no KVStream headers
+        # Failures are reported, not hidden: an unknown model through KVStream is a 404 each time.
+        bad = subprocess.run(cmd[:6] + ["--model", "no-such-model", "--num-prompts", "3", "--json", str(out)],
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 1
+        assert json.loads(out.read_text())["errors"] == {"404": 3}
+        status = subprocess.run([sys.executable, "-m", "kvstream.cli.main", "status", "--url", f"http://127.0.0.1:{port}", "--json"],
+                                capture_output=True, text=True, timeout=30)
+        assert json.loads(status.stdout)["requests"]["finished"] >= 8
+    finally:
+        proxy.terminate()
+        proxy.wait(20)
