@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -44,6 +45,22 @@ def _header_float(headers: Any, name: str) -> float | None:
         return None
 
 
+@contextlib.asynccontextmanager
+async def _post_once_more_if_stale(session: aiohttp.ClientSession, url: str, body: dict, timeout: float):
+    """POST; a pooled keep-alive connection the server already closed (llama-server does
+    this) fails before any byte comes back, and is retried once, as a real client would."""
+    for attempt in (0, 1):
+        try:
+            resp = await session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout))
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            if attempt:
+                raise
+            continue
+        async with resp:
+            yield resp
+        return
+
+
 async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest) -> tuple[RequestResult, str]:
     """One chat request; returns its measurements and the reply text."""
     body = {"model": target.model, "messages": req.messages, "max_tokens": req.max_tokens, "stream": target.stream, **target.extra_body, **req.extra}
@@ -54,8 +71,7 @@ async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest
     start = result.started
     last = None
     try:
-        async with session.post(target.url.rstrip("/") + "/v1/chat/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=target.timeout)) as resp:
+        async with _post_once_more_if_stale(session, target.url.rstrip("/") + "/v1/chat/completions", body, target.timeout) as resp:
             result.status = resp.status
             result.queue_ms = _header_float(resp.headers, "X-KVStream-Queue-Ms")
             hits = _header_float(resp.headers, "X-KVStream-Prefix-Hit-Tokens")
