@@ -9,8 +9,10 @@ status codes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,10 +59,19 @@ class Recorder:
     completed: int = 0
     token_times: list[float] = field(default_factory=list)
 
-    def enter(self, body: dict[str, Any]) -> None:
+    @contextlib.contextmanager
+    def tracking(self, body: dict[str, Any]) -> Iterator[None]:
+        """Around one request: record its body, concurrency, and whether it was cancelled."""
         self.bodies.append(body)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            yield
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.in_flight -= 1
 
 
 async def _kill_connection(request: web.Request) -> None:
@@ -80,8 +91,7 @@ def openai_upstream(script: Script, recorder: Recorder, model_id: str = "test-mo
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         chat = request.path.endswith("chat/completions")
-        recorder.enter(body)
-        try:
+        with recorder.tracking(body):
             if script.hang:
                 await asyncio.sleep(3600)
             if script.status is not None:
@@ -124,11 +134,6 @@ def openai_upstream(script: Script, recorder: Recorder, model_id: str = "test-mo
             await resp.write(b"data: [DONE]\n\n")
             recorder.completed += 1
             return resp
-        except asyncio.CancelledError:
-            recorder.cancelled += 1
-            raise
-        finally:
-            recorder.in_flight -= 1
 
     app = web.Application()
     app.router.add_get("/v1/models", models)
@@ -160,8 +165,7 @@ def ollama_double(script: Script, recorder: Recorder, models: list[str] | None =
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         chat = request.path == "/api/chat"
-        recorder.enter(body)
-        try:
+        with recorder.tracking(body):
             if body.get("model") not in known:
                 return web.json_response({"error": f'model "{body.get("model")}" not found, try pulling it first'}, status=404)
             if script.status == 503:
@@ -195,11 +199,6 @@ def ollama_double(script: Script, recorder: Recorder, models: list[str] | None =
             await resp.write(json.dumps(final).encode() + b"\n")
             recorder.completed += 1
             return resp
-        except asyncio.CancelledError:
-            recorder.cancelled += 1
-            raise
-        finally:
-            recorder.in_flight -= 1
 
     app = web.Application()
     app.router.add_get("/api/version", version)
