@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from kvstream.api.openapi import build_spec
 from kvstream.api.state import STATE
 from kvstream.metrics import CONTENT_TYPE
 
@@ -47,3 +48,9 @@ async def metrics(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
     assert engine.metrics is not None
     return web.Response(body=engine.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+@routes.get("/openapi.json")
+async def openapi(request: web.Request) -> web.Response:
+    """The OpenAPI description of these routes."""
+    return web.json_response(build_spec())

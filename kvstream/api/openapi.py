@@ -1,0 +1,84 @@
+"""``GET /openapi.json``: an OpenAPI 3.1 description of KVStream's routes, built from the same
+pydantic models that validate the bodies, so the two cannot drift apart."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstream import __version__
+from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest
+
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    return {str(c): {"description": "OpenAI-shaped error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}} for c in codes}
+
+
+def _json(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
+
+
+def _generation(model: type, summary: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
+            "responses": {
+                "200": {
+                    "description": "The completion (JSON), or its stream (text/event-stream) when stream is true",
+                    "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}},
+                },
+                **_errors(400, 401, 404, 413, 422, 429, 502, 503, 504),
+            },
+        }
+    }
+
+
+def build_spec() -> dict[str, Any]:
+    """The OpenAPI document."""
+    schemas: dict[str, Any] = {"Error": ERROR}
+    for model in (ChatCompletionRequest, CompletionRequest):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "KVStream", "version": __version__, "description": "OpenAI-compatible proxy with KV-aware scheduling."},
+        "paths": {
+            "/v1/chat/completions": _generation(ChatCompletionRequest, "Chat completion"),
+            "/v1/completions": _generation(CompletionRequest, "Text completion"),
+            "/v1/models": {"get": {"summary": "Models", "responses": {"200": _json("The runtime's models"), **_errors(401, 502, 503)}}},
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "One model",
+                    "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                    "responses": {"200": _json("The model"), **_errors(401, 404, 502, 503)},
+                }
+            },
+            "/health": {"get": {"summary": "Liveness", "responses": {"200": _json("The process answers")}}},
+            "/ready": {"get": {"summary": "Readiness", "responses": {"200": _json("The runtime answers"), "503": _json("The runtime does not answer"), **_errors(401)}}},
+            "/status": {"get": {"summary": "Snapshot", "responses": {"200": _json("Queue, KV pool, counters"), **_errors(401)}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}, **_errors(401)}}},
+            "/openapi.json": {"get": {"summary": "This document", "responses": {"200": _json("OpenAPI 3.1")}}},
+        },
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "Only when server.api_keys is set"}},
+        },
+    }

@@ -1,0 +1,134 @@
+"""Property-based fuzzing of every route: whatever a client sends, KVStream itself answers
+no 5xx, every error is OpenAI-shaped, and nothing leaks."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstream.api.openapi import build_spec
+from kvstream.backends import OpenAICompatibleBackend
+
+pytestmark = pytest.mark.timeout(300)
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), st.text(max_size=30))
+json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=5)), max_leaves=20)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer", "wizard", 3])},
+    optional={"content": st.one_of(st.text(max_size=40), st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=10)}), max_size=2), st.none(), st.integers())},
+)
+chat_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.one_of(st.just("test-model"), st.text(max_size=10), st.integers()),
+        "messages": st.one_of(st.lists(message, max_size=3), json_values),
+        "max_tokens": st.one_of(st.integers(-5, 50), st.text(max_size=3)),
+        "temperature": st.one_of(st.floats(-3, 3, allow_nan=False), st.text(max_size=3)),
+        "stream": st.one_of(st.booleans(), st.integers(0, 2)),
+        "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=3), max_size=6), st.integers()),
+        "n": st.integers(-1, 3),
+        "priority": st.one_of(st.sampled_from(["high", "low", "urgent"]), st.integers(-1, 5)),
+        "stream_options": json_values,
+    },
+)
+raw_bodies = st.one_of(st.binary(max_size=200), json_values.map(lambda v: json.dumps(v).encode()))
+
+
+@pytest.fixture(scope="module")
+def fuzz_target():
+    """A proxy and an upstream double on real ports, shared by the examples."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from tests.conftest import make_settings
+    from kvstream.api.app import create_app
+    from kvstream.engine import KVStreamEngine
+    from tests.doubles import Recorder, Script, openai_upstream
+
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    state: dict = {}
+
+    async def start():
+        up = web.AppRunner(openai_upstream(Script(), Recorder()))
+        await up.setup()
+        site = web.TCPSite(up, "127.0.0.1", 0)
+        await site.start()
+        up_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        engine = KVStreamEngine(OpenAICompatibleBackend(up_url), make_settings(server={"max_body_bytes": 4096}))
+        runner = web.AppRunner(create_app(engine.settings, engine), handler_cancellation=True)
+        await runner.setup()
+        site2 = web.TCPSite(runner, "127.0.0.1", 0)
+        await site2.start()
+        state.update(url=f"http://127.0.0.1:{site2._server.sockets[0].getsockname()[1]}", engine=engine, runners=[runner, up])
+        ready.set()
+
+    thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)
+    thread.start()
+    ready.wait(10)
+    yield state
+
+    async def stop():
+        for r in state["runners"]:
+            await r.cleanup()
+
+    asyncio.run_coroutine_threadsafe(stop(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def check(status: int, body: bytes) -> None:
+    assert status < 500, body[:300]
+    if status >= 400:
+        error = json.loads(body)["error"]
+        assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str)
+
+
+async def post(url: str, data: bytes) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as resp:
+            return resp.status, await resp.read()
+
+
+def run(coro):
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=chat_bodies)
+def test_chat_route_never_5xx(fuzz_target, body):
+    status, raw = run(post(fuzz_target["url"] + "/v1/chat/completions", json.dumps(body).encode()))
+    check(status, raw)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models", "/status", "/health", "/openapi.json", "/nowhere"]), data=raw_bodies)
+def test_any_route_any_bytes(fuzz_target, path, data):
+    status, raw = run(post(fuzz_target["url"] + path, data))
+    check(status, raw)
+
+
+def test_pool_is_all_free_after_fuzzing(fuzz_target):
+    engine = fuzz_target["engine"]
+    assert engine.scheduler.bm.is_idle() and not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_openapi_document_describes_the_routes(fuzz_target):
+    async def get():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(fuzz_target["url"] + "/openapi.json") as resp:
+                return resp.status, await resp.json()
+
+    status, spec = run(get())
+    assert status == 200 and spec == json.loads(json.dumps(build_spec()))
+    assert spec["openapi"].startswith("3.1")
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/status", "/metrics"} <= set(spec["paths"])
+    chat = spec["components"]["schemas"]["ChatCompletionRequest"]
+    assert {"model", "messages"} <= set(chat["required"])
