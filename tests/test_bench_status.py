@@ -144,3 +144,12 @@ def test_bench_compares_kvstream_with_llama_server_directly(llama_server, tmp_pa
     finally:
         proxy.terminate()
         proxy.wait(20)
+
+
+def test_plot_draws_cdfs_and_ttft_per_turn(tmp_path):
+    from kvstream.cli.bench import plot
+
+    results = [RequestResult(True, 200, ttft=0.1 * (i % 5 + 1), latency=1.0 + 0.1 * i, turn=i % 3) for i in range(12)]
+    out = tmp_path / "bench.png"
+    plot(out, [("kvstream", results), ("direct", results[::2])], multi_turn=True)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
