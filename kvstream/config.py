@@ -87,6 +87,7 @@ class ServerSettings(_Section):
     api_keys: list[SecretStr] = Field(default_factory=list, description="accepted Bearer keys; empty = no auth")
     api_keys_file: Path | None = Field(None, description="a file with one accepted key per line")
     shutdown_grace_s: float = Field(30.0, ge=0, description="time running requests get to finish on SIGTERM")
+    max_concurrent_per_key: int | None = Field(None, ge=1, description="most generations in flight per API key (429 past it); none = no cap")
 
     @field_validator("api_keys", mode="before")
     @classmethod

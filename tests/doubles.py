@@ -181,6 +181,9 @@ def ollama_double(script: Script, recorder: Recorder, models: list[str] | None =
                     return resp
                 if script.die_after is not None and i == script.die_after:
                     return resp  # EOF without done:true
+                if script.malformed_after is not None and i == script.malformed_after:
+                    await resp.write(b'{"model": "x", "message": {\n')
+                    return resp
                 if i and script.delay_s:
                     await asyncio.sleep(script.delay_s)
                 obj = dict(template, model=body["model"])

@@ -18,6 +18,7 @@ from kvstream.backends import OpenAICompatibleBackend
 from kvstream.engine import KVStreamEngine
 from kvstream.server import serve
 from tests.conftest import free_port, make_settings
+from tests.doubles import Script
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -119,3 +120,28 @@ def test_sigterm_lets_running_requests_finish_then_exits(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+async def test_per_key_concurrency_cap(start_upstream, start_proxy):
+    url, _ = await start_upstream(Script(tokens=["a"], first_delay_s=0.5))
+    proxy = await start_proxy(OpenAICompatibleBackend(url), server={"api_keys": [KEY, "other"], "max_concurrent_per_key": 1})
+    body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def post(key: str) -> tuple[int, dict]:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as s:
+            async with s.post(proxy.v1 + "/chat/completions", json=body) as resp:
+                return resp.status, dict(resp.headers)
+
+    first = asyncio.create_task(post(KEY))
+    await asyncio.sleep(0.1)
+    status, headers = await post(KEY)  # the same key, one already in flight
+    assert status == 429 and headers["Retry-After"] == "1"
+    assert (await post("other"))[0] == 200  # another key is not limited by it
+    assert (await first)[0] == 200
+    assert (await post(KEY))[0] == 200  # the slot came back
+
+
+async def test_oversized_header_is_refused_without_a_5xx(locked):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(locked.url + "/health", headers={"X-Big": "x" * 20000}) as resp:
+            assert resp.status in (400, 431)

@@ -21,9 +21,14 @@ logger = logging.getLogger(__name__)
 PUBLIC_PATHS = frozenset({"/health"})
 
 
-def auth_middleware(keys: list[str]):
-    """Require ``Authorization: Bearer KEY`` on every route but /health (constant-time)."""
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+def auth_middleware(keys: list[str], max_concurrent_per_key: int | None = None):
+    """Require ``Authorization: Bearer KEY`` on every route but /health (constant-time), and
+    optionally cap the generations each key has in flight."""
     encoded = [k.encode() for k in keys]
+    in_flight = [0] * len(keys)
 
     @web.middleware
     async def middleware(
@@ -35,10 +40,11 @@ def auth_middleware(keys: list[str]):
         scheme, _, token = header.partition(" ")
         presented = token.strip().encode() if scheme.lower() == "bearer" else b""
         # Compare against every key so that timing does not reveal which one matched.
-        matched = False
-        for key in encoded:
-            matched |= hmac.compare_digest(presented, key)
-        if not matched:
+        matched = -1
+        for index, key in enumerate(encoded):
+            if hmac.compare_digest(presented, key):
+                matched = index
+        if matched < 0:
             raise APIError(
                 401,
                 "Missing or invalid API key. Send 'Authorization: Bearer <key>'."
@@ -46,7 +52,18 @@ def auth_middleware(keys: list[str]):
                 else "This server requires an API key. Send 'Authorization: Bearer <key>'.",
                 code="invalid_api_key",
             )
-        return await handler(request)
+        if max_concurrent_per_key is None or request.path not in GENERATION_PATHS:
+            return await handler(request)
+        if in_flight[matched] >= max_concurrent_per_key:
+            raise APIError(
+                429, f"This API key already has {max_concurrent_per_key} requests in flight.",
+                code="concurrency_limit", retry_after=1,
+            )
+        in_flight[matched] += 1
+        try:
+            return await handler(request)
+        finally:
+            in_flight[matched] -= 1
 
     return middleware
 
@@ -56,7 +73,7 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
     keys = settings.accepted_keys()
     middlewares = [error_middleware]
     if keys:
-        middlewares.append(auth_middleware(keys))
+        middlewares.append(auth_middleware(keys, settings.server.max_concurrent_per_key))
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=middlewares)
     if engine.metrics is None:
         engine.attach_metrics(Metrics())

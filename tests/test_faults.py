@@ -1,0 +1,59 @@
+"""Faults not covered elsewhere: a client that reads slowly (backpressure reaches the runtime
+instead of piling up in KVStream), a hanging runtime through the proxy (504), malformed
+NDJSON from Ollama."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+
+from kvstream.backends import OllamaBackend, OpenAICompatibleBackend
+from tests.doubles import Script, ollama_double
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_a_slow_reader_slows_the_runtime_instead_of_filling_kvstream(start_upstream, start_proxy):
+    tokens = 20000
+    script = Script(tokens=["x" * 1000] * tokens)  # ~20 MB of stream
+    url, recorder = await start_upstream(script)
+    proxy = await start_proxy(OpenAICompatibleBackend(url))
+    body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with aiohttp.ClientSession(read_bufsize=2**16) as s:
+        async with s.post(proxy.v1 + "/chat/completions", json=body) as resp:
+            await resp.content.readline()
+            await asyncio.sleep(1.0)  # the client stops reading
+            produced_while_paused = len(recorder.token_times)
+            assert produced_while_paused < tokens, "the whole stream was buffered somewhere instead of pushing back"
+            received = 0
+            async for line in resp.content:
+                received += line.count(b"xxxxxxxxxx")
+    assert len(recorder.token_times) == tokens and received >= tokens
+    assert proxy.engine.scheduler.bm.is_idle()
+
+
+async def test_a_hanging_runtime_gives_504_and_frees_everything(start_upstream, start_proxy):
+    url, _ = await start_upstream(Script(hang=True))
+    proxy = await start_proxy(OpenAICompatibleBackend(url, request_timeout_s=0.5))
+    c = openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as err:
+        await c.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status_code == 504
+    assert proxy.engine.scheduler.bm.is_idle() and not proxy.engine.scheduler.running
+
+
+async def test_malformed_ndjson_from_ollama_is_a_clean_error(start_upstream, start_proxy):
+    url, _ = await start_upstream(Script(tokens=["a", "b", "c"], malformed_after=1), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url))
+    c = openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIError, match="malformed"):
+        stream = await c.chat.completions.create(model="llama3.2:latest", messages=[{"role": "user", "content": "hi"}], stream=True)
+        async for _ in stream:
+            pass
+    with pytest.raises(openai.APIStatusError) as err:  # not streamed: a plain 502
+        await c.chat.completions.create(model="llama3.2:latest", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status_code == 502 and "malformed NDJSON" in err.value.message
+    assert proxy.engine.scheduler.bm.is_idle() and proxy.engine.stats.requests_failed == 2
