@@ -57,3 +57,26 @@ async def test_malformed_ndjson_from_ollama_is_a_clean_error(start_upstream, sta
         await c.chat.completions.create(model="llama3.2:latest", messages=[{"role": "user", "content": "hi"}])
     assert err.value.status_code == 502 and "malformed NDJSON" in err.value.message
     assert proxy.engine.scheduler.bm.is_idle() and proxy.engine.stats.requests_failed == 2
+
+
+async def test_client_leaving_during_prefill_cancels_the_runtime(start_upstream, start_proxy):
+    """Admitted, the runtime still prefilling (no byte sent yet), and the client hangs up."""
+    script = Script(first_delay_s=2.0)
+    url, recorder = await start_upstream(script)
+    proxy = await start_proxy(OpenAICompatibleBackend(url))
+    body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(s.post(proxy.v1 + "/chat/completions", json=body))
+        while not recorder.bodies:
+            await asyncio.sleep(0.02)
+        assert proxy.engine.scheduler.running  # admitted, waiting for the first token
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    for _ in range(100):
+        if recorder.cancelled and proxy.engine.scheduler.bm.is_idle():
+            break
+        await asyncio.sleep(0.02)
+    assert recorder.cancelled == 1 and recorder.completed == 0
+    assert proxy.engine.scheduler.bm.is_idle() and not proxy.engine.scheduler.running
+    assert proxy.engine.stats.requests_cancelled == 1

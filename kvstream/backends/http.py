@@ -136,17 +136,8 @@ async def raise_for_upstream_status(resp: aiohttp.ClientResponse) -> None:
 
 async def iter_lines(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     """Lines of a streamed body, as they arrive, without their line ending."""
-    buffer = b""
-    async for chunk in resp.content.iter_any():
-        buffer += chunk
-        while True:
-            newline = buffer.find(b"\n")
-            if newline < 0:
-                break
-            line, buffer = buffer[:newline], buffer[newline + 1 :]
-            yield line.rstrip(b"\r")
-    if buffer.strip():
-        yield buffer.rstrip(b"\r")
+    async for line in resp.content:  # aiohttp splits on b"\n" as data arrives
+        yield line.rstrip(b"\r\n")
 
 
 async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any] | None]:
