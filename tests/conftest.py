@@ -168,3 +168,16 @@ def llama_server() -> LlamaServer:
     server = launch_llama_server()
     yield server
     stop_process(server.process)
+
+
+async def assert_cancelled_and_released(proxy: Proxy, recorder: Any) -> None:
+    """After a client left: the runtime saw the cancellation and everything was freed."""
+    import asyncio
+
+    for _ in range(200):
+        if recorder.cancelled and proxy.engine.scheduler.bm.is_idle():
+            break
+        await asyncio.sleep(0.02)
+    assert recorder.cancelled == 1 and recorder.completed == 0
+    assert proxy.engine.scheduler.bm.is_idle() and not proxy.engine.scheduler.running
+    assert proxy.engine.stats.requests_cancelled == 1

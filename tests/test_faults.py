@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from kvstream.backends import OllamaBackend, OpenAICompatibleBackend
+from tests.conftest import assert_cancelled_and_released
 from tests.doubles import Script, ollama_double
 
 pytestmark = pytest.mark.timeout(60)
@@ -73,10 +74,4 @@ async def test_client_leaving_during_prefill_cancels_the_runtime(start_upstream,
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    for _ in range(100):
-        if recorder.cancelled and proxy.engine.scheduler.bm.is_idle():
-            break
-        await asyncio.sleep(0.02)
-    assert recorder.cancelled == 1 and recorder.completed == 0
-    assert proxy.engine.scheduler.bm.is_idle() and not proxy.engine.scheduler.running
-    assert proxy.engine.stats.requests_cancelled == 1
+    await assert_cancelled_and_released(proxy, recorder)

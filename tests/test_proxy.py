@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from kvstream.backends import OpenAICompatibleBackend
+from tests.conftest import assert_cancelled_and_released
 from tests.doubles import Script
 
 pytestmark = pytest.mark.timeout(60)
@@ -280,13 +281,7 @@ async def test_client_disconnect_cancels_upstream_and_frees_blocks(proxied, stre
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-    for _ in range(100):
-        if recorder.cancelled and proxy.engine.scheduler.bm.is_idle():
-            break
-        await asyncio.sleep(0.05)
-    assert recorder.cancelled == 1 and recorder.completed == 0
-    assert proxy.engine.scheduler.bm.is_idle() and not proxy.engine.scheduler.running
-    assert proxy.engine.stats.requests_cancelled == 1
+    await assert_cancelled_and_released(proxy, recorder)
 
 
 async def test_client_hanging_up_while_the_backend_finishes_releases_everything(start_upstream, start_proxy):
