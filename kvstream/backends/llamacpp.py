@@ -1,6 +1,6 @@
 """llama.cpp's llama-server: its OpenAI routes plus /props, /tokenize, /apply-template and
 /health, with ``id_slot`` and ``cache_prompt`` passed through, slot affinity, and hard KV
-inject through /slots save and restore (see llamacpp_slots).
+inject through /slots save and restore (see llamacpp_inject).
 
 Measured here: llama-server closes kept-alive connections after a few requests, and a request
 sent on such a pooled connection fails before any byte returns; UpstreamSession retries
@@ -18,7 +18,8 @@ from typing import Any
 
 from kvstream.backends.base import BackendError, Capabilities, GenerateRequest, RuntimeLimits, Token
 from kvstream.backends.llamacpp_runtime import ManagedLlamaServer, embedded_model
-from kvstream.backends.llamacpp_slots import HardInject, SlotFileStore
+from kvstream.backends.llamacpp_inject import HardInject
+from kvstream.backends.llamacpp_slots import SlotFileStore
 from kvstream.backends.openai_compat import OpenAICompatibleBackend
 
 logger = logging.getLogger(__name__)

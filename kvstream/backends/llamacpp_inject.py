@@ -1,0 +1,219 @@
+"""Hard KV inject for llama-server: route each request to a slot, restore a saved prefix into
+it when that saves prefill, verify the runtime used it, and save new long prefixes.
+
+The pieces it drives live in llamacpp_slots (the slot table and the slot-file store).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvstream.backends.llamacpp_slots import InjectStats, SlotFileStore, SlotState, SlotTable
+from kvstream.kv.hashing import block_hashes
+
+logger = logging.getLogger(__name__)
+
+# A verified restore: the next request reused at least the restored prefix, give or take a
+# block (llama-server may re-evaluate the tail of what it restored).
+RESTORE_SLACK_TOKENS = 16
+# Block hashes remembered as computed by the running runtime (a bounded LRU).
+MAX_SEEN_BLOCKS = 200_000
+
+
+class HardInject:
+    """Routes requests to slots and restores or saves slot files around them.
+
+    Used by LlamaCppBackend: ``prepare`` before the request (choose a slot, restore a file
+    if it saves prefill), ``finish`` after it (verify the reuse, save new long prefixes,
+    release the slot).
+    """
+
+    def __init__(
+        self,
+        http,
+        slots: int,
+        store: SlotFileStore | None,
+        *,
+        min_tokens: int = 64,
+        save_min_new_tokens: int = 128,
+        max_failures: int = 5,
+    ) -> None:
+        self.http = http
+        self.table = SlotTable(slots)
+        self.store = store
+        self.min_tokens = min_tokens
+        self.save_min_new_tokens = save_min_new_tokens
+        self.max_failures = max_failures
+        self.stats = InjectStats()
+        self.enabled = store is not None
+        self._failures_in_a_row = 0
+        # Prefixes (block hashes) this runtime instance has computed since it started, and
+        # whether its own host-RAM prompt cache can be trusted to still hold them.
+        self._seen: dict[bytes, None] = {}
+        self.trust_runtime_cache = True
+        self._runtime_cache_misses = 0
+        self._expect_runtime_cache = 0
+        self._max_task_seen = -1
+
+    async def _post(self, path: str, body: dict | None = None) -> tuple[int, dict]:
+        async with self.http.request("POST", path, json_body=body or {}, timeout=120) as resp:
+            try:
+                payload = await resp.json(content_type=None)
+            except ValueError:
+                payload = {}
+            return resp.status, payload if isinstance(payload, dict) else {}
+
+    async def _sync_with_runtime(self) -> None:
+        """Compare what we believe the slots hold with what llama-server reports (cheap: an
+        idle GET /slots takes under a millisecond). A slot holding fewer tokens than we
+        believe, or task ids going backwards, means the runtime restarted or dropped its KV:
+        believe nothing about its slots or its own prompt cache then."""
+        try:
+            reported = await self.http.get_json("/slots", timeout=10)
+        except Exception as exc:
+            logger.debug("GET /slots failed: %r", exc)
+            return
+        if not isinstance(reported, list):
+            return
+        lost = False
+        max_task = -1
+        for entry in reported:
+            if not isinstance(entry, dict) or not isinstance(entry.get("id"), int) or entry["id"] >= len(self.table.slots):
+                continue
+            # A slot that never ran a task lists no token counts: it holds nothing.
+            held = entry.get("n_prompt_tokens", 0)
+            believed = self.table.slots[entry["id"]]
+            if isinstance(held, int) and held < len(believed.tokens) and not believed.busy:
+                lost = True
+            task = entry.get("id_task")
+            max_task = max(max_task, task if isinstance(task, int) else -1)
+        if max_task < self._max_task_seen:
+            lost = True
+        self._max_task_seen = max_task
+        if lost:
+            logger.info("llama-server lost its KV (restart or eviction); slot and prompt-cache beliefs reset")
+            self.reset()
+
+    def reset(self) -> None:
+        """The runtime lost its KV (restart): believe nothing about its slots or its cache."""
+        self.table.forget()
+        self._seen.clear()
+
+    def _seen_prefix(self, prompt: Sequence[int]) -> int:
+        if self.store is None:
+            return 0
+        hashes = block_hashes(prompt[: max(0, len(prompt) - 1)], self.store.block_size, self.store.salt)
+        for i in range(len(hashes) - 1, -1, -1):
+            if hashes[i] in self._seen:
+                return (i + 1) * self.store.block_size
+        return 0
+
+    def _remember_seen(self, prompt: Sequence[int]) -> None:
+        if self.store is None:
+            return
+        for h in block_hashes(prompt, self.store.block_size, self.store.salt):
+            self._seen.pop(h, None)
+            self._seen[h] = None
+        while len(self._seen) > MAX_SEEN_BLOCKS:
+            self._seen.pop(next(iter(self._seen)))
+
+    def _fail(self, why: str) -> None:
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row >= self.max_failures and self.enabled:
+            self.enabled = False
+            logger.error("hard inject disabled after %d failed or ineffective restores in a row (last: %s)", self._failures_in_a_row, why)
+
+    async def prepare(self, prompt: list[int]) -> tuple[SlotState, int]:
+        """Pick the slot for ``prompt``; restore a saved prefix into it when that saves work.
+        Returns the slot and the number of prompt tokens restored (0 if none)."""
+        await self._sync_with_runtime()
+        slot, shared = self.table.acquire(prompt)
+        self._expect_runtime_cache = 0
+        if shared >= self.min_tokens:
+            self.stats.affinity_hits += 1
+        if not self.enabled or self.store is None:
+            return slot, 0
+        found = self.store.lookup(prompt)
+        if found is None or found[1] < shared + self.min_tokens:
+            return slot, 0
+        seen = self._seen_prefix(prompt)
+        if self.trust_runtime_cache and seen >= found[1]:
+            # This runtime computed the prefix since it started: its own host-RAM prompt
+            # cache (--cache-ram) restores it faster than a file would. Verified in finish.
+            self._expect_runtime_cache = seen
+            return slot, 0
+        name, n_tokens = found
+        status, body = await self._post(f"/slots/{slot.id}?action=restore", {"filename": name})
+        if status != 200 or int(body.get("n_restored") or 0) < n_tokens:
+            self.stats.restore_failures += 1
+            logger.warning("restore of %s into slot %d failed (HTTP %s: %s); prefilling instead", name, slot.id, status, body.get("error", body))
+            await self._post(f"/slots/{slot.id}?action=erase")
+            slot.tokens = []
+            self.store.remove(name)
+            self._fail(f"HTTP {status}")
+            return slot, 0
+        self.stats.restores += 1
+        self.stats.restored_tokens += n_tokens
+        self.stats.restored_bytes += int(body.get("n_read") or 0)
+        self.store.touch(name)
+        slot.tokens = list(prompt[:n_tokens])
+        return slot, n_tokens
+
+    async def finish(self, slot: SlotState, prompt: list[int], restored: int, cached: int | None, completed: bool) -> None:
+        """Verify a restore was used, save a new long prefix, release the slot.
+
+        ``completed``: the runtime has the prompt's KV (it produced at least one token).
+        """
+        try:
+            if restored and cached is not None:
+                if cached + RESTORE_SLACK_TOKENS < min(restored, len(prompt) - 1):
+                    self.stats.ineffective += 1
+                    self._fail(f"restored {restored} tokens but the runtime reused {cached}")
+                else:
+                    self._failures_in_a_row = 0
+            expected = self._expect_runtime_cache
+            if expected and cached is not None:
+                if cached + RESTORE_SLACK_TOKENS < min(expected, len(prompt) - 1):
+                    self._runtime_cache_misses += 1
+                    if self._runtime_cache_misses >= 2 and self.trust_runtime_cache:
+                        self.trust_runtime_cache = False
+                        logger.info("llama-server's own prompt cache misses (--cache-ram 0?); restoring from slot files instead")
+                else:
+                    self._runtime_cache_misses = 0
+            if completed:
+                self._remember_seen(prompt)
+            if completed and self.enabled and self.store is not None and len(prompt) >= self.min_tokens:
+                if self.store.covered(prompt) + self.save_min_new_tokens <= len(prompt):
+                    await self._save(slot, prompt)
+        finally:
+            self.table.release(slot, prompt if completed else None)
+
+    async def _save(self, slot: SlotState, prompt: list[int]) -> None:
+        assert self.store is not None
+        name = self.store.filename_for(prompt)
+        if not name:
+            return
+        status, body = await self._post(f"/slots/{slot.id}?action=save", {"filename": name})
+        if status != 200:
+            logger.warning("saving slot %d failed (HTTP %s: %s)", slot.id, status, body.get("error", body))
+            return
+        nbytes = int(body.get("n_written") or 0)
+        evicted = self.store.add(name, prompt, nbytes)
+        self.stats.saves += 1
+        self.stats.saved_bytes += nbytes
+        self.stats.evicted_files += len(evicted)
+
+    def snapshot(self) -> dict:
+        s = self.stats
+        return {
+            "enabled": self.enabled,
+            "restores": s.restores,
+            "restore_failures": s.restore_failures,
+            "ineffective_restores": s.ineffective,
+            "restored_tokens": s.restored_tokens,
+            "saves": s.saves,
+            "files": len(self.store) if self.store is not None else 0,
+            "bytes_on_disk": self.store.total_bytes if self.store is not None else 0,
+            "affinity_hits": s.affinity_hits,
+        }
