@@ -40,6 +40,8 @@ FALLBACK_MAX_TOKENS = 2048
 # Characters per token when a runtime cannot tokenize for us; corrected by the usage it
 # reports (see EngineStats.estimate_error).
 CHARS_PER_TOKEN = 4
+# How long the runtime's model list is reused before asking again.
+MODELS_TTL_S = 5.0
 
 
 class QueueTimeout(SchedulerError):
@@ -225,6 +227,7 @@ class KVStreamEngine:
         self._ready = False
         self._started = False
         self._models: list[ModelInfo] = []
+        self._models_at = 0.0
 
     # ----------------------------------------------------------------- setup
     def attach_metrics(self, metrics: Metrics) -> None:
@@ -328,8 +331,14 @@ class KVStreamEngine:
 
     # ------------------------------------------------------------- requests
     async def models(self) -> list[ModelInfo]:
+        """The runtime's models, asked at most every MODELS_TTL_S (every request resolves its
+        model name against them); the last good list is kept while the runtime is down."""
+        now = time.monotonic()
+        if self._models and now - self._models_at < MODELS_TTL_S:
+            return self._models
         try:
             self._models = await self.backend.models()
+            self._models_at = now
         except BackendError:
             if not self._models:
                 raise

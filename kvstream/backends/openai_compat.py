@@ -3,7 +3,6 @@ LM Studio and Foundry Local adapters, which add their runtime's quirks."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -44,7 +43,6 @@ class OpenAICompatibleBackend(BaseBackend):
     def __init__(self, base_url: str | None = None, model: str | None = None, **options: Any) -> None:
         super().__init__(base_url, model, **options)
         self.session: UpstreamSession | None = None
-        self._models_cache: tuple[float, list[ModelInfo]] | None = None
 
     async def start(self) -> None:
         headers = {}
@@ -133,9 +131,6 @@ class OpenAICompatibleBackend(BaseBackend):
         return True
 
     async def models(self) -> list[ModelInfo]:
-        cached = self._models_cache
-        if cached and time.monotonic() - cached[0] < 5.0:
-            return cached[1]
         payload = await self.http.get_json(self.models_path)
         data = payload.get("data", []) if isinstance(payload, dict) else []
         models = [
@@ -148,5 +143,4 @@ class OpenAICompatibleBackend(BaseBackend):
             for m in data
             if isinstance(m, dict) and "id" in m
         ]
-        self._models_cache = (time.monotonic(), models)
         return models
