@@ -477,6 +477,10 @@ class KVStreamEngine:
             "recent": self._recent_window(now),
         }
 
+    def recent_e2e_median_s(self, window_s: float = 60.0) -> float | None:
+        """Median end-to-end time of requests finished in the last ``window_s`` seconds."""
+        return self._recent_window(time.monotonic(), window_s)["e2e_p50_s"]
+
     def _recent_window(self, now: float, window_s: float = 60.0) -> dict[str, Any]:
         """Percentiles over requests finished in the last ``window_s`` seconds."""
         rows = [r for r in self.stats.recent if now - r[0] <= window_s]

@@ -77,9 +77,10 @@ async def resolve_model(state: AppState, name: str) -> str:
 
 
 def retry_after(state: AppState) -> int:
-    """Seconds a rejected client should wait: the queue ahead drained at the recent rate."""
+    """Seconds a rejected client should wait: the queue ahead drained at the recent rate
+    (the median end-to-end time of the last minute's requests, 1 s when there were none)."""
     sched = state.engine.scheduler
-    per_request = state.recent_latency_s or 1.0
+    per_request = state.engine.recent_e2e_median_s() or 1.0
     waves = (len(sched.waiting) + 1) / max(1, sched.config.max_batch_size)
     return max(1, min(60, math.ceil(per_request * waves)))
 
@@ -154,8 +155,6 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             # Even if this handler is cancelled while closing (the client hung up right
             # after the last byte), the slot and the blocks must be released.
             gen.close(outcome)
-            if outcome == "finished":
-                state.observe_latency(gen)
 
 
 async def _next(stream: Any) -> Token:
