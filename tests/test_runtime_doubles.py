@@ -164,3 +164,18 @@ async def test_foundry_not_running_is_a_clear_503(start_proxy, tmp_path, monkeyp
     with pytest.raises(openai.InternalServerError) as err:
         await client(proxy).chat.completions.create(model="phi-4-mini", messages=[{"role": "user", "content": "hi"}])
     assert err.value.status_code == 503 and "Foundry Local is not running" in err.value.message
+
+
+async def test_ollama_settings_reach_the_runtime(start_upstream, start_proxy):
+    """backend.parallel / num_ctx / keep_alive from the config, as `kvstream serve` builds it."""
+    from kvstream.cli.serve import build_backend
+    from tests.conftest import make_settings
+
+    url, recorder = await start_upstream(Script(), factory=ollama_double)
+    settings = make_settings(backend={"type": "ollama", "base_url": url, "parallel": 3, "num_ctx": 8192, "keep_alive": "-1"})
+    backend = await build_backend(settings)
+    proxy = await start_proxy(backend)
+    await client(proxy).chat.completions.create(model="llama3.2:latest", messages=[{"role": "user", "content": "hi"}])
+    assert recorder.bodies[0]["options"]["num_ctx"] == 8192 and recorder.bodies[0]["keep_alive"] == "-1"
+    assert proxy.engine.scheduler.config.max_batch_size == 3
+    assert proxy.engine.limits.n_ctx_total == 3 * 8192

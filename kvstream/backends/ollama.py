@@ -218,7 +218,7 @@ class OllamaBackend(BaseBackend):
 
     async def limits(self) -> RuntimeLimits:
         """Context from /api/ps for the resident model, times OLLAMA_NUM_PARALLEL (which
-        Ollama does not report: configure it as backend option num_parallel, default 1)."""
+        Ollama does not report: set backend.parallel, default 1)."""
         n_ctx = self.num_ctx
         if n_ctx is None:
             try:
