@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,6 +18,7 @@ import pytest
 
 from kvstream.api.app import create_app
 from kvstream.backends.base import BaseBackend
+from kvstream.backends.llamacpp_runtime import free_port
 from kvstream.config import Settings, load_settings
 from kvstream.engine import KVStreamEngine
 from tests.doubles import Recorder, Script, openai_upstream
@@ -74,10 +74,21 @@ async def http() -> aiohttp.ClientSession:
 
 
 # ------------------------------------------------------------------- the real parts
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0, what: str = "server") -> None:
+    """Wait until ``url`` answers 200; fail clearly if the process dies or time runs out."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    pytest.fail(f"{what} did not answer {url} within {timeout:.0f} s")
 
 
 def _require(reason: str) -> None:
@@ -136,20 +147,12 @@ def launch_llama_server(
     log = open(Path(tempfile.gettempdir()) / f"llama-server-{port}.log", "w")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    import urllib.request
-
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"llama-server exited with {proc.returncode}; see {log.name}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                if resp.status == 200:
-                    return LlamaServer(url, proc, model, slot_dir, args)
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    pytest.fail("llama-server did not become healthy in 120 s")
+    try:
+        wait_http(url + "/health", proc, what=f"llama-server (log {log.name})")
+    except BaseException:
+        stop_process(proc)
+        raise
+    return LlamaServer(url, proc, model, slot_dir, args)
 
 
 def stop_process(proc: subprocess.Popen) -> None:

@@ -7,8 +7,6 @@ import io
 import json
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 from rich.console import Console
@@ -16,7 +14,7 @@ from rich.console import Console
 from kvstream.bench import datasets
 from kvstream.bench.metrics import RequestResult, calculate, percentile, tpot, ttft_by_turn
 from kvstream.cli import status as status_cli
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_http
 
 VLLM_KEYS = {
     "duration", "completed", "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput",
@@ -115,12 +113,7 @@ def test_bench_compares_kvstream_with_llama_server_directly(llama_server, tmp_pa
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        for _ in range(100):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1):
-                    break
-            except OSError:
-                time.sleep(0.2)
+        wait_http(f"http://127.0.0.1:{port}/ready", proxy, what="kvstream serve")
         out = tmp_path / "bench.json"
         cmd = [sys.executable, "-m", "kvstream.cli.main", "bench", "--url", f"http://127.0.0.1:{port}", "--compare", llama_server.url,
                "--dataset", "prefix-repetition", "--num-prompts", "8", "--prompt-len", "64", "--output-len", "8",

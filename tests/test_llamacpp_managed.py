@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 import json
 
@@ -16,7 +15,7 @@ import openai
 import pytest
 
 from kvstream.backends import LlamaCppBackend
-from tests.conftest import free_port, llama_server_binary, smollm2_gguf
+from tests.conftest import free_port, llama_server_binary, smollm2_gguf, wait_http
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(300)]
 
@@ -62,14 +61,7 @@ def test_kvstream_serve_with_a_gguf_starts_answers_and_cleans_up(tmp_path):
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
+        wait_http(f"http://127.0.0.1:{port}/ready", proc, what="kvstream serve")
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as resp:
             status = json.loads(resp.read())
         child = status["backend"]["managed"]["pid"]

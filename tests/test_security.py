@@ -8,8 +8,6 @@ import logging
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 
 import aiohttp
 import pytest
@@ -17,7 +15,7 @@ import pytest
 from kvstream.backends import OpenAICompatibleBackend
 from kvstream.engine import KVStreamEngine
 from kvstream.server import serve
-from tests.conftest import free_port, make_settings
+from tests.conftest import free_port, make_settings, wait_http
 from tests.doubles import Script
 
 pytestmark = pytest.mark.timeout(60)
@@ -89,13 +87,7 @@ def test_sigterm_lets_running_requests_finish_then_exits(tmp_path):
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1):
-                    break
-            except OSError:
-                time.sleep(0.2)
+        wait_http(f"http://127.0.0.1:{port}/ready", proxy, timeout=30, what="kvstream serve")
 
         async def stream_and_terminate() -> str:
             async with aiohttp.ClientSession() as s:

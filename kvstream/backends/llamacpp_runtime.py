@@ -50,7 +50,8 @@ def embedded_model() -> Path | None:
     return path if path.is_file() else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -79,7 +80,7 @@ class ManagedLlamaServer:
         self.slot_save_path = slot_save_path or Path(tempfile.gettempdir()) / "kvstream-slots"
         self.extra_args = extra_args or []
         self.binary = binary or find_binary()
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.alias = model.stem
         self.restarts = 0
