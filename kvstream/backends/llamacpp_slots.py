@@ -136,18 +136,22 @@ class SlotFileStore:
     def lookup(self, prompt: Sequence[int]) -> tuple[str, int] | None:
         """The most recently used file holding the longest saved prefix of ``prompt`` (at
         least one token is left for the runtime to compute), and that prefix's length."""
+        return self._longest(prompt[: max(0, len(prompt) - 1)])
+
+    def covered(self, prompt: Sequence[int]) -> int:
+        """How many leading tokens of ``prompt`` some saved file already holds."""
+        found = self._longest(prompt)
+        return found[1] if found else 0
+
+    def _longest(self, tokens: Sequence[int]) -> tuple[str, int] | None:
         self._reload()
-        hashes = self.prefix_hashes(prompt[: max(0, len(prompt) - 1)])
+        hashes = self.prefix_hashes(tokens)
         for i in range(len(hashes) - 1, -1, -1):
             names = self._by_hash.get(hashes[i])
             if names:
                 best = max(names, key=lambda n: self._files[n]["last_used"])
                 return best, (i + 1) * self.block_size
         return None
-
-    def covered(self, prompt: Sequence[int]) -> int:
-        found = self.lookup(list(prompt) + [0])
-        return found[1] if found else 0
 
     @property
     def total_bytes(self) -> int:

@@ -1,0 +1,47 @@
+"""SlotFileStore without a runtime: prefix lookup, coverage, LRU budget, an index shared
+between two stores on one directory, and names that carry no user text."""
+
+from __future__ import annotations
+
+import re
+
+from kvstream.backends.llamacpp_slots import SlotFileStore
+
+
+def make(tmp_path, budget=10_000, identity="model|build|4096"):
+    return SlotFileStore(tmp_path, identity, block_size=4, budget_bytes=budget)
+
+
+def save(store, tmp_path, tokens, nbytes=1000):
+    name = store.filename_for(tokens)
+    (tmp_path / name).write_bytes(b"x" * nbytes)
+    return name, store.add(name, tokens, nbytes)
+
+
+def test_lookup_leaves_a_token_to_compute_and_covered_does_not(tmp_path):
+    store = make(tmp_path)
+    name, _ = save(store, tmp_path, list(range(8)))
+    assert store.lookup(list(range(8))) == (name, 4)  # 8 tokens cached: the 8th must run
+    assert store.lookup(list(range(8)) + [99]) == (name, 8)
+    assert store.covered(list(range(8))) == 8
+    assert store.lookup([5, 5, 5, 5, 5]) is None
+    assert re.fullmatch(r"kvs-[0-9a-f]{12}-[0-9a-f]{32}\.bin", name)
+
+
+def test_budget_evicts_least_recently_used_and_deletes_files(tmp_path):
+    store = make(tmp_path, budget=2500)
+    a, _ = save(store, tmp_path, [1, 1, 1, 1, 9])
+    b, _ = save(store, tmp_path, [2, 2, 2, 2, 9])
+    store.touch(a)
+    c, evicted = save(store, tmp_path, [3, 3, 3, 3, 9])
+    assert evicted == [b] and not (tmp_path / b).exists()
+    assert store.total_bytes <= 2500 and len(store) == 2
+
+
+def test_two_stores_share_the_index_and_other_identities_are_ignored(tmp_path):
+    first, second = make(tmp_path), make(tmp_path)
+    name, _ = save(first, tmp_path, list(range(8)))
+    assert second.lookup(list(range(9))) == (name, 8)  # written by the other replica
+    assert make(tmp_path, identity="other|build|4096").lookup(list(range(9))) is None
+    (tmp_path / name).unlink()
+    assert make(tmp_path).lookup(list(range(9))) is None  # a missing file is dropped on load
