@@ -194,7 +194,7 @@ async def _write_stream(
             await response.write(fmt.error_event(from_exception(exc).body()))
             await response.write_eof()
         except ConnectionError:
-            pass
+            pass  # the client is gone too: nobody is left to tell
         return "failed"
     except ConnectionError:
         return "cancelled"  # the client went away; the finally upstream cancels the runtime

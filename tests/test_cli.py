@@ -1,0 +1,43 @@
+"""The command line as users type it: config show, config errors, unknown backends."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def kvstream(*args: str, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvstream.cli.main", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=60)
+
+
+def test_config_show_names_the_source_of_each_value(tmp_path):
+    (tmp_path / "kvstream.yaml").write_text("scheduler:\n  max_batch_size: 3\n")
+    out = kvstream("config", "show", "--json", env={"KVSTREAM_BACKEND": "ollama", "KVSTREAM_SERVER__API_KEYS": "secret-key"}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert shown["backend.type"] == {"value": "ollama", "source": "KVSTREAM_BACKEND"}
+    assert shown["scheduler.max_batch_size"]["value"] == "3" and shown["scheduler.max_batch_size"]["source"].endswith("kvstream.yaml")
+    assert shown["server.port"] == {"value": "8080", "source": "default"}
+    assert "secret-key" not in out.stdout
+
+
+def test_an_invalid_value_fails_at_start_with_one_line(tmp_path):
+    out = kvstream("serve", env={"KVSTREAM_MEMORY__BLOCK_SIZE": "12"}, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "config error: invalid setting memory.block_size (from KVSTREAM_MEMORY__BLOCK_SIZE): Input should be 8, 16 or 32"
+    ]
+
+
+def test_an_unknown_backend_is_refused_with_the_known_names(tmp_path):
+    out = kvstream("serve", "--backend", "nope", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "unknown backend 'nope'" in out.stderr and "ollama" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_llamacpp_without_url_or_model_file_says_what_to_give(tmp_path):
+    out = kvstream("serve", "--backend", "llamacpp", "--model", str(tmp_path / "missing.gguf"), cwd=tmp_path)
+    assert out.returncode == 2 and "--backend-url" in out.stderr and "Traceback" not in out.stderr
