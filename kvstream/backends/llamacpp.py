@@ -112,8 +112,8 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         if self.runtime is not None and self.runtime.restarts != self._runtime_restarts:
             self._runtime_restarts = self.runtime.restarts
             inject.reset()  # the managed server restarted: its slots and caches are empty
-        slot, restored = await inject.prepare(prompt)
-        request.hints["id_slot"] = slot.id
+        route = await inject.prepare(prompt)
+        request.hints["id_slot"] = route.slot.id
         prefilled, cached = False, None
         try:
             async with contextlib.aclosing(super().generate(request)) as tokens:
@@ -130,7 +130,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
             # has prefilled is worth saving even if nobody reads the rest of the answer.
             # Shielded: a client hanging up after the last byte must not abort the save
             # (nor leave the slot marked busy); close() waits for saves still running.
-            task = asyncio.ensure_future(inject.finish(slot, prompt, restored, cached, prefilled))
+            task = asyncio.ensure_future(inject.finish(route, cached, prefilled))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             await asyncio.shield(task)

@@ -7,10 +7,9 @@ The pieces it drives live in llamacpp_slots (the slot table and the slot-file st
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvstream.backends.llamacpp_slots import InjectStats, SlotFileStore, SlotState, SlotTable
-from kvstream.kv.hashing import block_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +18,18 @@ logger = logging.getLogger(__name__)
 RESTORE_SLACK_TOKENS = 16
 # Block hashes remembered as computed by the running runtime (a bounded LRU).
 MAX_SEEN_BLOCKS = 200_000
+
+
+@dataclass
+class Route:
+    """One request's placement: its slot, its prompt's block hashes (computed once), what was
+    restored into the slot, and how much the runtime's own cache is expected to supply."""
+
+    slot: SlotState
+    prompt: list[int]
+    hashes: list[str]
+    restored: int = 0
+    expect_runtime_cache: int = 0
 
 
 class HardInject:
@@ -53,7 +64,6 @@ class HardInject:
         self._seen: dict[bytes, None] = {}
         self.trust_runtime_cache = True
         self._runtime_cache_misses = 0
-        self._expect_runtime_cache = 0
         self._max_task_seen = -1
 
     async def _post(self, path: str, body: dict | None = None) -> tuple[int, dict]:
@@ -100,19 +110,15 @@ class HardInject:
         self.table.forget()
         self._seen.clear()
 
-    def _seen_prefix(self, prompt: Sequence[int]) -> int:
-        if self.store is None:
-            return 0
-        hashes = block_hashes(prompt[: max(0, len(prompt) - 1)], self.store.block_size, self.store.salt)
+    def _seen_prefix(self, hashes: list[str]) -> int:
+        """Tokens of the longest block-hash prefix this runtime instance has computed."""
         for i in range(len(hashes) - 1, -1, -1):
             if hashes[i] in self._seen:
-                return (i + 1) * self.store.block_size
+                return (i + 1) * self.block_size
         return 0
 
-    def _remember_seen(self, prompt: Sequence[int]) -> None:
-        if self.store is None:
-            return
-        for h in block_hashes(prompt, self.store.block_size, self.store.salt):
+    def _remember_seen(self, hashes: list[str]) -> None:
+        for h in hashes:
             self._seen.pop(h, None)
             self._seen[h] = None
         while len(self._seen) > MAX_SEEN_BLOCKS:
@@ -124,25 +130,30 @@ class HardInject:
             self.enabled = False
             logger.error("hard inject disabled after %d failed or ineffective restores in a row (last: %s)", self._failures_in_a_row, why)
 
-    async def prepare(self, prompt: list[int]) -> tuple[SlotState, int]:
-        """Pick the slot for ``prompt``; restore a saved prefix into it when that saves work.
-        Returns the slot and the number of prompt tokens restored (0 if none)."""
+    @property
+    def block_size(self) -> int:
+        return self.store.block_size if self.store is not None else 16
+
+    async def prepare(self, prompt: list[int]) -> Route:
+        """Pick the slot for ``prompt``; restore a saved prefix into it when that saves work."""
         await self._sync_with_runtime()
         slot, shared = self.table.acquire(prompt)
-        self._expect_runtime_cache = 0
+        route = Route(slot, prompt, self.store.prefix_hashes(prompt) if self.store is not None else [])
         if shared >= self.min_tokens:
             self.stats.affinity_hits += 1
         if not self.enabled or self.store is None:
-            return slot, 0
-        found = self.store.lookup(prompt)
+            return route
+        # At least one prompt token is left for the runtime to compute.
+        usable = route.hashes[: max(0, len(prompt) - 1) // self.block_size]
+        found = self.store.longest(usable)
         if found is None or found[1] < shared + self.min_tokens:
-            return slot, 0
-        seen = self._seen_prefix(prompt)
+            return route
+        seen = self._seen_prefix(usable)
         if self.trust_runtime_cache and seen >= found[1]:
             # This runtime computed the prefix since it started: its own host-RAM prompt
             # cache (--cache-ram) restores it faster than a file would. Verified in finish.
-            self._expect_runtime_cache = seen
-            return slot, 0
+            route.expect_runtime_cache = seen
+            return route
         name, n_tokens = found
         status, body = await self._post(f"/slots/{slot.id}?action=restore", {"filename": name})
         if status != 200 or int(body.get("n_restored") or 0) < n_tokens:
@@ -152,27 +163,28 @@ class HardInject:
             slot.tokens = []
             self.store.remove(name)
             self._fail(f"HTTP {status}")
-            return slot, 0
+            return route
         self.stats.restores += 1
         self.stats.restored_tokens += n_tokens
         self.stats.restored_bytes += int(body.get("n_read") or 0)
         self.store.touch(name)
         slot.tokens = list(prompt[:n_tokens])
-        return slot, n_tokens
+        route.restored = n_tokens
+        return route
 
-    async def finish(self, slot: SlotState, prompt: list[int], restored: int, cached: int | None, completed: bool) -> None:
-        """Verify a restore was used, save a new long prefix, release the slot.
-
-        ``completed``: the runtime has the prompt's KV (it produced at least one token).
-        """
+    async def finish(self, route: Route, cached: int | None, completed: bool) -> None:
+        """Verify a restore (or the runtime's own cache) was used, save a new long prefix,
+        release the slot. ``completed``: the runtime has the prompt's KV (it produced at
+        least one token); ``cached``: prompt tokens it reports having reused."""
+        prompt = route.prompt
         try:
-            if restored and cached is not None:
-                if cached + RESTORE_SLACK_TOKENS < min(restored, len(prompt) - 1):
+            if route.restored and cached is not None:
+                if cached + RESTORE_SLACK_TOKENS < min(route.restored, len(prompt) - 1):
                     self.stats.ineffective += 1
-                    self._fail(f"restored {restored} tokens but the runtime reused {cached}")
+                    self._fail(f"restored {route.restored} tokens but the runtime reused {cached}")
                 else:
                     self._failures_in_a_row = 0
-            expected = self._expect_runtime_cache
+            expected = route.expect_runtime_cache
             if expected and cached is not None:
                 if cached + RESTORE_SLACK_TOKENS < min(expected, len(prompt) - 1):
                     self._runtime_cache_misses += 1
@@ -182,24 +194,26 @@ class HardInject:
                 else:
                     self._runtime_cache_misses = 0
             if completed:
-                self._remember_seen(prompt)
+                self._remember_seen(route.hashes)
             if completed and self.enabled and self.store is not None and len(prompt) >= self.min_tokens:
-                if self.store.covered(prompt) + self.save_min_new_tokens <= len(prompt):
-                    await self._save(slot, prompt)
+                found = self.store.longest(route.hashes)
+                if (found[1] if found else 0) + self.save_min_new_tokens <= len(prompt):
+                    await self._save(route)
         finally:
-            self.table.release(slot, prompt if completed else None)
+            self.table.release(route.slot, prompt if completed else None)
 
-    async def _save(self, slot: SlotState, prompt: list[int]) -> None:
+    async def _save(self, route: Route) -> None:
         assert self.store is not None
-        name = self.store.filename_for(prompt)
-        if not name:
+        if not route.hashes:
             return
+        name = self.store.filename_for_hashes(route.hashes)
+        slot = route.slot
         status, body = await self._post(f"/slots/{slot.id}?action=save", {"filename": name})
         if status != 200:
             logger.warning("saving slot %d failed (HTTP %s: %s)", slot.id, status, body.get("error", body))
             return
         nbytes = int(body.get("n_written") or 0)
-        evicted = self.store.add(name, prompt, nbytes)
+        evicted = self.store.add(name, route.prompt, nbytes, route.hashes)
         self.stats.saves += 1
         self.stats.saved_bytes += nbytes
         self.stats.evicted_files += len(evicted)

@@ -131,21 +131,25 @@ class SlotFileStore:
     def filename_for(self, tokens: Sequence[int]) -> str:
         """A name derived from the prefix hash only: no user text, no path separators."""
         hashes = self.prefix_hashes(tokens)
-        return f"kvs-{self.tag}-{hashes[-1][:32]}.bin" if hashes else ""
+        return self.filename_for_hashes(hashes) if hashes else ""
+
+    def filename_for_hashes(self, hashes: Sequence[str]) -> str:
+        return f"kvs-{self.tag}-{hashes[-1][:32]}.bin"
 
     def lookup(self, prompt: Sequence[int]) -> tuple[str, int] | None:
         """The most recently used file holding the longest saved prefix of ``prompt`` (at
         least one token is left for the runtime to compute), and that prefix's length."""
-        return self._longest(prompt[: max(0, len(prompt) - 1)])
+        return self.longest(self.prefix_hashes(prompt[: max(0, len(prompt) - 1)]))
 
     def covered(self, prompt: Sequence[int]) -> int:
         """How many leading tokens of ``prompt`` some saved file already holds."""
-        found = self._longest(prompt)
+        found = self.longest(self.prefix_hashes(prompt))
         return found[1] if found else 0
 
-    def _longest(self, tokens: Sequence[int]) -> tuple[str, int] | None:
+    def longest(self, hashes: Sequence[str]) -> tuple[str, int] | None:
+        """For the block hashes of a token prefix: the most recently used file holding the
+        longest indexed part of it, and that part's length in tokens."""
         self._reload()
-        hashes = self.prefix_hashes(tokens)
         for i in range(len(hashes) - 1, -1, -1):
             names = self._by_hash.get(hashes[i])
             if names:
@@ -162,10 +166,11 @@ class SlotFileStore:
         return len(self._files)
 
     # --------------------------------------------------------------- updates
-    def add(self, name: str, prompt: Sequence[int], nbytes: int) -> list[str]:
+    def add(self, name: str, prompt: Sequence[int], nbytes: int, hashes: list[str] | None = None) -> list[str]:
         """Index a file the runtime just wrote; returns the files evicted for the budget."""
         with self._locked():
-            self._files[name] = {"tokens": len(prompt), "bytes": nbytes, "hashes": self.prefix_hashes(prompt), "last_used": time.time()}
+            hashes = hashes if hashes is not None else self.prefix_hashes(prompt)
+            self._files[name] = {"tokens": len(prompt), "bytes": nbytes, "hashes": hashes, "last_used": time.time()}
             evicted = []
             while self.total_bytes > self.budget_bytes and len(self._files) > 1:
                 oldest = min((n for n in self._files if n != name), key=lambda n: self._files[n]["last_used"])
