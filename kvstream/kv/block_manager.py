@@ -57,6 +57,7 @@ class BlockManager:
         max_prefix_length: int | None = None,
         model_identity: str = "",
         clock: object | None = None,
+        hash_on_append: bool = True,
     ) -> None:
         kwargs = {"clock": clock} if clock is not None else {}
         self.pool = BlockPool(num_gpu_blocks, block_size, **kwargs)
@@ -66,6 +67,10 @@ class BlockManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.max_prefix_length = max_prefix_length
         self.salt = model_key(model_identity)
+        # Remote runtimes compute a token's KV as soon as it streams, so a block is shared
+        # the moment it fills. An in-process engine appends a prompt before computing it and
+        # calls commit() after the forward pass, so no sequence ever shares unwritten KV.
+        self.hash_on_append = hash_on_append
         self.tables: dict[SeqId, BlockTable] = {}
         self.swapped: dict[SeqId, SwappedTable] = {}
 
@@ -163,22 +168,31 @@ class BlockManager:
             table.blocks[-1] = fresh
             copy = (shared.block_id, fresh.block_id)
         table.token_ids.append(token_id)
-        if (pos + 1) % self.block_size == 0:
-            self._seal_last_block(table)
+        if self.hash_on_append and (pos + 1) % self.block_size == 0:
+            self._seal(table, len(table.blocks) - 1)
         return copy
 
-    def _seal_last_block(self, table: BlockTable) -> None:
-        """Hash a block that just became full, so later requests can share it."""
-        index = len(table.blocks) - 1
+    def commit(self, seq_id: SeqId, num_computed_tokens: int) -> None:
+        """Make the full blocks among the first ``num_computed_tokens`` tokens shareable:
+        their KV has been written (in-process engines, ``hash_on_append=False``)."""
+        table = self.tables[seq_id]
+        for index in range(len(table.hashes), num_computed_tokens // self.block_size):
+            if not self._seal(table, index):
+                break
+
+    def _seal(self, table: BlockTable, index: int) -> bool:
+        """Hash full block ``index`` so later requests can share it; False when the chain is
+        broken (prefix caching off, an earlier block unhashable, or an unknown token)."""
         if not self.enable_prefix_cache or len(table.hashes) != index:
-            return  # an earlier block is unhashable, so the chain is broken
-        chunk = tuple(table.token_ids[index * self.block_size :])
+            return False
+        chunk = tuple(table.token_ids[index * self.block_size : (index + 1) * self.block_size])
         if UNKNOWN_TOKEN in chunk:
-            return
+            return False
         parent = table.hashes[-1] if table.hashes else None
         block_hash = hash_block(parent, chunk, self.salt)
         self.pool.cache(table.blocks[index], block_hash, chunk)
         table.hashes.append(block_hash)
+        return True
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Give ``child_id`` a table sharing every block of ``parent_id`` (copy-on-write)."""

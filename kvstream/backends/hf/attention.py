@@ -1,0 +1,137 @@
+"""Paged attention over the engine's KV pool, as an attention function transformers calls.
+
+One engine step packs every scheduled sequence into a single row of tokens (decodes of
+running sequences and prefill chunks of new ones, any lengths). The model's own layers
+compute Q, K, V and rotary embeddings; for each layer transformers then calls
+``paged_attention`` with the new K/V, which this function:
+
+1. writes into the pool at each token's slot (``slot = block_id * block_size + offset``);
+2. reads each sequence's whole context back through its block table, and
+3. runs scaled-dot-product attention per prefill chunk (causal mask aligned bottom-right:
+   a chunk's queries sit at the *end* of its keys, which SDPA's ``is_causal`` gets wrong
+   when they differ in length) and once for all decodes together (padded, masked).
+
+The index tensors are built once per step in ``AttentionPlan`` and reused by every layer, so
+the Python work per layer is a fixed handful of tensor ops plus one SDPA per prefill chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvstream.backends.hf.kv_cache import PagedKVCache
+
+
+@dataclass
+class PrefillChunk:
+    """Queries ``[start, end)`` of the packed row attend to ``read_slots`` (the sequence's
+    whole context so far, this chunk included)."""
+
+    start: int
+    end: int
+    read_slots: torch.Tensor
+    # Bool [q, k] (True = attend) when the chunk follows cached tokens; None when the chunk is
+    # the whole context, where plain causal masking is right.
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionPlan:
+    """Everything the attention function needs for one step, shared by all layers."""
+
+    cache: PagedKVCache
+    write_slots: torch.Tensor  # [T] slot of every token in the packed row
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_rows: torch.Tensor | None = None  # [B] positions in the packed row
+    decode_slots: torch.Tensor | None = None  # [B, L] context slots, padded
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool, None when no padding
+
+    @classmethod
+    def build(cls, cache: PagedKVCache, seqs: list[tuple[list[int], int, int]]) -> AttentionPlan:
+        """``seqs``: per sequence (block ids, tokens already in the pool, new tokens this step),
+        in packed-row order."""
+        device = cache.device
+        bs = cache.block_size
+        offsets = torch.arange(bs, device=device)
+        writes: list[torch.Tensor] = []
+        prefills: list[PrefillChunk] = []
+        decode_rows: list[int] = []
+        decode_ctx: list[torch.Tensor] = []
+        row = 0
+        for block_ids, computed, new in seqs:
+            total = computed + new
+            blocks = torch.tensor(block_ids[: -(-total // bs)], dtype=torch.long, device=device)
+            slots = (blocks[:, None] * bs + offsets).reshape(-1)[:total]
+            writes.append(slots[computed:])
+            if new == 1:
+                decode_rows.append(row)
+                decode_ctx.append(slots)
+            else:
+                mask = None
+                if computed:
+                    q_pos = torch.arange(computed, total, device=device)[:, None]
+                    mask = torch.arange(total, device=device)[None, :] <= q_pos
+                prefills.append(PrefillChunk(row, row + new, slots, mask))
+            row += new
+        plan = cls(cache, torch.cat(writes), prefills)
+        if decode_rows:
+            longest = max(len(s) for s in decode_ctx)
+            padded = torch.zeros(len(decode_ctx), longest, dtype=torch.long, device=device)
+            lengths = torch.tensor([len(s) for s in decode_ctx], device=device)
+            for i, s in enumerate(decode_ctx):
+                padded[i, : len(s)] = s
+            plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+            plan.decode_slots = padded
+            if bool((lengths != longest).any()):
+                plan.decode_mask = (torch.arange(longest, device=device)[None, :] < lengths[:, None])[:, None, None, :]
+        return plan
+
+
+def _heads_first(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[..., L, H_kv, D] -> [..., H_q, L, D], repeating each KV head for its query group."""
+    x = x.transpose(-3, -2)
+    return x.repeat_interleave(groups, dim=-3) if groups > 1 else x
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The attention function registered with transformers (see compat.py).
+
+    ``query`` is ``[1, H_q, T, D]`` and ``key``/``value`` ``[1, H_kv, T, D]`` for the packed
+    row; returns ``[1, T, H_q, D]`` as transformers' own attention functions do.
+    """
+    plan: AttentionPlan = kwargs["kvstream_plan"]
+    layer = module.layer_idx
+    k_pool = plan.cache.flat_k[layer]
+    v_pool = plan.cache.flat_v[layer]
+    k_pool.index_copy_(0, plan.write_slots, key[0].transpose(0, 1).to(k_pool.dtype))
+    v_pool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(v_pool.dtype))
+
+    q = query[0]  # [H_q, T, D]
+    groups = q.shape[0] // key.shape[1]
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H_q, D]
+    for chunk in plan.prefills:
+        k = _heads_first(k_pool[chunk.read_slots], groups).to(q.dtype)
+        v = _heads_first(v_pool[chunk.read_slots], groups).to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            q[:, chunk.start : chunk.end], k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scaling
+        )
+        out[chunk.start : chunk.end] = o.transpose(0, 1)
+    if plan.decode_rows is not None:
+        qd = q[:, plan.decode_rows].transpose(0, 1).unsqueeze(2)  # [B, H_q, 1, D]
+        k = _heads_first(k_pool[plan.decode_slots], groups).to(q.dtype)  # [B, H_q, L, D]
+        v = _heads_first(v_pool[plan.decode_slots], groups).to(q.dtype)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask, scale=scaling)
+        out[plan.decode_rows] = o[:, :, 0, :]
+    return out.unsqueeze(0), None

@@ -1,0 +1,82 @@
+"""Every transformers-version detail the HF engine depends on, in one place.
+
+Supported: transformers 5.x (tested on 5.24; the pin in pyproject is ``>=5,<6``). The engine
+relies on three things that are stable across 5.x:
+
+* ``AttentionInterface.register(name, fn)``: the engine's paged attention is registered
+  under ATTENTION_NAME and selected per model with ``set_attn_implementation`` (or the
+  config attribute on versions that lack it); no model code is patched;
+* forward keyword arguments reach the attention function (``**kwargs`` all the way down),
+  which is how the step's AttentionPlan travels;
+* a 4D ``attention_mask`` is returned as-is by the mask builders, so passing a tiny 4D
+  placeholder skips mask construction (the plan carries the real masks);
+* ``logits_to_keep`` accepts a tensor of row indices (4.50+; ``num_logits_to_keep`` before).
+
+The engine passes no Cache object (``use_cache=False``): transformers' Cache API changed
+kwarg names twice in 4.5x-5.2x (``past_key_value`` -> ``past_key_values`` -> ``cache``) and
+none of that matters when K/V never go through it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import transformers
+from transformers import AttentionInterface
+
+from kvstream.backends.hf.attention import AttentionPlan, paged_attention
+
+ATTENTION_NAME = "kvstream_paged"
+
+_registered = False
+
+
+def register_attention() -> None:
+    """Register the paged attention function with transformers (idempotent)."""
+    global _registered
+    if not _registered:
+        AttentionInterface.register(ATTENTION_NAME, paged_attention)
+        _registered = True
+
+
+def use_paged_attention(model: torch.nn.Module) -> None:
+    """Switch ``model`` to the engine's attention function."""
+    register_attention()
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        try:
+            setter(ATTENTION_NAME)
+            return
+        except (ValueError, KeyError, TypeError):
+            pass  # older checks reject unknown names; the config attribute still works
+    model.config._attn_implementation = ATTENTION_NAME
+
+
+def _logits_kwarg(model: torch.nn.Module) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "logits_to_keep" if "logits_to_keep" in params else "num_logits_to_keep"
+
+
+def forward_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    plan: AttentionPlan,
+    logits_rows: torch.Tensor,
+) -> torch.Tensor:
+    """One forward over a packed row ``[1, T]``; logits only at ``logits_rows`` -> ``[N, vocab]``."""
+    placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=placeholder_mask,
+        use_cache=False,
+        kvstream_plan=plan,
+        **{_logits_kwarg(model): logits_rows},
+    )
+    return out.logits[0]
+
+
+def version() -> str:
+    return transformers.__version__

@@ -1,0 +1,67 @@
+"""Token ids to streamed text: incremental decoding and stop strings.
+
+Decoding one id at a time breaks multi-byte characters and tokenizers that merge spaces, so
+each new text piece is the difference between decoding a short window with and without the
+newest tokens (the window slides forward as text is emitted). Text that might be the start
+of a stop string is held back until it is clearly not one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Tokens decoded before the newest ones, so that spacing and merges come out right.
+_WINDOW = 6
+
+
+class IncrementalDetokenizer:
+    """Feeds on generated ids; returns the text each one adds, honouring stop strings."""
+
+    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.pending = ""  # decoded but not yet emitted (could begin a stop string)
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str:
+        """Record one token; the text that may be sent now (possibly empty)."""
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return self._release("")  # an incomplete character: wait for its other bytes
+        piece = after[len(before) :]
+        self.prefix_offset = max(self.read_offset, len(self.ids) - _WINDOW)
+        self.read_offset = len(self.ids)
+        return self._release(piece)
+
+    def _release(self, piece: str) -> str:
+        text = self.pending + piece
+        if not self.stop:
+            self.pending = ""
+            return text
+        for stop in self.stop:
+            at = text.find(stop)
+            if at != -1:
+                self.stopped = True
+                self.pending = ""
+                return text[:at]
+        hold = 0
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:n]):
+                    hold = max(hold, n)
+                    break
+        self.pending = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold]
+
+    def flush(self) -> str:
+        """What was held back, at the end of the generation (no stop string followed)."""
+        text, self.pending = self.pending, ""
+        return "" if self.stopped else text

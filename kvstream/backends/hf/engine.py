@@ -1,0 +1,410 @@
+"""The in-process engine: KVStream's scheduler and block manager driving a real model.
+
+Each ``step()`` is one iteration of continuous batching:
+
+1. take in new requests and aborts (thread-safe inboxes; everything else runs on the
+   engine's own thread);
+2. ``scheduler.schedule()`` resumes swapped sequences and admits waiting ones; the copies it
+   returns (swap in, swap out) are carried out on the KV pool before anything is written;
+3. each running sequence's last sampled token is appended to its block table, which may
+   take a new block, copy a shared one (CoW) or preempt another sequence (swap/recompute);
+4. one forward pass over a packed row holding every running sequence's uncomputed tokens
+   (one per decode, a chunk per prefill, within ``max_num_batched_tokens``), logits only
+   where a token is sampled;
+5. the newly computed full blocks are committed to the prefix cache, tokens are sampled,
+   detokenized and checked against stop conditions, and finished sequences free their blocks.
+
+Invariant kept for correctness: a block is shareable (hashed) only once its KV has been
+written, and a sequence's ``num_computed`` tokens are exactly those whose KV is in the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvstream.backends.hf import compat
+from kvstream.backends.hf.attention import AttentionPlan
+from kvstream.backends.hf.detokenize import IncrementalDetokenizer
+from kvstream.backends.hf.kv_cache import KVShape, PagedKVCache
+from kvstream.backends.hf.sampling import SamplingParams, sample
+from kvstream.kv.block_manager import BlockManager
+from kvstream.scheduler import Scheduler, SchedulerConfig, ScheduleOutput, Sequence, SeqStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    """Sizes and policies of the in-process engine."""
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    num_cpu_blocks: int = 256
+    max_num_seqs: int = 16
+    # Tokens in one forward pass (decodes count one each); long prompts are prefilled in
+    # chunks of at most this, interleaved with running decodes.
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "swap"  # swap | recompute
+    policy: str = "fcfs"  # fcfs | sjf
+    enable_prefix_caching: bool = True
+    max_queue_size: int = 256
+    max_model_len: int | None = None
+    model_identity: str = "hf"
+    debug_invariants: bool = False  # check every invariant after every step (tests)
+
+
+@dataclass
+class TokenEvent:
+    """What one step produced for one request, delivered to its sink."""
+
+    kind: str  # "admitted" | "token" | "error"
+    token_id: int | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    error: BaseException | None = None
+
+
+Sink = Callable[[list[TokenEvent]], None]
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """A request inside the engine: its scheduler sequence plus decoding state."""
+
+    seq: Sequence
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    sink: Sink
+    generator: torch.Generator | None = None
+    num_computed: int = 0  # tokens of the block table whose KV is in the pool
+    pending: int | None = None  # sampled, not yet in the block table
+    num_generated: int = 0
+    admitted: bool = False
+    finished: bool = False
+    events: list[TokenEvent] = field(default_factory=list)
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    forward_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    swapped_blocks: int = 0
+
+
+class PagedEngine:
+    """Continuous batching over a paged KV pool for one HF causal LM."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = next(model.parameters()).device
+        mc = model.config
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        self.kv_shape = KVShape(mc.num_hidden_layers, mc.num_key_value_heads, head_dim)
+        self.kv_dtype = next(model.parameters()).dtype
+        self.cache = PagedKVCache(
+            self.kv_shape, config.num_blocks, config.block_size, config.num_cpu_blocks, self.kv_dtype, self.device
+        )
+        bm = BlockManager(
+            config.num_blocks,
+            config.block_size,
+            config.num_cpu_blocks,
+            enable_prefix_cache=config.enable_prefix_caching,
+            model_identity=config.model_identity,
+            hash_on_append=False,
+        )
+        self.scheduler = Scheduler(
+            bm,
+            SchedulerConfig(
+                max_batch_size=config.max_num_seqs,
+                preemption_policy=config.preemption_mode,
+                priority=config.policy,
+                max_queue_size=config.max_queue_size,
+                max_model_len=config.max_model_len,
+            ),
+            preemptible=True,
+        )
+        compat.use_paged_attention(self.model)
+        self.eos_ids = self._eos_ids()
+        self.counters = EngineCounters()
+        self.requests: dict[str, EngineRequest] = {}
+        self._finished: list[EngineRequest] = []  # finished this step, events not yet sent
+        self._inbox: list[EngineRequest] = []
+        self._aborts: list[str] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(v for v in value if isinstance(v, int))
+        return ids
+
+    # ------------------------------------------------------------- requests
+    def add_request(self, seq: Sequence, params: SamplingParams, sink: Sink) -> EngineRequest:
+        """Queue a request (any thread). Raises NeverFits / QueueFull at once."""
+        self.scheduler.check_fits(seq)
+        req = EngineRequest(seq, params, IncrementalDetokenizer(self.tokenizer, params.stop), sink, params.make_generator())
+        with self._lock:
+            if len(self.scheduler.waiting) + len(self._inbox) >= self.scheduler.config.max_queue_size:
+                from kvstream.scheduler import QueueFull
+
+                raise QueueFull(f"The queue is full ({self.scheduler.config.max_queue_size} requests waiting).")
+            self._inbox.append(req)
+            self._wake.notify()
+        return req
+
+    def abort(self, seq_id: str) -> None:
+        """Stop a request and free its blocks at the start of the next step (any thread)."""
+        with self._lock:
+            self._aborts.append(seq_id)
+            self._wake.notify()
+
+    def has_work(self) -> bool:
+        s = self.scheduler
+        return bool(self._inbox or self._aborts or s.waiting or s.running or s.swapped)
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for req in inbox:
+            self.requests[req.seq.seq_id] = req
+            self.scheduler.add(req.seq)
+        for seq_id in aborts:
+            req = self.requests.pop(seq_id, None)
+            if req is not None:
+                req.finished = True
+                self.scheduler.finish(req.seq)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> None:
+        """One iteration: schedule, grow, forward, sample, emit."""
+        self._take_inbox()
+        try:
+            self._step()
+        except Exception as exc:  # never leave a request hanging or a block held
+            logger.exception("engine step failed; failing the running requests")
+            for req in list(self.requests.values()):
+                if req.seq.status is SeqStatus.RUNNING:
+                    self._finish(req, TokenEvent("error", error=exc))
+        finally:
+            self._deliver()
+            if self.config.debug_invariants:
+                self.check_invariants()
+
+    def _step(self) -> None:
+        sched = self.scheduler
+        self._apply(sched.schedule())
+        for seq in sched.running:
+            req = self.requests[seq.seq_id]
+            if not req.admitted:
+                req.admitted = True
+                self.counters.cached_tokens += seq.num_cached_tokens
+                req.events.append(TokenEvent("admitted"))
+        # Latest first: a victim chosen while growing is then one already grown this step
+        # (or the grower itself), never one still holding an unappended token.
+        for seq in sorted(sched.running, key=lambda s: (s.priority, s.arrival), reverse=True):
+            req = self.requests[seq.seq_id]
+            if req.pending is None or seq.status is not SeqStatus.RUNNING:
+                continue
+            self._apply(sched.append(seq, req.pending))
+            if seq.status is SeqStatus.RUNNING:
+                req.pending = None
+        batch = self._plan_batch()
+        if batch:
+            self._forward(batch)
+
+    def _apply(self, out: ScheduleOutput) -> None:
+        """Carry out the KV copies of a scheduling decision, in a safe order: reads of host
+        blocks freed by a swap-in happen before a swap-out may reuse them, and device blocks
+        are saved before anyone writes to them again."""
+        self.cache.swap_in(out.swap_in_copies)
+        self.cache.swap_out(out.swap_out_copies)
+        self.cache.copy_blocks(out.cow_copies)
+        self.counters.swapped_blocks += len(out.swap_in_copies) + len(out.swap_out_copies)
+        for seq in out.admitted:
+            self.requests[seq.seq_id].num_computed = seq.num_cached_tokens
+        for seq in out.preempted:
+            if seq.status is SeqStatus.WAITING:  # recompute: the KV is gone
+                self.requests[seq.seq_id].num_computed = 0
+
+    def _plan_batch(self) -> list[tuple[EngineRequest, int]]:
+        """(request, tokens to compute) for this forward: every decode, then prefill chunks
+        in admission order within the token budget."""
+        decodes, prefills = [], []
+        for seq in self.scheduler.running:
+            req = self.requests[seq.seq_id]
+            todo = len(self.scheduler.bm.tables[seq.seq_id].token_ids) - req.num_computed
+            if todo == 1:
+                decodes.append((req, 1))
+            elif todo > 1:
+                prefills.append((req, todo))
+        batch = decodes
+        budget = self.config.max_num_batched_tokens - len(decodes)
+        prefills.sort(key=lambda item: item[0].seq.admitted_at or 0.0)
+        for req, todo in prefills:
+            if budget <= 0 and batch:
+                break
+            take = min(todo, max(budget, 1))
+            batch.append((req, take))
+            budget -= take
+        return batch
+
+    @torch.inference_mode()
+    def _forward(self, batch: list[tuple[EngineRequest, int]]) -> None:
+        bm = self.scheduler.bm
+        ids: list[int] = []
+        positions: list[int] = []
+        plan_seqs = []
+        logit_rows: list[int] = []
+        sampled: list[EngineRequest] = []
+        for req, take in batch:
+            table = bm.tables[req.seq.seq_id]
+            start = req.num_computed
+            ids += table.token_ids[start : start + take]
+            positions += range(start, start + take)
+            plan_seqs.append(([b.block_id for b in table.blocks], start, take))
+            if start + take == len(table.token_ids):
+                logit_rows.append(len(ids) - 1)
+                sampled.append(req)
+        device = self.device
+        plan = AttentionPlan.build(self.cache, plan_seqs)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
+        logits = compat.forward_logits(
+            self.model,
+            torch.tensor([ids], dtype=torch.long, device=device),
+            torch.tensor([positions], dtype=torch.long, device=device),
+            plan,
+            rows,
+        )
+        counters = self.counters
+        counters.steps += 1
+        counters.forward_tokens += len(ids)
+        for req, take in batch:
+            if take == 1 and req in sampled:
+                counters.decode_tokens += 1
+            else:
+                counters.prefill_tokens += take
+            req.num_computed += take
+            bm.commit(req.seq.seq_id, req.num_computed)
+        if not sampled:
+            return
+        tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+        for req, token in zip(sampled, tokens, strict=True):
+            self._emit(req, token)
+
+    def _emit(self, req: EngineRequest, token: int) -> None:
+        req.num_generated += 1
+        params = req.params
+        if token in self.eos_ids and not params.ignore_eos:
+            self._finish(req, TokenEvent("token", token, req.detokenizer.flush(), "stop"))
+            return
+        text = req.detokenizer.add(token)
+        if req.detokenizer.stopped:
+            self._finish(req, TokenEvent("token", token, text, "stop"))
+        elif req.num_generated >= params.max_tokens:
+            self._finish(req, TokenEvent("token", token, text + req.detokenizer.flush(), "length"))
+        else:
+            req.pending = token
+            req.events.append(TokenEvent("token", token, text))
+
+    def _finish(self, req: EngineRequest, event: TokenEvent) -> None:
+        req.finished = True
+        req.events.append(event)
+        self.scheduler.finish(req.seq)
+        self.requests.pop(req.seq.seq_id, None)
+        self._finished.append(req)
+
+    def _deliver(self) -> None:
+        """Hand each request the events of this step (one callback per request per step)."""
+        finished, self._finished = self._finished, []
+        for req in list(self.requests.values()) + finished:
+            if req.events:
+                events, req.events = req.events, []
+                req.sink(events)
+
+    # -------------------------------------------------------------- threads
+    def start(self) -> None:
+        """Run steps on a background thread whenever there is work."""
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="kvstream-hf-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self.has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    # ----------------------------------------------------------------- sync
+    def generate_sync(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion on the calling thread; the generated ids of each (tests,
+        benchmarks and the Python API; the engine thread must not be running)."""
+        assert self._thread is None, "generate_sync drives the engine itself"
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        results: list[list[int]] = [[] for _ in prompts]
+        errors: list[BaseException] = []
+
+        def sink_for(i: int) -> Sink:
+            def sink(events: list[TokenEvent]) -> None:
+                for e in events:
+                    if e.kind == "token":
+                        results[i].append(e.token_id)  # type: ignore[arg-type]
+                    elif e.kind == "error":
+                        errors.append(e.error)  # type: ignore[arg-type]
+
+            return sink
+
+        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+            self.add_request(Sequence(list(prompt), p.max_tokens), p, sink_for(i))
+        while self.has_work():
+            self.step()
+        if errors:
+            raise errors[0]
+        return results
+
+    # ---------------------------------------------------------------- checks
+    def check_invariants(self) -> None:
+        """Scheduler and block-manager invariants, plus the engine's own: computed tokens
+        never exceed a table, and a running sequence always has something to compute."""
+        self.scheduler.check_invariants()
+        for seq in self.scheduler.running:
+            req = self.requests[seq.seq_id]
+            assert req.num_computed <= len(self.scheduler.bm.tables[seq.seq_id].token_ids)
+
+    def is_idle(self) -> bool:
+        return not self.has_work() and self.scheduler.bm.is_idle()
+
+    def kv_bytes(self) -> dict[str, int]:
+        return {"device": self.cache.device_bytes, "host": self.cache.host_bytes}
+
