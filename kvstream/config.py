@@ -31,7 +31,7 @@ class _Section(BaseModel):
 
 
 class BackendSettings(_Section):
-    type: str = Field("auto", description="ollama | llamacpp | lmstudio | foundry | openai | auto, or a plugin name")
+    type: str = Field("auto", description="ollama | llamacpp | lmstudio | foundry | openai | hf | auto, or a plugin name")
     base_url: str | None = Field(None, description="the runtime's URL; each backend has its own default")
     model: str | None = Field(None, description="the model to serve; default: the runtime's first model")
     api_key: SecretStr | None = Field(None, description="a key KVStream sends upstream, if the runtime needs one")
@@ -46,6 +46,9 @@ class BackendSettings(_Section):
     inject: bool = Field(True, description="llama.cpp: hard KV inject (save and restore slot state) when slot saving works")
     inject_min_tokens: int = Field(64, ge=1, description="llama.cpp: shortest prefix worth restoring from a slot file")
     slot_budget_bytes: int = Field(2 * 1024**3, ge=0, description="llama.cpp: most bytes of slot files kept (LRU)")
+    gguf_file: str | None = Field(None, description="hf: the .gguf file inside the --model folder, for transformers' GGUF loader")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="hf: where the model runs; auto = cuda when available")
+    threads: int | None = Field(None, ge=1, description="hf: torch CPU threads; none = torch's default")
 
 
 class MemorySettings(_Section):
@@ -54,7 +57,8 @@ class MemorySettings(_Section):
     )
     num_cpu_blocks: int = Field(512, ge=0, description="blocks in the host swap pool")
     block_size: Literal[8, 16, 32] = Field(16, description="tokens per KV block")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="KV dtype (in-process backend)")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="hf: model and KV dtype; auto = float32 on CPU, bfloat16 on CUDA")
+    kv_cache_bytes: int | None = Field(None, ge=1, description="hf: bytes of the device KV pool when num_gpu_blocks is auto; none = 1 GiB on CPU, 40% of free memory on CUDA")
 
     @field_validator("num_gpu_blocks")
     @classmethod
@@ -70,6 +74,7 @@ class SchedulerSettings(_Section):
     priority: Literal["fcfs", "sjf"] = Field("fcfs", description="queue order: arrival, or shortest job (with aging)")
     max_queue_size: int = Field(256, ge=0, description="waiting requests beyond this get 429 + Retry-After")
     queue_timeout_s: float = Field(120.0, gt=0, description="a request waiting longer gets 503 + Retry-After")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="hf: most tokens in one forward pass; longer prompts are prefilled in chunks")
 
 
 class PrefixCacheSettings(_Section):

