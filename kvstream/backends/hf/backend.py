@@ -69,7 +69,10 @@ class HFBackend(BaseBackend):
         opts = self.options
         if opts.get("threads"):
             torch.set_num_threads(int(opts["threads"]))
-        loaded = load_model(self.model, opts.get("gguf_file"), opts.get("dtype", "auto"), opts.get("device", "auto"))
+        # ``preloaded``: a LoadedModel to serve instead of loading one (tests, embedding).
+        loaded = opts.get("preloaded") or load_model(
+            self.model, opts.get("gguf_file"), opts.get("dtype", "auto"), opts.get("device", "auto")
+        )
         self.model_name = loaded.name
         block_size = int(opts.get("block_size", 16))
         context = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 0) or None

@@ -1,0 +1,129 @@
+"""The hf backend behind the proxy, driven by the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from openai import AsyncOpenAI, BadRequestError  # noqa: E402
+
+from kvstream.backends.hf import HFBackend  # noqa: E402
+from kvstream.backends.hf.loader import LoadedModel  # noqa: E402
+
+
+@pytest.fixture
+async def hf_proxy(smollm2, start_proxy):
+    model, _, tokenizer = smollm2
+    backend = HFBackend(
+        None,
+        None,
+        preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"),
+        block_size=16,
+        num_gpu_blocks=256,
+        num_cpu_blocks=64,
+        max_batch_size=16,
+    )
+    proxy = await start_proxy(backend, scheduler={"max_batch_size": 16})
+    await proxy.engine.start()
+    yield proxy
+    await proxy.engine.close()
+
+
+@pytest.fixture
+async def oa(hf_proxy):
+    async with AsyncOpenAI(base_url=hf_proxy.v1, api_key="unused", max_retries=0) as client:
+        yield client
+
+
+async def wait_idle(proxy) -> None:
+    engine = proxy.engine.backend.engine
+    for _ in range(500):
+        if engine.is_idle():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine not idle: {engine.scheduler.running} {engine.scheduler.waiting}")
+
+
+async def test_sixteen_concurrent_streams_complete_and_release_everything(hf_proxy, oa):
+
+    async def one(i: int) -> tuple[str, str]:
+        stream = await oa.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": f"Write a sentence about the number {i}."}],
+            max_tokens=12 + i,
+            stream=True,
+            temperature=0,
+        )
+        text, finish = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    results = await asyncio.gather(*(one(i) for i in range(16)))
+    assert all(text and finish in ("stop", "length") for text, finish in results)
+    await wait_idle(hf_proxy)
+    async with aiohttp.ClientSession() as http:
+        status = await (await http.get(hf_proxy.url + "/status")).json()
+    assert status["kv"]["estimated"] is False and status["kv"]["blocks_total"] == 256
+    assert status["kv"]["blocks_used"] == 0 and status["queue"]["running"] == 0
+    assert status["requests"]["finished"] == 16
+
+
+async def test_greedy_through_the_proxy_equals_the_engine_alone(oa, smollm2):
+    from kvstream.backends.hf.engine import EngineConfig, PagedEngine
+    from kvstream.backends.hf.sampling import SamplingParams
+
+    messages = [{"role": "user", "content": "Name a planet."}]
+    reply = await oa.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0)
+    tokenizer = smollm2[2]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    alone = PagedEngine(smollm2[0], tokenizer, EngineConfig(block_size=16, num_blocks=64, num_cpu_blocks=0))
+    [out] = alone.generate_sync([list(ids)], SamplingParams(max_tokens=16, temperature=0))
+    assert reply.choices[0].message.content == tokenizer.decode(out, skip_special_tokens=True)
+    assert reply.usage.prompt_tokens == len(ids)
+
+
+async def test_seeded_sampling_is_reproducible(oa):
+
+    async def draw(seed: int) -> str:
+        r = await oa.completions.create(model="smollm2", prompt="My favourite animal is", max_tokens=12, temperature=1.0, seed=seed)
+        return r.choices[0].text
+
+    a, b, c = await asyncio.gather(draw(7), draw(7), draw(8))
+    assert a == b and a != c
+
+
+async def test_stop_string_ends_the_generation_before_it(oa):
+    r = await oa.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=30, temperature=0, stop=["7"])
+    assert r.choices[0].finish_reason == "stop"
+    assert "7" not in r.choices[0].text and "6" in r.choices[0].text
+
+
+async def test_a_prompt_longer_than_the_pool_is_rejected_at_once(hf_proxy, oa):
+    with pytest.raises(BadRequestError) as err:
+        await oa.completions.create(model="smollm2", prompt="word " * 5000, max_tokens=4)
+    assert err.value.status_code == 400 and err.value.code == "context_length_exceeded"
+    await wait_idle(hf_proxy)
+
+
+async def test_client_disconnect_aborts_and_frees_the_blocks(hf_proxy):
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(
+            hf_proxy.v1 + "/completions",
+            json={"model": "smollm2", "prompt": "1, 2, 3, 4,", "max_tokens": 400, "stream": True, "temperature": 0},
+        )
+        await resp.content.readline()  # the first chunk: generating
+        resp.close()
+    await wait_idle(hf_proxy)
+    assert hf_proxy.engine.backend.engine.counters.decode_tokens < 400
+    for _ in range(200):
+        if hf_proxy.engine.stats.requests_cancelled == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert hf_proxy.engine.stats.requests_cancelled == 1
