@@ -64,12 +64,27 @@ def test_random_schedules_keep_every_invariant_and_leak_nothing(smollm2, ops, mo
         finishes = sum(1 for e in tokens if e.finish_reason)
         # A request finishes exactly once, unless it was aborted first; never twice.
         assert finishes == 1 or (seq_id in aborted and finishes == 0)
-    PREEMPTIONS.append(engine.scheduler.stats.preemptions)
 
 
-PREEMPTIONS: list[int] = []
-
-
-def test_the_random_schedules_did_exercise_preemption():
-    # Runs after the property test (file order): memory pressure was real in some examples.
-    assert not PREEMPTIONS or max(PREEMPTIONS) > 0
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_aborting_preempted_and_running_requests_frees_both_pools(smollm2, mode):
+    engine = PagedEngine(
+        smollm2[0],
+        smollm2[2],
+        EngineConfig(block_size=4, num_blocks=16, num_cpu_blocks=16, max_num_seqs=4, preemption_mode=mode, debug_invariants=True),
+    )
+    seqs = [Sequence(SHARED + [500 + i, 600 + i], 30) for i in range(4)]
+    for seq in seqs:
+        engine.add_request(seq, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), lambda events: None)
+    for _ in range(60):
+        engine.step()
+        if engine.scheduler.stats.preemptions:
+            break
+    assert engine.scheduler.stats.preemptions, "the pool was meant to run out"
+    paused = engine.scheduler.swapped + engine.scheduler.waiting
+    assert paused
+    engine.abort(paused[0].seq_id)
+    engine.abort(engine.scheduler.running[0].seq_id)
+    while engine.has_work():
+        engine.step()
+    assert engine.is_idle()

@@ -90,10 +90,15 @@ class AttentionPlan:
         return plan
 
 
-def _heads_first(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[..., L, H_kv, D] -> [..., H_q, L, D], repeating each KV head for its query group."""
-    x = x.transpose(-3, -2)
-    return x.repeat_interleave(groups, dim=-3) if groups > 1 else x
+def _gather(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V of ``slots`` (any shape S) from a ``[slots, H_kv, D]`` pool -> ``[*S', H_kv, L, D]``.
+
+    index_select on the flat slots is several times faster than advanced indexing on CPU.
+    KV heads are not repeated for their query groups: SDPA's ``enable_gqa`` does that
+    without copying (and gives bit-identical results).
+    """
+    picked = pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
+    return picked.transpose(-3, -2).to(dtype)
 
 
 def paged_attention(
@@ -119,19 +124,20 @@ def paged_attention(
     v_pool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(v_pool.dtype))
 
     q = query[0]  # [H_q, T, D]
-    groups = q.shape[0] // key.shape[1]
+    gqa = q.shape[0] != key.shape[1]
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H_q, D]
     for chunk in plan.prefills:
-        k = _heads_first(k_pool[chunk.read_slots], groups).to(q.dtype)
-        v = _heads_first(v_pool[chunk.read_slots], groups).to(q.dtype)
+        k = _gather(k_pool, chunk.read_slots, q.dtype)  # [H_kv, L, D]
+        v = _gather(v_pool, chunk.read_slots, q.dtype)
         o = F.scaled_dot_product_attention(
-            q[:, chunk.start : chunk.end], k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scaling
+            q[:, chunk.start : chunk.end], k, v,
+            attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scaling, enable_gqa=gqa,
         )
         out[chunk.start : chunk.end] = o.transpose(0, 1)
     if plan.decode_rows is not None:
         qd = q[:, plan.decode_rows].transpose(0, 1).unsqueeze(2)  # [B, H_q, 1, D]
-        k = _heads_first(k_pool[plan.decode_slots], groups).to(q.dtype)  # [B, H_q, L, D]
-        v = _heads_first(v_pool[plan.decode_slots], groups).to(q.dtype)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask, scale=scaling)
+        k = _gather(k_pool, plan.decode_slots, q.dtype)  # [B, H_kv, L, D]
+        v = _gather(v_pool, plan.decode_slots, q.dtype)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask, scale=scaling, enable_gqa=gqa)
         out[plan.decode_rows] = o[:, :, 0, :]
     return out.unsqueeze(0), None
