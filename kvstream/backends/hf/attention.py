@@ -129,11 +129,12 @@ def paged_attention(
     for chunk in plan.prefills:
         k = _gather(k_pool, chunk.read_slots, q.dtype)  # [H_kv, L, D]
         v = _gather(v_pool, chunk.read_slots, q.dtype)
+        # 4D on purpose: with 3D inputs the CPU kernel falls back to the math path (6x slower).
         o = F.scaled_dot_product_attention(
-            q[:, chunk.start : chunk.end], k, v,
+            q[None, :, chunk.start : chunk.end], k[None], v[None],
             attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scaling, enable_gqa=gqa,
         )
-        out[chunk.start : chunk.end] = o.transpose(0, 1)
+        out[chunk.start : chunk.end] = o[0].transpose(0, 1)
     if plan.decode_rows is not None:
         qd = q[:, plan.decode_rows].transpose(0, 1).unsqueeze(2)  # [B, H_q, 1, D]
         k = _gather(k_pool, plan.decode_slots, q.dtype)  # [B, H_kv, L, D]

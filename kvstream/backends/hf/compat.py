@@ -78,5 +78,11 @@ def forward_logits(
     return out.logits[0]
 
 
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name of the Cache argument of ``model.forward``: ``cache`` from 5.2x on,
+    ``past_key_values`` before (for baselines that run plain transformers with a Cache)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def version() -> str:
     return transformers.__version__
