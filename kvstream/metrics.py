@@ -140,6 +140,23 @@ class _EngineCollector(Collector):
         inject = getattr(engine.backend, "inject", None)
         if inject is not None:
             yield from _inject_families(inject)
+        paged = getattr(engine.backend, "engine", None)
+        if paged is not None and engine.backend.capabilities.owns_kv:
+            yield from _engine_families(paged)
+
+
+def _engine_families(paged) -> Iterator:
+    """The in-process engine's own series (hf backend)."""
+    c = paged.counters
+    yield CounterMetricFamily("kvstream_engine_steps", "Batched forward passes run by the in-process engine.", value=c.steps)
+    tokens = CounterMetricFamily("kvstream_engine_forward_tokens", "Tokens computed by forward passes, by kind.", labels=["kind"])
+    tokens.add_metric(["prefill"], c.prefill_tokens)
+    tokens.add_metric(["decode"], c.decode_tokens)
+    yield tokens
+    kv_bytes = GaugeMetricFamily("kvstream_kv_pool_bytes", "Bytes allocated to the KV pools, by tier.", labels=["tier"])
+    kv_bytes.add_metric(["gpu"], paged.cache.device_bytes)
+    kv_bytes.add_metric(["cpu"], paged.cache.host_bytes)
+    yield kv_bytes
 
 
 def _inject_families(inject) -> Iterator:

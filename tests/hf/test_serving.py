@@ -73,6 +73,12 @@ async def test_sixteen_concurrent_streams_complete_and_release_everything(hf_pro
     assert status["kv"]["estimated"] is False and status["kv"]["blocks_total"] == 256
     assert status["kv"]["blocks_used"] == 0 and status["queue"]["running"] == 0
     assert status["requests"]["finished"] == 16
+    async with aiohttp.ClientSession() as http:
+        metrics = await (await http.get(hf_proxy.url + "/metrics")).text()
+    assert "kvstream_kv_estimated 0.0" in metrics
+    assert 'kvstream_kv_blocks{state="free",tier="gpu"} 256.0' in metrics
+    decode = next(line for line in metrics.splitlines() if line.startswith('kvstream_engine_forward_tokens_total{kind="decode"}'))
+    assert float(decode.split()[-1]) > 16
 
 
 async def test_greedy_through_the_proxy_equals_the_engine_alone(oa, smollm2):
