@@ -17,6 +17,12 @@ except ImportError:  # pragma: no cover - the hf extra is part of the test extra
     torch = None
 
 
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/hf/" in str(item.path).replace("\\", "/"):
+            item.add_marker(pytest.mark.hf)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(engine_model, reference_model, tokenizer) in float32 on CPU, one thread per op."""

@@ -90,6 +90,7 @@ def test_preemption_round_trip_gives_the_same_tokens(smollm2, prompts, golden, m
     assert engine.is_idle()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_engine_matches_generate(prompts, golden):
     from kvstream.backends.hf.loader import load_model

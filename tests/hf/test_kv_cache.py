@@ -48,6 +48,7 @@ def test_bytes_per_token_matches_smollm2_geometry():
     assert KVShape(30, 3, 64).bytes_per_token(torch.float32) == 46080
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_swap_round_trip_between_gpu_and_pinned_host_memory():
     cache = filled("cuda", torch.bfloat16)

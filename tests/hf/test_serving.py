@@ -133,3 +133,41 @@ async def test_client_disconnect_aborts_and_frees_the_blocks(hf_proxy):
             break
         await asyncio.sleep(0.01)
     assert hf_proxy.engine.stats.requests_cancelled == 1
+
+
+async def test_auto_falls_back_to_the_in_process_engine_when_nothing_answers(monkeypatch):
+    """`kvstream serve` on a machine with no runtime and no llama-server build."""
+    from kvstream.cli import serve as serve_cli
+    from tests.conftest import make_settings
+
+    async def nothing(*args, **kwargs):
+        return None
+
+    monkeypatch.setattr(serve_cli, "probe_runtimes", nothing)
+    monkeypatch.setattr(serve_cli, "find_binary", lambda: None)
+    settings = make_settings(scheduler={"max_batch_size": 5, "preemption_policy": "recompute"})
+    backend = await serve_cli.build_backend(settings)
+    assert isinstance(backend, HFBackend)
+    assert backend.options["max_batch_size"] == 5 and backend.options["preemption_policy"] == "recompute"
+
+
+async def test_hf_settings_size_the_engine(smollm2):
+    """Config keys reach the engine: block size, pool, batch, preemption, chunk budget."""
+    from kvstream.cli.serve import backend_options
+    from tests.conftest import make_settings
+
+    settings = make_settings(
+        memory={"block_size": 8, "num_gpu_blocks": 100, "num_cpu_blocks": 10},
+        scheduler={"max_batch_size": 3, "preemption_policy": "recompute", "max_num_batched_tokens": 64},
+    )
+    options = backend_options(settings) | {"preloaded": LoadedModel(smollm2[0], smollm2[2], "smollm2", "hf:test")}
+    backend = HFBackend(None, None, **options)
+    await backend.start()
+    try:
+        config = backend.engine.config
+        assert (config.block_size, config.num_blocks, config.num_cpu_blocks) == (8, 100, 10)
+        assert (config.max_num_seqs, config.preemption_mode, config.max_num_batched_tokens) == (3, "recompute", 64)
+        limits = await backend.limits()
+        assert limits.n_ctx_total == 800 and limits.parallel == 3
+    finally:
+        await backend.close()
