@@ -79,7 +79,7 @@ class Metrics:
     def observe_finished(self, gen: Generation) -> None:
         now = time.monotonic()
         if gen.admitted_at is not None:
-            self.queue_time.observe(gen.admitted_at - gen.submitted_at)
+            self.queue_time.observe(gen.queue_ms / 1000)  # stamped by the in-process engine for hf
         if gen.first_token_at is not None:
             self.ttft.observe(gen.first_token_at - gen.submitted_at)
             if gen.num_tokens > 1:

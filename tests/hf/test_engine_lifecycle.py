@@ -88,3 +88,29 @@ def test_aborting_preempted_and_running_requests_frees_both_pools(smollm2, mode)
     while engine.has_work():
         engine.step()
     assert engine.is_idle()
+
+
+def test_a_failing_forward_fails_its_requests_frees_everything_and_the_engine_goes_on(smollm2, monkeypatch):
+    from kvstream.backends.hf import compat, engine as engine_module
+
+    engine = PagedEngine(smollm2[0], smollm2[2], EngineConfig(block_size=4, num_blocks=64, num_cpu_blocks=8, debug_invariants=True))
+    real = compat.forward_logits
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device fell over")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module.compat, "forward_logits", flaky)
+    events: list = []
+    for i in range(2):
+        engine.add_request(Sequence(SHARED + [700 + i], 10), SamplingParams(max_tokens=10, temperature=0), events.extend)
+    while engine.has_work():
+        engine.step()
+    errors = [e for e in events if e.kind == "error"]
+    assert len(errors) == 2 and "device fell over" in repr(errors[0].error)
+    assert engine.is_idle()
+    # The next request is served normally.
+    assert engine.generate_sync([SHARED], SamplingParams(max_tokens=3, temperature=0))[0]

@@ -222,6 +222,9 @@ class HFBackend(BaseBackend):
                         admitted = True
                     elif event.kind == "error":
                         finished = True
+                        if isinstance(event.error, SchedulerError):
+                            err = event.error
+                            raise BackendError(str(err), err.status, code=err.code, retryable=err.status >= 429)
                         raise BackendError(f"the engine failed: {event.error!r}", 500, code="engine_error")
                     elif event.finish_reason is None:
                         admitted = True

@@ -34,7 +34,15 @@ from kvstream.backends.hf.detokenize import IncrementalDetokenizer
 from kvstream.backends.hf.kv_cache import KVShape, PagedKVCache
 from kvstream.backends.hf.sampling import SamplingParams, sample
 from kvstream.kv.block_manager import BlockManager
-from kvstream.scheduler import Scheduler, SchedulerConfig, ScheduleOutput, Sequence, SeqStatus
+from kvstream.scheduler import (
+    QueueFull,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerError,
+    ScheduleOutput,
+    Sequence,
+    SeqStatus,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +171,6 @@ class PagedEngine:
         req = EngineRequest(seq, params, IncrementalDetokenizer(self.tokenizer, params.stop), sink, params.make_generator())
         with self._lock:
             if len(self.scheduler.waiting) + len(self._inbox) >= self.scheduler.config.max_queue_size:
-                from kvstream.scheduler import QueueFull
-
                 raise QueueFull(f"The queue is full ({self.scheduler.config.max_queue_size} requests waiting).")
             self._inbox.append(req)
             self._wake.notify()
@@ -185,8 +191,12 @@ class PagedEngine:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
         for req in inbox:
+            try:
+                self.scheduler.add(req.seq)
+            except SchedulerError as exc:  # the queue filled up between the check and now
+                req.sink([TokenEvent("error", error=exc)])
+                continue
             self.requests[req.seq.seq_id] = req
-            self.scheduler.add(req.seq)
         for seq_id in aborts:
             req = self.requests.pop(seq_id, None)
             if req is not None:
@@ -196,8 +206,8 @@ class PagedEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         """One iteration: schedule, grow, forward, sample, emit."""
-        self._take_inbox()
         try:
+            self._take_inbox()
             self._step()
         except Exception as exc:  # never leave a request hanging or a block held
             logger.exception("engine step failed; failing the running requests")
