@@ -84,7 +84,7 @@ class PrefixCacheSettings(_Section):
 
 
 class AttentionSettings(_Section):
-    backend: Literal["auto", "sdpa", "eager"] = Field("auto", description="attention kernel (in-process backend)")
+    backend: Literal["auto", "sdpa", "eager"] = Field("auto", description="hf: attention kernel over the paged pool; auto = sdpa (torch's fused kernels), eager = plain matmul-softmax (the reference)")
 
 
 class ServerSettings(_Section):

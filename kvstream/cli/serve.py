@@ -50,6 +50,7 @@ def backend_options(settings: Settings) -> dict:
         "max_queue_size": settings.scheduler.max_queue_size,
         "queue_timeout_s": settings.scheduler.queue_timeout_s,
         "prefix_cache": settings.prefix_cache.enabled,
+        "attention": settings.attention.backend,
     }
 
 

@@ -101,3 +101,8 @@ def test_on_cuda_the_engine_matches_generate(prompts, golden):
     # Different kernels on another device: compare the first tokens, where ties are rare.
     assert sum(o[:4] == g[:4] for o, g in zip(outs, golden, strict=True)) >= len(golden) - 1
     assert engine.is_idle()
+
+
+def test_eager_kernel_gives_the_same_tokens(smollm2, prompts, golden):
+    engine = make_engine(smollm2, attention="eager", max_num_batched_tokens=64)
+    assert engine.generate_sync(prompts[:8], GREEDY) == golden[:8]

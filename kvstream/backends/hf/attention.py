@@ -44,13 +44,14 @@ class AttentionPlan:
 
     cache: PagedKVCache
     write_slots: torch.Tensor  # [T] slot of every token in the packed row
+    kernel: str = "sdpa"  # "sdpa" (torch's fused kernels) | "eager" (plain matmul-softmax, the reference)
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_rows: torch.Tensor | None = None  # [B] positions in the packed row
     decode_slots: torch.Tensor | None = None  # [B, L] context slots, padded
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool, None when no padding
 
     @classmethod
-    def build(cls, cache: PagedKVCache, seqs: list[tuple[list[int], int, int]]) -> AttentionPlan:
+    def build(cls, cache: PagedKVCache, seqs: list[tuple[list[int], int, int]], kernel: str = "sdpa") -> AttentionPlan:
         """``seqs``: per sequence (block ids, tokens already in the pool, new tokens this step),
         in packed-row order."""
         device = cache.device
@@ -76,7 +77,7 @@ class AttentionPlan:
                     mask = torch.arange(total, device=device)[None, :] <= q_pos
                 prefills.append(PrefillChunk(row, row + new, slots, mask))
             row += new
-        plan = cls(cache, torch.cat(writes), prefills)
+        plan = cls(cache, torch.cat(writes), kernel, prefills)
         if decode_rows:
             longest = max(len(s) for s in decode_ctx)
             padded = torch.zeros(len(decode_ctx), longest, dtype=torch.long, device=device)
@@ -99,6 +100,29 @@ def _gather(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torc
     """
     picked = pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
     return picked.transpose(-3, -2).to(dtype)
+
+
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None
+) -> torch.Tensor:
+    """The reference kernel: matmul, mask, softmax in fp32, matmul. ``q`` ``[B, H_q, T, D]``,
+    ``k``/``v`` ``[B, H_kv, L, D]``; KV heads are repeated for their query groups."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if causal:
+        t, length = scores.shape[-2:]
+        mask = torch.arange(length, device=q.device)[None, :] <= torch.arange(length - t, length, device=q.device)[:, None]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1).to(v.dtype) @ v
+
+
+def _attend(plan: AttentionPlan, q, k, v, mask, causal: bool, scale: float | None, gqa: bool) -> torch.Tensor:
+    if plan.kernel == "eager":
+        return eager_attention(q, k, v, mask, causal, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
 def paged_attention(
@@ -130,15 +154,12 @@ def paged_attention(
         k = _gather(k_pool, chunk.read_slots, q.dtype)  # [H_kv, L, D]
         v = _gather(v_pool, chunk.read_slots, q.dtype)
         # 4D on purpose: with 3D inputs the CPU kernel falls back to the math path (6x slower).
-        o = F.scaled_dot_product_attention(
-            q[None, :, chunk.start : chunk.end], k[None], v[None],
-            attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scaling, enable_gqa=gqa,
-        )
+        o = _attend(plan, q[None, :, chunk.start : chunk.end], k[None], v[None], chunk.mask, chunk.mask is None, scaling, gqa)
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
     if plan.decode_rows is not None:
         qd = q[:, plan.decode_rows].transpose(0, 1).unsqueeze(2)  # [B, H_q, 1, D]
         k = _gather(k_pool, plan.decode_slots, q.dtype)  # [B, H_kv, L, D]
         v = _gather(v_pool, plan.decode_slots, q.dtype)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask, scale=scaling, enable_gqa=gqa)
+        o = _attend(plan, qd, k, v, plan.decode_mask, False, scaling, gqa)
         out[plan.decode_rows] = o[:, :, 0, :]
     return out.unsqueeze(0), None

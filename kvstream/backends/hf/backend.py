@@ -91,6 +91,7 @@ class HFBackend(BaseBackend):
             max_queue_size=int(opts.get("max_queue_size", 256)),
             max_model_len=context,
             model_identity=loaded.identity,
+            attention="eager" if opts.get("attention") == "eager" else "sdpa",
         )
         engine = PagedEngine(loaded.model, loaded.tokenizer, config)
         logger.info(

@@ -64,6 +64,7 @@ class EngineConfig:
     max_queue_size: int = 256
     max_model_len: int | None = None
     model_identity: str = "hf"
+    attention: str = "sdpa"  # sdpa | eager (see attention.py)
     debug_invariants: bool = False  # check every invariant after every step (tests)
 
 
@@ -295,7 +296,7 @@ class PagedEngine:
                 logit_rows.append(len(ids) - 1)
                 sampled.append(req)
         device = self.device
-        plan = AttentionPlan.build(self.cache, plan_seqs)
+        plan = AttentionPlan.build(self.cache, plan_seqs, self.config.attention)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
         logits = compat.forward_logits(
             self.model,
