@@ -236,7 +236,13 @@ class Scheduler:
         if not self.waiting and not self.swapped:
             return out
         now = self.clock()
+        self.waiting.sort(key=lambda s: self._order_key(s, now))
+        # A waiting request of a strictly higher class goes before the swapped (it may have
+        # been what preempted them); otherwise the preempted resume first.
+        urgent = self.waiting[0].priority if self.waiting else None
         for seq in sorted(self.swapped, key=lambda s: self._order_key(s, now)):
+            if urgent is not None and urgent < seq.priority:
+                break
             if len(self.running) >= self.config.max_batch_size or not self.bm.can_swap_in(seq.seq_id):
                 break
             copies = self.bm.swap_in(seq.seq_id)
@@ -247,12 +253,18 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.resumed.append(seq)
-        if self.swapped:
-            return out  # the preempted resume first; nobody jumps ahead of them
-        self.waiting.sort(key=lambda s: self._order_key(s, now))
-        while self.waiting and len(self.running) < self.config.max_batch_size:
+        if self.swapped and (urgent is None or urgent >= min(s.priority for s in self.swapped)):
+            return out  # the preempted resume first; nobody of their class jumps ahead of them
+        while self.waiting:
             seq = self.waiting[0]
-            while self._blocks_to_admit(seq) > self.bm.num_free_blocks - self._headroom_blocks():
+            if self.swapped and seq.priority >= min(s.priority for s in self.swapped):
+                return out
+            # No free slot or not enough blocks: preempt a running request of a lower class
+            # (preemptible backends only), or wait.
+            while (
+                len(self.running) >= self.config.max_batch_size
+                or self._blocks_to_admit(seq) > self.bm.num_free_blocks - self._headroom_blocks()
+            ):
                 victim = self._pick_victim(below=seq.priority)
                 if victim is None:
                     return out  # head of line waits; admitting around it could starve it

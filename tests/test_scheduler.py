@@ -122,11 +122,11 @@ def test_memory_pressure_preempts_lowest_priority_by_swap_and_resumes_it_first()
     assert out.preempted == [low] and low.status is SeqStatus.SWAPPED
     assert out.swap_out_copies
     sched.check_invariants()
-    newcomer = seq(2, max_tokens=1, arrival=2, first=900)
+    newcomer = seq(2, max_tokens=1, priority=Priority.LOW, arrival=2, first=900)
     sched.add(newcomer)
     sched.finish(normal)
     out = sched.schedule()
-    assert out.resumed == [low]  # the swapped resume before anyone waiting is admitted
+    assert out.resumed == [low]  # the swapped resume before anyone of their class waiting
     assert sched.bm.tables[low.seq_id].token_ids == list(range(4))
     sched.check_invariants()
 
@@ -209,3 +209,40 @@ def test_finish_is_idempotent_and_frees_from_any_queue():
     sched.finish(a)
     assert not sched.running and not sched.waiting
     assert sched.bm.is_idle()
+
+
+def test_a_higher_class_takes_a_full_batch_slot_by_preemption_and_the_victim_resumes_after():
+    sched, _ = make(num_blocks=32, block_size=4, cpu=16, max_batch_size=2, preemption_policy="swap")
+    low1 = seq(5, max_tokens=8, priority=Priority.LOW, arrival=0, first=0)
+    low2 = seq(5, max_tokens=8, priority=Priority.LOW, arrival=1, first=100)
+    for s_ in (low1, low2):
+        sched.add(s_)
+    sched.schedule()
+    assert set(sched.running) == {low1, low2}
+    high = seq(3, max_tokens=4, priority=Priority.HIGH, arrival=2, first=500)
+    sched.add(high)
+    out = sched.schedule()
+    # Both slots were taken: the latest low is swapped out to make room.
+    assert out.preempted == [low2] and out.admitted == [high] and low2.status is SeqStatus.SWAPPED
+    sched.check_invariants()
+    normal = seq(3, max_tokens=4, priority=Priority.NORMAL, arrival=3, first=700)
+    sched.add(normal)
+    sched.finish(high)
+    out = sched.schedule()
+    # The free slot goes to the waiting normal request (a higher class than the swapped low).
+    assert out.admitted == [normal] and not out.resumed
+    sched.finish(normal)
+    out = sched.schedule()
+    assert out.resumed == [low2]
+    sched.check_invariants()
+
+
+def test_equal_classes_never_preempt_each_other_for_a_slot():
+    sched, _ = make(num_blocks=32, block_size=4, cpu=16, max_batch_size=1, preemption_policy="swap")
+    first = seq(3, max_tokens=4, arrival=0, first=0)
+    second = seq(3, max_tokens=4, arrival=1, first=100)
+    sched.add(first)
+    sched.schedule()
+    sched.add(second)
+    out = sched.schedule()
+    assert not out and sched.waiting == [second]
