@@ -92,6 +92,9 @@ class Sequence:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     admitted_at: float | None = None
+    # False for a request that cannot be paused and resumed (remote runtimes: one using
+    # features a resumed stream could not continue, such as tool calls).
+    preemptible: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -321,7 +324,7 @@ class Scheduler:
         """
         if not self.preemptible:
             return None
-        candidates = [s for s in self.running if below is None or s.priority > below]
+        candidates = [s for s in self.running if s.preemptible and (below is None or s.priority > below)]
         if not candidates:
             return None
         return max(candidates, key=lambda s: (s.priority, s.arrival))

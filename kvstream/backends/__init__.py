@@ -13,6 +13,7 @@ from importlib.metadata import entry_points
 
 from kvstream.backends.base import (
     BackendError,
+    BackendInterrupted,
     BackendRejected,
     BackendUnavailable,
     BaseBackend,
@@ -73,6 +74,7 @@ def get_backend_class(name: str) -> type[BaseBackend]:
 __all__ = [
     "BUILTIN",
     "BackendError",
+    "BackendInterrupted",
     "BackendRejected",
     "BackendUnavailable",
     "BaseBackend",

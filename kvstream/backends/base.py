@@ -26,6 +26,14 @@ class BackendUnavailable(BackendError):
         super().__init__(message, status, code=code, retryable=True)
 
 
+class BackendInterrupted(BackendError):
+    """KVStream stopped a running stream on purpose (preempted to make room); the backend
+    saves its state and the request resumes later where it stopped."""
+
+    def __init__(self, message: str = "preempted") -> None:
+        super().__init__(message, 503, code="preempted", retryable=True)
+
+
 class BackendRejected(BackendError):
     """The runtime refused the request itself (a 4xx from upstream, passed on as such)."""
 
@@ -163,6 +171,15 @@ class BaseBackend(abc.ABC):
         """Exact prompt token ids as the runtime will see them (chat template applied), or
         None when the runtime cannot tell; the engine then estimates."""
         return None
+
+    def can_resume(self, request: GenerateRequest) -> bool:
+        """Whether this request could be paused and resumed (only asked of backends whose
+        capabilities say ``preemptible``)."""
+        return True
+
+    def forget(self, request: GenerateRequest) -> None:
+        """Drop whatever was saved to resume ``request`` after a preemption (it ended while
+        paused). Backends that can pause a stream override this."""
 
     async def limits(self) -> RuntimeLimits:
         """The runtime's memory and parallelism, as far as it reports them."""

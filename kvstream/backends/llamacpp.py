@@ -16,7 +16,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from kvstream.backends.base import BackendError, Capabilities, GenerateRequest, RuntimeLimits, Token
+from kvstream.backends.base import (
+    BackendError,
+    BackendInterrupted,
+    Capabilities,
+    GenerateRequest,
+    RuntimeLimits,
+    Token,
+    Usage,
+)
+from kvstream.backends.http import raise_for_upstream_status, sse_events
 from kvstream.backends.llamacpp_runtime import ManagedLlamaServer, embedded_model
 from kvstream.backends.llamacpp_inject import HardInject
 from kvstream.backends.llamacpp_slots import SlotFileStore
@@ -25,6 +34,8 @@ from kvstream.backends.openai_compat import OpenAICompatibleBackend
 logger = logging.getLogger(__name__)
 
 DEFAULT_SLOT_BUDGET_BYTES = 2 * 1024**3
+# Request fields whose output a resumed leg (plain /completion text) could not reproduce.
+RESUME_BLOCKERS = ("tools", "functions", "response_format", "json_schema", "grammar", "logprobs", "n_probs")
 
 
 class LlamaCppBackend(OpenAICompatibleBackend):
@@ -100,10 +111,19 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                 )
                 logger.info("hard KV inject on: %d slot files indexed in %s", len(store), self.slot_save_path)
         self.inject = HardInject(self.http, slots, store, min_tokens=int(self.options.get("inject_min_tokens") or 64))
+        if store is not None:
+            # Slot saving works: a running request can be paused (its slot saved to a swap
+            # file) and resumed, so the scheduler may preempt for higher-priority requests.
+            self.capabilities = Capabilities(exact_prompt_tokens=True, preemptible=True)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
         prompt = request.hints.get("prompt_tokens")
         inject = self.inject
+        if request.hints.get("resume_text") is not None and inject is not None and prompt:
+            async with contextlib.aclosing(self._resume(request, inject, prompt)) as tokens:
+                async for token in tokens:
+                    yield token
+            return
         if inject is None or not prompt:
             async with contextlib.aclosing(super().generate(request)) as tokens:
                 async for token in tokens:
@@ -126,14 +146,83 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                             cached = token.usage.cached_tokens
                     yield token
         finally:
-            # Runs on completion, failure and a client leaving alike: a prompt the runtime
-            # has prefilled is worth saving even if nobody reads the rest of the answer.
-            # Shielded: a client hanging up after the last byte must not abort the save
-            # (nor leave the slot marked busy); close() waits for saves still running.
+            await self._after(request, inject, route, cached, prefilled)
+
+    async def _after(self, request: GenerateRequest, inject: HardInject, route: Any, cached: int | None, prefilled: bool) -> None:
+        """Runs on completion, failure, preemption and a client leaving alike.
+
+        Preempted: save the slot's state for the resumed leg. Otherwise: a prompt the runtime
+        has prefilled is worth saving even if nobody reads the rest of the answer.
+        Shielded: a client hanging up after the last byte must not abort the save (nor leave
+        the slot marked busy); close() waits for saves still running.
+        """
+        if request.hints.get("preempted"):
+            save = prefilled and bool(request.hints.get("save_state", True))
+            task = asyncio.ensure_future(inject.suspend(route, save))
+        else:
             task = asyncio.ensure_future(inject.finish(route, cached, prefilled))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-            await asyncio.shield(task)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        name = await asyncio.shield(task)
+        if request.hints.get("preempted"):
+            request.hints["swap_file"] = name
+
+    async def _resume(self, request: GenerateRequest, inject: HardInject, prompt: list[int]) -> AsyncIterator[Token]:
+        """The leg after a preemption: restore the saved slot state, then continue the
+        generation from the prompt plus the text already streamed, through the native
+        /completion route (it takes token ids and continues them exactly)."""
+        text = request.hints["resume_text"]
+        done = int(request.hints.get("resume_tokens") or 0)
+        generated = await self._tokenize_text(text) if text else []
+        tokens = list(prompt) + generated
+        route = await inject.prepare(tokens, swap_file=request.hints.pop("swap_file", None))
+        remaining = request.max_tokens - done if request.max_tokens is not None else -1
+        body: dict[str, Any] = {
+            "prompt": tokens, "n_predict": remaining, "stream": True, "cache_prompt": True, "id_slot": route.slot.id,
+        }
+        for key in ("temperature", "top_p", "top_k", "seed"):
+            if getattr(request, key) is not None:
+                body[key] = getattr(request, key)
+        if request.stop:
+            body["stop"] = request.stop
+        prefilled, cached = False, None
+        try:
+            if remaining == 0:
+                yield Token(finish_reason="length", usage=Usage(len(prompt), done))
+                return
+            async with self.http.request("POST", "/completion", json_body=body) as resp:
+                await raise_for_upstream_status(resp)
+                request.hints["interrupt"] = lambda: resp.content.set_exception(BackendInterrupted())
+                async for event in sse_events(resp):
+                    if event is None:
+                        break
+                    prefilled = True
+                    if event.get("content"):
+                        done += 1
+                        yield Token(text=event["content"])
+                    if event.get("stop"):
+                        cached = (event.get("timings") or {}).get("cache_n")
+                        reason = "length" if event.get("stop_type") == "limit" else "stop"
+                        yield Token(finish_reason=reason, usage=Usage(len(prompt), done, cached))
+                        return
+                raise BackendError("the runtime ended the stream before the generation finished")
+        finally:
+            await self._after(request, inject, route, cached, prefilled)
+
+    async def _tokenize_text(self, text: str) -> list[int]:
+        result = await self.http.post_json("/tokenize", {"content": text, "add_special": False, "parse_special": False})
+        tokens = result.get("tokens") if isinstance(result, dict) else None
+        return [t if isinstance(t, int) else int(t["id"]) for t in tokens or []]
+
+    def can_resume(self, request: GenerateRequest) -> bool:
+        # A resumed leg continues raw text through /completion: features that the chat route
+        # parses out of the text (tool calls, JSON schemas, grammars, logprobs) would be lost.
+        return not any(key in request.extra for key in RESUME_BLOCKERS)
+
+    def forget(self, request: GenerateRequest) -> None:
+        name = request.hints.pop("swap_file", None)
+        if name and self.inject is not None:
+            self.inject.discard_swap(name)
 
     def build_body(self, request: GenerateRequest) -> dict[str, Any]:
         body = super().build_body(request)

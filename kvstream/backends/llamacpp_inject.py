@@ -6,7 +6,10 @@ The pieces it drives live in llamacpp_slots (the slot table and the slot-file st
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import uuid
 from dataclasses import dataclass
 
 from kvstream.backends.llamacpp_slots import InjectStats, SlotFileStore, SlotState, SlotTable
@@ -16,6 +19,8 @@ logger = logging.getLogger(__name__)
 # A verified restore: the next request reused at least the restored prefix, give or take a
 # block (llama-server may re-evaluate the tail of what it restored).
 RESTORE_SLACK_TOKENS = 16
+# Longest a request waits for one of KVStream's slots to be free before sending anyway.
+SLOT_WAIT_S = 30.0
 # Block hashes remembered as computed by the running runtime (a bounded LRU).
 MAX_SEEN_BLOCKS = 200_000
 
@@ -134,11 +139,16 @@ class HardInject:
     def block_size(self) -> int:
         return self.store.block_size if self.store is not None else 16
 
-    async def prepare(self, prompt: list[int]) -> Route:
-        """Pick the slot for ``prompt``; restore a saved prefix into it when that saves work."""
+    async def prepare(self, prompt: list[int], swap_file: str | None = None) -> Route:
+        """Pick the slot for ``prompt``; restore a saved prefix into it when that saves work,
+        or ``swap_file`` (the state of a preempted request being resumed)."""
         await self._sync_with_runtime()
+        await self.table.wait_idle(SLOT_WAIT_S)
         slot, shared = self.table.acquire(prompt)
         route = Route(slot, prompt, self.store.prefix_hashes(prompt) if self.store is not None else [])
+        if swap_file is not None:
+            await self._restore_swap(route, swap_file)
+            return route
         if shared >= self.min_tokens:
             self.stats.affinity_hits += 1
         if not self.enabled or self.store is None:
@@ -202,6 +212,63 @@ class HardInject:
         finally:
             self.table.release(route.slot, prompt if completed else None)
 
+    async def _restore_swap(self, route: Route, name: str) -> None:
+        status, body = await self._post(f"/slots/{route.slot.id}?action=restore", {"filename": name})
+        self.discard_swap(name)
+        if status != 200:
+            # The resumed request is prefilled instead: slower, never wrong.
+            logger.warning("restoring swapped state %s failed (HTTP %s); recomputing", name, status)
+            await self._post(f"/slots/{route.slot.id}?action=erase")
+            return
+        n = int(body.get("n_restored") or 0)
+        self.stats.swap_ins += 1
+        self.stats.restored_bytes += int(body.get("n_read") or 0)
+        route.slot.tokens = list(route.prompt[:n])
+        route.restored = min(n, len(route.prompt) - 1)
+
+    async def suspend(self, route: Route, save: bool) -> str | None:
+        """A running request was preempted: once llama-server has stopped its task, save the
+        slot (prompt and tokens so far) to a swap file and release the slot. Returns the
+        file name, or None when nothing was saved (the resumed leg then recomputes)."""
+        name = None
+        try:
+            if save and self.store is not None and await self._wait_slot_stopped(route.slot.id):
+                candidate = f"kvstream-swap-{self.store.tag}-{uuid.uuid4().hex}.bin"
+                status, body = await self._post(f"/slots/{route.slot.id}?action=save", {"filename": candidate})
+                if status == 200:
+                    name = candidate
+                    self.stats.swap_outs += 1
+                    self.stats.saved_bytes += int(body.get("n_written") or 0)
+                else:
+                    logger.warning("saving preempted slot %d failed (HTTP %s)", route.slot.id, status)
+        finally:
+            self.table.release(route.slot, None)
+        return name
+
+    async def _wait_slot_stopped(self, slot_id: int, timeout: float = 10.0) -> bool:
+        """Poll /slots until llama-server has noticed the closed connection and stopped."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            try:
+                reported = await self.http.get_json("/slots", timeout=5)
+            except Exception:
+                return False
+            entry = None
+            if isinstance(reported, list):
+                entry = next((e for e in reported if isinstance(e, dict) and e.get("id") == slot_id), None)
+            if entry is None or not entry.get("is_processing"):
+                return entry is not None
+            await asyncio.sleep(0.01)
+        return False
+
+    def discard_swap(self, name: str) -> None:
+        """Delete a swap file (resumed, or its request ended while paused)."""
+        if self.store is None or not name.startswith("kvstream-swap-") or "/" in name:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            (self.store.directory / name).unlink()
+
     async def _save(self, route: Route) -> None:
         assert self.store is not None
         if not route.hashes:
@@ -230,4 +297,6 @@ class HardInject:
             "files": len(self.store) if self.store is not None else 0,
             "bytes_on_disk": self.store.total_bytes if self.store is not None else 0,
             "affinity_hits": s.affinity_hits,
+            "swap_outs": s.swap_outs,
+            "swap_ins": s.swap_ins,
         }

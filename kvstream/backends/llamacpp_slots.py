@@ -15,6 +15,7 @@ mismatched file can cost time, never produce a wrong answer. A corrupt file fail
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -62,6 +63,8 @@ class InjectStats:
     saved_bytes: int = 0
     evicted_files: int = 0
     affinity_hits: int = 0  # requests routed to a slot that already held their prefix
+    swap_outs: int = 0  # preempted requests whose slot state was saved
+    swap_ins: int = 0  # resumed requests whose saved state was restored
 
 
 class SlotFileStore:
@@ -213,6 +216,20 @@ class SlotTable:
 
     def __init__(self, count: int) -> None:
         self.slots = [SlotState(i) for i in range(count)]
+        self._released = asyncio.Event()
+
+    async def wait_idle(self, timeout: float) -> None:
+        """Wait (up to ``timeout``) until some slot is idle. A preempted request keeps its
+        slot until its state is saved; the request that preempted it must not start on
+        that slot before, or it would overwrite the state being saved."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while all(s.busy for s in self.slots):
+            self._released.clear()
+            try:
+                await asyncio.wait_for(self._released.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return  # someone else shares the runtime: fall back to queueing inside it
 
     def acquire(self, prompt: Sequence[int]) -> tuple[SlotState, int]:
         """The idle slot sharing the longest prefix with ``prompt`` (least recently used
@@ -231,6 +248,7 @@ class SlotTable:
         slot.busy = False
         slot.tokens = tokens or []
         slot.last_used = time.monotonic()
+        self._released.set()
 
     def forget(self) -> None:
         """The runtime lost its KV (restart): believe nothing about any slot."""

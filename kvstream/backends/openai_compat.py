@@ -8,6 +8,7 @@ from typing import Any
 
 from kvstream.backends.base import (
     BackendError,
+    BackendInterrupted,
     BaseBackend,
     GenerateRequest,
     ModelInfo,
@@ -89,6 +90,9 @@ class OpenAICompatibleBackend(BaseBackend):
         body = self.build_body(request)
         async with self.http.request("POST", path, json_body=body) as resp:
             await raise_for_upstream_status(resp)
+            # KVStream may stop this stream from outside (preemption): the pending read
+            # then raises BackendInterrupted, and closing the response stops the runtime.
+            request.hints["interrupt"] = lambda: resp.content.set_exception(BackendInterrupted())
             finish_reason: str | None = None
             usage: Usage | None = None
             async for event in sse_events(resp):
