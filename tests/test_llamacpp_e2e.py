@@ -157,3 +157,23 @@ async def test_client_disconnect_stops_the_runtime(proxy, llama_server):
         await asyncio.sleep(0.1)
     assert not any(s["is_processing"] for s in slots), "llama-server kept generating for a client that left"
     assert proxy.engine.scheduler.bm.is_idle()
+
+
+async def test_a_conversation_extended_turn_by_turn_is_tokenized_exactly_from_its_known_prefix(proxy, llama_server):
+    backend = proxy.engine.backend
+    await proxy.engine.start()
+    system = {"role": "system", "content": "You are the archivist of a seaside museum. " * 30}
+    history = [system, {"role": "user", "content": "When do you open?"}]
+
+    async def full_tokens(messages):  # what llama-server itself makes of the whole prompt
+        text = (await backend.http.post_json("/apply-template", {"messages": messages}))["prompt"]
+        return (await backend.http.post_json("/tokenize", {"content": text, "add_special": True, "parse_special": True}))["tokens"]
+
+    for turn in range(4):
+        tokens = await backend.tokenize(GenerateRequest(model=None, messages=history))
+        assert tokens == await full_tokens(history), f"turn {turn}"
+        await asyncio.gather(*backend._background)  # the prefix is learned off the request path
+        history = history + [{"role": "assistant", "content": f"Answer {turn}: at nine, café ☕ open."},
+                             {"role": "user", "content": f"And question {turn + 1}?"}]
+    # From the second turn on, the earlier messages came from the cache.
+    assert backend.conversations.hits >= 1 and backend.conversations.mismatches == 0

@@ -29,6 +29,7 @@ from kvstream.backends.http import raise_for_upstream_status, sse_events
 from kvstream.backends.llamacpp_runtime import ManagedLlamaServer, embedded_model
 from kvstream.backends.llamacpp_inject import HardInject
 from kvstream.backends.llamacpp_slots import SlotFileStore
+from kvstream.backends.llamacpp_tokens import ConversationTokenCache
 from kvstream.backends.openai_compat import OpenAICompatibleBackend
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         self.slot_save_path = Path(options["slot_save_path"]) if options.get("slot_save_path") else None
         self._runtime_restarts = 0
         self._background: set[asyncio.Task[None]] = set()
+        self.conversations = ConversationTokenCache()
         if not base_url:
             gguf = Path(model) if model else embedded_model()
             if gguf is None or not gguf.is_file():
@@ -210,9 +212,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
             await self._after(request, inject, route, cached, prefilled)
 
     async def _tokenize_text(self, text: str) -> list[int]:
-        result = await self.http.post_json("/tokenize", {"content": text, "add_special": False, "parse_special": False})
-        tokens = result.get("tokens") if isinstance(result, dict) else None
-        return [t if isinstance(t, int) else int(t["id"]) for t in tokens or []]
+        return await self._tokenize_raw(text, add_special=False, parse_special=False) or []
 
     def can_resume(self, request: GenerateRequest) -> bool:
         # A resumed leg continues raw text through /completion: features that the chat route
@@ -261,17 +261,58 @@ class LlamaCppBackend(OpenAICompatibleBackend):
 
     async def tokenize(self, request: GenerateRequest) -> list[int] | None:
         """The exact prompt tokens: the model's own chat template, then its tokenizer, the way
-        llama-server itself prepares the prompt (special tokens added and parsed)."""
-        if request.is_chat:
-            templated = await self.http.post_json("/apply-template", {"messages": request.messages})
-            text = templated.get("prompt") if isinstance(templated, dict) else None
-            if not isinstance(text, str):
-                return None
-        else:
-            text = request.prompt or ""
-        result = await self.http.post_json(
-            "/tokenize", {"content": text, "add_special": True, "parse_special": request.is_chat}
-        )
+        llama-server itself prepares the prompt (special tokens added and parsed). A chat
+        that extends a conversation seen before sends only its new tail to /tokenize (see
+        llamacpp_tokens)."""
+        if not request.is_chat:
+            return await self._tokenize_raw(request.prompt or "", add_special=True, parse_special=False)
+        messages = request.messages or []
+        text = await self._apply_template(messages)
+        if text is None:
+            return None
+        entry = self.conversations.lookup(messages, text)
+        if entry is not None:
+            tail = await self._tokenize_raw(text[len(entry.text) :], add_special=False, parse_special=True)
+            if tail is not None:
+                tokens = entry.tokens + tail
+                if entry.verified:
+                    self.conversations.hits += 1
+                    return tokens
+                full = await self._tokenize_raw(text, add_special=True, parse_special=True)
+                entry.verified = full == tokens
+                if not entry.verified:
+                    self.conversations.mismatches += 1
+                    logger.debug("conversation prefix tokens differ from a full tokenization; not spliced again")
+                return full
+        full = await self._tokenize_raw(text, add_special=True, parse_special=True)
+        if full is not None and len(messages) >= 2:
+            # Learn the earlier messages' tokens off the request's path.
+            task = asyncio.ensure_future(self._learn_prefix(messages[:-1], text, full))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return full
+
+    async def _learn_prefix(self, head: list[dict[str, Any]], text: str, full: list[int]) -> None:
+        try:
+            head_text = await self._apply_template(head, add_generation_prompt=False)
+            if not head_text or not text.startswith(head_text):
+                return
+            head_tokens = await self._tokenize_raw(head_text, add_special=True, parse_special=True)
+            if head_tokens is not None:
+                self.conversations.learn(head, head_text, head_tokens, full)
+        except BackendError as exc:
+            logger.debug("learning a conversation prefix failed: %s", exc.message)
+
+    async def _apply_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str | None:
+        body: dict[str, Any] = {"messages": messages}
+        if not add_generation_prompt:
+            body["add_generation_prompt"] = False
+        templated = await self.http.post_json("/apply-template", body)
+        text = templated.get("prompt") if isinstance(templated, dict) else None
+        return text if isinstance(text, str) else None
+
+    async def _tokenize_raw(self, text: str, *, add_special: bool, parse_special: bool) -> list[int] | None:
+        result = await self.http.post_json("/tokenize", {"content": text, "add_special": add_special, "parse_special": parse_special})
         tokens = result.get("tokens") if isinstance(result, dict) else None
         if not isinstance(tokens, list):
             return None
