@@ -163,13 +163,18 @@ async def scenario_warm(k: int, words: int, repeat: int) -> tuple[list[float], l
             await ttft(proxy.url, conv)
         for i in range(repeat):  # alternate paths so drift hits both alike
             conv = convs[i % k]
-            question = [conv[0], {"role": "user", "content": f"Question number {i}?"}]
+            # Each request asks a question never asked before, so both paths find the same
+            # cache state: the system prompt cached, the question new. (Sending one question
+            # to both paths would serve the second from the first's cache, and the medians
+            # would fall in the gap between fast and slow requests.)
+            to_runtime = [conv[0], {"role": "user", "content": f"Question number {2 * i}?"}]
+            to_proxy = [conv[0], {"role": "user", "content": f"Question number {2 * i + 1}?"}]
             if i % 2:
-                direct.append(await ttft(rt.url, question))
-                via.append(await ttft(proxy.url, question))
+                direct.append(await ttft(rt.url, to_runtime))
+                via.append(await ttft(proxy.url, to_proxy))
             else:
-                via.append(await ttft(proxy.url, question))
-                direct.append(await ttft(rt.url, question))
+                via.append(await ttft(proxy.url, to_proxy))
+                direct.append(await ttft(rt.url, to_runtime))
     finally:
         proxy.close()
         rt.close()

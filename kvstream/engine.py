@@ -163,9 +163,11 @@ class Generation:
         owns_kv = engine.backend.capabilities.owns_kv
         resumable = engine.backend.capabilities.preemptible and not owns_kv
         while True:
-            if self._resumed is not None:
-                await self._resumed  # preempted: wait until the scheduler resumes us
-                self._resumed = None
+            while self._resumed is not None:  # preempted: wait until the scheduler resumes us
+                paused = self._resumed
+                await paused
+                if self._resumed is paused:  # not preempted again in the meantime
+                    self._resumed = None
             upstream = engine.backend.generate(self.request)
             try:
                 # Closed explicitly, not left to garbage collection: closing is what releases
@@ -210,8 +212,8 @@ class Generation:
     def preempt(self) -> None:
         """The scheduler paused this request: stop its stream now (the backend saves its
         state) and wait for ``resume``. A request not yet streaming just waits."""
-        if self._resumed is not None:
-            return
+        if self._resumed is not None and not self._resumed.done():
+            return  # already paused
         self._resumed = asyncio.get_running_loop().create_future()
         self.request.hints["preempted"] = True
         # Swapped: the backend saves the runtime's state; requeued (recompute): it need not.

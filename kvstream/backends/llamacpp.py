@@ -135,7 +135,8 @@ class LlamaCppBackend(OpenAICompatibleBackend):
             self._runtime_restarts = self.runtime.restarts
             inject.reset()  # the managed server restarted: its slots and caches are empty
         route = await inject.prepare(prompt)
-        request.hints["id_slot"] = route.slot.id
+        if route.pin:
+            request.hints["id_slot"] = route.slot.id
         prefilled, cached = False, None
         try:
             async with contextlib.aclosing(super().generate(request)) as tokens:

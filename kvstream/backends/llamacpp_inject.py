@@ -35,6 +35,10 @@ class Route:
     hashes: list[str]
     restored: int = 0
     expect_runtime_cache: int = 0
+    # Send the request to this slot (id_slot). Off when the runtime's own prompt cache is
+    # expected to serve the prefix: llama-server then picks the slot itself, from what its
+    # slots really hold (another client may have changed them behind KVStream's back).
+    pin: bool = True
 
 
 class HardInject:
@@ -163,6 +167,7 @@ class HardInject:
             # This runtime computed the prefix since it started: its own host-RAM prompt
             # cache (--cache-ram) restores it faster than a file would. Verified in finish.
             route.expect_runtime_cache = seen
+            route.pin = False
             return route
         name, n_tokens = found
         status, body = await self._post(f"/slots/{slot.id}?action=restore", {"filename": name})
@@ -210,7 +215,8 @@ class HardInject:
                 if (found[1] if found else 0) + self.save_min_new_tokens <= len(prompt):
                     await self._save(route)
         finally:
-            self.table.release(route.slot, prompt if completed else None)
+            # Unpinned, the runtime chose the slot: believe nothing about what this one holds.
+            self.table.release(route.slot, prompt if completed and route.pin else None)
 
     async def _restore_swap(self, route: Route, name: str) -> None:
         status, body = await self._post(f"/slots/{route.slot.id}?action=restore", {"filename": name})
@@ -229,7 +235,11 @@ class HardInject:
     async def suspend(self, route: Route, save: bool) -> str | None:
         """A running request was preempted: once llama-server has stopped its task, save the
         slot (prompt and tokens so far) to a swap file and release the slot. Returns the
-        file name, or None when nothing was saved (the resumed leg then recomputes)."""
+        file name, or None when nothing was saved (the resumed leg then recomputes).
+
+        An unpinned request (served from the runtime's own cache) may have run in another
+        slot than ``route.slot``; the file then holds another prompt's state, and the resumed
+        leg reuses only what it shares with it: slower, never wrong."""
         name = None
         try:
             if save and self.store is not None and await self._wait_slot_stopped(route.slot.id):
