@@ -77,6 +77,7 @@ class TokenEvent:
     text: str = ""
     finish_reason: str | None = None
     error: BaseException | None = None
+    logits: torch.Tensor | None = None  # the first token's, when SamplingParams asks for them
 
 
 Sink = Callable[[list[TokenEvent]], None]
@@ -318,8 +319,11 @@ class PagedEngine:
         if not sampled:
             return
         tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
-        for req, token in zip(sampled, tokens, strict=True):
+        for row, (req, token) in enumerate(zip(sampled, tokens, strict=True)):
+            first = logits[row].float().cpu() if req.params.keep_first_logits and req.num_generated == 0 else None
             self._emit(req, token)
+            if first is not None:
+                req.events[-1].logits = first  # the event _emit just queued
 
     def _emit(self, req: EngineRequest, token: int) -> None:
         req.num_generated += 1

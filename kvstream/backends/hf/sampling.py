@@ -23,6 +23,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    keep_first_logits: bool = False  # hand the first token's logits back (verification)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
