@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from kvstream.backends.hf.engine import EngineConfig, PagedEngine  # noqa: E402
-from kvstream.backends.hf.loader import load_model  # noqa: E402
+from kvstream.backends.hf.loader import chat_token_ids, load_model  # noqa: E402
 from kvstream.backends.hf.sampling import SamplingParams  # noqa: E402
 
 TOPICS = ["the ocean", "a lighthouse keeper", "how bridges are built", "the history of tea", "a robot learning to paint",
@@ -38,8 +38,7 @@ def workload(tokenizer, n: int) -> list[list[int]]:
     for i in range(n):
         filler = " ".join(["Some background for context."] * (5 + (i * 37) % 60))
         messages = [{"role": "user", "content": f"{filler}\nWrite a long, detailed story about {TOPICS[i % len(TOPICS)]}."}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "get") else ids))
+        prompts.append(chat_token_ids(tokenizer, messages))
     return prompts
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kvstream.backends.hf.engine import EngineConfig, PagedEngine, TokenEvent
-from kvstream.backends.hf.loader import LoadedModel, load_model
+from kvstream.backends.hf.loader import LoadedModel, chat_token_ids, load_model
 from kvstream.backends.hf.sampling import SamplingParams
 from kvstream.scheduler import Sequence
 
@@ -86,8 +86,7 @@ class HFEngine:
         """Token ids of a text, or of chat messages through the model's template."""
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt).input_ids)
-        ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(ids["input_ids"] if hasattr(ids, "get") else ids)
+        return chat_token_ids(self.tokenizer, prompt)
 
     def warm(self, text: str | list[dict[str, Any]]) -> int:
         """Compute ``text``'s KV and keep it; returns the tokens now reusable from the cache

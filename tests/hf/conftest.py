@@ -68,10 +68,9 @@ def chat_prompts(tokenizer) -> list[list[int]]:
     out = []
     for i, text in enumerate(PROMPTS):
         if i % 2:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            out.append(list(ids["input_ids"] if hasattr(ids, "get") else ids))
+            from kvstream.backends.hf.loader import chat_token_ids
+
+            out.append(chat_token_ids(tokenizer, [{"role": "user", "content": text}]))
         else:
             out.append(list(tokenizer(text).input_ids))
     return out

@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvstream.backends.hf.engine import EngineConfig, PagedEngine  # noqa: E402
+from kvstream.backends.hf.loader import chat_token_ids  # noqa: E402
 from kvstream.backends.hf.sampling import SamplingParams  # noqa: E402
 from kvstream.scheduler import Sequence  # noqa: E402
 
@@ -18,8 +19,7 @@ QUESTIONS = ["Name a large city.", "Why is it famous?", "Name a river there.", "
 
 
 def template(tokenizer, messages) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    return list(ids["input_ids"] if hasattr(ids, "get") else ids)
+    return chat_token_ids(tokenizer, messages)
 
 
 def run_turn(engine: PagedEngine, prompt: list[int]) -> tuple[list[int], int]:

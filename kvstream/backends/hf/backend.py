@@ -25,6 +25,7 @@ from kvstream.backends.base import (
     Token,
     Usage,
 )
+from kvstream.backends.hf.loader import chat_token_ids
 from kvstream.scheduler import Scheduler, SchedulerError, Sequence
 
 logger = logging.getLogger(__name__)
@@ -107,9 +108,7 @@ class HFBackend(BaseBackend):
 
         from kvstream.backends.hf.kv_cache import KVShape
 
-        mc = model.config
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        shape = KVShape(mc.num_hidden_layers, mc.num_key_value_heads, head_dim)
+        shape = KVShape.of(model.config)
         param = next(model.parameters())
         if budget is None:
             if param.device.type == "cuda":
@@ -166,14 +165,9 @@ class HFBackend(BaseBackend):
         tokenizer = self.engine.tokenizer
         if request.is_chat:
             try:
-                ids = tokenizer.apply_chat_template(
-                    request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
+                return chat_token_ids(tokenizer, request.messages or [])
             except Exception as exc:  # a template that rejects these messages (roles, tools...)
                 raise BackendRejected(f"the model's chat template rejected the messages: {exc}", param="messages") from None
-            if hasattr(ids, "get"):  # some versions return a BatchEncoding
-                ids = ids["input_ids"]
-            return list(ids)
         return list(tokenizer(request.prompt or "").input_ids) or [tokenizer.bos_token_id or 0]
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:

@@ -118,9 +118,7 @@ class PagedEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.device = next(model.parameters()).device
-        mc = model.config
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        self.kv_shape = KVShape(mc.num_hidden_layers, mc.num_key_value_heads, head_dim)
+        self.kv_shape = KVShape.of(model.config)
         self.kv_dtype = next(model.parameters()).dtype
         self.cache = PagedKVCache(
             self.kv_shape, config.num_blocks, config.block_size, config.num_cpu_blocks, self.kv_dtype, self.device

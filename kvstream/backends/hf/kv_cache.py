@@ -24,6 +24,12 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
 
+    @classmethod
+    def of(cls, config) -> KVShape:
+        """The geometry of a transformers model config."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim)
+
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token across all layers."""
         itemsize = torch.empty((), dtype=dtype).element_size()

@@ -43,6 +43,12 @@ class LoadedModel:
     identity: str  # salts the prefix-cache hashes: same identity, same KV
 
 
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of chat messages through the model's template, generation prompt added."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids["input_ids"] if hasattr(ids, "get") else ids)  # some versions return a BatchEncoding
+
+
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
