@@ -12,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvstream.backends.llamacpp_runtime import free_port  # noqa: E402,F401
+from kvstream.backends.llamacpp_runtime import stop_process as stop  # noqa: E402,F401
 from kvstream.bench.metrics import percentile  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,13 +39,6 @@ def spawn(args: list[str], env: dict[str, str] | None = None, log: str | None = 
     return subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def cpu_seconds(pid: int) -> float:

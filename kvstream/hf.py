@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kvstream.backends.hf.engine import EngineConfig, PagedEngine, TokenEvent
+from kvstream.backends.hf.kv_cache import auto_num_blocks
 from kvstream.backends.hf.loader import LoadedModel, chat_token_ids, load_model
 from kvstream.backends.hf.sampling import SamplingParams
 from kvstream.scheduler import Sequence
@@ -71,10 +72,8 @@ class HFEngine:
         """Load ``model`` (default: the embedded SmolLM2). ``chunk_size`` is the KV block
         size in tokens, the granularity of reuse; ``max_cache_bytes`` bounds the KV pool
         (default 1 GiB on CPU, 40% of free memory on CUDA)."""
-        from kvstream.backends.hf.backend import HFBackend
-
         loaded = load_model(model, gguf_file, dtype, device)
-        blocks = HFBackend._auto_blocks(loaded.model, chunk_size, max_cache_bytes)
+        blocks = auto_num_blocks(loaded.model, chunk_size, max_cache_bytes)
         config = EngineConfig(
             block_size=chunk_size, num_blocks=blocks, num_cpu_blocks=0, max_num_seqs=max_batch_size,
             model_identity=loaded.identity, max_model_len=getattr(loaded.model.config, "max_position_embeddings", None),

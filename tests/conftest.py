@@ -18,7 +18,7 @@ import pytest
 
 from kvstream.api.app import create_app
 from kvstream.backends.base import BaseBackend
-from kvstream.backends.llamacpp_runtime import free_port
+from kvstream.backends.llamacpp_runtime import free_port, stop_process  # noqa: F401 (re-exported to tests)
 from kvstream.config import Settings, load_settings
 from kvstream.engine import KVStreamEngine
 from tests.doubles import Recorder, Script, openai_upstream
@@ -155,14 +155,6 @@ def launch_llama_server(
     return LlamaServer(url, proc, model, slot_dir, args)
 
 
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="session")

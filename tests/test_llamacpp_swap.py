@@ -86,25 +86,47 @@ async def wait_idle(proxy) -> None:
     raise AssertionError("blocks still held")
 
 
-async def test_a_client_leaving_while_paused_frees_its_swap_file(one_slot_server, start_proxy, tmp_path):
-    proxy, backend, client, model = await start(start_proxy, one_slot_server, tmp_path)
+async def pause_low_for_high(client, model, backend, low_tokens: int, high_tokens: int):
+    """Start a low-priority stream, then a high-priority request that preempts it; returns
+    once the low one is paused with its state saved: (low task, its chunks, high task)."""
     low_chunks: list[str] = []
-    low = asyncio.create_task(stream_text(client, model, low_chunks, "low", max_tokens=250))
+    low = asyncio.create_task(stream_text(client, model, low_chunks, "low", max_tokens=low_tokens))
     while len(low_chunks) < 15:
         await asyncio.sleep(0.005)
     high = asyncio.create_task(
         client.completions.create(
-            model=model, prompt=COUNTING, max_tokens=150, temperature=0, extra_headers={"X-KVStream-Priority": "high"}
+            model=model, prompt=COUNTING, max_tokens=high_tokens, temperature=0, extra_headers={"X-KVStream-Priority": "high"}
         )
     )
-    for _ in range(500):  # wait until the low stream is paused with its state saved
+    for _ in range(500):
         if backend.inject.stats.swap_outs:
             break
         await asyncio.sleep(0.01)
-    assert backend.inject.stats.swap_outs == 1 and list(tmp_path.glob("kvstream-swap-*"))
+    assert backend.inject.stats.swap_outs == 1
+    return low, low_chunks, high
+
+
+async def test_a_client_leaving_while_paused_frees_its_swap_file(one_slot_server, start_proxy, tmp_path):
+    proxy, backend, client, model = await start(start_proxy, one_slot_server, tmp_path)
+    low, _, high = await pause_low_for_high(client, model, backend, low_tokens=250, high_tokens=150)
+    assert list(tmp_path.glob("kvstream-swap-*"))
     low.cancel()
     with pytest.raises(asyncio.CancelledError):
         await low
     await high
+    await wait_idle(proxy)
+    assert not list(tmp_path.glob("kvstream-swap-*"))
+
+
+async def test_a_damaged_swap_file_is_recomputed_and_the_stream_still_completes(one_slot_server, start_proxy, tmp_path):
+    proxy, backend, client, model = await start(start_proxy, one_slot_server, tmp_path)
+    expected = (await client.completions.create(model=model, prompt=COUNTING, max_tokens=200, temperature=0)).choices[0].text
+    low, low_chunks, high = await pause_low_for_high(client, model, backend, low_tokens=200, high_tokens=120)
+    [swap_file] = tmp_path.glob("kvstream-swap-*")
+    swap_file.write_bytes(b"not a slot file")
+    await high
+    assert await low == "length"
+    assert "".join(low_chunks) == expected  # recomputed from the text, not restored
+    assert backend.inject.stats.swap_outs == 1 and backend.inject.stats.swap_ins == 0
     await wait_idle(proxy)
     assert not list(tmp_path.glob("kvstream-swap-*"))

@@ -92,7 +92,9 @@ def from_exception(exc: BaseException, retry_after: int = 1) -> APIError:
     if isinstance(exc, BackendUnavailable):
         return APIError(503, exc.message, code=exc.code, retry_after=retry_after)
     if isinstance(exc, BackendError):
-        return APIError(exc.status, exc.message, code=exc.code)
+        # A 429/503 from a backend (e.g. the in-process engine's queue) says when to retry too.
+        retry = retry_after if exc.status in (429, 503) else None
+        return APIError(exc.status, exc.message, code=exc.code, retry_after=retry)
     return APIError(500, "Internal error in KVStream; see its log.", code="internal_error")
 
 

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -48,6 +49,17 @@ def embedded_model() -> Path | None:
         return None
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
     return path if path.is_file() else None
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Terminate a child process started with subprocess.Popen; kill it after ``grace_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def free_port() -> int:

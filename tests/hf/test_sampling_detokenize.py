@@ -14,10 +14,10 @@ def logits(rows: int = 3, vocab: int = 50) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1))
 
 
-def test_greedy_top_k_one_and_tiny_top_p_all_take_the_argmax():
-    x = logits()
+def test_greedy_top_k_one_and_tiny_or_zero_top_p_all_take_the_argmax():
+    x = logits(rows=4)
     best = x.argmax(-1).tolist()
-    params = [SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(top_p=1e-6)]
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(top_p=0)]
     gens = [p.make_generator() for p in params]
     assert sample(x, params, gens) == best
 
@@ -38,7 +38,7 @@ def test_top_k_never_draws_outside_the_k_best():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}, {"max_tokens": 0}]
+    "kwargs", [{"temperature": -1}, {"top_p": -0.1}, {"top_p": 1.5}, {"top_k": -2}, {"max_tokens": 0}]
 )
 def test_invalid_parameters_are_refused(kwargs):
     with pytest.raises(ValueError):

@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import openai  # noqa: E402
 from openai import AsyncOpenAI, BadRequestError  # noqa: E402
 
 from kvstream.backends.hf import HFBackend  # noqa: E402
@@ -171,3 +172,55 @@ async def test_hf_settings_size_the_engine(smollm2):
         assert limits.n_ctx_total == 800 and limits.parallel == 3
     finally:
         await backend.close()
+
+
+async def test_the_engine_failing_mid_stream_ends_that_stream_with_an_error_and_serves_the_next(hf_proxy, oa, monkeypatch):
+    from kvstream.backends.hf import compat
+
+    real = compat.forward_logits
+    calls = {"n": 0}
+
+    def dies_on_the_fourth_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("device fell over")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compat, "forward_logits", dies_on_the_fourth_step)
+    received = ""
+    with pytest.raises(openai.APIError):
+        stream = await oa.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=40, temperature=0, stream=True)
+        async for chunk in stream:
+            received += chunk.choices[0].text if chunk.choices else ""
+    assert received  # tokens before the failure reached the client; then an error, not a fake finish
+    await wait_idle(hf_proxy)
+    after = await oa.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=4, temperature=0)
+    assert after.choices[0].finish_reason == "length"
+
+
+async def test_top_p_zero_is_accepted_and_greedy(oa):
+    greedy = await oa.completions.create(model="smollm2", prompt="The sky is", max_tokens=8, temperature=0)
+    nucleus = await oa.completions.create(model="smollm2", prompt="The sky is", max_tokens=8, temperature=1.0, top_p=0)
+    assert nucleus.choices[0].text == greedy.choices[0].text
+
+
+async def test_a_request_waiting_past_the_queue_timeout_gets_503(smollm2, start_proxy):
+    model, _, tokenizer = smollm2
+    backend = HFBackend(
+        None, None, preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"),
+        block_size=16, num_gpu_blocks=64, num_cpu_blocks=0, max_batch_size=1, queue_timeout_s=0.3,
+    )
+    proxy = await start_proxy(backend)
+    await proxy.engine.start()
+    try:
+        async with AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as client:
+            long = asyncio.create_task(client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=200, temperature=0))
+            await asyncio.sleep(0.2)
+            with pytest.raises(openai.APIStatusError) as err:
+                await client.completions.create(model="smollm2", prompt="Hello", max_tokens=4)
+            assert err.value.status_code == 503 and err.value.code == "queue_timeout"
+            assert err.value.response.headers.get("Retry-After")
+            await long
+        await wait_idle(proxy)
+    finally:
+        await proxy.engine.close()

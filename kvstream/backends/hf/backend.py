@@ -30,10 +30,6 @@ from kvstream.scheduler import Scheduler, SchedulerError, Sequence
 
 logger = logging.getLogger(__name__)
 
-# Pool size when neither num_gpu_blocks nor kv_cache_bytes is set, on CPU.
-DEFAULT_CPU_KV_BYTES = 1024**3
-# Share of free device memory the pool takes on CUDA by default.
-CUDA_KV_FRACTION = 0.4
 
 
 class HFBackend(BaseBackend):
@@ -65,6 +61,7 @@ class HFBackend(BaseBackend):
         import torch
 
         from kvstream.backends.hf.engine import EngineConfig, PagedEngine
+        from kvstream.backends.hf.kv_cache import auto_num_blocks
         from kvstream.backends.hf.loader import load_model
 
         opts = self.options
@@ -79,7 +76,7 @@ class HFBackend(BaseBackend):
         context = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 0) or None
         num_blocks = opts.get("num_gpu_blocks", "auto")
         if num_blocks in (None, "auto"):
-            num_blocks = self._auto_blocks(loaded.model, block_size, opts.get("kv_cache_bytes"))
+            num_blocks = auto_num_blocks(loaded.model, block_size, opts.get("kv_cache_bytes"))
         config = EngineConfig(
             block_size=block_size,
             num_blocks=int(num_blocks),
@@ -101,22 +98,6 @@ class HFBackend(BaseBackend):
             engine.cache.device_bytes / 2**20, config.num_cpu_blocks, config.max_num_seqs,
         )
         return engine
-
-    @staticmethod
-    def _auto_blocks(model: Any, block_size: int, budget: int | None) -> int:
-        import torch
-
-        from kvstream.backends.hf.kv_cache import KVShape
-
-        shape = KVShape.of(model.config)
-        param = next(model.parameters())
-        if budget is None:
-            if param.device.type == "cuda":
-                free, _total = torch.cuda.mem_get_info(param.device)
-                budget = int(free * CUDA_KV_FRACTION)
-            else:
-                budget = DEFAULT_CPU_KV_BYTES
-        return max(4, budget // (shape.bytes_per_token(param.dtype) * block_size))
 
     async def close(self) -> None:
         if self.engine is not None:

@@ -19,6 +19,7 @@ none of that matters when K/V never go through it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -53,8 +54,10 @@ def use_paged_attention(model: torch.nn.Module) -> None:
     model.config._attn_implementation = ATTENTION_NAME
 
 
-def _logits_kwarg(model: torch.nn.Module) -> str:
-    params = inspect.signature(model.forward).parameters
+@functools.cache
+def _logits_kwarg(model_class: type) -> str:
+    """Resolved once per model class: inspect.signature is too slow for every step."""
+    params = inspect.signature(model_class.forward).parameters
     return "logits_to_keep" if "logits_to_keep" in params else "num_logits_to_keep"
 
 
@@ -73,7 +76,7 @@ def forward_logits(
         attention_mask=placeholder_mask,
         use_cache=False,
         kvstream_plan=plan,
-        **{_logits_kwarg(model): logits_rows},
+        **{_logits_kwarg(type(model)): logits_rows},
     )
     return out.logits[0]
 

@@ -96,7 +96,6 @@ class EngineRequest:
     pending: int | None = None  # sampled, not yet in the block table
     num_generated: int = 0
     admitted: bool = False
-    finished: bool = False
     events: list[TokenEvent] = field(default_factory=list)
 
 
@@ -106,8 +105,7 @@ class EngineCounters:
     forward_tokens: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    swapped_blocks: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (re-admissions included)
 
 
 class PagedEngine:
@@ -200,7 +198,6 @@ class PagedEngine:
         for seq_id in aborts:
             req = self.requests.pop(seq_id, None)
             if req is not None:
-                req.finished = True
                 self.scheduler.finish(req.seq)
 
     # ------------------------------------------------------------------ step
@@ -221,12 +218,13 @@ class PagedEngine:
 
     def _step(self) -> None:
         sched = self.scheduler
-        self._apply(sched.schedule())
-        for seq in sched.running:
+        out = sched.schedule()
+        self._apply(out)
+        for seq in out.admitted:
             req = self.requests[seq.seq_id]
-            if not req.admitted:
+            self.counters.cached_tokens += seq.num_cached_tokens
+            if not req.admitted:  # not again when re-admitted after a recompute preemption
                 req.admitted = True
-                self.counters.cached_tokens += seq.num_cached_tokens
                 req.events.append(TokenEvent("admitted"))
         # Latest first: a victim chosen while growing is then one already grown this step
         # (or the grower itself), never one still holding an unappended token.
@@ -248,7 +246,6 @@ class PagedEngine:
         self.cache.swap_in(out.swap_in_copies)
         self.cache.swap_out(out.swap_out_copies)
         self.cache.copy_blocks(out.cow_copies)
-        self.counters.swapped_blocks += len(out.swap_in_copies) + len(out.swap_out_copies)
         for seq in out.admitted:
             self.requests[seq.seq_id].num_computed = seq.num_cached_tokens
         for seq in out.preempted:
@@ -339,7 +336,6 @@ class PagedEngine:
             req.events.append(TokenEvent("token", token, text))
 
     def _finish(self, req: EngineRequest, event: TokenEvent) -> None:
-        req.finished = True
         req.events.append(event)
         self.scheduler.finish(req.seq)
         self.requests.pop(req.seq.seq_id, None)

@@ -16,6 +16,12 @@ from dataclasses import dataclass
 import torch
 
 
+# Pool size when neither num_gpu_blocks nor kv_cache_bytes is set, on CPU.
+DEFAULT_CPU_KV_BYTES = 1024**3
+# Share of free device memory the pool takes on CUDA by default.
+CUDA_KV_FRACTION = 0.4
+
+
 @dataclass(frozen=True)
 class KVShape:
     """The per-token KV geometry of a model."""
@@ -104,3 +110,16 @@ class PagedKVCache:
         dst = self._ids((d for _, d in pairs), self.device)
         for pool, host in ((self.k, self.host_k), (self.v, self.host_v)):
             pool.index_copy_(1, dst, host.index_select(1, src).to(self.device, non_blocking=True))
+
+
+def auto_num_blocks(model: torch.nn.Module, block_size: int, budget_bytes: int | None = None) -> int:
+    """Device blocks for ``model`` within ``budget_bytes`` (default: 1 GiB on CPU, 40% of
+    the free memory on CUDA)."""
+    param = next(model.parameters())
+    if budget_bytes is None:
+        if param.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(param.device)
+            budget_bytes = int(free * CUDA_KV_FRACTION)
+        else:
+            budget_bytes = DEFAULT_CPU_KV_BYTES
+    return max(4, budget_bytes // (KVShape.of(model.config).bytes_per_token(param.dtype) * block_size))

@@ -30,14 +30,15 @@ class SamplingParams:
             raise ValueError("max_tokens must be at least 1")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= self.top_p <= 1:
+            raise ValueError("top_p must be in [0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # top_p 0 keeps only the most likely token (OpenAI accepts it): greedy as well.
+        return self.temperature == 0 or self.top_k == 1 or self.top_p == 0
 
     def make_generator(self) -> torch.Generator | None:
         if self.greedy:
@@ -66,6 +67,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             cumulative = sorted_probs.cumsum(-1)
             # Keep the smallest set whose mass reaches top_p (the first token always stays).
             drop = cumulative - sorted_probs >= p.top_p
+            drop[0] = False
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         tokens.append(int(torch.multinomial(probs.cpu(), 1, generator=gen).item()))
