@@ -11,12 +11,15 @@ For remote runtimes the KV series describe KVStream's *estimate* of the runtime'
 
 from __future__ import annotations
 
+import math
 import time
+from bisect import bisect_left
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
+from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
 
 from kvstream import __version__
@@ -32,40 +35,73 @@ _TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 
 _OVERHEAD = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
+class LocalHistogram:
+    """A Prometheus histogram kept in plain lists.
+
+    Observed only from the event loop, so it needs none of prometheus_client's per-call lock;
+    an observation is one bisect and two additions (the proxy observes every token gap).
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # first bound >= value: "le"
+        self.sum += value
+
+    def family(self) -> HistogramMetricFamily:
+        cumulative, buckets = 0, []
+        for bound, count in zip([*self.bounds, math.inf], self.counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        return HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=self.sum)
+
+
+class LocalCounter:
+    """A labelled Prometheus counter in a dict, for the event loop (see LocalHistogram)."""
+
+    def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
+        self.name, self.documentation, self.labels = name, documentation, labels
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, *label_values: str) -> None:
+        self.values[label_values] = self.values.get(label_values, 0) + 1
+
+    def value(self, *label_values: str) -> float:
+        return self.values.get(label_values, 0)
+
+    def family(self) -> CounterMetricFamily:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        for label_values, value in sorted(self.values.items()):
+            family.add_metric(list(label_values), value)
+        return family
+
+
 class Metrics:
     """The registry of one KVStream process (tests build one per app)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.http_requests = Counter(
-            "kvstream_requests", "Generation requests answered, by route and HTTP status.", ["route", "code"], registry=r
+        self.http_requests = LocalCounter("kvstream_requests", "Generation requests answered, by route and HTTP status.", ["route", "code"])
+        self.queue_time = LocalHistogram("kvstream_queue_time_seconds", "Time a request waited for a batch slot and KV blocks.", _LATENCY)
+        self.ttft = LocalHistogram("kvstream_time_to_first_token_seconds", "From arrival at KVStream to the first token.", _LATENCY)
+        self.tpot = LocalHistogram(
+            "kvstream_time_per_output_token_seconds", "Mean time per output token after the first, per request.", _TOKEN
         )
-        self.queue_time = Histogram(
-            "kvstream_queue_time_seconds", "Time a request waited for a batch slot and KV blocks.", buckets=_LATENCY, registry=r
-        )
-        self.ttft = Histogram(
-            "kvstream_time_to_first_token_seconds", "From arrival at KVStream to the first token.", buckets=_LATENCY, registry=r
-        )
-        self.tpot = Histogram(
-            "kvstream_time_per_output_token_seconds", "Mean time per output token after the first, per request.", buckets=_TOKEN, registry=r
-        )
-        self.itl = Histogram(
-            "kvstream_inter_token_latency_seconds", "Time between consecutive tokens of a stream.", buckets=_TOKEN, registry=r
-        )
-        self.e2e = Histogram(
-            "kvstream_e2e_request_latency_seconds", "From arrival to the last token.", buckets=_LATENCY, registry=r
-        )
-        self.overhead = Histogram(
+        self.itl = LocalHistogram("kvstream_inter_token_latency_seconds", "Time between consecutive tokens of a stream.", _TOKEN)
+        self.e2e = LocalHistogram("kvstream_e2e_request_latency_seconds", "From arrival to the last token.", _LATENCY)
+        self.overhead = LocalHistogram(
             "kvstream_proxy_overhead_seconds",
             "KVStream's own time before the runtime is called (validation, tokenizing, scheduling), queue wait excluded.",
-            buckets=_OVERHEAD,
-            registry=r,
+            _OVERHEAD,
         )
-        self.backend_errors = Counter(
-            "kvstream_backend_errors", "Runtime failures, by kind.", ["kind"], registry=r
-        )
+        self.backend_errors = LocalCounter("kvstream_backend_errors", "Runtime failures, by kind.", ["kind"])
+        self.local = [self.http_requests, self.queue_time, self.ttft, self.tpot, self.itl, self.e2e, self.overhead, self.backend_errors]
         self._engine: KVStreamEngine | None = None
+        self.registry.register(_LocalCollector(self.local))
 
     def bind(self, engine: KVStreamEngine) -> None:
         """Export the engine's gauges and counters (read at scrape time)."""
@@ -88,6 +124,15 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _LocalCollector(Collector):
+    def __init__(self, series: list[LocalHistogram | LocalCounter]) -> None:
+        self.series = series
+
+    def collect(self) -> Iterator:
+        for series in self.series:
+            yield series.family()
 
 
 class _EngineCollector(Collector):

@@ -79,3 +79,33 @@ async def test_a_hanging_runtime_times_out_with_504():
     finally:
         await session.close()
         server.close()
+
+
+async def test_upstream_cookies_are_never_replayed():
+    """One client's Set-Cookie from the runtime must not ride along on another's request."""
+    from aiohttp import web
+
+    seen: list[str | None] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Cookie"))
+        response = web.json_response({"ok": True})
+        response.set_cookie("session", "client-a-secret")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/x", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    # A host name, not an IP: aiohttp's default jar would keep this cookie.
+    session = UpstreamSession(f"http://localhost:{port}", connect_timeout=2, read_timeout=5, headers={})
+    try:
+        for _ in range(3):
+            assert await session.post_json("/x", {}) == {"ok": True}
+        assert seen == [None, None, None]
+    finally:
+        await session.close()
+        await runner.cleanup()

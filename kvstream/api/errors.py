@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from kvstream.api.openai_format import random_hex
 from kvstream.backends.base import BackendError, BackendRejected, BackendUnavailable
 from kvstream.scheduler import SchedulerError
 
@@ -111,7 +111,7 @@ async def error_middleware(
 ) -> web.StreamResponse:
     """Tag every request with an id and turn every failure into an OpenAI-shaped error."""
     incoming = request.headers.get("X-Request-Id", "")
-    request_id = incoming if 0 < len(incoming) <= 128 and incoming.isprintable() else f"req-{uuid.uuid4().hex}"
+    request_id = incoming if 0 < len(incoming) <= 128 and incoming.isprintable() else f"req-{random_hex(128)}"
     request[REQUEST_ID] = request_id
     try:
         response = await handler(request)

@@ -7,20 +7,26 @@ chunk with an empty delta and the finish_reason, then (with include_usage) a chu
 
 from __future__ import annotations
 
-import json
+import random
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstream.backends.base import Token, Usage
+from kvstream.jsonfast import dumps
 
 SYSTEM_FINGERPRINT = "kvstream"
 DONE = b"data: [DONE]\n\n"
 
 
 def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + dumps(payload) + b"\n\n"
+
+
+def random_hex(bits: int) -> str:
+    """A random id of ``bits // 4`` hex digits. Ids only need to be unique, not secret, so
+    this avoids uuid4's system call on every request."""
+    return f"{random.getrandbits(bits):0{bits // 4}x}"
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
@@ -46,12 +52,12 @@ class StreamFormatter:
 
     def __post_init__(self) -> None:
         if not self.id:
-            self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
+            self.id = ("chatcmpl-" if self.chat else "cmpl-") + random_hex(96)
         # Every token chunk is the same JSON but for the delta (or text): render the rest
         # once, so a token costs one small json.dumps (this is the proxy's hot path).
         marker = "\u0000KVSTREAM\u0000"
         template = self._chunk([{"index": 0, ("delta" if self.chat else "text"): marker, "logprobs": None, "finish_reason": None}])
-        head, tail = sse(template).split(json.dumps(marker).encode())
+        head, tail = sse(template).split(dumps(marker))
         self._head, self._tail = head, tail
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -88,7 +94,7 @@ class StreamFormatter:
         if token.logprobs is not None:
             return sse(self._chunk([self._choice(token, None)]))
         value = token.chat_delta() if self.chat else token.text
-        return self._head + json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode() + self._tail
+        return self._head + dumps(value) + self._tail
 
     def finish_chunks(self, finish_reason: str, usage: Usage | None) -> bytes:
         out = sse(self._chunk([self._choice(None, finish_reason)]))

@@ -6,6 +6,7 @@ written token by token the moment the backend yields it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest
 from kvstream.api.state import STATE, AppState
 from kvstream.backends.base import BackendError, BackendRejected, BackendUnavailable, Token
 from kvstream.engine import Generation
+from kvstream.jsonfast import dumps, loads
 from kvstream.scheduler import Priority
 
 logger = logging.getLogger(__name__)
@@ -34,9 +36,14 @@ async def read_body(request: web.Request, model: type[BaseModel]) -> Any:
     """Parse and validate a JSON body: 400 if it is not JSON, 422 if a field is wrong."""
     raw = await request.read()  # 413 past client_max_size, raised by aiohttp
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise json_body_error(exc) from None
+        data = loads(raw)
+    except ValueError:
+        # orjson refuses a few inputs the stdlib takes (NaN, integers past 64 bits): those
+        # are judged by the stdlib, whose messages the errors quote.
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise json_body_error(exc) from None
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
     try:
@@ -68,12 +75,29 @@ async def resolve_model(state: AppState, name: str) -> str:
     if not models:
         return name
     configured = state.engine.backend.model
-    for info in models:
-        path = PurePath(info.id)
-        if name in (info.id, path.name, path.stem) or (configured and name == configured):
-            return info.id if name != configured else name
+    if configured and name == configured:
+        return name
+    resolved = model_aliases(models).get(name)
+    if resolved is not None:
+        return resolved
     known = ", ".join(m.id for m in models[:10])
     raise APIError(404, f"The model '{name}' does not exist on this server (available: {known}).", param="model", code="model_not_found")
+
+
+@functools.lru_cache(maxsize=8)
+def _aliases(ids: tuple[str, ...]) -> dict[str, str]:
+    aliases: dict[str, str] = {}
+    for model_id in reversed(ids):  # the first model wins a shared alias
+        path = PurePath(model_id)
+        aliases.update({path.stem: model_id, path.name: model_id})
+    aliases.update({model_id: model_id for model_id in ids})  # an exact id beats any alias
+    return aliases
+
+
+def model_aliases(models: list[Any]) -> dict[str, str]:
+    """Every name a client may use for the runtime's models -> the model's id (computed
+    once per model list: this runs on every request)."""
+    return _aliases(tuple(m.id for m in models))
 
 
 def retry_after(state: AppState) -> int:
@@ -112,7 +136,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         gen = await state.engine.submit(generate, priority, arrived_at)
     except Exception as exc:
         if isinstance(exc, BackendError):
-            state.engine.metrics.backend_errors.labels(_error_kind(exc)).inc()  # type: ignore[union-attr]
+            state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
         raise from_exception(exc, retry_after(state)) from None
     outcome = "cancelled"
     stream = aiter(gen)
@@ -142,10 +166,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         assert gen.usage is not None
         outcome = "finished"
         build = aggregate.chat_response if chat else aggregate.completion_response
-        return web.json_response(build(fmt, token.finish_reason, gen.usage), headers=headers)
+        return web.Response(body=dumps(build(fmt, token.finish_reason, gen.usage)), content_type="application/json", charset="utf-8", headers=headers)
     except BackendError as exc:
         outcome = "failed"
-        state.engine.metrics.backend_errors.labels(_error_kind(exc)).inc()  # type: ignore[union-attr]
+        state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
         logger.warning("[%s] backend error: %s", request_id, exc.message)
         raise from_exception(exc, retry_after(state)) from None
     finally:
@@ -176,19 +200,21 @@ async def _write_stream(
 ) -> str:
     """Write the SSE response; returns the outcome (finished, failed, cancelled)."""
     try:
-        await response.prepare(request)
+        await response.prepare(request)  # the headers go out with the first write
         role = fmt.role_chunk()
-        if role:
-            await response.write(role)
+        held = [role] if role else []
         token = first
         while token.finish_reason is None:
-            await response.write(fmt.token_chunk(token))
+            held.append(fmt.token_chunk(token))
+            if not token.more:  # nothing else is ready: send what we hold now
+                await response.write(b"".join(held))
+                held.clear()
             token = await _next(stream)
-        await response.write(fmt.finish_chunks(token.finish_reason, gen.usage))
-        await response.write_eof()
+        held.append(fmt.finish_chunks(token.finish_reason, gen.usage))
+        await response.write_eof(b"".join(held))
         return "finished"
     except BackendError as exc:
-        request.app[STATE].engine.metrics.backend_errors.labels(_error_kind(exc)).inc()  # type: ignore[union-attr]
+        request.app[STATE].engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
         logger.warning("[%s] backend failed mid-stream: %s", request[REQUEST_ID], exc.message)
         try:
             await response.write(fmt.error_event(from_exception(exc).body()))
@@ -207,12 +233,12 @@ async def _counted(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         response = await _generate(request, chat)
     except APIError as exc:
-        counter.labels(route, str(exc.status)).inc()
+        counter.inc(route, str(exc.status))
         raise
     except Exception:
-        counter.labels(route, "500").inc()
+        counter.inc(route, "500")
         raise
-    counter.labels(route, str(response.status)).inc()
+    counter.inc(route, str(response.status))
     return response
 
 

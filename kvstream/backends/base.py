@@ -108,11 +108,21 @@ class Token:
     logprobs: Any = None
     finish_reason: str | None = None
     usage: Usage | None = None
+    # True when the backend already holds the next token (they came in one network read or
+    # one engine step): a writer may hold this one back and send both in one write.
+    more: bool = False
 
     def chat_delta(self) -> dict[str, Any]:
         if self.delta is not None:
             return self.delta
         return {"content": self.text} if self.text else {}
+
+
+def as_burst(tokens: list[Token]) -> list[Token]:
+    """Mark tokens that arrived together: every one but the last has ``more`` set."""
+    for token in tokens[:-1]:
+        token.more = True
+    return tokens
 
 
 @dataclass

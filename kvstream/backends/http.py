@@ -3,21 +3,22 @@ keep-alive retry, SSE and NDJSON readers, and upstream error bodies mapped to Ba
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
 
 from kvstream.backends.base import BackendError, BackendRejected, BackendUnavailable
+from kvstream.jsonfast import dumps, loads
 
 logger = logging.getLogger(__name__)
 
 # Failures of a request sent on a pooled keep-alive connection the server had already closed:
 # nothing reached the runtime's handler and no byte came back, so one retry is safe.
 _STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class UpstreamSession:
@@ -27,9 +28,15 @@ class UpstreamSession:
     def __init__(self, base_url: str, *, connect_timeout: float, read_timeout: float, headers: dict[str, str]):
         self.base_url = base_url
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=read_timeout)
-        self._pooled = aiohttp.ClientSession(timeout=timeout, headers=headers)
+        # No connection limit: the scheduler bounds what is in flight (aiohttp's default of
+        # 100 would queue requests the scheduler had admitted). No cookie jar: a proxy must
+        # not carry one client's upstream cookies into another client's requests.
+        self._pooled = aiohttp.ClientSession(
+            timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar()
+        )
         self._fresh = aiohttp.ClientSession(
-            timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(force_close=True)
+            timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(limit=0, force_close=True),
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         self.connect_timeout = connect_timeout
 
@@ -47,7 +54,9 @@ class UpstreamSession:
         once on a fresh one.
         """
         url = self.base_url + path
-        kwargs: dict[str, Any] = {"json": json_body} if json_body is not None else {}
+        kwargs: dict[str, Any] = {}
+        if json_body is not None:
+            kwargs = {"data": dumps(json_body), "headers": _JSON_HEADERS}
         if timeout is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout, sock_connect=self.connect_timeout)
         response = None
@@ -94,7 +103,7 @@ class UpstreamSession:
 
 async def read_json(resp: aiohttp.ClientResponse) -> Any:
     try:
-        return json.loads(await resp.read())
+        return loads(await resp.read())
     except ValueError:
         raise BackendError(f"the runtime sent a body that is not JSON (HTTP {resp.status})") from None
 
@@ -121,7 +130,7 @@ async def raise_for_upstream_status(resp: aiohttp.ClientResponse) -> None:
         return
     raw = await resp.read()
     try:
-        body: Any = json.loads(raw)
+        body: Any = loads(raw)
     except ValueError:
         body = raw.decode("utf-8", "replace")
     message, code, param = error_message(body)
@@ -134,54 +143,100 @@ async def raise_for_upstream_status(resp: aiohttp.ClientResponse) -> None:
     raise BackendError(f"runtime error (HTTP {resp.status}): {message}", 502)
 
 
-async def iter_lines(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """Lines of a streamed body, as they arrive, without their line ending."""
-    async for line in resp.content:  # aiohttp splits on b"\n" as data arrives
-        yield line.rstrip(b"\r\n")
+class _Skip:
+    """A line that carries no event (blank, comment, or an SSE field KVStream ignores)."""
 
 
-async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any] | None]:
-    """JSON payloads of an SSE stream; ``None`` marks ``data: [DONE]``.
-
-    Skips ``:`` keep-alive comments; an ``error:`` field (older llama-server) or a data
-    payload with an ``error`` key raises BackendError.
-    """
-    async for line in iter_lines(resp):
-        if not line or line.startswith(b":"):
-            continue
-        field, _, value = line.partition(b":")
-        value = value.strip()
-        if field == b"data":
-            if value == b"[DONE]":
-                yield None
-                return
-            try:
-                payload = json.loads(value)
-            except ValueError:
-                raise BackendError("the runtime sent a malformed stream event") from None
-            if isinstance(payload, dict) and "error" in payload and not payload.get("choices"):
-                raise BackendError(f"the runtime failed mid-stream: {error_message(payload)[0]}")
-            yield payload
-        elif field == b"error":
-            try:
-                message = error_message({"error": json.loads(value)})[0]
-            except ValueError:
-                message = value.decode("utf-8", "replace")
-            raise BackendError(f"the runtime failed mid-stream: {message}")
-        # "event:", "id:" and "retry:" fields carry nothing the OpenAI stream needs.
+SKIP = _Skip()
+# ``data: [DONE]``: the OpenAI stream's end marker.
+DONE = None
 
 
-async def ndjson_objects(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    """Objects of an NDJSON stream (Ollama); a line with an ``error`` key raises."""
-    async for line in iter_lines(resp):
-        if not line.strip():
-            continue
+def decode_sse_line(line: bytes) -> Any:
+    """One SSE line: its JSON payload, SKIP, or DONE. An ``error:`` field (older
+    llama-server) or a data payload with an ``error`` key raises BackendError."""
+    if not line or line[0] == 58:  # b":" starts a keep-alive comment
+        return SKIP
+    field, _, value = line.partition(b":")
+    value = value.strip()
+    if field == b"data":
+        if value == b"[DONE]":
+            return DONE
         try:
-            obj = json.loads(line)
+            payload = loads(value)
         except ValueError:
-            raise BackendError("the runtime sent a malformed NDJSON line") from None
-        if not isinstance(obj, dict):
-            raise BackendError("the runtime sent an NDJSON line that is not an object")
-        if "error" in obj:
-            raise BackendError(f"the runtime failed mid-stream: {error_message(obj)[0]}")
-        yield obj
+            raise BackendError("the runtime sent a malformed stream event") from None
+        if isinstance(payload, dict) and "error" in payload and not payload.get("choices"):
+            raise BackendError(f"the runtime failed mid-stream: {error_message(payload)[0]}")
+        return payload
+    if field == b"error":
+        try:
+            message = error_message({"error": loads(value)})[0]
+        except ValueError:
+            message = value.decode("utf-8", "replace")
+        raise BackendError(f"the runtime failed mid-stream: {message}")
+    return SKIP  # "event:", "id:" and "retry:" carry nothing the OpenAI stream needs
+
+
+def decode_ndjson_line(line: bytes) -> Any:
+    """One NDJSON line (Ollama): its object, or SKIP; an ``error`` key raises."""
+    if not line.strip():
+        return SKIP
+    try:
+        obj = loads(line)
+    except ValueError:
+        raise BackendError("the runtime sent a malformed NDJSON line") from None
+    if not isinstance(obj, dict):
+        raise BackendError("the runtime sent an NDJSON line that is not an object")
+    if "error" in obj:
+        raise BackendError(f"the runtime failed mid-stream: {error_message(obj)[0]}")
+    return obj
+
+
+class EventReader:
+    """Decodes a streamed body (SSE or NDJSON) as it arrives, a network read at a time.
+
+    Each ``await read()`` returns every event completed by the next chunk, so a burst of
+    tokens costs one await rather than one per line (this is the proxy's hot path).
+    After ``data: [DONE]`` nothing more is read and DONE is the batch's last item.
+    """
+
+    def __init__(self, resp: aiohttp.ClientResponse, decode: Callable[[bytes], Any] = decode_sse_line) -> None:
+        self._content = resp.content
+        self._decode = decode
+        self._pending = b""
+        self._failure: BackendError | None = None
+        self.ended = False
+
+    async def read(self) -> list[Any]:
+        """The next events, in order; ``[]`` once the body (or the stream) has ended."""
+        while not self.ended:
+            chunk = await self._content.readany()
+            if not chunk:  # end of body: a last line may lack its newline
+                self.ended = True
+                lines, self._pending = [self._pending], b""
+            else:
+                lines = (self._pending + chunk if self._pending else chunk).split(b"\n")
+                self._pending = lines.pop()
+            events = []
+            for line in lines:
+                try:
+                    event = self._decode(line.rstrip(b"\r"))
+                except BackendError as exc:
+                    if not events:
+                        raise
+                    # The events before the failure reach the client first.
+                    self._failure, self.ended = exc, True
+                    break
+                if event is SKIP:
+                    continue
+                events.append(event)
+                if event is DONE:
+                    self.ended = True
+                    break
+            if events:
+                return events
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        return []

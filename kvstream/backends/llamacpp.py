@@ -25,7 +25,7 @@ from kvstream.backends.base import (
     Token,
     Usage,
 )
-from kvstream.backends.http import raise_for_upstream_status, sse_events
+from kvstream.backends.http import DONE, EventReader, raise_for_upstream_status
 from kvstream.backends.llamacpp_runtime import ManagedLlamaServer, embedded_model
 from kvstream.backends.llamacpp_inject import HardInject
 from kvstream.backends.llamacpp_slots import SlotFileStore
@@ -196,18 +196,20 @@ class LlamaCppBackend(OpenAICompatibleBackend):
             async with self.http.request("POST", "/completion", json_body=body) as resp:
                 await raise_for_upstream_status(resp)
                 request.hints["interrupt"] = lambda: resp.content.set_exception(BackendInterrupted())
-                async for event in sse_events(resp):
-                    if event is None:
-                        break
-                    prefilled = True
-                    if event.get("content"):
-                        done += 1
-                        yield Token(text=event["content"])
-                    if event.get("stop"):
-                        cached = (event.get("timings") or {}).get("cache_n")
-                        reason = "length" if event.get("stop_type") == "limit" else "stop"
-                        yield Token(finish_reason=reason, usage=Usage(len(prompt), done, cached))
-                        return
+                events = EventReader(resp)
+                while batch := await events.read():
+                    for event in batch:
+                        if event is DONE:
+                            break
+                        prefilled = True
+                        if event.get("content"):
+                            done += 1
+                            yield Token(text=event["content"])
+                        if event.get("stop"):
+                            cached = (event.get("timings") or {}).get("cache_n")
+                            reason = "length" if event.get("stop_type") == "limit" else "stop"
+                            yield Token(finish_reason=reason, usage=Usage(len(prompt), done, cached))
+                            return
                 raise BackendError("the runtime ended the stream before the generation finished")
         finally:
             await self._after(request, inject, route, cached, prefilled)

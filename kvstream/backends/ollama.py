@@ -21,7 +21,7 @@ from kvstream.backends.base import (
     Token,
     Usage,
 )
-from kvstream.backends.http import UpstreamSession, ndjson_objects, raise_for_upstream_status
+from kvstream.backends.http import EventReader, UpstreamSession, decode_ndjson_line, raise_for_upstream_status
 
 # OpenAI fields with an Ollama option of another name.
 _OPTION_FIELDS = {
@@ -171,34 +171,36 @@ class OllamaBackend(BaseBackend):
         async with self.http.request("POST", path, json_body=body) as resp:
             await raise_for_upstream_status(resp)
             tool_calls = 0
-            async for obj in ndjson_objects(resp):
-                if request.is_chat:
-                    message = obj.get("message") or {}
-                    text = message.get("content") or ""
-                    delta: dict[str, Any] = {"content": text} if text else {}
-                    if message.get("thinking"):
-                        delta["reasoning_content"] = message["thinking"]
-                    if message.get("tool_calls"):
-                        delta["tool_calls"] = _openai_tool_calls(message["tool_calls"], tool_calls)
-                        tool_calls += len(message["tool_calls"])
-                    if delta:
-                        yield Token(text=text, delta=delta)
-                else:
-                    text = obj.get("response") or ""
-                    if text:
-                        yield Token(text=text)
-                if obj.get("done"):
-                    reason = obj.get("done_reason") or "stop"
-                    if reason not in ("stop", "length"):
-                        reason = "stop"
-                    if tool_calls and reason == "stop":
-                        reason = "tool_calls"
-                    usage = None
-                    if "prompt_eval_count" in obj or "eval_count" in obj:
-                        # Ollama omits zero metrics (omitempty): absent means 0.
-                        usage = Usage(int(obj.get("prompt_eval_count") or 0), int(obj.get("eval_count") or 0))
-                    yield Token(finish_reason=reason, usage=usage)
-                    return
+            objects = EventReader(resp, decode_ndjson_line)
+            while batch := await objects.read():
+                for obj in batch:
+                    if request.is_chat:
+                        message = obj.get("message") or {}
+                        text = message.get("content") or ""
+                        delta: dict[str, Any] = {"content": text} if text else {}
+                        if message.get("thinking"):
+                            delta["reasoning_content"] = message["thinking"]
+                        if message.get("tool_calls"):
+                            delta["tool_calls"] = _openai_tool_calls(message["tool_calls"], tool_calls)
+                            tool_calls += len(message["tool_calls"])
+                        if delta:
+                            yield Token(text=text, delta=delta)
+                    else:
+                        text = obj.get("response") or ""
+                        if text:
+                            yield Token(text=text)
+                    if obj.get("done"):
+                        reason = obj.get("done_reason") or "stop"
+                        if reason not in ("stop", "length"):
+                            reason = "stop"
+                        if tool_calls and reason == "stop":
+                            reason = "tool_calls"
+                        usage = None
+                        if "prompt_eval_count" in obj or "eval_count" in obj:
+                            # Ollama omits zero metrics (omitempty): absent means 0.
+                            usage = Usage(int(obj.get("prompt_eval_count") or 0), int(obj.get("eval_count") or 0))
+                        yield Token(finish_reason=reason, usage=usage)
+                        return
             raise BackendError("Ollama ended the stream without a final done:true object")
 
     async def health(self) -> bool:

@@ -14,8 +14,9 @@ from kvstream.backends.base import (
     ModelInfo,
     Token,
     Usage,
+    as_burst,
 )
-from kvstream.backends.http import UpstreamSession, raise_for_upstream_status, sse_events
+from kvstream.backends.http import DONE, EventReader, UpstreamSession, raise_for_upstream_status
 
 
 def usage_from(payload: dict[str, Any] | None) -> Usage | None:
@@ -95,16 +96,26 @@ class OpenAICompatibleBackend(BaseBackend):
             request.hints["interrupt"] = lambda: resp.content.set_exception(BackendInterrupted())
             finish_reason: str | None = None
             usage: Usage | None = None
-            async for event in sse_events(resp):
-                if event is None:
-                    break
-                usage = usage_from(event.get("usage")) or usage
-                self.observe_event(event, request)
-                for choice in event.get("choices") or []:
-                    token = self._token_from_choice(choice, request.is_chat)
-                    if token is not None:
-                        yield token
-                    finish_reason = choice.get("finish_reason") or finish_reason
+            events = EventReader(resp)
+            while batch := await events.read():
+                tokens = []
+                for event in batch:
+                    if event is DONE:
+                        break
+                    if "usage" in event:
+                        usage = usage_from(event["usage"]) or usage
+                    self.observe_event(event, request)
+                    for choice in event.get("choices") or ():
+                        token = self._token_from_choice(choice, request.is_chat)
+                        if token is not None:
+                            tokens.append(token)
+                        finish_reason = choice.get("finish_reason") or finish_reason
+                if events.ended and finish_reason is not None:
+                    tokens.append(Token(finish_reason=finish_reason, usage=usage))
+                for token in as_burst(tokens):
+                    yield token
+                if events.ended and finish_reason is not None:
+                    return
             if finish_reason is None:
                 # [DONE] or EOF without a finish_reason: the runtime stopped mid-generation.
                 raise BackendError("the runtime ended the stream before the generation finished")
