@@ -59,6 +59,10 @@ class MemorySettings(_Section):
     block_size: Literal[8, 16, 32] = Field(16, description="tokens per KV block")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="hf: model and KV dtype; auto = float32 on CPU, bfloat16 on CUDA")
     kv_cache_bytes: int | None = Field(None, ge=1, description="hf: bytes of the device KV pool when num_gpu_blocks is auto; none = 1 GiB on CPU, 40% of free memory on CUDA")
+    host_cache_bytes: int = Field(0, ge=0, description="hf: host RAM for cached blocks the pool reclaims (spilled, restored on a hit); 0 = none")
+    kv_cache_bits: Literal[8, 4] | None = Field(None, description="hf: store spilled blocks KIVI-quantized to 8 or 4 bits; none = model precision")
+    disk_cache_dir: Path | None = Field(None, description="hf: directory of the disk KV tier (below host RAM; survives restarts); none = no disk tier")
+    disk_cache_bytes: int = Field(4 * 1024**3, ge=1, description="hf: most bytes the disk KV tier holds")
 
     @field_validator("num_gpu_blocks")
     @classmethod
@@ -81,6 +85,9 @@ class PrefixCacheSettings(_Section):
     enabled: bool = Field(True, description="share KV blocks of common prompt prefixes")
     max_prefix_length: int | None = Field(None, ge=0, description="longest prefix (tokens) reused; none = no cap")
     ttl_seconds: float = Field(3600.0, gt=0, description="unreferenced cached blocks older than this are dropped")
+    warm: list[str] = Field(default_factory=list, description="system prompts prefilled at start, so their prefix is cached before the first request")
+    reuse: Literal["exact", "blend"] = Field("exact", description="hf: exact = reuse only identical prefixes (output unchanged); blend = also reuse moved chunks, approximately (RAG); a request's own 'reuse' field wins")
+    blend_ratio: float = Field(0.15, ge=0, le=1, description="hf: share of moved tokens recomputed by the blend repair (0 = move only)")
 
 
 class AttentionSettings(_Section):

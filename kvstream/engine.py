@@ -487,6 +487,34 @@ class KVStreamEngine:
         finally:
             gen.close(outcome)
 
+    async def warm(self, request: GenerateRequest | str, priority: Priority = Priority.LOW) -> dict[str, Any]:
+        """Prefill ``request`` (a chat request, or a system prompt as a string) so that later
+        requests sharing its prefix find it cached: in the in-process engine's pool, in a
+        llama.cpp slot file, or in the runtime's own prompt cache. One token is generated and
+        discarded. Returns what it cost and what was already cached."""
+        if isinstance(request, str):
+            request = GenerateRequest(model=self.backend.model, messages=[{"role": "system", "content": request}])
+        request.max_tokens, request.temperature = 1, 0.0
+        started = time.monotonic()
+        gen = await self.submit(request, priority)
+        outcome = "cancelled"
+        try:
+            await gen.admitted()
+            async for _ in gen:
+                pass
+            outcome = "finished"
+        except BackendError:
+            outcome = "failed"
+            raise
+        finally:
+            gen.close(outcome)
+        usage = gen.usage or Usage(len(gen.seq.prompt_token_ids), 0)
+        return {
+            "prompt_tokens": usage.prompt_tokens,
+            "cached_tokens": gen.prefix_hit_tokens,
+            "elapsed_ms": round((time.monotonic() - started) * 1000, 1),
+        }
+
     def _kick(self) -> None:
         """Run one scheduling pass and wake whoever it admitted."""
         if self.backend.capabilities.owns_kv:

@@ -9,9 +9,12 @@
     result = engine.generate(SYSTEM_PROMPT + "Q: ...", max_new_tokens=64)
     result.output_text, result.ttft_ms, result.kv_reuse_ratio
 
-Reuse is exact: the KV of any earlier prompt or generated text (whole blocks of
+Reuse is exact by default: the KV of any earlier prompt or generated text (whole blocks of
 ``chunk_size`` tokens) is reused for a later prompt that starts with the same tokens, and the
-output is the same as without reuse (``verify_correctness`` measures it). Timings are from
+output is the same as without reuse (``verify_correctness`` measures it). With
+``recompute_strategy="cacheblend"`` (or ``"selective"``), text that reappears *elsewhere* in a
+prompt (RAG documents in another order) is reused too, approximately: its KV is moved and
+re-rotated, then repaired (see kvstream/backends/hf/blend.py). Timings are from
 the call: tokenizing, cache lookup, the forward passes and sampling are all included, and
 nothing is written after the answer (the cache is filled as a side effect of computing).
 """
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvstream.backends.hf.blend import BlendParams
 from kvstream.backends.hf.engine import EngineConfig, PagedEngine, TokenEvent
 from kvstream.backends.hf.kv_cache import auto_num_blocks
 from kvstream.backends.hf.loader import LoadedModel, chat_token_ids, load_model
@@ -43,19 +47,34 @@ class GenerationResult:
     ttft_ms: float  # from the call to the first token
     total_ms: float  # from the call to the end, everything included
     first_token_logits: torch.Tensor | None = field(default=None, repr=False)
+    moved_tokens: int = 0  # prompt tokens whose KV was moved from elsewhere (blend), not computed
 
     @property
     def kv_reuse_ratio(self) -> float:
+        """Share of the prompt not computed: exact hits plus moved (approximate) tokens."""
+        return (self.cached_tokens + self.moved_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def exact_reuse_ratio(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class HFEngine:
     """A HuggingFace causal LM behind KVStream's paged engine, driven from the calling thread."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    STRATEGIES = ("none", "selective", "cacheblend")
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, recompute_strategy: str = "none", blend_ratio: float = 0.15) -> None:
+        if recompute_strategy not in self.STRATEGIES:
+            raise ValueError(f"recompute_strategy must be one of {self.STRATEGIES}, not {recompute_strategy!r}")
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.engine = PagedEngine(loaded.model, loaded.tokenizer, config)
+        # none: exact prefix reuse only. selective: also move reappearing chunks, recomputing
+        # only their seams. cacheblend: move, then recompute the blend_ratio most deviant tokens.
+        self.blend = None
+        if recompute_strategy != "none":
+            self.blend = BlendParams(blend_ratio=blend_ratio if recompute_strategy == "cacheblend" else 0.0)
 
     @classmethod
     def from_pretrained(
@@ -68,17 +87,28 @@ class HFEngine:
         dtype: str = "auto",
         gguf_file: str | None = None,
         max_batch_size: int = 16,
+        recompute_strategy: str = "none",
+        blend_ratio: float = 0.15,
+        kv_cache_bits: int | None = None,
+        host_cache_bytes: int = 0,
+        disk_cache_dir: str | None = None,
+        disk_cache_bytes: int = 4 * 1024**3,
     ) -> HFEngine:
         """Load ``model`` (default: the embedded SmolLM2). ``chunk_size`` is the KV block
         size in tokens, the granularity of reuse; ``max_cache_bytes`` bounds the KV pool
-        (default 1 GiB on CPU, 40% of free memory on CUDA)."""
+        (default 1 GiB on CPU, 40% of free memory on CUDA). Blocks the pool reclaims spill to
+        ``host_cache_bytes`` of RAM, then to ``disk_cache_dir`` (kept across restarts; call
+        ``close()``), stored KIVI-quantized when ``kv_cache_bits`` is 8 or 4.
+        ``recompute_strategy``: none (exact reuse only), selective or cacheblend (see above)."""
         loaded = load_model(model, gguf_file, dtype, device)
         blocks = auto_num_blocks(loaded.model, chunk_size, max_cache_bytes)
         config = EngineConfig(
             block_size=chunk_size, num_blocks=blocks, num_cpu_blocks=0, max_num_seqs=max_batch_size,
             model_identity=loaded.identity, max_model_len=getattr(loaded.model.config, "max_position_embeddings", None),
+            kv_cache_bits=kv_cache_bits, host_cache_bytes=host_cache_bytes, disk_cache_dir=disk_cache_dir,
+            disk_cache_bytes=disk_cache_bytes,
         )
-        return cls(loaded, config)
+        return cls(loaded, config, recompute_strategy, blend_ratio)
 
     # ------------------------------------------------------------------ API
     def encode(self, prompt: str | list[dict[str, Any]]) -> list[int]:
@@ -116,11 +146,15 @@ class HFEngine:
         params = [SamplingParams(max_new_tokens, **sampling) for _ in prompts]
         return self._run([self.encode(p) for p in prompts], params, start)
 
-    def verify_correctness(self, prompts: list[str | list[dict[str, Any]]], max_new_tokens: int = 16) -> list[dict[str, Any]]:
-        """Run each prompt with reuse (its KV warmed first, so reuse really happens) and
-        without (a fresh engine with caching off, same model), greedily; report the share of
-        agreeing tokens, the first position that differs (None: identical), the KL
-        divergence of the first token's distributions, and the reuse ratio."""
+    def verify_correctness(
+        self, prompts: list[str | list[dict[str, Any]]], max_new_tokens: int = 16, warm: list[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """Run each prompt with reuse and without (a fresh engine with caching off, same
+        model), greedily; report the share of agreeing tokens, the first position that differs
+        (None: identical), the KL divergence of the first token's distributions, and the
+        reuse ratio. So that reuse really happens, each prompt is warmed first, or, when
+        ``warm`` is given, those texts are (e.g. a RAG prompt's documents in another order,
+        which exercises blend reuse)."""
         config = self.engine.config
         plain = PagedEngine(
             self.loaded.model, self.tokenizer,
@@ -129,7 +163,8 @@ class HFEngine:
         report = []
         for prompt in prompts:
             ids = self.encode(prompt)
-            self.warm(prompt)
+            for text in warm if warm is not None else [prompt]:
+                self.warm(text)
             greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0)
             reused = self._run([ids], [greedy], keep_logits=True)[0]
             fresh = self._run([ids], [greedy], keep_logits=True, engine=plain)[0]
@@ -143,11 +178,22 @@ class HFEngine:
             report.append({
                 "prompt_tokens": len(ids),
                 "kv_reuse_ratio": reused.kv_reuse_ratio,
+                "exact_reuse_ratio": reused.exact_reuse_ratio,
                 "token_agreement": same / max(len(a), len(b), 1),
                 "first_divergence": first_diff,
                 "first_token_kl": float((p.exp() * (p - q)).sum()),
             })
         return report
+
+    def close(self) -> None:
+        """Write the cache to the disk tier (if configured) and release it."""
+        self.engine.close()
+
+    def __enter__(self) -> HFEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------ internals
     def _run(
@@ -181,7 +227,7 @@ class HFEngine:
                     if e.finish_reason:
                         state["end"], state["reason"] = now, e.finish_reason
 
-            engine.add_request(seq, p, sink)
+            state["request"] = engine.add_request(seq, p, sink, blend=self.blend if engine is self.engine else None)
             states.append(state)
         while engine.has_work():
             engine.step()
@@ -199,6 +245,7 @@ class HFEngine:
                 ttft_ms=((s["first"] or start) - start) * 1000,
                 total_ms=((s["end"] or time.perf_counter()) - start) * 1000,
                 first_token_logits=s["logits"],
+                moved_tokens=s["request"].moved_tokens,
             ))
         return results
 

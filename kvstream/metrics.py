@@ -202,6 +202,14 @@ def _engine_families(paged) -> Iterator:
     kv_bytes.add_metric(["gpu"], paged.cache.device_bytes)
     kv_bytes.add_metric(["cpu"], paged.cache.host_bytes)
     yield kv_bytes
+    store = paged.store
+    if store is not None:
+        yield CounterMetricFamily("kvstream_kv_spilled_blocks", "Cached blocks reclaimed by the pool and kept in a spill tier.", value=store.spilled)
+        yield CounterMetricFamily("kvstream_kv_restored_blocks", "Blocks copied back from a spill tier instead of recomputed.", value=c.restored_blocks)
+        tier_bytes = GaugeMetricFamily("kvstream_kv_spill_bytes", "Bytes held by each spill tier.", labels=["store"])
+        tier_bytes.add_metric(["ram"], store.bytes_used)
+        tier_bytes.add_metric(["disk"], store.disk.bytes_used if store.disk is not None else 0)
+        yield tier_bytes
 
 
 def _inject_families(inject) -> Iterator:

@@ -116,6 +116,7 @@ async def test_labels_stay_bounded_whatever_clients_send(proxied):
         "outcome": {"finished", "failed", "cancelled"},
         "reason": {"queue_full", "queue_timeout", "context_length_exceeded"},
         "direction": {"in", "out"},
+        "store": {"ram", "disk"},
         "le": None,
         "version": None,
         "backend": None,

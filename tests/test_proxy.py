@@ -312,3 +312,22 @@ async def test_client_hanging_up_while_the_backend_finishes_releases_everything(
             break
         await asyncio.sleep(0.02)
     assert proxy.engine.scheduler.bm.is_idle() and not proxy.engine.scheduler.running
+
+
+async def test_warm_prefills_at_start_and_on_request_through_the_scheduler(start_upstream, start_proxy, http):
+    url, recorder = await start_upstream(Script())
+    system = "You are a terse assistant."
+    proxy = await start_proxy(OpenAICompatibleBackend(url, "test-model"), prefix_cache={"warm": [system]})
+    # create_app's startup warmed the configured prompt: one token, greedy, as a system turn.
+    assert recorder.bodies and recorder.bodies[0]["messages"] == [{"role": "system", "content": system}]
+    assert recorder.bodies[0]["max_tokens"] == 1 and recorder.bodies[0]["temperature"] == 0
+    async with http.post(proxy.v1 + "/warm", json={"prompt": "Once upon a time"}) as resp:
+        assert resp.status == 200
+        body = await resp.json()
+    assert body["object"] == "kvstream.warm" and body["prompt_tokens"] > 0
+    assert recorder.bodies[-1]["prompt"] == "Once upon a time"
+    for bad in ({}, {"prompt": "a", "system": "b"}, {"messages": []}, {"prompt": "a", "max_tokens": 5}):
+        async with http.post(proxy.v1 + "/warm", json=bad) as resp:
+            assert resp.status == 422, bad
+            assert set((await resp.json())["error"]) == {"message", "type", "param", "code"}
+    assert proxy.engine.scheduler.bm.is_idle() and proxy.engine.stats.requests_finished == 2

@@ -11,9 +11,11 @@ from aiohttp import web
 from kvstream.api import routes_ops, routes_openai
 from kvstream.api.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware
 from kvstream.api.state import STATE, AppState
+from kvstream.backends.base import BackendError
 from kvstream.config import Settings
 from kvstream.engine import KVStreamEngine
 from kvstream.metrics import Metrics
+from kvstream.scheduler import SchedulerError
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,18 @@ def auth_middleware(keys: list[str], max_concurrent_per_key: int | None = None):
     return middleware
 
 
+async def warm_prefixes(engine: KVStreamEngine, prompts: list[str]) -> None:
+    """Prefill the configured system prompts before serving; a failure is logged, not fatal
+    (the runtime may still be starting: the prompts are then simply computed on first use)."""
+    for text in prompts:
+        try:
+            result = await engine.warm(text)
+        except (SchedulerError, BackendError) as exc:
+            logger.warning("warming a %d-character prompt failed: %s", len(text), exc)
+            continue
+        logger.info("warmed a %d-token prefix in %.0f ms", result["prompt_tokens"], result["elapsed_ms"])
+
+
 def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
     """The KVStream application. The engine is started and closed with the app."""
     keys = settings.accepted_keys()
@@ -84,6 +98,7 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
 
     async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
         await engine.start()
+        await warm_prefixes(engine, settings.prefix_cache.warm)
         yield
         await engine.close()
 

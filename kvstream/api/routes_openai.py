@@ -19,12 +19,12 @@ from pydantic import BaseModel, ValidationError
 
 from kvstream.api.errors import REQUEST_ID, APIError, from_exception, json_body_error
 from kvstream.api.openai_format import Aggregate, StreamFormatter
-from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest
+from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest, WarmRequest
 from kvstream.api.state import STATE, AppState
 from kvstream.backends.base import BackendError, BackendRejected, BackendUnavailable, Token
 from kvstream.engine import Generation
 from kvstream.jsonfast import dumps, loads
-from kvstream.scheduler import Priority
+from kvstream.scheduler import Priority, SchedulerError
 
 logger = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -250,6 +250,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _counted(request, chat=False)
+
+
+@routes.post("/v1/warm")
+async def warm(request: web.Request) -> web.Response:
+    """Prefill a prefix (KVStream's own route): queued at low priority like any request."""
+    state = request.app[STATE]
+    body = await read_body(request, WarmRequest)
+    generate = body.to_generate(request[REQUEST_ID])
+    generate.model = await resolve_model(state, body.model) if body.model else state.engine.backend.model
+    try:
+        result = await state.engine.warm(generate)
+    except (SchedulerError, BackendError) as exc:
+        raise from_exception(exc, retry_after(state)) from None
+    return web.json_response({"object": "kvstream.warm", "model": generate.model, **result})
 
 
 def _model_object(info: Any) -> dict[str, Any]:

@@ -58,8 +58,11 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    # KVStream's own field (also the X-KVStream-Priority header); never sent upstream.
+    # KVStream's own fields; never sent upstream. priority: also the X-KVStream-Priority
+    # header. reuse / blend_ratio: the in-process engine's reuse of moved chunks (hf only).
     priority: str | int | None = None
+    reuse: Literal["exact", "blend"] | None = None
+    blend_ratio: float | None = Field(None, ge=0, le=1)
 
     @field_validator("stop")
     @classmethod
@@ -71,7 +74,14 @@ class _Sampling(BaseModel):
             raise ValueError("at most 4 stop sequences")
         return stops
 
-    OWN_FIELDS: ClassVar[set[str]] = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream", "stream_options", "priority"}
+    OWN_FIELDS: ClassVar[set[str]] = {
+        "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream", "stream_options",
+        "priority", "reuse", "blend_ratio",
+    }
+
+    def reuse_hints(self) -> dict[str, Any]:
+        """The reuse fields for the backend (only those the client set)."""
+        return {k: v for k, v in (("reuse", self.reuse), ("blend_ratio", self.blend_ratio)) if v is not None}
 
     def passthrough(self) -> dict[str, Any]:
         """The fields KVStream does not interpret, for the runtime."""
@@ -106,6 +116,7 @@ class ChatCompletionRequest(_Sampling):
             stop=self.stop or [],  # type: ignore[arg-type]
             extra=self.passthrough(),
             request_id=request_id,
+            hints=self.reuse_hints(),
         )
 
 
@@ -137,4 +148,33 @@ class CompletionRequest(_Sampling):
             stop=self.stop or [],  # type: ignore[arg-type]
             extra=self.passthrough(),
             request_id=request_id,
+            hints=self.reuse_hints(),
         )
+
+
+class WarmRequest(BaseModel):
+    """Body of POST /v1/warm: a prefix to prefill now so later requests find it cached.
+
+    ``messages`` (a chat prefix, typically the system prompt), ``prompt`` (raw text, for
+    completions), or ``system`` (shorthand for ``messages: [{"role": "system", ...}]``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    prompt: str | None = Field(None, min_length=1)
+    system: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> WarmRequest:
+        given = [name for name in ("messages", "prompt", "system") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'messages', 'prompt' or 'system'")
+        return self
+
+    def to_generate(self, request_id: str) -> GenerateRequest:
+        messages = [m.model_dump(exclude_none=True) for m in self.messages] if self.messages else None
+        if self.system is not None:
+            messages = [{"role": "system", "content": self.system}]
+        return GenerateRequest(model=self.model, messages=messages, prompt=self.prompt, request_id=request_id)

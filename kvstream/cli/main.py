@@ -44,6 +44,13 @@ def serve(
     max_batch_size: Annotated[Optional[int], typer.Option(help="most requests in flight upstream")] = None,
     num_gpu_blocks: Annotated[Optional[str], typer.Option(help="KV blocks in the pool, or auto")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="tokens per KV block: 8, 16 or 32")] = None,
+    max_cache_bytes: Annotated[Optional[int], typer.Option(help="hf: bytes of the device KV pool (the prefix cache's budget)")] = None,
+    host_cache_bytes: Annotated[Optional[int], typer.Option(help="hf: host RAM for cached KV blocks the pool reclaims (0 = none)")] = None,
+    kv_cache_bits: Annotated[Optional[int], typer.Option(help="hf: keep spilled KV blocks KIVI-quantized to 8 or 4 bits")] = None,
+    disk_cache_dir: Annotated[Optional[Path], typer.Option(help="hf: directory of the disk KV tier (survives restarts)")] = None,
+    reuse: Annotated[Optional[str], typer.Option(help="hf: exact | blend (also reuse moved chunks, approximately)")] = None,
+    blend_ratio: Annotated[Optional[float], typer.Option(help="hf: share of moved tokens the blend repair recomputes (default 0.15)")] = None,
+    warm: Annotated[Optional[list[str]], typer.Option(help="a system prompt to prefill at start (repeatable)")] = None,
     config: ConfigOpt = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
@@ -56,7 +63,11 @@ def serve(
         },
         "server": {"host": host, "port": port},
         "scheduler": {"max_batch_size": max_batch_size},
-        "memory": {"num_gpu_blocks": num_gpu_blocks, "block_size": block_size, "dtype": dtype},
+        "prefix_cache": {"warm": warm or None, "reuse": reuse, "blend_ratio": blend_ratio},
+        "memory": {
+            "num_gpu_blocks": num_gpu_blocks, "block_size": block_size, "dtype": dtype,
+            "kv_cache_bytes": max_cache_bytes, "host_cache_bytes": host_cache_bytes, "kv_cache_bits": kv_cache_bits, "disk_cache_dir": disk_cache_dir,
+        },
     }
     loaded = _load(cli, config)
     from kvstream.cli.serve import run

@@ -43,6 +43,10 @@ def backend_options(settings: Settings) -> dict:
         "num_gpu_blocks": settings.memory.num_gpu_blocks,
         "num_cpu_blocks": settings.memory.num_cpu_blocks,
         "kv_cache_bytes": settings.memory.kv_cache_bytes,
+        "host_cache_bytes": settings.memory.host_cache_bytes,
+        "kv_cache_bits": settings.memory.kv_cache_bits,
+        "disk_cache_dir": str(settings.memory.disk_cache_dir) if settings.memory.disk_cache_dir else None,
+        "disk_cache_bytes": settings.memory.disk_cache_bytes,
         "max_batch_size": settings.scheduler.max_batch_size,
         "max_num_batched_tokens": settings.scheduler.max_num_batched_tokens,
         "preemption_policy": settings.scheduler.preemption_policy,
@@ -50,6 +54,8 @@ def backend_options(settings: Settings) -> dict:
         "max_queue_size": settings.scheduler.max_queue_size,
         "queue_timeout_s": settings.scheduler.queue_timeout_s,
         "prefix_cache": settings.prefix_cache.enabled,
+        "reuse": settings.prefix_cache.reuse,
+        "blend_ratio": settings.prefix_cache.blend_ratio,
         "attention": settings.attention.backend,
     }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvstream.kv.block_pool import Block, BlockPool, NoFreeBlocks
 from kvstream.kv.hashing import BlockHash, hash_block, model_key
@@ -22,6 +23,14 @@ SeqId = Hashable
 UNKNOWN_TOKEN = -1
 
 
+class SpillLookup(Protocol):
+    """Where blocks reclaimed from the pool went (see kvstream.backends.hf.kv_store)."""
+
+    def contains(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool: ...
+
+    def get(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> object | None: ...
+
+
 @dataclass(slots=True)
 class BlockTable:
     """The blocks holding one sequence's KV, in order, and the tokens they hold."""
@@ -31,6 +40,8 @@ class BlockTable:
     # Hashes of the leading full blocks, chained; len(hashes) <= len(blocks).
     hashes: list[BlockHash] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at allocation
+    # Tokens from here on hold approximate KV (moved by a blend): never shared as exact.
+    exact_until: int | None = None
 
 
 @dataclass(slots=True)
@@ -42,6 +53,7 @@ class SwappedTable:
     token_ids: list[int]
     hashes: list[BlockHash]
     num_cached_tokens: int
+    exact_until: int | None = None
 
 
 class BlockManager:
@@ -73,6 +85,12 @@ class BlockManager:
         self.hash_on_append = hash_on_append
         self.tables: dict[SeqId, BlockTable] = {}
         self.swapped: dict[SeqId, SwappedTable] = {}
+        # Spill tiers below the pool (an in-process engine's host RAM / disk stores): a prefix
+        # that continues past the pool's cached blocks is looked up there, and allocate()
+        # takes fresh blocks for what it finds; their records wait in ``restores`` as
+        # (block_id, record) for the owner to copy in before the next forward pass.
+        self.spill: SpillLookup | None = None
+        self.restores: list[tuple[int, object]] = []
 
     # ------------------------------------------------------------------ sizing
     @property
@@ -111,6 +129,27 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def _spilled_after(self, token_ids: Sequence[int], hits: list[Block]) -> list[tuple[BlockHash, tuple[int, ...]]]:
+        """The blocks after the pool's hits that the spill tiers hold, as (hash, tokens)."""
+        if self.spill is None or not self.enable_prefix_cache:
+            return []
+        limit = len(token_ids) - 1
+        if self.max_prefix_length is not None:
+            limit = min(limit, self.max_prefix_length)
+        found: list[tuple[BlockHash, tuple[int, ...]]] = []
+        parent = hits[-1].block_hash if hits else None
+        for start in range(len(hits) * self.block_size, limit - self.block_size + 1, self.block_size):
+            chunk = tuple(token_ids[start : start + self.block_size])
+            if UNKNOWN_TOKEN in chunk:
+                break
+            parent = hash_block(parent, chunk, self.salt)
+            # A block the pool holds again is left to the next lookup rather than restored
+            # twice (and allocate()'s block count stays exact).
+            if self.pool.lookup(parent, chunk) is not None or not self.spill.contains(parent, chunk):
+                break
+            found.append((parent, chunk))
+        return found
+
     def blocks_needed(self, token_ids: Sequence[int]) -> int:
         """Free blocks that allocate(token_ids) would consume, counting cached hits that are
         idle (they leave the free queue when taken)."""
@@ -142,6 +181,18 @@ class BlockManager:
         self.tables[seq_id] = table
         self.pool.stats.cache_queries += self.blocks_for(len(token_ids))
         self.pool.stats.cache_hits += len(hits)
+        for block_hash, chunk in self._spilled_after(token_ids, hits):
+            record = self.spill.get(block_hash, chunk)  # type: ignore[union-attr]
+            if record is None:
+                break  # dropped or damaged since the lookup: computed instead
+            # Counted by blocks_needed (spilled blocks need fresh ones), so this cannot fail.
+            block = self.pool.allocate()
+            self.pool.cache(block, block_hash, chunk, len(table.token_ids))
+            table.blocks.append(block)
+            table.hashes.append(block_hash)
+            table.token_ids.extend(chunk)
+            table.num_cached_tokens += self.block_size
+            self.restores.append((block.block_id, record))
         for token in token_ids[table.num_cached_tokens :]:
             self._append(table, token)
         return table.num_cached_tokens
@@ -176,9 +227,17 @@ class BlockManager:
         """Make the full blocks among the first ``num_computed_tokens`` tokens shareable:
         their KV has been written (in-process engines, ``hash_on_append=False``)."""
         table = self.tables[seq_id]
+        if table.exact_until is not None:
+            num_computed_tokens = min(num_computed_tokens, table.exact_until)
         for index in range(len(table.hashes), num_computed_tokens // self.block_size):
             if not self._seal(table, index):
                 break
+
+    def mark_approximate(self, seq_id: SeqId, position: int) -> None:
+        """From ``position`` on, the sequence's KV is approximate (blend reuse): those blocks,
+        and every block after them, are never entered into the prefix cache."""
+        table = self.tables[seq_id]
+        table.exact_until = position if table.exact_until is None else min(table.exact_until, position)
 
     def _seal(self, table: BlockTable, index: int) -> bool:
         """Hash full block ``index`` so later requests can share it; False when the chain is
@@ -190,7 +249,7 @@ class BlockManager:
             return False
         parent = table.hashes[-1] if table.hashes else None
         block_hash = hash_block(parent, chunk, self.salt)
-        self.pool.cache(table.blocks[index], block_hash, chunk)
+        self.pool.cache(table.blocks[index], block_hash, chunk, index * self.block_size)
         table.hashes.append(block_hash)
         return True
 
@@ -202,7 +261,7 @@ class BlockManager:
         for block in parent.blocks:
             self.pool.touch(block)
         self.tables[child_id] = BlockTable(
-            list(parent.blocks), list(parent.token_ids), list(parent.hashes), parent.num_cached_tokens
+            list(parent.blocks), list(parent.token_ids), list(parent.hashes), parent.num_cached_tokens, parent.exact_until
         )
 
     def free(self, seq_id: SeqId) -> None:
@@ -245,7 +304,7 @@ class BlockManager:
                 entries.append(("cpu", cpu_id))
         # Freed last-to-first: cached tail blocks are evicted before the head of the chain.
         self.pool.free(reversed([b for b in table.blocks if b.ref_cnt == 1]))
-        self.swapped[seq_id] = SwappedTable(entries, table.token_ids, table.hashes, table.num_cached_tokens)
+        self.swapped[seq_id] = SwappedTable(entries, table.token_ids, table.hashes, table.num_cached_tokens, table.exact_until)
         return copies
 
     def can_swap_in(self, seq_id: SeqId) -> bool:
@@ -261,7 +320,8 @@ class BlockManager:
             raise NoFreeBlocks
         swapped = self.swapped.pop(seq_id)
         table = BlockTable(
-            token_ids=swapped.token_ids, hashes=swapped.hashes, num_cached_tokens=swapped.num_cached_tokens
+            token_ids=swapped.token_ids, hashes=swapped.hashes, num_cached_tokens=swapped.num_cached_tokens,
+            exact_until=swapped.exact_until,
         )
         copies: list[tuple[int, int]] = []
         for index, (kind, ref) in enumerate(swapped.entries):
@@ -280,7 +340,7 @@ class BlockManager:
             block = self.pool.allocate()
             copies.append((ref, block.block_id))  # type: ignore[arg-type]
             if index < len(swapped.hashes):
-                self.pool.cache(block, swapped.hashes[index], chunk)
+                self.pool.cache(block, swapped.hashes[index], chunk, index * self.block_size)
             table.blocks.append(block)
         self.tables[seq_id] = table
         return copies

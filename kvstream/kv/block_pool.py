@@ -35,6 +35,9 @@ class Block:
     # The tokens the hash covers, kept to rule out a hash collision on lookup.
     token_ids: tuple[int, ...] | None = None
     last_used: float = 0.0
+    # Position of the block's first token in the sequence that computed it (for moving its
+    # KV elsewhere: RoPE keys carry their position).
+    start: int = 0
 
 
 @dataclass(slots=True)
@@ -64,6 +67,12 @@ class BlockPool:
         # Insertion order is eviction order: the first entry is handed out next.
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
+        # The same blocks by their tokens alone, whatever preceded them (blend reuse).
+        self._by_content: dict[tuple[int, ...], Block] = {}
+        # When a list: every cached block reclaimed by allocate() is recorded here as
+        # (block_id, hash, token_ids) before its hash is dropped, so that an owner with spill
+        # tiers can save its KV before anyone writes to the block again.
+        self.evictions: list[tuple[int, BlockHash, tuple[int, ...]]] | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -91,6 +100,10 @@ class BlockPool:
             return None
         return block
 
+    def lookup_content(self, token_ids: tuple[int, ...]) -> Block | None:
+        """A cached block holding exactly these tokens, computed after any prefix."""
+        return self._by_content.get(token_ids)
+
     # ---------------------------------------------------------------- mutation
     def allocate(self) -> Block:
         """Take the next block off the free queue; it loses any cached hash."""
@@ -98,6 +111,8 @@ class BlockPool:
             raise NoFreeBlocks
         _, block = self._free.popitem(last=False)
         if block.block_hash is not None:
+            if self.evictions is not None and self._cached.get(block.block_hash) is block:
+                self.evictions.append((block.block_id, block.block_hash, block.token_ids))  # type: ignore[arg-type]
             self._uncache(block)
             self.stats.evictions += 1
         block.ref_cnt = 1
@@ -128,7 +143,7 @@ class BlockPool:
                     # Nothing worth keeping: hand it out before any cached block.
                     self._free.move_to_end(block.block_id, last=False)
 
-    def cache(self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...]) -> Block:
+    def cache(self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...], start: int = 0) -> Block:
         """Register a full, computed block under ``block_hash``.
 
         If another block already carries the hash (two sequences computed the same prefix at
@@ -144,7 +159,9 @@ class BlockPool:
             return existing
         block.block_hash = block_hash
         block.token_ids = token_ids
+        block.start = start
         self._cached[block_hash] = block
+        self._by_content[token_ids] = block
         return block
 
     def drop_expired(self, ttl_seconds: float) -> int:
@@ -168,6 +185,8 @@ class BlockPool:
         assert block.block_hash is not None
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
+        if self._by_content.get(block.token_ids) is block:  # type: ignore[arg-type]
+            del self._by_content[block.token_ids]  # type: ignore[arg-type]
         block.block_hash = None
         block.token_ids = None
 
@@ -186,4 +205,8 @@ class BlockPool:
                 )
         for block_hash, block in self._cached.items():
             assert block.block_hash == block_hash, f"cache map entry for block {block.block_id} is stale"
+        for token_ids, block in self._by_content.items():
+            assert block.token_ids == token_ids and self._cached.get(block.block_hash) is block, (  # type: ignore[arg-type]
+                f"content map entry for block {block.block_id} is stale"
+            )
         assert len(self._free) + sum(1 for b in self.blocks if b.ref_cnt > 0) == self.num_blocks

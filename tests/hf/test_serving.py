@@ -224,3 +224,23 @@ async def test_a_request_waiting_past_the_queue_timeout_gets_503(smollm2, start_
         await wait_idle(proxy)
     finally:
         await proxy.engine.close()
+
+
+async def test_warm_endpoint_prefills_a_system_prompt_the_next_chat_reuses(hf_proxy, oa):
+    system = "You are KVStream's support bot. Answer in one short sentence, politely. " * 4
+    async with aiohttp.ClientSession() as http:
+        async with http.post(hf_proxy.v1 + "/warm", json={"system": system}) as resp:
+            assert resp.status == 200
+            warmed = await resp.json()
+        assert warmed["object"] == "kvstream.warm" and warmed["prompt_tokens"] > 48 and warmed["cached_tokens"] == 0
+        raw = await oa.chat.completions.with_raw_response.create(
+            model="smollm2", messages=[{"role": "system", "content": system}, {"role": "user", "content": "Hi!"}], max_tokens=4
+        )
+        hit = int(raw.headers["X-KVStream-Prefix-Hit-Tokens"])
+        # The system turn's whole blocks come from the warm-up (block size 16).
+        assert hit >= warmed["prompt_tokens"] // 16 * 16 - 16
+        async with http.post(hf_proxy.v1 + "/warm", json={"system": system, "prompt": "x"}) as resp:
+            assert resp.status == 422 and (await resp.json())["error"]["code"] == "invalid_value"
+        async with http.post(hf_proxy.v1 + "/warm", json={"model": "no-such-model", "system": "x"}) as resp:
+            assert resp.status == 404
+    await wait_idle(hf_proxy)

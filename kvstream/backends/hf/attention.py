@@ -91,6 +91,20 @@ class AttentionPlan:
         return plan
 
 
+def scattered_plan(cache: PagedKVCache, block_ids: list[int], positions: list[int], kernel: str = "sdpa") -> AttentionPlan:
+    """A plan for one sequence computing the tokens at ``positions`` (ascending, any gaps):
+    each query attends to every slot at or before its own position (blend prefills, where
+    the slots in the gaps already hold moved KV)."""
+    device = cache.device
+    bs = cache.block_size
+    total = positions[-1] + 1
+    blocks = torch.tensor(block_ids[: -(-total // bs)], dtype=torch.long, device=device)
+    slots = (blocks[:, None] * bs + torch.arange(bs, device=device)).reshape(-1)[:total]
+    pos = torch.tensor(positions, dtype=torch.long, device=device)
+    mask = torch.arange(total, device=device)[None, :] <= pos[:, None]
+    return AttentionPlan(cache, slots[pos], kernel, [PrefillChunk(0, len(positions), slots, mask)])
+
+
 def _gather(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """K or V of ``slots`` (any shape S) from a ``[slots, H_kv, D]`` pool -> ``[*S', H_kv, L, D]``.
 

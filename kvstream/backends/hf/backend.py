@@ -90,6 +90,10 @@ class HFBackend(BaseBackend):
             max_model_len=context,
             model_identity=loaded.identity,
             attention="eager" if opts.get("attention") == "eager" else "sdpa",
+            kv_cache_bits=opts.get("kv_cache_bits"),
+            host_cache_bytes=int(opts.get("host_cache_bytes") or 0),
+            disk_cache_dir=opts.get("disk_cache_dir"),
+            disk_cache_bytes=int(opts.get("disk_cache_bytes") or 4 * 1024**3),
         )
         engine = PagedEngine(loaded.model, loaded.tokenizer, config)
         logger.info(
@@ -101,7 +105,7 @@ class HFBackend(BaseBackend):
 
     async def close(self) -> None:
         if self.engine is not None:
-            await asyncio.to_thread(self.engine.stop)
+            await asyncio.to_thread(self.engine.close)
 
     @property
     def scheduler(self) -> Scheduler | None:
@@ -151,6 +155,15 @@ class HFBackend(BaseBackend):
                 raise BackendRejected(f"the model's chat template rejected the messages: {exc}", param="messages") from None
         return list(tokenizer(request.prompt or "").input_ids) or [tokenizer.bos_token_id or 0]
 
+    def _blend_params(self, request: GenerateRequest) -> Any:
+        """BlendParams when the request (or the configured default) asks for blend reuse."""
+        from kvstream.backends.hf.blend import BlendParams
+
+        if request.hints.get("reuse", self.options.get("reuse", "exact")) != "blend":
+            return None
+        ratio = request.hints.get("blend_ratio", self.options.get("blend_ratio", 0.15))
+        return BlendParams(blend_ratio=float(ratio))
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
         from kvstream.backends.hf.sampling import SamplingParams
 
@@ -178,7 +191,7 @@ class HFBackend(BaseBackend):
             loop.call_soon_threadsafe(events.put_nowait, batch)
 
         try:
-            self.engine.add_request(seq, params, sink)
+            self.engine.add_request(seq, params, sink, blend=self._blend_params(request))
         except SchedulerError as exc:
             raise BackendError(str(exc), exc.status, code=exc.code, retryable=exc.status >= 429) from None
         finished = False

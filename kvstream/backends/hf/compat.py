@@ -81,6 +81,25 @@ def forward_logits(
     return out.logits[0]
 
 
+def forward_first_layers(
+    model: torch.nn.Module,
+    layers: torch.nn.ModuleList,
+    num_layers: int,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    plan: AttentionPlan,
+) -> None:
+    """Run only the first ``num_layers`` decoder layers (their K/V land in the pool through
+    the plan); the Llama family iterates ``self.layers``, so a shorter list is a shorter
+    model. The full list is always put back."""
+    inner = model.model  # type: ignore[attr-defined]
+    inner.layers = layers[:num_layers]
+    try:
+        forward_logits(model, input_ids, position_ids, plan, torch.zeros(1, dtype=torch.long, device=input_ids.device))
+    finally:
+        inner.layers = layers
+
+
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The name of the Cache argument of ``model.forward``: ``cache`` from 5.2x on,
     ``past_key_values`` before (for baselines that run plain transformers with a Cache)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,9 +30,12 @@ from typing import Any
 import torch
 
 from kvstream.backends.hf import compat
-from kvstream.backends.hf.attention import AttentionPlan
+from kvstream.backends.hf import blend as blend_module
+from kvstream.backends.hf.attention import AttentionPlan, scattered_plan
+from kvstream.backends.hf.blend import BlendParams
 from kvstream.backends.hf.detokenize import IncrementalDetokenizer
 from kvstream.backends.hf.kv_cache import KVShape, PagedKVCache
+from kvstream.backends.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
 from kvstream.backends.hf.sampling import SamplingParams, sample
 from kvstream.kv.block_manager import BlockManager
 from kvstream.scheduler import (
@@ -65,6 +69,13 @@ class EngineConfig:
     max_model_len: int | None = None
     model_identity: str = "hf"
     attention: str = "sdpa"  # sdpa | eager (see attention.py)
+    # Spill tiers for cached blocks the pool reclaims (kv_store.py): host RAM within
+    # host_cache_bytes (0: none), then disk_cache_dir within disk_cache_bytes (None: none).
+    # kv_cache_bits 8 or 4 stores spilled blocks KIVI-quantized (None: model precision).
+    kv_cache_bits: int | None = None
+    host_cache_bytes: int = 0
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 4 * 1024**3
     debug_invariants: bool = False  # check every invariant after every step (tests)
 
 
@@ -97,6 +108,10 @@ class EngineRequest:
     num_generated: int = 0
     admitted: bool = False
     events: list[TokenEvent] = field(default_factory=list)
+    blend: BlendParams | None = None  # reuse: blend (moved chunks); None = exact reuse only
+    moved_tokens: int = 0  # prompt tokens whose KV a blend moved instead of computing
+    repaired_tokens: int = 0  # of those, recomputed by the repair
+    approx_from: int | None = None  # first position holding moved (approximate) KV
 
 
 @dataclass
@@ -106,6 +121,10 @@ class EngineCounters:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (re-admissions included)
+    restored_blocks: int = 0  # blocks copied back from the spill tiers instead of recomputed
+    blends: int = 0  # blend prefills run (reuse: blend requests whose moved chunks paid off)
+    moved_tokens: int = 0  # tokens whose KV was moved (approximate reuse)
+    repaired_tokens: int = 0  # moved tokens recomputed by the repair
 
 
 class PagedEngine:
@@ -140,6 +159,13 @@ class PagedEngine:
             ),
             preemptible=True,
         )
+        self.store = self._build_store(bm)
+        self.layers = blend_module.decoder_layers(model)
+        try:
+            self.rotary: blend_module.RotaryShift | None = blend_module.RotaryShift(model)
+        except ValueError:
+            self.rotary = None  # no RoPE found: blend requests fall back to exact reuse
+        self.blend_costs = blend_module.BlendCosts()
         compat.use_paged_attention(self.model)
         self.eos_ids = self._eos_ids()
         self.counters = EngineCounters()
@@ -151,6 +177,24 @@ class PagedEngine:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._closed = False
+
+    def _build_store(self, bm: BlockManager) -> HostBlockStore | None:
+        """The spill tiers under the pool, when the config asks for any."""
+        cfg = self.config
+        if cfg.host_cache_bytes <= 0 and cfg.disk_cache_dir is None:
+            return None
+        shape = self.kv_shape
+        codec = BlockCodec(shape.num_layers, cfg.block_size, shape.num_kv_heads, shape.head_dim, self.kv_dtype, cfg.kv_cache_bits)
+        disk = None
+        if cfg.disk_cache_dir is not None:
+            disk = DiskBlockStore(cfg.disk_cache_dir, codec, cfg.disk_cache_bytes, identity=cfg.model_identity)
+            if len(disk):
+                logger.info("disk KV tier %s: %d blocks from earlier runs", cfg.disk_cache_dir, len(disk))
+        store = HostBlockStore(codec, cfg.host_cache_bytes, disk)
+        bm.pool.evictions = []
+        bm.spill = store
+        return store
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -163,10 +207,12 @@ class PagedEngine:
         return ids
 
     # ------------------------------------------------------------- requests
-    def add_request(self, seq: Sequence, params: SamplingParams, sink: Sink) -> EngineRequest:
-        """Queue a request (any thread). Raises NeverFits / QueueFull at once."""
+    def add_request(self, seq: Sequence, params: SamplingParams, sink: Sink, blend: BlendParams | None = None) -> EngineRequest:
+        """Queue a request (any thread). Raises NeverFits / QueueFull at once. ``blend``
+        opts the request into approximate reuse of moved chunks (blend.py)."""
         self.scheduler.check_fits(seq)
         req = EngineRequest(seq, params, IncrementalDetokenizer(self.tokenizer, params.stop), sink, params.make_generator())
+        req.blend = blend
         with self._lock:
             if len(self.scheduler.waiting) + len(self._inbox) >= self.scheduler.config.max_queue_size:
                 raise QueueFull(f"The queue is full ({self.scheduler.config.max_queue_size} requests waiting).")
@@ -226,6 +272,8 @@ class PagedEngine:
             if not req.admitted:  # not again when re-admitted after a recompute preemption
                 req.admitted = True
                 req.events.append(TokenEvent("admitted"))
+            if req.blend is not None and self.rotary is not None:
+                self._blend_prefill(req)
         # Latest first: a victim chosen while growing is then one already grown this step
         # (or the grower itself), never one still holding an unappended token.
         for seq in sorted(sched.running, key=lambda s: (s.priority, s.arrival), reverse=True):
@@ -243,14 +291,131 @@ class PagedEngine:
         """Carry out the KV copies of a scheduling decision, in a safe order: reads of host
         blocks freed by a swap-in happen before a swap-out may reuse them, and device blocks
         are saved before anyone writes to them again."""
+        self._save_evicted()  # reclaimed cached blocks, before anything writes to them
         self.cache.swap_in(out.swap_in_copies)
         self.cache.swap_out(out.swap_out_copies)
         self.cache.copy_blocks(out.cow_copies)
+        self._restore_spilled()  # after the swap-out: a restored block may be one it freed
         for seq in out.admitted:
             self.requests[seq.seq_id].num_computed = seq.num_cached_tokens
         for seq in out.preempted:
             if seq.status is SeqStatus.WAITING:  # recompute: the KV is gone
                 self.requests[seq.seq_id].num_computed = 0
+
+    def _save_evicted(self) -> None:
+        evicted = self.scheduler.bm.pool.evictions
+        if not evicted or self.store is None:
+            return
+        ids = torch.tensor([block_id for block_id, _, _ in evicted], dtype=torch.long, device=self.device)
+        k = self.cache.k.index_select(1, ids).cpu()
+        v = self.cache.v.index_select(1, ids).cpu()
+        for i, (_, block_hash, token_ids) in enumerate(evicted):
+            self.store.put(block_hash, token_ids, k[:, i], v[:, i])
+        evicted.clear()
+
+    def _restore_spilled(self) -> None:
+        restores = self.scheduler.bm.restores
+        if not restores or self.store is None:
+            return
+        for block_id, record in restores:
+            k, v = self.store.codec.decode(record, self.device)  # type: ignore[arg-type]
+            self.cache.k[:, block_id] = k
+            self.cache.v[:, block_id] = v
+        self.counters.restored_blocks += len(restores)
+        restores.clear()
+
+    def persist_cache(self) -> None:
+        """Spill every cached block of the pool too and write the RAM tier to disk, so that a
+        restarted engine with the same disk_cache_dir finds them (called on close)."""
+        if self.store is None:
+            return
+        pool = self.scheduler.bm.pool
+        for block in pool.blocks:
+            if block.block_hash is not None and pool.lookup(block.block_hash, block.token_ids or ()) is block:
+                pool.evictions.append((block.block_id, block.block_hash, block.token_ids))  # type: ignore[union-attr,arg-type]
+        self._save_evicted()
+        self.store.persist()
+
+    def close(self) -> None:
+        """Stop the thread, then persist the cache and close the disk tier."""
+        self.stop()
+        if self.store is not None and not self._closed:
+            self._closed = True
+            self.persist_cache()
+            self.store.close()
+
+    # ---------------------------------------------------------------- blend
+    @torch.inference_mode()
+    def _blend_prefill(self, req: EngineRequest) -> None:
+        """Prefill a just-admitted ``reuse: blend`` request by moving matched chunks' KV,
+        repairing the most deviant tokens and computing the rest (see blend.py). Leaves the
+        prompt's last token to the normal step, which samples from it."""
+        params = req.blend
+        assert params is not None
+        bm = self.scheduler.bm
+        table = bm.tables[req.seq.seq_id]
+        plan = blend_module.find_moved_chunks(bm.pool, table.token_ids, req.num_computed, self.config.block_size)
+        if not self.blend_costs.worth_it(plan, params, self.kv_shape.num_layers):
+            return
+        block_ids = [b.block_id for b in table.blocks]
+        bs = self.config.block_size
+        slots_of = lambda positions: torch.tensor(  # noqa: E731
+            [block_ids[p // bs] * bs + p % bs for p in positions], dtype=torch.long, device=self.device
+        )
+        approx = plan.approx_positions()
+        with blend_module.Stopwatch() as watch:
+            src = torch.tensor(
+                [slot + i for _, slot, _ in plan.copies for i in range(bs)], dtype=torch.long, device=self.device
+            )
+            delta = torch.tensor([dst - start for dst, _, start in plan.copies for _ in range(bs)], device=self.device)
+            dst = slots_of(approx)
+            keys = self.cache.flat_k.index_select(1, src)
+            self.cache.flat_k.index_copy_(1, dst, self.rotary.shift(keys, delta))  # type: ignore[union-attr]
+            self.cache.flat_v.index_copy_(1, dst, self.cache.flat_v.index_select(1, src))
+        self.blend_costs.observe_move(watch.seconds, len(approx))
+        bm.mark_approximate(req.seq.seq_id, approx[0])
+        req.approx_from = approx[0]
+
+        span = list(range(plan.start, plan.end))
+        repaired: list[int] = []
+        layer = params.select_layer
+        if params.blend_ratio > 0 and self.layers is not None and layer < len(self.layers) - 1:
+            # True keys at the selection layer for every token, by running the first layers
+            # only; the moved tokens whose keys moved furthest from them get recomputed.
+            before = self.cache.flat_k[layer].index_select(0, dst).float()
+            self._forward_positions(table, span, num_layers=layer + 1)
+            after = self.cache.flat_k[layer].index_select(0, dst).float()
+            deviation = (after - before).flatten(1).norm(dim=1)
+            repaired = blend_module.select_for_repair(deviation, approx, params.blend_ratio)
+        seams = {p for start in plan.run_starts for p in range(start, min(start + params.seam_tokens, plan.end))}
+        moved = set(approx)
+        compute = sorted({p for p in span if p not in moved} | set(repaired) | seams)
+        self._forward_positions(table, compute)
+        req.num_computed = plan.end
+        bm.commit(req.seq.seq_id, req.num_computed)  # the exact blocks before the first moved token
+        req.moved_tokens = len(moved - set(compute))
+        req.repaired_tokens = len(approx) - req.moved_tokens
+        self.counters.blends += 1
+        self.counters.moved_tokens += req.moved_tokens
+        self.counters.repaired_tokens += req.repaired_tokens
+
+    def _forward_positions(self, table, positions: list[int], num_layers: int | None = None) -> None:
+        """One sequence's tokens at ``positions`` through the model (or its first
+        ``num_layers`` layers), in chunks of at most max_num_batched_tokens, in order."""
+        block_ids = [b.block_id for b in table.blocks]
+        step = self.config.max_num_batched_tokens
+        for i in range(0, len(positions), step):
+            chunk = positions[i : i + step]
+            plan = scattered_plan(self.cache, block_ids, chunk, self.config.attention)
+            ids = torch.tensor([[table.token_ids[p] for p in chunk]], dtype=torch.long, device=self.device)
+            pos = torch.tensor([chunk], dtype=torch.long, device=self.device)
+            if num_layers is None:
+                last = torch.tensor([len(chunk) - 1], dtype=torch.long, device=self.device)
+                compat.forward_logits(self.model, ids, pos, plan, last)
+            else:
+                compat.forward_first_layers(self.model, self.layers, num_layers, ids, pos, plan)  # type: ignore[arg-type]
+            self.counters.forward_tokens += len(chunk)
+            self.counters.prefill_tokens += len(chunk) if num_layers is None else 0
 
     def _plan_batch(self) -> list[tuple[EngineRequest, int]]:
         """(request, tokens to compute) for this forward: every decode, then prefill chunks
@@ -292,6 +457,7 @@ class PagedEngine:
                 logit_rows.append(len(ids) - 1)
                 sampled.append(req)
         device = self.device
+        started = time.perf_counter()
         plan = AttentionPlan.build(self.cache, plan_seqs, self.config.attention)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
         logits = compat.forward_logits(
@@ -304,6 +470,8 @@ class PagedEngine:
         counters = self.counters
         counters.steps += 1
         counters.forward_tokens += len(ids)
+        if sum(take for _, take in batch if take > 1) >= len(ids) // 2:  # mostly prefill: feeds the blend cost model
+            self.blend_costs.observe_prefill(time.perf_counter() - started, len(ids))
         for req, take in batch:
             if take == 1 and req in sampled:
                 counters.decode_tokens += 1
