@@ -109,7 +109,7 @@ def test_chat_route_never_5xx(fuzz_target, body):
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models", "/status", "/health", "/openapi.json", "/nowhere"]), data=raw_bodies)
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/warm", "/v1/models", "/status", "/health", "/openapi.json", "/nowhere"]), data=raw_bodies)
 def test_any_route_any_bytes(fuzz_target, path, data):
     status, raw = run(post(fuzz_target["url"] + path, data))
     check(status, raw)

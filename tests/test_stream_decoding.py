@@ -117,3 +117,9 @@ def test_model_aliases_prefer_exact_ids_over_file_names():
     assert aliases["qwen.gguf"] == "/models/qwen.gguf"
     assert aliases["llama-3"] == aliases["llama-3.gguf"] == "llama-3.gguf"
     assert "nope" not in aliases
+
+
+def test_dumps_takes_what_orjson_refuses():
+    from kvstream.jsonfast import dumps
+
+    assert json.loads(dumps({"seed": 2**70, "text": "é"})) == {"seed": 2**70, "text": "é"}

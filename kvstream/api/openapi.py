@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstream import __version__
-from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest
+from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest, WarmRequest
 
 ERROR = {
     "type": "object",
@@ -53,7 +53,7 @@ def _generation(model: type, summary: str) -> dict[str, Any]:
 def build_spec() -> dict[str, Any]:
     """The OpenAPI document."""
     schemas: dict[str, Any] = {"Error": ERROR}
-    for model in (ChatCompletionRequest, CompletionRequest):
+    for model in (ChatCompletionRequest, CompletionRequest, WarmRequest):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -63,6 +63,13 @@ def build_spec() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _generation(ChatCompletionRequest, "Chat completion"),
             "/v1/completions": _generation(CompletionRequest, "Text completion"),
+            "/v1/warm": {
+                "post": {
+                    "summary": "Prefill a prefix so later requests find it cached (KVStream's own route)",
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WarmRequest"}}}},
+                    "responses": {"200": _json("prompt_tokens, cached_tokens, elapsed_ms"), **_errors(400, 401, 404, 413, 422, 429, 502, 503, 504)},
+                }
+            },
             "/v1/models": {"get": {"summary": "Models", "responses": {"200": _json("The runtime's models"), **_errors(401, 502, 503)}}},
             "/v1/models/{model}": {
                 "get": {

@@ -7,7 +7,6 @@ written token by token the moment the backend yields it.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import time
@@ -37,13 +36,8 @@ async def read_body(request: web.Request, model: type[BaseModel]) -> Any:
     raw = await request.read()  # 413 past client_max_size, raised by aiohttp
     try:
         data = loads(raw)
-    except ValueError:
-        # orjson refuses a few inputs the stdlib takes (NaN, integers past 64 bits): those
-        # are judged by the stdlib, whose messages the errors quote.
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise json_body_error(exc) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise json_body_error(exc) from None
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
     try:

@@ -42,6 +42,8 @@ class BlockTable:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at allocation
     # Tokens from here on hold approximate KV (moved by a blend): never shared as exact.
     exact_until: int | None = None
+    # Tokens whose KV is written (reported by commit(); in-process engines only).
+    computed: int = 0
 
 
 @dataclass(slots=True)
@@ -91,6 +93,9 @@ class BlockManager:
         # (block_id, record) for the owner to copy in before the next forward pass.
         self.spill: SpillLookup | None = None
         self.restores: list[tuple[int, object]] = []
+        # (src, dst) block copies for partial-block hits: the head of a finished sequence's
+        # last block, copied into a new sequence that continues it (in-process engines).
+        self.partial_copies: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ sizing
     @property
@@ -193,9 +198,34 @@ class BlockManager:
             table.token_ids.extend(chunk)
             table.num_cached_tokens += self.block_size
             self.restores.append((block.block_id, record))
+        partial, matched = self._partial_hit(table, token_ids)
         for token in token_ids[table.num_cached_tokens :]:
             self._append(table, token)
+        if matched:
+            # The copy runs before anything writes to the pool again, so ``partial`` may even
+            # have been handed out by the appends above: its bytes are still there.
+            self.partial_copies.append((partial.block_id, table.blocks[table.num_cached_tokens // self.block_size].block_id))  # type: ignore[union-attr]
+            table.num_cached_tokens += matched
         return table.num_cached_tokens
+
+    def _partial_hit(self, table: BlockTable, token_ids: Sequence[int]) -> tuple[Block | None, int]:
+        """The kept partial block continuing the table's hit chain and how many of its
+        tokens the new prompt shares (leaving at least one to compute)."""
+        if self.hash_on_append or not self.enable_prefix_cache or len(table.hashes) * self.block_size != table.num_cached_tokens:
+            return None, 0
+        block = self.pool.lookup_partial(table.hashes[-1] if table.hashes else None)
+        if block is None:
+            return None, 0
+        start = table.num_cached_tokens
+        limit = len(token_ids) - 1
+        if self.max_prefix_length is not None:
+            limit = min(limit, self.max_prefix_length)
+        matched = 0
+        for kept, new in zip(block.token_ids or (), token_ids[start:limit]):
+            if kept != new:
+                break
+            matched += 1
+        return block, matched
 
     def append_token(self, seq_id: SeqId, token_id: int = UNKNOWN_TOKEN) -> tuple[int, int] | None:
         """Append one token, taking a new block when the last one is full.
@@ -227,6 +257,7 @@ class BlockManager:
         """Make the full blocks among the first ``num_computed_tokens`` tokens shareable:
         their KV has been written (in-process engines, ``hash_on_append=False``)."""
         table = self.tables[seq_id]
+        table.computed = num_computed_tokens
         if table.exact_until is not None:
             num_computed_tokens = min(num_computed_tokens, table.exact_until)
         for index in range(len(table.hashes), num_computed_tokens // self.block_size):
@@ -270,6 +301,7 @@ class BlockManager:
         table = self.tables.pop(seq_id, None)
         if table is not None:
             self.pool.free(reversed(table.blocks))
+            self._keep_partial_tail(table)
         swapped = self.swapped.pop(seq_id, None)
         if swapped is not None:
             for kind, ref in reversed(swapped.entries):
@@ -277,6 +309,22 @@ class BlockManager:
                     self.pool.free([ref])  # type: ignore[list-item]
                 else:
                     self._cpu_free.append(ref)  # type: ignore[arg-type]
+
+    def _keep_partial_tail(self, table: BlockTable) -> None:
+        """Keep the computed head of a freed table's partial last block findable, so that a
+        conversation's next turn reuses up to its exact last token, not its last full block
+        (in-process engines: only they report what is computed)."""
+        if self.hash_on_append or not self.enable_prefix_cache:
+            return
+        computed = table.computed if table.exact_until is None else min(table.computed, table.exact_until)
+        full, rest = divmod(computed, self.block_size)
+        if not rest or len(table.hashes) != full or full >= len(table.blocks):
+            return
+        block = table.blocks[full]
+        tokens = tuple(table.token_ids[full * self.block_size : computed])
+        if block.ref_cnt or block.block_hash is not None or UNKNOWN_TOKEN in tokens:
+            return  # shared with a fork, or not ours to keep
+        self.pool.cache_partial(block, table.hashes[-1] if table.hashes else None, tokens)
 
     # ------------------------------------------------------------------- swap
     def can_swap_out(self, seq_id: SeqId) -> bool:

@@ -21,6 +21,11 @@ from dataclasses import dataclass, field
 from kvstream.kv.hashing import BlockHash
 
 
+# Marks the hash of a *partial* block: the computed head of a finished sequence's last block,
+# findable by its parent's hash (never equal to a real 16-byte digest).
+PARTIAL = b"partial:"
+
+
 class NoFreeBlocks(Exception):
     """Raised when the pool has no block to hand out (callers preempt or wait)."""
 
@@ -69,6 +74,8 @@ class BlockPool:
         self._cached: dict[BlockHash, Block] = {}
         # The same blocks by their tokens alone, whatever preceded them (blend reuse).
         self._by_content: dict[tuple[int, ...], Block] = {}
+        # Partial last blocks of finished sequences, by their parent block's hash.
+        self._partial: dict[BlockHash, Block] = {}
         # When a list: every cached block reclaimed by allocate() is recorded here as
         # (block_id, hash, token_ids) before its hash is dropped, so that an owner with spill
         # tiers can save its KV before anyone writes to the block again.
@@ -100,6 +107,10 @@ class BlockPool:
             return None
         return block
 
+    def lookup_partial(self, parent: BlockHash | None) -> Block | None:
+        """The kept partial block that followed ``parent`` (None: the first block)."""
+        return self._partial.get(parent or b"")
+
     def lookup_content(self, token_ids: tuple[int, ...]) -> Block | None:
         """A cached block holding exactly these tokens, computed after any prefix."""
         return self._by_content.get(token_ids)
@@ -111,7 +122,7 @@ class BlockPool:
             raise NoFreeBlocks
         _, block = self._free.popitem(last=False)
         if block.block_hash is not None:
-            if self.evictions is not None and self._cached.get(block.block_hash) is block:
+            if self.evictions is not None and self._cached.get(block.block_hash) is block:  # full blocks only
                 self.evictions.append((block.block_id, block.block_hash, block.token_ids))  # type: ignore[arg-type]
             self._uncache(block)
             self.stats.evictions += 1
@@ -164,6 +175,23 @@ class BlockPool:
         self._by_content[token_ids] = block
         return block
 
+    def cache_partial(self, block: Block, parent: BlockHash | None, token_ids: tuple[int, ...]) -> None:
+        """Keep a free block whose first ``len(token_ids)`` slots hold computed KV, for a later
+        sequence that continues ``parent``'s chain with the same tokens (it copies them). The
+        newest partial block for a parent replaces an older one. Evicted like cached blocks."""
+        key = parent or b""
+        old = self._partial.get(key)
+        if old is not None and old is not block:
+            self._uncache(old)
+            if old.ref_cnt == 0:
+                self._free.move_to_end(old.block_id, last=False)
+        block.block_hash = PARTIAL + key
+        block.token_ids = token_ids
+        self._partial[key] = block
+        if block.ref_cnt == 0:
+            self._free.move_to_end(block.block_id)  # most recently used
+        block.last_used = self.clock()
+
     def drop_expired(self, ttl_seconds: float) -> int:
         """Forget cached blocks nobody holds that were last used over ``ttl_seconds`` ago."""
         deadline = self.clock() - ttl_seconds
@@ -183,7 +211,11 @@ class BlockPool:
 
     def _uncache(self, block: Block) -> None:
         assert block.block_hash is not None
-        if self._cached.get(block.block_hash) is block:
+        if block.block_hash.startswith(PARTIAL):
+            key = block.block_hash[len(PARTIAL) :]
+            if self._partial.get(key) is block:
+                del self._partial[key]
+        elif self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
         if self._by_content.get(block.token_ids) is block:  # type: ignore[arg-type]
             del self._by_content[block.token_ids]  # type: ignore[arg-type]
@@ -199,7 +231,11 @@ class BlockPool:
             assert in_free == (block.ref_cnt == 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue={in_free}"
             )
-            if block.block_hash is not None:
+            if block.block_hash is not None and block.block_hash.startswith(PARTIAL):
+                key = block.block_hash[len(PARTIAL) :]
+                assert self._partial.get(key) is block, f"partial block {block.block_id} is not findable"
+                assert block.token_ids and len(block.token_ids) < self.block_size
+            elif block.block_hash is not None:
                 assert block.token_ids is not None and len(block.token_ids) == self.block_size, (
                     f"block {block.block_id} is hashed but not full"
                 )

@@ -34,7 +34,7 @@ def run_turn(engine: PagedEngine, prompt: list[int]) -> tuple[list[int], int]:
 
 def test_each_turn_reuses_the_previous_one_and_answers_exactly_as_without_reuse(smollm2):
     model, _, tokenizer = smollm2
-    block = 4
+    block = 16
     cached = PagedEngine(model, tokenizer, EngineConfig(block_size=block, num_blocks=2048, num_cpu_blocks=0, debug_invariants=True))
     plain = PagedEngine(model, tokenizer, EngineConfig(block_size=block, num_blocks=2048, num_cpu_blocks=0, enable_prefix_caching=False))
     messages = [{"role": "system", "content": "You are a concise travel guide. " * 6}]
@@ -45,16 +45,19 @@ def test_each_turn_reuses_the_previous_one_and_answers_exactly_as_without_reuse(
         reply, reused = run_turn(cached, prompt)
         assert reply == run_turn(plain, prompt)[0], f"turn {turn}: reuse changed the answer"
         # By hand: the longest common token prefix with what the last turn computed (its
-        # prompt and every generated token but the final one), in whole blocks, leaving
-        # at least one prompt token to compute.
+        # prompt and every generated token but the final one), leaving at least one prompt
+        # token to compute: token for token when it reaches the last turn's partial last
+        # block (kept when that turn finished), else in whole blocks.
         common = 0
         for a, b in zip(previous, prompt):
             if a != b:
                 break
             common += 1
-        assert reused == min(common, len(prompt) - 1) // block * block, f"turn {turn}"
+        usable = min(common, len(prompt) - 1)
+        reaches_tail = usable >= len(previous) // block * block
+        assert reused == (usable if reaches_tail else usable // block * block), f"turn {turn}"
         if turn >= 2:
-            assert reused / len(prompt) >= 0.75, f"turn {turn}: only {reused}/{len(prompt)} reused"
+            assert reused / len(prompt) >= 0.85, f"turn {turn}: only {reused}/{len(prompt)} reused"
         previous = prompt + reply[:-1]
         messages.append({"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True)})
     assert cached.is_idle()

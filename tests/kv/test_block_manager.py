@@ -202,3 +202,38 @@ def test_eviction_takes_the_least_recently_used_cached_block():
     bm.allocate("x", [4, 5, 9])  # [4,5] is a hit; the other block is new
     assert bm.tables["x"].num_cached_tokens == 2
     bm.check_invariants()
+
+
+def test_a_finished_sequences_partial_last_block_is_reused_token_for_token():
+    """In-process engines (hash_on_append=False): the computed head of a freed table's last,
+    partial block is kept by its parent hash; a prompt continuing it copies what matches."""
+    bm = BlockManager(16, 8, hash_on_append=False)
+    first = list(range(100, 120))  # 2 full blocks + 4 tokens
+    bm.allocate("a", first)
+    bm.commit("a", len(first))
+    bm.free("a")
+    bm.check_invariants()
+    # The next turn: everything computed so far, then new tokens.
+    assert bm.allocate("b", first + [7, 8, 9]) == 20
+    (src, dst), = bm.partial_copies
+    assert bm.tables["b"].blocks[2].block_id == dst  # the new block k gets the kept head copied in
+    bm.partial_copies.clear()
+    bm.check_invariants()
+    # Diverging inside the partial block reuses up to the divergence.
+    assert bm.allocate("c", first[:18] + [1, 2, 3]) == 18
+    # Diverging before it falls back to whole blocks; a prompt ending inside it leaves one token.
+    assert bm.allocate("d", first[:10] + [5, 5, 5, 5]) == 8
+    assert bm.allocate("e", first[:19]) == 18
+    bm.check_invariants()
+
+
+def test_partial_blocks_are_never_kept_for_remote_runtimes_or_uncomputed_tokens():
+    remote = BlockManager(16, 8)  # hash_on_append: a remote runtime's estimate
+    remote.allocate("a", list(range(20)))
+    remote.free("a")
+    assert remote.allocate("b", list(range(20)) + [1]) == 16
+    bm = BlockManager(16, 8, hash_on_append=False)
+    bm.allocate("a", list(range(20)))
+    bm.commit("a", 17)  # aborted mid-prefill: only 17 tokens have KV
+    bm.free("a")
+    assert bm.allocate("b", list(range(20)) + [1]) == 17

@@ -292,6 +292,10 @@ class PagedEngine:
         blocks freed by a swap-in happen before a swap-out may reuse them, and device blocks
         are saved before anyone writes to them again."""
         self._save_evicted()  # reclaimed cached blocks, before anything writes to them
+        partial = self.scheduler.bm.partial_copies
+        if partial:  # their sources may have been handed out this pass: copy before any write
+            self.cache.copy_blocks(partial)
+            partial.clear()
         self.cache.swap_in(out.swap_in_copies)
         self.cache.swap_out(out.swap_out_copies)
         self.cache.copy_blocks(out.cow_copies)
