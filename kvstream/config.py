@@ -60,7 +60,7 @@ class MemorySettings(_Section):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="hf: model and KV dtype; auto = float32 on CPU, bfloat16 on CUDA")
     kv_cache_bytes: int | None = Field(None, ge=1, description="hf: bytes of the device KV pool when num_gpu_blocks is auto; none = 1 GiB on CPU, 40% of free memory on CUDA")
     host_cache_bytes: int = Field(0, ge=0, description="hf: host RAM for cached blocks the pool reclaims (spilled, restored on a hit); 0 = none")
-    kv_cache_bits: Literal[8, 4] | None = Field(None, description="hf: store spilled blocks KIVI-quantized to 8 or 4 bits; none = model precision")
+    kv_cache_bits: Literal[8, 4] | None = Field(None, description="hf: keep spilled and swapped KV blocks KIVI-quantized to 8 or 4 bits; none = model precision")
     disk_cache_dir: Path | None = Field(None, description="hf: directory of the disk KV tier (below host RAM; survives restarts); none = no disk tier")
     disk_cache_bytes: int = Field(4 * 1024**3, ge=1, description="hf: most bytes the disk KV tier holds")
 

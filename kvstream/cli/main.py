@@ -46,7 +46,7 @@ def serve(
     block_size: Annotated[Optional[int], typer.Option(help="tokens per KV block: 8, 16 or 32")] = None,
     max_cache_bytes: Annotated[Optional[int], typer.Option(help="hf: bytes of the device KV pool (the prefix cache's budget)")] = None,
     host_cache_bytes: Annotated[Optional[int], typer.Option(help="hf: host RAM for cached KV blocks the pool reclaims (0 = none)")] = None,
-    kv_cache_bits: Annotated[Optional[int], typer.Option(help="hf: keep spilled KV blocks KIVI-quantized to 8 or 4 bits")] = None,
+    kv_cache_bits: Annotated[Optional[int], typer.Option(help="hf: keep spilled and swapped KV blocks KIVI-quantized to 8 or 4 bits")] = None,
     disk_cache_dir: Annotated[Optional[Path], typer.Option(help="hf: directory of the disk KV tier (survives restarts)")] = None,
     reuse: Annotated[Optional[str], typer.Option(help="hf: exact | blend (also reuse moved chunks, approximately)")] = None,
     blend_ratio: Annotated[Optional[float], typer.Option(help="hf: share of moved tokens the blend repair recomputes (default 0.15)")] = None,

@@ -30,6 +30,40 @@ def test_swap_round_trip_is_bit_for_bit(dtype):
     assert torch.equal(cache.k[:, [6, 2]], before_k) and torch.equal(cache.v[:, [6, 2]], before_v)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_swap_is_within_the_kivi_bound_and_keeps_partial_blocks_exact(bits):
+    cache = PagedKVCache(SHAPE, num_blocks=8, block_size=4, num_cpu_blocks=4, dtype=torch.float32, device=torch.device("cpu"), swap_bits=bits)
+    generator = torch.Generator().manual_seed(1)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=generator))
+    before_k, before_v = cache.k[:, [1, 5]].clone(), cache.v[:, [1, 5]].clone()
+    full_bytes = 2 * cache.k[:, :4].numel() * 4
+    cache.swap_out([(1, 3), (5, 0)], exact={0})  # block 5 is a sequence's partial last block
+    cache.k[:, [1, 5]] = 0
+    cache.v[:, [1, 5]] = 0
+    cache.swap_in([(3, 6), (0, 2)])
+    assert torch.equal(cache.k[:, 2], before_k[:, 1]) and torch.equal(cache.v[:, 2], before_v[:, 1])  # exact
+    k_err = (cache.k[:, 6] - before_k[:, 0]).abs()
+    v_err = (cache.v[:, 6] - before_v[:, 0]).abs()
+    levels = (1 << bits) - 1
+    k_range = before_k[:, 0].amax(dim=1, keepdim=True) - before_k[:, 0].amin(dim=1, keepdim=True)  # per channel, over tokens
+    v_range = before_v[:, 0].amax(dim=-1, keepdim=True) - before_v[:, 0].amin(dim=-1, keepdim=True)  # per token
+    assert torch.all(k_err <= k_range / levels / 2 * 1.01 + 2e-3)  # + fp16 rounding of the range
+    assert torch.all(v_err <= v_range / levels / 2 * 1.01 + 2e-3)
+    assert not cache.host_exact  # taken back on swap-in
+    assert cache.host_bytes < full_bytes * (0.6 if bits == 8 else 0.4)
+
+
+def test_a_reused_host_block_never_serves_a_stale_exact_copy():
+    cache = PagedKVCache(SHAPE, num_blocks=8, block_size=4, num_cpu_blocks=4, dtype=torch.float32, device=torch.device("cpu"), swap_bits=8)
+    cache.k[:, 1] = 1.0
+    cache.swap_out([(1, 0)], exact={0})  # swapped, then its sequence was aborted: never swapped in
+    cache.k[:, 2] = 5.0
+    cache.swap_out([(2, 0)])  # host block 0 reused, quantized this time
+    cache.swap_in([(0, 3)])
+    assert torch.allclose(cache.k[:, 3], torch.full_like(cache.k[:, 3], 5.0), atol=0.05)
+
+
 def test_copy_on_write_copies_every_layer_and_leaves_the_source():
     cache = filled()
     source = cache.k[:, 2].clone()

@@ -183,3 +183,18 @@ def test_spill_tiers_are_exported(smollm2):
     assert families["kvstream_kv_restored_blocks"].samples[0].value == engine.counters.restored_blocks > 0
     ram = next(s for s in families["kvstream_kv_spill_bytes"].samples if s.labels["store"] == "ram")
     assert ram.value == engine.store.bytes_used > 0  # type: ignore[union-attr]
+
+
+def test_swap_preemption_with_a_quantized_swap_pool_keeps_the_answers(smollm2):
+    """kv_cache_bits quantizes swapped blocks too: under swap preemption the int8 host pool
+    gives back KV close enough that greedy first tokens match, and the pool frees cleanly."""
+    prompts = prompts_for(smollm2[2], 6)
+    expected = reference_outputs(smollm2, prompts)
+    engine = engine_with(smollm2, num_blocks=30, max_num_seqs=4, kv_cache_bits=8, max_num_batched_tokens=24)
+    assert engine.cache.swap_bits == 8
+    got = engine.generate_sync(prompts, GREEDY)
+    assert engine.scheduler.stats.swap_outs > 0, "the pool was meant to run out"
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    agreement = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e)) / sum(len(e) for e in expected)
+    assert agreement >= 0.8, agreement
+    assert engine.is_idle() and not engine.cache.host_exact

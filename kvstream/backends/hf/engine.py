@@ -71,7 +71,8 @@ class EngineConfig:
     attention: str = "sdpa"  # sdpa | eager (see attention.py)
     # Spill tiers for cached blocks the pool reclaims (kv_store.py): host RAM within
     # host_cache_bytes (0: none), then disk_cache_dir within disk_cache_bytes (None: none).
-    # kv_cache_bits 8 or 4 stores spilled blocks KIVI-quantized (None: model precision).
+    # kv_cache_bits 8 or 4 stores spilled and swapped blocks KIVI-quantized (None: model
+    # precision); a swapped sequence's partial last block stays exact.
     kv_cache_bits: int | None = None
     host_cache_bytes: int = 0
     disk_cache_dir: str | None = None
@@ -138,7 +139,8 @@ class PagedEngine:
         self.kv_shape = KVShape.of(model.config)
         self.kv_dtype = next(model.parameters()).dtype
         self.cache = PagedKVCache(
-            self.kv_shape, config.num_blocks, config.block_size, config.num_cpu_blocks, self.kv_dtype, self.device
+            self.kv_shape, config.num_blocks, config.block_size, config.num_cpu_blocks, self.kv_dtype, self.device,
+            swap_bits=config.kv_cache_bits,
         )
         bm = BlockManager(
             config.num_blocks,
@@ -297,7 +299,7 @@ class PagedEngine:
             self.cache.copy_blocks(partial)
             partial.clear()
         self.cache.swap_in(out.swap_in_copies)
-        self.cache.swap_out(out.swap_out_copies)
+        self.cache.swap_out(out.swap_out_copies, self._partial_host_blocks(out))
         self.cache.copy_blocks(out.cow_copies)
         self._restore_spilled()  # after the swap-out: a restored block may be one it freed
         for seq in out.admitted:
@@ -305,6 +307,17 @@ class PagedEngine:
         for seq in out.preempted:
             if seq.status is SeqStatus.WAITING:  # recompute: the KV is gone
                 self.requests[seq.seq_id].num_computed = 0
+
+    def _partial_host_blocks(self, out: ScheduleOutput) -> set[int]:
+        """Host blocks receiving a swapped sequence's partly filled last block (a quantized
+        swap pool keeps those exact)."""
+        bm = self.scheduler.bm
+        partial: set[int] = set()
+        for seq in out.preempted:
+            swapped = bm.swapped.get(seq.seq_id)
+            if swapped is not None and len(swapped.token_ids) % self.config.block_size and swapped.entries[-1][0] == "cpu":
+                partial.add(swapped.entries[-1][1])  # type: ignore[arg-type]
+        return partial
 
     def _save_evicted(self) -> None:
         evicted = self.scheduler.bm.pool.evictions

@@ -5,6 +5,10 @@ token-major, so a block is one contiguous slab in every layer. Every copy the bl
 asks for (copy-on-write, swap out, swap in) is then a single ``index_select`` /
 ``index_copy_`` over all layers at once, whatever the number of blocks moved.
 
+With ``swap_bits`` (the engine's ``kv_cache_bits``) the host pool is KIVI-quantized instead
+(``SwapStore``): swapped blocks take 8 or 4 bits per value plus small fp16 ranges, and a
+sequence's partial last block is kept exact.
+
 Which block holds which tokens is the BlockManager's business; this module only moves bytes.
 """
 
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstream.backends.hf.kv_quant import QuantizedTensor, dequantize, quantize
 
 # Pool size when neither num_gpu_blocks nor kv_cache_bytes is set, on CPU.
 DEFAULT_CPU_KV_BYTES = 1024**3
@@ -53,12 +58,15 @@ class PagedKVCache:
         num_cpu_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
+        swap_bits: int | None = None,
     ) -> None:
         self.shape = shape
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.device = device
+        self.dtype = dtype
+        self.swap_bits = swap_bits
         dims = (shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
         # Zero-filled, not empty: padded attention reads unused slots (masked out), and a NaN
         # left there by chance would still poison the softmax product.
@@ -66,8 +74,16 @@ class PagedKVCache:
         self.v = torch.zeros(dims, dtype=dtype, device=device)
         host_dims = (shape.num_layers, num_cpu_blocks, block_size, shape.num_kv_heads, shape.head_dim)
         pin = device.type == "cuda"
-        self.host_k = torch.zeros(host_dims, dtype=dtype, pin_memory=pin)
-        self.host_v = torch.zeros(host_dims, dtype=dtype, pin_memory=pin)
+        if swap_bits is None:
+            self.host_k = torch.zeros(host_dims, dtype=dtype, pin_memory=pin)
+            self.host_v = torch.zeros(host_dims, dtype=dtype, pin_memory=pin)
+        else:
+            # KIVI-quantized host pool (kv_quant.py): codes plus a fp16 (min, scale) per key
+            # channel per block and per value token. A sequence's partial last block is kept
+            # at full precision in ``host_exact`` instead (its unused slots would only widen
+            # the key ranges).
+            self.host_q = SwapStore(host_dims, swap_bits, pin)
+            self.host_exact: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Flat per-layer views, slot = block_id * block_size + offset: what attention indexes.
         self.flat_k = self.k.view(shape.num_layers, num_blocks * block_size, shape.num_kv_heads, shape.head_dim)
         self.flat_v = self.v.view(shape.num_layers, num_blocks * block_size, shape.num_kv_heads, shape.head_dim)
@@ -78,6 +94,8 @@ class PagedKVCache:
 
     @property
     def host_bytes(self) -> int:
+        if self.swap_bits is not None:
+            return self.host_q.nbytes + sum(k.numel() * k.element_size() * 2 for k, _ in self.host_exact.values())
         return self.host_k.numel() * self.host_k.element_size() * 2
 
     def _ids(self, ids: Iterable[int], device: torch.device) -> torch.Tensor:
@@ -92,10 +110,14 @@ class PagedKVCache:
         for pool in (self.k, self.v):
             pool.index_copy_(1, dst, pool.index_select(1, src))
 
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+    def swap_out(self, pairs: list[tuple[int, int]], exact: set[int] | frozenset[int] = frozenset()) -> None:
         """Device to host: ``(device_id, host_id)``. Must run before the device blocks are
-        written again (the scheduler may hand them to another sequence in the same pass)."""
+        written again (the scheduler may hand them to another sequence in the same pass).
+        With a quantized host pool, the host ids in ``exact`` (partial blocks) stay exact."""
         if not pairs:
+            return
+        if self.swap_bits is not None:
+            self._swap_out_quantized(pairs, exact)
             return
         src = self._ids((s for s, _ in pairs), self.device)
         dst = self._ids((d for _, d in pairs), torch.device("cpu"))
@@ -106,10 +128,77 @@ class PagedKVCache:
         """Host to device: ``(host_id, device_id)``."""
         if not pairs:
             return
+        if self.swap_bits is not None:
+            self._swap_in_quantized(pairs)
+            return
         src = self._ids((s for s, _ in pairs), torch.device("cpu"))
         dst = self._ids((d for _, d in pairs), self.device)
         for pool, host in ((self.k, self.host_k), (self.v, self.host_v)):
             pool.index_copy_(1, dst, host.index_select(1, src).to(self.device, non_blocking=True))
+
+    def _swap_out_quantized(self, pairs: list[tuple[int, int]], exact: set[int] | frozenset[int]) -> None:
+        whole = [(d, h) for d, h in pairs if h not in exact]
+        for device_id, host_id in pairs:
+            if host_id in exact:
+                self.host_exact[host_id] = (self.k[:, device_id].cpu().clone(), self.v[:, device_id].cpu().clone())
+            else:  # a host block freed while swapped (its sequence aborted) may be reused
+                self.host_exact.pop(host_id, None)
+        if whole:
+            src = self._ids((d for d, _ in whole), self.device)
+            self.host_q.put([h for _, h in whole], self.k.index_select(1, src).cpu(), self.v.index_select(1, src).cpu())
+
+    def _swap_in_quantized(self, pairs: list[tuple[int, int]]) -> None:
+        whole = [(h, d) for h, d in pairs if h not in self.host_exact]
+        for host_id, device_id in pairs:
+            kept = self.host_exact.pop(host_id, None)
+            if kept is not None:
+                self.k[:, device_id] = kept[0].to(self.device)
+                self.v[:, device_id] = kept[1].to(self.device)
+        if whole:
+            k, v = self.host_q.get([h for h, _ in whole], self.dtype)
+            dst = self._ids((d for _, d in whole), self.device)
+            self.k.index_copy_(1, dst, k.to(self.device))
+            self.v.index_copy_(1, dst, v.to(self.device))
+
+
+class SwapStore:
+    """The quantized host swap pool: per host block, KIVI codes of K (per channel over the
+    block's tokens) and V (per token), with their fp16 (min, scale)."""
+
+    def __init__(self, dims: tuple[int, ...], bits: int, pin: bool) -> None:
+        layers, blocks, bs, heads, dim = dims
+        self.bits = bits
+        packed = dim * bits // 8
+        self.k_codes = torch.zeros((layers, blocks, bs, heads, packed), dtype=torch.uint8, pin_memory=pin)
+        self.v_codes = torch.zeros((layers, blocks, bs, heads, packed), dtype=torch.uint8, pin_memory=pin)
+        self.k_min = torch.zeros((layers, blocks, 1, heads, dim), dtype=torch.float16, pin_memory=pin)
+        self.k_scale = torch.zeros_like(self.k_min)
+        self.v_min = torch.zeros((layers, blocks, bs, heads, 1), dtype=torch.float16, pin_memory=pin)
+        self.v_scale = torch.zeros_like(self.v_min)
+        self.block_shape = (layers, bs, heads, dim)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k_codes, self.v_codes, self.k_min, self.k_scale, self.v_min, self.v_scale))
+
+    def put(self, host_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """``k``/``v`` ``[layers, n, block_size, heads, dim]`` into ``host_ids``."""
+        ids = torch.tensor(host_ids, dtype=torch.long)
+        qk = quantize(k, self.bits, axis=2)  # per channel: a group spans the block's tokens
+        qv = quantize(v, self.bits, axis=4)  # per token: a group spans the head's channels
+        for store, value in ((self.k_codes, qk.codes), (self.k_min, qk.minimum), (self.k_scale, qk.scale),
+                             (self.v_codes, qv.codes), (self.v_min, qv.minimum), (self.v_scale, qv.scale)):
+            store.index_copy_(1, ids, value)
+
+    def get(self, host_ids: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor(host_ids, dtype=torch.long)
+        shape = (self.k_codes.shape[0], len(host_ids), *self.block_shape[1:])
+
+        def take(codes, minimum, scale) -> torch.Tensor:
+            q = QuantizedTensor(codes.index_select(1, ids), minimum.index_select(1, ids), scale.index_select(1, ids), self.bits, shape)
+            return dequantize(q, dtype)
+
+        return take(self.k_codes, self.k_min, self.k_scale), take(self.v_codes, self.v_min, self.v_scale)
 
 
 def auto_num_blocks(model: torch.nn.Module, block_size: int, budget_bytes: int | None = None) -> int:
