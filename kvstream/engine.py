@@ -495,6 +495,9 @@ class KVStreamEngine:
         if isinstance(request, str):
             request = GenerateRequest(model=self.backend.model, messages=[{"role": "system", "content": request}])
         request.max_tokens, request.temperature = 1, 0.0
+        # Backends that template prompts themselves (hf) leave the assistant header off, so
+        # that the warmed tokens are a true prefix of later conversations.
+        request.hints["prefix_only"] = True
         started = time.monotonic()
         gen = await self.submit(request, priority)
         outcome = "cancelled"

@@ -252,8 +252,11 @@ async def warm(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_body(request, WarmRequest)
     generate = body.to_generate(request[REQUEST_ID])
-    generate.model = await resolve_model(state, body.model) if body.model else state.engine.backend.model
     try:
+        if body.model:
+            generate.model = await resolve_model(state, body.model)
+        else:  # the configured model, else the runtime's first
+            generate.model = state.engine.backend.model or next((m.id for m in await state.engine.models()), None)
         result = await state.engine.warm(generate)
     except (SchedulerError, BackendError) as exc:
         raise from_exception(exc, retry_after(state)) from None

@@ -150,7 +150,9 @@ class HFBackend(BaseBackend):
         tokenizer = self.engine.tokenizer
         if request.is_chat:
             try:
-                return chat_token_ids(tokenizer, request.messages or [])
+                # A warm-up prefills the conversation's prefix: no assistant header after it,
+                # which later requests would not share.
+                return chat_token_ids(tokenizer, request.messages or [], generation_prompt=not request.hints.get("prefix_only"))
             except Exception as exc:  # a template that rejects these messages (roles, tools...)
                 raise BackendRejected(f"the model's chat template rejected the messages: {exc}", param="messages") from None
         return list(tokenizer(request.prompt or "").input_ids) or [tokenizer.bos_token_id or 0]

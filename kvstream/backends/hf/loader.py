@@ -43,9 +43,10 @@ class LoadedModel:
     identity: str  # salts the prefix-cache hashes: same identity, same KV
 
 
-def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of chat messages through the model's template, generation prompt added."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool = True) -> list[int]:
+    """Token ids of chat messages through the model's template, generation prompt added
+    (without it: the prefix that later conversations starting with these messages share)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False)
     return list(ids["input_ids"] if hasattr(ids, "get") else ids)  # some versions return a BatchEncoding
 
 
