@@ -475,6 +475,12 @@ class KVStreamEngine:
         if isinstance(request, str):
             request = GenerateRequest(model=self.backend.model, prompt=request, **sampling)
         gen = await self.submit(request, priority)
+        async with contextlib.aclosing(self._admit_and_stream(gen)) as tokens:
+            async for token in tokens:
+                yield token
+
+    async def _admit_and_stream(self, gen: Generation) -> AsyncIterator[Token]:
+        """Wait for admission, then stream; ``gen`` is closed with its outcome on every exit."""
         outcome = "cancelled"
         try:
             await gen.admitted()
@@ -498,19 +504,13 @@ class KVStreamEngine:
         # Backends that template prompts themselves (hf) leave the assistant header off, so
         # that the warmed tokens are a true prefix of later conversations.
         request.hints["prefix_only"] = True
+        if not self._started:
+            await self.start()
         started = time.monotonic()
         gen = await self.submit(request, priority)
-        outcome = "cancelled"
-        try:
-            await gen.admitted()
-            async for _ in gen:
-                pass
-            outcome = "finished"
-        except BackendError:
-            outcome = "failed"
-            raise
-        finally:
-            gen.close(outcome)
+        async with contextlib.aclosing(self._admit_and_stream(gen)) as tokens:
+            async for _token in tokens:  # the one token is discarded; the KV is what counts
+                continue
         usage = gen.usage or Usage(len(gen.seq.prompt_token_ids), 0)
         return {
             "prompt_tokens": usage.prompt_tokens,

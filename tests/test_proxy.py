@@ -331,3 +331,14 @@ async def test_warm_prefills_at_start_and_on_request_through_the_scheduler(start
             assert resp.status == 422, bad
             assert set((await resp.json())["error"]) == {"message", "type", "param", "code"}
     assert proxy.engine.scheduler.bm.is_idle() and proxy.engine.stats.requests_finished == 2
+
+
+async def test_warm_with_the_runtime_gone_is_an_openai_shaped_503_and_start_up_survives_it(start_proxy, http, unused_tcp_port):
+    # The configured warm-up fails at start (logged), the proxy still comes up.
+    proxy = await start_proxy(OpenAICompatibleBackend(f"http://127.0.0.1:{unused_tcp_port}", "test-model"), prefix_cache={"warm": ["x"]})
+    async with http.post(proxy.v1 + "/warm", json={"system": "You are terse."}) as resp:
+        assert resp.status == 503 and resp.headers.get("Retry-After")
+        assert set((await resp.json())["error"]) == {"message", "type", "param", "code"}
+    async with http.post(proxy.v1 + "/warm", data=b"{not json") as resp:
+        assert resp.status == 400
+    assert proxy.engine.scheduler.bm.is_idle()

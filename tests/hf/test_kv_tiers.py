@@ -198,3 +198,18 @@ def test_swap_preemption_with_a_quantized_swap_pool_keeps_the_answers(smollm2):
     agreement = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e)) / sum(len(e) for e in expected)
     assert agreement >= 0.8, agreement
     assert engine.is_idle() and not engine.cache.host_exact
+
+
+def test_a_torn_index_line_from_a_crash_is_skipped_and_the_rest_replayed(tmp_path):
+    codec = BlockCodec(2, 4, 1, 4, torch.float32, None)
+    k, v = torch.randn(2, 4, 1, 4), torch.randn(2, 4, 1, 4)
+    disk = DiskBlockStore(tmp_path, codec, codec.record_bytes * 4, identity="m")
+    disk.put(b"a" * 16, (1, 2, 3, 4), codec.encode(k, v))
+    disk.close()
+    with open(tmp_path / "index.log", "a", encoding="ascii") as f:
+        f.write("1 6262626262")  # killed mid-line
+    reopened = DiskBlockStore(tmp_path, codec, codec.record_bytes * 4, identity="m")
+    assert len(reopened) == 1
+    got_k, got_v = codec.decode(reopened.get(b"a" * 16, (1, 2, 3, 4)))  # type: ignore[arg-type]
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    reopened.close()

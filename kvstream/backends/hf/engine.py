@@ -313,6 +313,8 @@ class PagedEngine:
         swap pool keeps those exact)."""
         bm = self.scheduler.bm
         partial: set[int] = set()
+        if self.cache.swap_bits is None or not out.swap_out_copies:
+            return partial  # a full-precision swap pool keeps every block exact anyway
         for seq in out.preempted:
             swapped = bm.swapped.get(seq.seq_id)
             if swapped is not None and len(swapped.token_ids) % self.config.block_size and swapped.entries[-1][0] == "cpu":

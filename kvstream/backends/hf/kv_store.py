@@ -210,8 +210,7 @@ class HostBlockStore:
         self.max_records = max_bytes // codec.record_bytes
         self.disk = disk
         self._records: OrderedDict[BlockHash, tuple[tuple[int, ...], torch.Tensor]] = OrderedDict()
-        self.spilled = 0  # blocks received from the pool
-        self.restored = 0  # blocks handed back
+        self.spilled = 0  # blocks received from the pool (the engine counts what comes back)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -232,12 +231,8 @@ class HostBlockStore:
             if entry[0] != token_ids:
                 return None
             self._records.move_to_end(block_hash)
-            self.restored += 1
             return entry[1]
-        record = self.disk.get(block_hash, token_ids) if self.disk is not None else None
-        if record is not None:
-            self.restored += 1
-        return record
+        return self.disk.get(block_hash, token_ids) if self.disk is not None else None
 
     def put(self, block_hash: BlockHash, token_ids: tuple[int, ...], k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep one block (K and V ``[layers, block_size, kv_heads, head_dim]``)."""
