@@ -11,8 +11,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvstream.backends.llamacpp_runtime import free_port  # noqa: E402,F401
-from kvstream.backends.llamacpp_runtime import stop_process as stop  # noqa: E402,F401
+from kvstream.backends.llamacpp.runtime import free_port  # noqa: E402,F401
+from kvstream.backends.llamacpp.runtime import stop_process as stop  # noqa: E402,F401
 from kvstream.bench.metrics import percentile  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -23,7 +23,7 @@ from _util import PYTHON, free_port, percentile, spawn, stop, wait_http
 
 
 def model_path() -> str:
-    from kvstream.backends.llamacpp_runtime import embedded_model
+    from kvstream.backends.llamacpp.runtime import embedded_model
 
     path = embedded_model()
     if path is None:

@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from kvstream.backends.hf import compat  # noqa: E402
-from kvstream.backends.hf.engine import EngineConfig, PagedEngine  # noqa: E402
-from kvstream.backends.hf.loader import load_model  # noqa: E402
-from kvstream.backends.hf.sampling import SamplingParams  # noqa: E402
+from kvstream.hf import compat  # noqa: E402
+from kvstream.hf.model_runner import RunnerConfig, ModelRunner  # noqa: E402
+from kvstream.hf.loader import load_model  # noqa: E402
+from kvstream.hf.sampling import SamplingParams  # noqa: E402
 from kvstream.scheduler import Sequence  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def text_tokens(tokenizer, seed: int, n: int) -> list[int]:
     return tokenizer(text).input_ids[:n]
 
 
-def engine_ttft(engine: PagedEngine, prompt: list[int]) -> float:
+def engine_ttft(engine: ModelRunner, prompt: list[int]) -> float:
     """Seconds from add_request to the first token, driving the engine on this thread."""
     first: list[float] = []
     start = time.perf_counter()
@@ -92,9 +92,9 @@ def main() -> None:
 
     plain = AutoModelForCausalLM.from_pretrained(loaded.model.config._name_or_path, dtype=torch.float32).eval()
     tok = loaded.tokenizer
-    engine = PagedEngine(
+    engine = ModelRunner(
         loaded.model, tok,
-        EngineConfig(block_size=args.block_size, num_blocks=4096 // args.block_size * 4, num_cpu_blocks=0, max_num_seqs=4),
+        RunnerConfig(block_size=args.block_size, num_blocks=4096 // args.block_size * 4, num_cpu_blocks=0, max_num_seqs=4),
     )
     questions = [text_tokens(tok, 100 + i, args.question_tokens) for i in range(args.repeats + 1)]
     shared = text_tokens(tok, 1, args.prefix_tokens)

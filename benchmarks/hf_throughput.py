@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from kvstream.backends.hf.engine import EngineConfig, PagedEngine  # noqa: E402
-from kvstream.backends.hf.loader import chat_token_ids, load_model  # noqa: E402
-from kvstream.backends.hf.sampling import SamplingParams  # noqa: E402
+from kvstream.hf.model_runner import RunnerConfig, ModelRunner  # noqa: E402
+from kvstream.hf.loader import chat_token_ids, load_model  # noqa: E402
+from kvstream.hf.sampling import SamplingParams  # noqa: E402
 
 TOPICS = ["the ocean", "a lighthouse keeper", "how bridges are built", "the history of tea", "a robot learning to paint",
           "volcanoes", "a chess tournament", "the first day of school"]
@@ -47,9 +47,9 @@ def rss_mb() -> float:
 
 
 def run_kvstream(model, tokenizer, prompts, new_tokens) -> tuple[float, int]:
-    engine = PagedEngine(
+    engine = ModelRunner(
         model, tokenizer,
-        EngineConfig(block_size=16, num_blocks=2048, num_cpu_blocks=0, max_num_seqs=len(prompts), enable_prefix_caching=False),
+        RunnerConfig(block_size=16, num_blocks=2048, num_cpu_blocks=0, max_num_seqs=len(prompts), enable_prefix_caching=False),
     )
     start = time.perf_counter()
     outs = engine.generate_sync(prompts, SamplingParams(max_tokens=new_tokens, temperature=0))

@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from kvstream.backends.hf.engine import EngineConfig  # noqa: E402
-from kvstream.backends.hf.kv_store import BlockCodec  # noqa: E402
-from kvstream.backends.hf.loader import load_model  # noqa: E402
+from kvstream.hf.model_runner import RunnerConfig  # noqa: E402
+from kvstream.hf.kv_store import BlockCodec  # noqa: E402
+from kvstream.hf.loader import load_model  # noqa: E402
 from kvstream.hf import HFEngine  # noqa: E402
 
 GEN = 16
@@ -89,7 +89,7 @@ def kl(p_logits, q_logits) -> float:
 def make(loaded, strategy: str = "none", caching: bool = True, **config) -> HFEngine:
     cfg = dict(block_size=16, num_blocks=4096, num_cpu_blocks=0, max_num_seqs=4, enable_prefix_caching=caching, model_identity="bench")
     cfg.update(config)
-    return HFEngine(loaded, EngineConfig(**cfg), recompute_strategy=strategy)
+    return HFEngine(loaded, RunnerConfig(**cfg), recompute_strategy=strategy)
 
 
 def section_a(loaded, w) -> dict:
@@ -180,7 +180,7 @@ def section_d(loaded, w) -> dict:
 
 
 def _greedy(max_tokens: int = GEN):
-    from kvstream.backends.hf.sampling import SamplingParams
+    from kvstream.hf.sampling import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 

@@ -130,6 +130,26 @@ class Settings(BaseSettings):
         # from; the model only validates the merged result.
         return (init_settings,)
 
+    def with_overrides(self, **values: Any) -> Settings:
+        """A validated copy with ``key=value`` overrides, each key naming a setting of exactly
+        one section (``request_timeout_s=0.5``, ``num_gpu_blocks=64``): the keyword form a
+        backend constructor takes. Raises TypeError for an unknown key, ConfigError for a bad
+        value."""
+        if not values:
+            return self
+        merged = self.model_dump()
+        for key, value in values.items():
+            owners = [name for name, model in SECTIONS.items() if key in model.model_fields]
+            if len(owners) != 1:
+                raise TypeError(f"unknown setting {key!r}")
+            merged[owners[0]][key] = value
+        try:
+            # Secrets dump as SecretStr objects, which validate back unchanged.
+            return Settings(**merged)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            raise ConfigError(f"invalid setting {'.'.join(str(p) for p in error['loc'][:2])}: {error['msg']}") from None
+
     def accepted_keys(self) -> list[str]:
         """Every API key from ``server.api_keys`` and ``server.api_keys_file``."""
         keys = [k.get_secret_value() for k in self.server.api_keys]

@@ -151,7 +151,7 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("kvstream_requests_waiting", "Requests queued for admission.", value=len(sched.waiting))
         yield GaugeMetricFamily("kvstream_requests_swapped", "Preempted requests whose KV is in the host pool.", value=len(sched.swapped))
         yield GaugeMetricFamily("kvstream_max_batch_size", "Most requests in flight to the runtime at once.", value=sched.config.max_batch_size)
-        yield GaugeMetricFamily("kvstream_kv_estimated", "1 when the KV series estimate a remote runtime's memory, 0 when KVStream owns the KV.", value=0.0 if engine.backend.capabilities.owns_kv else 1.0)
+        yield GaugeMetricFamily("kvstream_kv_estimated", "1 when the KV series estimate a remote runtime's memory, 0 when KVStream owns the KV.", value=1.0 if engine.runner.kv_estimated else 0.0)
         yield GaugeMetricFamily("kvstream_kv_block_size_tokens", "Tokens per KV block.", value=bm.block_size)
         blocks = GaugeMetricFamily("kvstream_kv_blocks", "KV blocks by tier and state.", labels=["tier", "state"])
         blocks.add_metric(["gpu", "used"], pool.num_used)
@@ -182,50 +182,4 @@ class _EngineCollector(Collector):
         swapped.add_metric(["out"], sched.stats.swapped_out_blocks)
         swapped.add_metric(["in"], sched.stats.swapped_in_blocks)
         yield swapped
-        inject = getattr(engine.backend, "inject", None)
-        if inject is not None:
-            yield from _inject_families(inject)
-        paged = getattr(engine.backend, "engine", None)
-        if paged is not None and engine.backend.capabilities.owns_kv:
-            yield from _engine_families(paged)
-
-
-def _engine_families(paged) -> Iterator:
-    """The in-process engine's own series (hf backend)."""
-    c = paged.counters
-    yield CounterMetricFamily("kvstream_engine_steps", "Batched forward passes run by the in-process engine.", value=c.steps)
-    tokens = CounterMetricFamily("kvstream_engine_forward_tokens", "Tokens computed by forward passes, by kind.", labels=["kind"])
-    tokens.add_metric(["prefill"], c.prefill_tokens)
-    tokens.add_metric(["decode"], c.decode_tokens)
-    yield tokens
-    kv_bytes = GaugeMetricFamily("kvstream_kv_pool_bytes", "Bytes allocated to the KV pools, by tier.", labels=["tier"])
-    kv_bytes.add_metric(["gpu"], paged.cache.device_bytes)
-    kv_bytes.add_metric(["cpu"], paged.cache.host_bytes)
-    yield kv_bytes
-    store = paged.store
-    if store is not None:
-        yield CounterMetricFamily("kvstream_kv_spilled_blocks", "Cached blocks reclaimed by the pool and kept in a spill tier.", value=store.spilled)
-        yield CounterMetricFamily("kvstream_kv_restored_blocks", "Blocks copied back from a spill tier instead of recomputed.", value=c.restored_blocks)
-        tier_bytes = GaugeMetricFamily("kvstream_kv_spill_bytes", "Bytes held by each spill tier.", labels=["store"])
-        tier_bytes.add_metric(["ram"], store.bytes_used)
-        tier_bytes.add_metric(["disk"], store.disk.bytes_used if store.disk is not None else 0)
-        yield tier_bytes
-
-
-def _inject_families(inject) -> Iterator:
-    """llama.cpp hard KV inject series (only for a backend that has it)."""
-    s = inject.stats
-    yield GaugeMetricFamily("kvstream_hard_inject_enabled", "1 while hard KV inject (slot save/restore) is on.", value=1.0 if inject.enabled else 0.0)
-    restores = CounterMetricFamily("kvstream_hard_inject_restores", "Slot-file restores, by result.", labels=["result"])
-    restores.add_metric(["ok"], s.restores)
-    restores.add_metric(["failed"], s.restore_failures)
-    restores.add_metric(["ineffective"], s.ineffective)
-    yield restores
-    yield CounterMetricFamily("kvstream_hard_inject_restored_tokens", "Prompt tokens restored instead of prefilled.", value=s.restored_tokens)
-    yield CounterMetricFamily("kvstream_hard_inject_restored_bytes", "Bytes of KV state read back into slots.", value=s.restored_bytes)
-    yield CounterMetricFamily("kvstream_hard_inject_saves", "Slot states saved to disk.", value=s.saves)
-    yield CounterMetricFamily("kvstream_hard_inject_saved_bytes", "Bytes of KV state written to disk.", value=s.saved_bytes)
-    yield CounterMetricFamily("kvstream_hard_inject_evicted_files", "Slot files deleted for the byte budget.", value=s.evicted_files)
-    yield CounterMetricFamily("kvstream_slot_affinity_hits", "Requests routed to a slot already holding their prefix.", value=s.affinity_hits)
-    store = inject.store
-    yield GaugeMetricFamily("kvstream_hard_inject_disk_bytes", "Bytes of slot files on disk.", value=store.total_bytes if store is not None else 0)
+        yield from engine.backend.metric_families()

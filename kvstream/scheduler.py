@@ -121,6 +121,9 @@ class SchedulerConfig:
     # waited, so a long request is eventually first however many short ones arrive.
     sjf_aging_tokens_per_s: float = 200.0
     max_model_len: int | None = None
+    # Cached blocks nobody has used for this long are forgotten (prefix_cache.ttl_seconds);
+    # None keeps them until the pool needs the space.
+    cache_ttl_s: float | None = None
 
 
 @dataclass
@@ -170,6 +173,7 @@ class Scheduler:
         # Non-preemptible mode: blocks each running sequence may still claim, and their sum.
         self._growth: dict[str, int] = {}
         self._headroom = 0
+        self._next_expiry = 0.0
 
     # ----------------------------------------------------------------- intake
     def check_fits(self, seq: Sequence) -> None:
@@ -202,6 +206,15 @@ class Scheduler:
             size = seq.max_total_tokens - self.config.sjf_aging_tokens_per_s * waited
             return (seq.priority, size, seq.arrival)
         return (seq.priority, seq.arrival, 0.0)
+
+    def _expire_cache(self, now: float) -> None:
+        """Drop cached blocks past the TTL before they can be matched; the scan over the
+        free queue runs at most once per tenth of the TTL (and per second), not per call."""
+        ttl = self.config.cache_ttl_s
+        if ttl is None or now < self._next_expiry:
+            return
+        self._next_expiry = now + min(1.0, ttl / 10)
+        self.bm.pool.drop_expired(ttl)
 
     def _headroom_blocks(self) -> int:
         """Blocks that running non-preemptible sequences may still claim as they grow
@@ -239,6 +252,7 @@ class Scheduler:
         if not self.waiting and not self.swapped:
             return out
         now = self.clock()
+        self._expire_cache(now)
         self.waiting.sort(key=lambda s: self._order_key(s, now))
         # A waiting request of a strictly higher class goes before the swapped (it may have
         # been what preempted them); otherwise the preempted resume first.

@@ -18,7 +18,7 @@ import pytest
 
 from kvstream.api.app import create_app
 from kvstream.backends.base import BaseBackend
-from kvstream.backends.llamacpp_runtime import free_port, stop_process  # noqa: F401 (re-exported to tests)
+from kvstream.backends.llamacpp.runtime import free_port, stop_process  # noqa: F401 (re-exported to tests)
 from kvstream.config import Settings, load_settings
 from kvstream.engine import KVStreamEngine
 from tests.doubles import Recorder, Script, openai_upstream
@@ -47,7 +47,13 @@ def start_proxy(aiohttp_server) -> Callable[..., Any]:
     """start_proxy(backend, **settings_sections) -> Proxy on a real port."""
 
     async def start(backend: BaseBackend, **sections: dict[str, Any]) -> Proxy:
-        settings = make_settings(**sections)
+        # One config object for the backend and the engine: the backend's own settings
+        # (its constructor overrides) with these sections on top.
+        merged = backend.settings.model_dump()
+        for section, values in sections.items():
+            merged[section].update(values)
+        settings = Settings(**merged)
+        backend.settings = settings
         engine = KVStreamEngine(backend, settings)
         server = await aiohttp_server(create_app(settings, engine))
         return Proxy(str(server.make_url("")).rstrip("/"), engine)
@@ -98,7 +104,7 @@ def _require(reason: str) -> None:
 
 
 def smollm2_gguf() -> Path:
-    from kvstream.backends.llamacpp_runtime import embedded_model
+    from kvstream.embedded import embedded_model
 
     path = embedded_model()
     if path is None:

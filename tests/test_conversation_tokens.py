@@ -1,6 +1,6 @@
 """The conversation-prefix token cache in front of llama-server's /tokenize (no runtime)."""
 
-from kvstream.backends.llamacpp_tokens import ConversationTokenCache
+from kvstream.backends.llamacpp.tokens import ConversationTokenCache
 
 SYSTEM = {"role": "system", "content": "be brief"}
 Q1 = {"role": "user", "content": "hi"}

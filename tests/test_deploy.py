@@ -19,7 +19,7 @@ from kvstream.backends import OpenAICompatibleBackend
 from tests.conftest import REQUIRE_REAL
 
 ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "deploy"
+GRAFANA = ROOT / "grafana"
 
 
 async def exported_names(start_upstream, start_proxy) -> set[str]:
@@ -41,7 +41,7 @@ async def exported_names(start_upstream, start_proxy) -> set[str]:
 
 async def test_every_dashboard_query_uses_an_exported_metric(start_upstream, start_proxy):
     names = await exported_names(start_upstream, start_proxy)
-    dashboard = json.loads((DEPLOY / "grafana/dashboards/kvstream.json").read_text())
+    dashboard = json.loads((GRAFANA / "dashboards/kvstream.json").read_text())
     assert dashboard["panels"], "empty dashboard"
     used = set()
     for panel in dashboard["panels"]:
@@ -54,15 +54,15 @@ async def test_every_dashboard_query_uses_an_exported_metric(start_upstream, sta
 
 
 def test_provisioning_files_are_valid_and_point_at_files_that_exist():
-    datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    datasource = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yml").read_text())
     assert datasource["datasources"][0]["type"] == "prometheus"
-    dashboards = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/kvstream.yml").read_text())
+    dashboards = yaml.safe_load((GRAFANA / "provisioning/dashboards/kvstream.yml").read_text())
     path = dashboards["providers"][0]["options"]["path"]
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     mounts = {m.split(":")[1]: m.split(":")[0] for m in compose["services"]["grafana"]["volumes"]}
     assert (ROOT / mounts[path]).is_dir() and list((ROOT / mounts[path]).glob("*.json"))
     assert (ROOT / mounts["/etc/grafana/provisioning"]).is_dir()
-    prometheus = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    prometheus = yaml.safe_load((GRAFANA / "prometheus.yml").read_text())
     assert prometheus["scrape_configs"][0]["static_configs"][0]["targets"] == ["kvstream:8080"]
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvstream.backends import OpenAICompatibleBackend
 from kvstream.engine import KVStreamEngine
-from kvstream.server import serve
+from kvstream.api.server import serve
 from tests.conftest import free_port, make_settings, wait_http
 from tests.doubles import Script
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from kvstream.backends.llamacpp_slots import SlotFileStore
+from kvstream.backends.llamacpp.slots import SlotFileStore
 
 
 def make(tmp_path, budget=10_000, identity="model|build|4096"):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from kvstream.api.routes_openai import model_aliases
-from kvstream.backends.base import BackendError, ModelInfo, Token, as_burst
+from kvstream.types import BackendError, ModelInfo, Token, as_burst
 from kvstream.backends.http import DONE, EventReader, decode_ndjson_line
 from kvstream.metrics import LocalCounter, LocalHistogram
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvstream.backends.base import BackendError, BackendUnavailable
+from kvstream.types import BackendError, BackendUnavailable
 from kvstream.backends.http import UpstreamSession
 
 pytestmark = pytest.mark.timeout(30)

@@ -11,7 +11,7 @@ from aiohttp import web
 from kvstream.api import routes_ops, routes_openai
 from kvstream.api.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware
 from kvstream.api.state import STATE, AppState
-from kvstream.backends.base import BackendError
+from kvstream.types import BackendError
 from kvstream.config import Settings
 from kvstream.engine import KVStreamEngine
 from kvstream.metrics import Metrics

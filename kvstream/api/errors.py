@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from kvstream.api.openai_format import random_hex
-from kvstream.backends.base import BackendError, BackendRejected, BackendUnavailable
+from kvstream.types import BackendError, BackendRejected, BackendUnavailable
 from kvstream.scheduler import SchedulerError
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstream.backends.base import Token, Usage
+from kvstream.types import Token, Usage
 from kvstream.jsonfast import dumps
 
 SYSTEM_FINGERPRINT = "kvstream"

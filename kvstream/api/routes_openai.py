@@ -20,7 +20,7 @@ from kvstream.api.errors import REQUEST_ID, APIError, from_exception, json_body_
 from kvstream.api.openai_format import Aggregate, StreamFormatter
 from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest, WarmRequest
 from kvstream.api.state import STATE, AppState
-from kvstream.backends.base import BackendError, BackendRejected, BackendUnavailable, Token
+from kvstream.types import BackendError, BackendRejected, BackendUnavailable, Token
 from kvstream.engine import Generation
 from kvstream.jsonfast import dumps, loads
 from kvstream.scheduler import Priority, SchedulerError

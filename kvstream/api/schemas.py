@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvstream.backends.base import GenerateRequest
+from kvstream.types import GenerateRequest
 
 Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
 
@@ -79,10 +79,6 @@ class _Sampling(BaseModel):
         "priority", "reuse", "blend_ratio",
     }
 
-    def reuse_hints(self) -> dict[str, Any]:
-        """The reuse fields for the backend (only those the client set)."""
-        return {k: v for k, v in (("reuse", self.reuse), ("blend_ratio", self.blend_ratio)) if v is not None}
-
     def passthrough(self) -> dict[str, Any]:
         """The fields KVStream does not interpret, for the runtime."""
         return self.model_dump(exclude_none=True, exclude=self.OWN_FIELDS | self._own_extra())
@@ -116,7 +112,8 @@ class ChatCompletionRequest(_Sampling):
             stop=self.stop or [],  # type: ignore[arg-type]
             extra=self.passthrough(),
             request_id=request_id,
-            hints=self.reuse_hints(),
+            reuse=self.reuse,
+            blend_ratio=self.blend_ratio,
         )
 
 
@@ -148,7 +145,8 @@ class CompletionRequest(_Sampling):
             stop=self.stop or [],  # type: ignore[arg-type]
             extra=self.passthrough(),
             request_id=request_id,
-            hints=self.reuse_hints(),
+            reuse=self.reuse,
+            blend_ratio=self.blend_ratio,
         )
 
 

@@ -6,6 +6,7 @@ import logging
 from urllib.parse import urlsplit
 
 from kvstream.backends.base import BaseBackend
+from kvstream.config import Settings
 from kvstream.backends.foundry import FoundryBackend
 from kvstream.backends.llamacpp import LlamaCppBackend
 from kvstream.backends.lmstudio import LMStudioBackend
@@ -23,13 +24,14 @@ CANDIDATES: list[tuple[type[BaseBackend], str | None]] = [
 ]
 
 
-async def probe_runtimes(own_port: int, model: str | None = None, **options) -> BaseBackend | None:
+async def probe_runtimes(settings: Settings) -> BaseBackend | None:
     """A backend (not yet started) for the first runtime that passes its health probe,
     never on KVStream's own port; None when nothing answers."""
+    own_port, model = settings.server.port, settings.backend.model
     for cls, url in CANDIDATES:
         if url is not None and urlsplit(url).port == own_port:
             continue
-        probe = cls(url, model, **options)
+        probe = cls(url, model, settings)
         await probe.start()
         try:
             healthy = await probe.health()
@@ -39,5 +41,5 @@ async def probe_runtimes(own_port: int, model: str | None = None, **options) -> 
             await probe.close()
         if healthy:
             logger.info("auto: found %s at %s", probe.name, probe.base_url)
-            return cls(probe.base_url, model, **options)
+            return cls(probe.base_url, model, settings)
     return None

@@ -1,45 +1,18 @@
-"""The backend interface every runtime adapter implements, and the types it speaks."""
+"""The interface every runtime adapter implements: ``BaseBackend`` for a runtime that runs its
+own iterations (Ollama, llama.cpp, LM Studio, Foundry, any OpenAI server), and
+``InProcessBackend`` for one that KVStream steps itself over real KV (hf)."""
 
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-
-class BackendError(Exception):
-    """The runtime failed. ``status`` is what KVStream answers the client with."""
-
-    def __init__(self, message: str, status: int = 502, *, code: str = "backend_error", retryable: bool = True):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.code = code
-        self.retryable = retryable
-
-
-class BackendUnavailable(BackendError):
-    """The runtime cannot be reached or is not ready (503; the client may retry)."""
-
-    def __init__(self, message: str, status: int = 503, *, code: str = "backend_unavailable"):
-        super().__init__(message, status, code=code, retryable=True)
-
-
-class BackendInterrupted(BackendError):
-    """KVStream stopped a running stream on purpose (preempted to make room); the backend
-    saves its state and the request resumes later where it stopped."""
-
-    def __init__(self, message: str = "preempted") -> None:
-        super().__init__(message, 503, code="preempted", retryable=True)
-
-
-class BackendRejected(BackendError):
-    """The runtime refused the request itself (a 4xx from upstream, passed on as such)."""
-
-    def __init__(self, message: str, status: int = 400, *, code: str = "invalid_request", param: str | None = None):
-        super().__init__(message, status, code=code, retryable=False)
-        self.param = param
+from kvstream.config import Settings
+from kvstream.scheduler import Scheduler, Sequence
+from kvstream.types import GenerateRequest, ModelInfo, RuntimeLimits, Token
 
 
 @dataclass(frozen=True)
@@ -53,94 +26,6 @@ class Capabilities:
     # A running sequence can be paused and resumed (swap/recompute), so the scheduler may
     # admit optimistically and preempt under memory pressure.
     preemptible: bool = False
-    # The runtime's KV really lives in KVStream's pool (in-process) rather than estimated.
-    owns_kv: bool = False
-
-
-@dataclass
-class GenerateRequest:
-    """One generation, runtime-neutral. ``messages`` for chat, ``prompt`` for completions."""
-
-    model: str | None
-    messages: list[dict[str, Any]] | None = None
-    prompt: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    # OpenAI fields KVStream does not interpret (tools, response_format, penalties, ...):
-    # passed through to runtimes that speak OpenAI, translated where a native API differs.
-    extra: dict[str, Any] = field(default_factory=dict)
-    request_id: str = ""
-    # Filled by the engine for the backend: the slot or other routing hints.
-    hints: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def is_chat(self) -> bool:
-        return self.messages is not None
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int | None = None
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass
-class Token:
-    """One step of a generation stream.
-
-    ``delta`` is the OpenAI chat delta for this step ({"content": ...}, or tool_calls,
-    reasoning_content...). The last Token of a stream carries ``finish_reason`` and, when the
-    runtime reported it, ``usage``.
-    """
-
-    text: str = ""
-    token_id: int | None = None
-    delta: dict[str, Any] | None = None
-    logprobs: Any = None
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    # True when the backend already holds the next token (they came in one network read or
-    # one engine step): a writer may hold this one back and send both in one write.
-    more: bool = False
-
-    def chat_delta(self) -> dict[str, Any]:
-        if self.delta is not None:
-            return self.delta
-        return {"content": self.text} if self.text else {}
-
-
-def as_burst(tokens: list[Token]) -> list[Token]:
-    """Mark tokens that arrived together: every one but the last has ``more`` set."""
-    for token in tokens[:-1]:
-        token.more = True
-    return tokens
-
-
-@dataclass
-class ModelInfo:
-    id: str
-    owned_by: str = "kvstream"
-    created: int = 0
-    context_length: int | None = None
-
-
-@dataclass
-class RuntimeLimits:
-    """What the runtime says about its own memory, to size KVStream's pool and batch."""
-
-    n_ctx_total: int | None = None  # tokens of KV across all slots
-    n_ctx_per_request: int | None = None  # the longest single sequence
-    parallel: int | None = None  # requests the runtime runs at once
-
 
 class BaseBackend(abc.ABC):
     """A runtime adapter. Subclasses implement ``generate``, ``health`` and ``models``.
@@ -153,10 +38,14 @@ class BaseBackend(abc.ABC):
     default_url: str | None = None
     capabilities = Capabilities()
 
-    def __init__(self, base_url: str | None = None, model: str | None = None, **options: Any) -> None:
+    def __init__(
+        self, base_url: str | None = None, model: str | None = None, settings: Settings | None = None, **overrides: Any
+    ) -> None:
+        """``settings`` is KVStream's one config object (defaults when None); ``overrides``
+        are single settings by key (``request_timeout_s=0.5``) applied to a copy of it."""
         self.base_url = (base_url or self.default_url or "").rstrip("/")
         self.model = model
-        self.options = options
+        self.settings = (settings or Settings()).with_overrides(**overrides)
 
     async def start(self) -> None:
         """Open sessions and discover the runtime. Must not fail if the runtime is down."""
@@ -198,3 +87,34 @@ class BaseBackend(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for /status (no secrets)."""
         return {"type": self.name, "url": self.base_url, "model": self.model}
+
+    def metric_families(self) -> Iterator[Any]:
+        """Prometheus metric families of the backend's own (read at scrape time); none by default."""
+        return iter(())
+
+
+class LocalStream(Protocol):
+    """One request inside an in-process backend: admitted once the backend's scheduler gives
+    it a batch slot; iterating yields its tokens; close() aborts it if it has not finished."""
+
+    admitted: asyncio.Future[None]
+
+    def __aiter__(self) -> AsyncIterator[Token]: ...
+
+    def close(self) -> None: ...
+
+
+class InProcessBackend(BaseBackend):
+    """A backend that runs the model in this process and owns its KV: admission, batching
+    and preemption happen in its own step loop over its scheduler (the real pool)."""
+
+    @property
+    @abc.abstractmethod
+    def scheduler(self) -> Scheduler | None:
+        """The scheduler over the real KV pool, once started (None before)."""
+
+    @abc.abstractmethod
+    def submit(self, request: GenerateRequest, seq: Sequence) -> LocalStream:
+        """Queue ``seq`` (already counted and checked by the engine) for generation.
+
+        Raises SchedulerError when the queue refuses it."""

@@ -15,7 +15,8 @@ import logging
 import re
 from typing import Any
 
-from kvstream.backends.base import BackendError, BackendUnavailable, GenerateRequest, RuntimeLimits
+from kvstream.config import Settings
+from kvstream.types import BackendError, BackendUnavailable, GenerateRequest, RuntimeLimits
 from kvstream.backends.http import UpstreamSession
 from kvstream.backends.openai_compat import OpenAICompatibleBackend
 
@@ -80,8 +81,10 @@ class FoundryBackend(OpenAICompatibleBackend):
     default_url = None
     health_path = "/openai/status"
 
-    def __init__(self, base_url: str | None = None, model: str | None = None, **options: Any) -> None:
-        super().__init__(base_url, model, **options)
+    def __init__(
+        self, base_url: str | None = None, model: str | None = None, settings: Settings | None = None, **overrides: Any
+    ) -> None:
+        super().__init__(base_url, model, settings, **overrides)
         self._explicit_url = bool(base_url)
         self._model_ids: dict[str, str] = {}
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from kvstream.backends.base import BackendError, BackendRejected, BackendUnavailable
+from kvstream.types import BackendError, BackendRejected, BackendUnavailable
 from kvstream.jsonfast import dumps, loads
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstream.backends.base import BackendError, RuntimeLimits
+from kvstream.config import Settings
+from kvstream.types import BackendError, RuntimeLimits
 from kvstream.backends.openai_compat import OpenAICompatibleBackend
 
 
@@ -19,9 +20,11 @@ class LMStudioBackend(OpenAICompatibleBackend):
     name = "lmstudio"
     default_url = "http://127.0.0.1:1234"
 
-    def __init__(self, base_url: str | None = None, model: str | None = None, **options: Any) -> None:
-        super().__init__(base_url, model, **options)
-        self.parallel = int(options.get("num_parallel") or 4)
+    def __init__(
+        self, base_url: str | None = None, model: str | None = None, settings: Settings | None = None, **overrides: Any
+    ) -> None:
+        super().__init__(base_url, model, settings, **overrides)
+        self.parallel = self.settings.backend.parallel or 4
 
     async def limits(self) -> RuntimeLimits:
         n_ctx = None

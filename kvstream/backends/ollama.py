@@ -12,15 +12,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvstream.backends.base import (
-    BackendError,
-    BaseBackend,
-    GenerateRequest,
-    ModelInfo,
-    RuntimeLimits,
-    Token,
-    Usage,
-)
+from kvstream.config import Settings
+from kvstream.backends.base import BaseBackend
+from kvstream.types import BackendError, GenerateRequest, ModelInfo, RuntimeLimits, Token, Usage
 from kvstream.backends.http import EventReader, UpstreamSession, decode_ndjson_line, raise_for_upstream_status
 
 # OpenAI fields with an Ollama option of another name.
@@ -110,19 +104,22 @@ class OllamaBackend(BaseBackend):
     name = "ollama"
     default_url = "http://127.0.0.1:11434"
 
-    def __init__(self, base_url: str | None = None, model: str | None = None, **options: Any) -> None:
-        super().__init__(base_url, model, **options)
+    def __init__(
+        self, base_url: str | None = None, model: str | None = None, settings: Settings | None = None, **overrides: Any
+    ) -> None:
+        super().__init__(base_url, model, settings, **overrides)
         self.session: UpstreamSession | None = None
         # Load-time options must stay constant per model or Ollama reloads it every request.
-        self.num_ctx: int | None = options.get("num_ctx")
-        self.keep_alive: str | int | None = options.get("keep_alive")
-        self.num_parallel: int = int(options.get("num_parallel") or 1)
+        config = self.settings.backend
+        self.num_ctx: int | None = config.num_ctx
+        self.keep_alive: str | int | None = config.keep_alive
+        self.num_parallel: int = config.parallel or 1
 
     async def start(self) -> None:
         self.session = UpstreamSession(
             self.base_url,
-            connect_timeout=self.options.get("connect_timeout_s", 5.0),
-            read_timeout=self.options.get("request_timeout_s", 600.0),
+            connect_timeout=self.settings.backend.connect_timeout_s,
+            read_timeout=self.settings.backend.request_timeout_s,
             headers={},
         )
 

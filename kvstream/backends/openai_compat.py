@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvstream.backends.base import (
+from kvstream.config import Settings
+from kvstream.backends.base import BaseBackend
+from kvstream.types import (
     BackendError,
     BackendInterrupted,
-    BaseBackend,
     GenerateRequest,
     ModelInfo,
     Token,
@@ -42,18 +43,21 @@ class OpenAICompatibleBackend(BaseBackend):
     models_path = "/v1/models"
     health_path = "/v1/models"
 
-    def __init__(self, base_url: str | None = None, model: str | None = None, **options: Any) -> None:
-        super().__init__(base_url, model, **options)
+    def __init__(
+        self, base_url: str | None = None, model: str | None = None, settings: Settings | None = None, **overrides: Any
+    ) -> None:
+        super().__init__(base_url, model, settings, **overrides)
         self.session: UpstreamSession | None = None
 
     async def start(self) -> None:
+        config = self.settings.backend
         headers = {}
-        if self.options.get("api_key"):
-            headers["Authorization"] = f"Bearer {self.options['api_key']}"
+        if config.api_key is not None:
+            headers["Authorization"] = f"Bearer {config.api_key.get_secret_value()}"
         self.session = UpstreamSession(
             self.base_url,
-            connect_timeout=self.options.get("connect_timeout_s", 5.0),
-            read_timeout=self.options.get("request_timeout_s", 600.0),
+            connect_timeout=config.connect_timeout_s,
+            read_timeout=config.request_timeout_s,
             headers=headers,
         )
 
@@ -86,14 +90,17 @@ class OpenAICompatibleBackend(BaseBackend):
         body["stream_options"] = {"include_usage": True}
         return body
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
+        return self.stream(request, self.build_body(request))
+
+    async def stream(self, request: GenerateRequest, body: dict[str, Any]) -> AsyncIterator[Token]:
+        """POST ``body`` to the chat or completions route and stream its tokens."""
         path = self.chat_path if request.is_chat else self.completions_path
-        body = self.build_body(request)
         async with self.http.request("POST", path, json_body=body) as resp:
             await raise_for_upstream_status(resp)
             # KVStream may stop this stream from outside (preemption): the pending read
             # then raises BackendInterrupted, and closing the response stops the runtime.
-            request.hints["interrupt"] = lambda: resp.content.set_exception(BackendInterrupted())
+            request.control.on_interrupt(lambda: resp.content.set_exception(BackendInterrupted()))
             finish_reason: str | None = None
             usage: Usage | None = None
             events = EventReader(resp)

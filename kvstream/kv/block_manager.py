@@ -24,7 +24,7 @@ UNKNOWN_TOKEN = -1
 
 
 class SpillLookup(Protocol):
-    """Where blocks reclaimed from the pool went (see kvstream.backends.hf.kv_store)."""
+    """Where blocks reclaimed from the pool went (see kvstream.hf.kv_store)."""
 
     def contains(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool: ...
 

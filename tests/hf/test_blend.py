@@ -7,11 +7,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstream.backends.hf import compat  # noqa: E402
-from kvstream.backends.hf.attention import AttentionPlan  # noqa: E402
-from kvstream.backends.hf.blend import BlendParams, RotaryShift, find_moved_chunks  # noqa: E402
-from kvstream.backends.hf.engine import EngineConfig, PagedEngine  # noqa: E402
-from kvstream.backends.hf.sampling import SamplingParams  # noqa: E402
+from kvstream.hf import compat  # noqa: E402
+from kvstream.hf.attention import AttentionPlan  # noqa: E402
+from kvstream.hf.blend import BlendParams, RotaryShift, find_moved_chunks  # noqa: E402
+from kvstream.hf.model_runner import RunnerConfig, ModelRunner  # noqa: E402
+from kvstream.hf.sampling import SamplingParams  # noqa: E402
 from kvstream.scheduler import Sequence  # noqa: E402
 
 DOCS = [
@@ -26,17 +26,17 @@ DOCS = [
 ]
 
 
-def engine_for(smollm2, **overrides) -> PagedEngine:
+def engine_for(smollm2, **overrides) -> ModelRunner:
     config = dict(block_size=8, num_blocks=512, num_cpu_blocks=0, max_num_seqs=4, debug_invariants=True)
     config.update(overrides)
-    return PagedEngine(smollm2[0], smollm2[2], EngineConfig(**config))
+    return ModelRunner(smollm2[0], smollm2[2], RunnerConfig(**config))
 
 
 def rag_prompt(tokenizer, order: list[int], question: str = "Question: when did Apollo 11 launch? Answer:") -> list[int]:
     return list(tokenizer("\n\n".join(DOCS[i] for i in order) + "\n\n" + question).input_ids)
 
 
-def run(engine: PagedEngine, prompt: list[int], blend: BlendParams | None = None, max_tokens: int = 12):
+def run(engine: ModelRunner, prompt: list[int], blend: BlendParams | None = None, max_tokens: int = 12):
     """(token ids, first-token logits, request) of one greedy generation."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     params.keep_first_logits = True

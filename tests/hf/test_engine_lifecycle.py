@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from kvstream.backends.hf.engine import EngineConfig, PagedEngine  # noqa: E402
-from kvstream.backends.hf.sampling import SamplingParams  # noqa: E402
+from kvstream.hf.model_runner import RunnerConfig, ModelRunner  # noqa: E402
+from kvstream.hf.sampling import SamplingParams  # noqa: E402
 from kvstream.scheduler import Priority, Sequence  # noqa: E402
 
 SHARED = list(range(300, 316))  # a common prefix, so blocks are shared and cached
@@ -25,10 +25,10 @@ op = st.one_of(
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=25), mode=st.sampled_from(["swap", "recompute"]))
 def test_random_schedules_keep_every_invariant_and_leak_nothing(smollm2, ops, mode):
-    engine = PagedEngine(
+    engine = ModelRunner(
         smollm2[0],
         smollm2[2],
-        EngineConfig(
+        RunnerConfig(
             block_size=4, num_blocks=14, num_cpu_blocks=12, max_num_seqs=6, preemption_mode=mode,
             max_num_batched_tokens=24, debug_invariants=True,
         ),
@@ -68,10 +68,10 @@ def test_random_schedules_keep_every_invariant_and_leak_nothing(smollm2, ops, mo
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_aborting_preempted_and_running_requests_frees_both_pools(smollm2, mode):
-    engine = PagedEngine(
+    engine = ModelRunner(
         smollm2[0],
         smollm2[2],
-        EngineConfig(block_size=4, num_blocks=16, num_cpu_blocks=16, max_num_seqs=4, preemption_mode=mode, debug_invariants=True),
+        RunnerConfig(block_size=4, num_blocks=16, num_cpu_blocks=16, max_num_seqs=4, preemption_mode=mode, debug_invariants=True),
     )
     seqs = [Sequence(SHARED + [500 + i, 600 + i], 30) for i in range(4)]
     for seq in seqs:
@@ -91,9 +91,9 @@ def test_aborting_preempted_and_running_requests_frees_both_pools(smollm2, mode)
 
 
 def test_a_failing_forward_fails_its_requests_frees_everything_and_the_engine_goes_on(smollm2, monkeypatch):
-    from kvstream.backends.hf import compat, engine as engine_module
+    from kvstream.hf import compat, model_runner as engine_module
 
-    engine = PagedEngine(smollm2[0], smollm2[2], EngineConfig(block_size=4, num_blocks=64, num_cpu_blocks=8, debug_invariants=True))
+    engine = ModelRunner(smollm2[0], smollm2[2], RunnerConfig(block_size=4, num_blocks=64, num_cpu_blocks=8, debug_invariants=True))
     real = compat.forward_logits
     calls = {"n": 0}
 

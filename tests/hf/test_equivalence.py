@@ -10,8 +10,8 @@ from tests.hf.conftest import chat_prompts
 
 torch = pytest.importorskip("torch")
 
-from kvstream.backends.hf.engine import EngineConfig, PagedEngine  # noqa: E402
-from kvstream.backends.hf.sampling import SamplingParams  # noqa: E402
+from kvstream.hf.model_runner import RunnerConfig, ModelRunner  # noqa: E402
+from kvstream.hf.sampling import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
@@ -39,11 +39,11 @@ def golden(smollm2, prompts):
     return outputs
 
 
-def make_engine(smollm2, **overrides) -> PagedEngine:
-    config = EngineConfig(block_size=4, num_blocks=512, num_cpu_blocks=128, max_num_seqs=32, debug_invariants=True)
+def make_engine(smollm2, **overrides) -> ModelRunner:
+    config = RunnerConfig(block_size=4, num_blocks=512, num_cpu_blocks=128, max_num_seqs=32, debug_invariants=True)
     for key, value in overrides.items():
         setattr(config, key, value)
-    return PagedEngine(smollm2[0], smollm2[2], config)
+    return ModelRunner(smollm2[0], smollm2[2], config)
 
 
 def test_alone_each_prompt_matches_generate(smollm2, prompts, golden):
@@ -93,10 +93,10 @@ def test_preemption_round_trip_gives_the_same_tokens(smollm2, prompts, golden, m
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_engine_matches_generate(prompts, golden):
-    from kvstream.backends.hf.loader import load_model
+    from kvstream.hf.loader import load_model
 
     loaded = load_model(None, dtype="float32", device="cuda")
-    engine = PagedEngine(loaded.model, loaded.tokenizer, EngineConfig(block_size=16, num_blocks=256, num_cpu_blocks=64, max_num_seqs=32))
+    engine = ModelRunner(loaded.model, loaded.tokenizer, RunnerConfig(block_size=16, num_blocks=256, num_cpu_blocks=64, max_num_seqs=32))
     outs = engine.generate_sync(prompts, GREEDY)
     # Different kernels on another device: compare the first tokens, where ties are rare.
     assert sum(o[:4] == g[:4] for o, g in zip(outs, golden, strict=True)) >= len(golden) - 1

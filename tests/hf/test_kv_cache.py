@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstream.backends.hf.kv_cache import KVShape, PagedKVCache  # noqa: E402
+from kvstream.hf.kv_cache import KVShape, PagedKVCache  # noqa: E402
 
 SHAPE = KVShape(num_layers=3, num_kv_heads=2, head_dim=8)
 

@@ -11,10 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstream.backends.hf.engine import EngineConfig, PagedEngine  # noqa: E402
-from kvstream.backends.hf.kv_quant import KEY_AXIS, VALUE_AXIS, dequantize, quantize  # noqa: E402
-from kvstream.backends.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore  # noqa: E402
-from kvstream.backends.hf.sampling import SamplingParams  # noqa: E402
+from kvstream.hf.model_runner import RunnerConfig, ModelRunner  # noqa: E402
+from kvstream.hf.kv_quant import KEY_AXIS, VALUE_AXIS, dequantize, quantize  # noqa: E402
+from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore  # noqa: E402
+from kvstream.hf.sampling import SamplingParams  # noqa: E402
 from kvstream.kv.hashing import block_hashes  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -83,10 +83,10 @@ def test_host_store_keeps_its_budget_and_hands_the_oldest_to_disk(tmp_path):
 
 
 # ------------------------------------------------------------- on the real model
-def engine_with(smollm2, **overrides) -> PagedEngine:
+def engine_with(smollm2, **overrides) -> ModelRunner:
     config = dict(block_size=4, num_blocks=40, num_cpu_blocks=16, max_num_seqs=4, debug_invariants=True, model_identity="hf:tiers")
     config.update(overrides)
-    return PagedEngine(smollm2[0], smollm2[2], EngineConfig(**config))
+    return ModelRunner(smollm2[0], smollm2[2], RunnerConfig(**config))
 
 
 def reference_outputs(smollm2, prompts: list[list[int]]) -> list[list[int]]:
@@ -173,12 +173,12 @@ def test_a_disk_tier_written_for_another_layout_is_discarded(tmp_path):
 
 
 def test_spill_tiers_are_exported(smollm2):
-    from kvstream.metrics import _engine_families
+    from kvstream.hf.backend import runner_metric_families
 
     engine = engine_with(smollm2, num_blocks=16, host_cache_bytes=64 * 1024**2)
     for p in prompts_for(smollm2[2], 3) * 2:
         engine.generate_sync([p], GREEDY)
-    families = {f.name: f for f in _engine_families(engine)}
+    families = {f.name: f for f in runner_metric_families(engine)}
     assert families["kvstream_kv_spilled_blocks"].samples[0].value == engine.store.spilled > 0  # type: ignore[union-attr]
     assert families["kvstream_kv_restored_blocks"].samples[0].value == engine.counters.restored_blocks > 0
     ram = next(s for s in families["kvstream_kv_spill_bytes"].samples if s.labels["store"] == "ram")

@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstream.backends.hf.engine import EngineConfig  # noqa: E402
-from kvstream.backends.hf.loader import LoadedModel  # noqa: E402
+from kvstream.hf.model_runner import RunnerConfig  # noqa: E402
+from kvstream.hf.loader import LoadedModel  # noqa: E402
 from kvstream.hf import HFEngine  # noqa: E402
 
 SYSTEM = "You are the assistant of a small museum by the sea. Answer in one short sentence. " * 5
@@ -16,7 +16,7 @@ SYSTEM = "You are the assistant of a small museum by the sea. Answer in one shor
 @pytest.fixture
 def engine(smollm2):
     model, _, tokenizer = smollm2
-    return HFEngine(LoadedModel(model, tokenizer, "smollm2", "hf:test"), EngineConfig(block_size=16, num_blocks=512, num_cpu_blocks=0))
+    return HFEngine(LoadedModel(model, tokenizer, "smollm2", "hf:test"), RunnerConfig(block_size=16, num_blocks=512, num_cpu_blocks=0))
 
 
 def test_warm_then_generate_reuses_the_prefix_and_answers_as_cold(engine):

@@ -9,9 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstream.backends.hf.engine import EngineConfig, PagedEngine  # noqa: E402
-from kvstream.backends.hf.loader import chat_token_ids  # noqa: E402
-from kvstream.backends.hf.sampling import SamplingParams  # noqa: E402
+from kvstream.hf.model_runner import RunnerConfig, ModelRunner  # noqa: E402
+from kvstream.hf.loader import chat_token_ids  # noqa: E402
+from kvstream.hf.sampling import SamplingParams  # noqa: E402
 from kvstream.scheduler import Sequence  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
@@ -22,7 +22,7 @@ def template(tokenizer, messages) -> list[int]:
     return chat_token_ids(tokenizer, messages)
 
 
-def run_turn(engine: PagedEngine, prompt: list[int]) -> tuple[list[int], int]:
+def run_turn(engine: ModelRunner, prompt: list[int]) -> tuple[list[int], int]:
     """(generated ids, prompt tokens served from the cache)."""
     seq = Sequence(prompt, GREEDY.max_tokens)
     out: list[int] = []
@@ -35,8 +35,8 @@ def run_turn(engine: PagedEngine, prompt: list[int]) -> tuple[list[int], int]:
 def test_each_turn_reuses_the_previous_one_and_answers_exactly_as_without_reuse(smollm2):
     model, _, tokenizer = smollm2
     block = 16
-    cached = PagedEngine(model, tokenizer, EngineConfig(block_size=block, num_blocks=2048, num_cpu_blocks=0, debug_invariants=True))
-    plain = PagedEngine(model, tokenizer, EngineConfig(block_size=block, num_blocks=2048, num_cpu_blocks=0, enable_prefix_caching=False))
+    cached = ModelRunner(model, tokenizer, RunnerConfig(block_size=block, num_blocks=2048, num_cpu_blocks=0, debug_invariants=True))
+    plain = ModelRunner(model, tokenizer, RunnerConfig(block_size=block, num_blocks=2048, num_cpu_blocks=0, enable_prefix_caching=False))
     messages = [{"role": "system", "content": "You are a concise travel guide. " * 6}]
     previous: list[int] = []  # the last turn's prompt plus its generated tokens
     for turn, question in enumerate(QUESTIONS):

@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstream.backends.hf.detokenize import IncrementalDetokenizer  # noqa: E402
-from kvstream.backends.hf.sampling import SamplingParams, sample  # noqa: E402
+from kvstream.hf.detokenize import IncrementalDetokenizer  # noqa: E402
+from kvstream.hf.sampling import SamplingParams, sample  # noqa: E402
 
 
 def logits(rows: int = 3, vocab: int = 50) -> torch.Tensor:

@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 import openai  # noqa: E402
 from openai import AsyncOpenAI, BadRequestError  # noqa: E402
 
-from kvstream.backends.hf import HFBackend  # noqa: E402
-from kvstream.backends.hf.loader import LoadedModel  # noqa: E402
+from kvstream.hf import HFBackend  # noqa: E402
+from kvstream.hf.loader import LoadedModel  # noqa: E402
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ async def oa(hf_proxy):
 
 
 async def wait_idle(proxy) -> None:
-    engine = proxy.engine.backend.engine
+    engine = proxy.engine.backend.runner
     for _ in range(500):
         if engine.is_idle():
             return
@@ -83,14 +83,14 @@ async def test_sixteen_concurrent_streams_complete_and_release_everything(hf_pro
 
 
 async def test_greedy_through_the_proxy_equals_the_engine_alone(oa, smollm2):
-    from kvstream.backends.hf.engine import EngineConfig, PagedEngine
-    from kvstream.backends.hf.sampling import SamplingParams
+    from kvstream.hf.model_runner import RunnerConfig, ModelRunner
+    from kvstream.hf.sampling import SamplingParams
 
     messages = [{"role": "user", "content": "Name a planet."}]
     reply = await oa.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0)
     tokenizer = smollm2[2]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    alone = PagedEngine(smollm2[0], tokenizer, EngineConfig(block_size=16, num_blocks=64, num_cpu_blocks=0))
+    alone = ModelRunner(smollm2[0], tokenizer, RunnerConfig(block_size=16, num_blocks=64, num_cpu_blocks=0))
     [out] = alone.generate_sync([list(ids)], SamplingParams(max_tokens=16, temperature=0))
     assert reply.choices[0].message.content == tokenizer.decode(out, skip_special_tokens=True)
     assert reply.usage.prompt_tokens == len(ids)
@@ -128,7 +128,7 @@ async def test_client_disconnect_aborts_and_frees_the_blocks(hf_proxy):
         await resp.content.readline()  # the first chunk: generating
         resp.close()
     await wait_idle(hf_proxy)
-    assert hf_proxy.engine.backend.engine.counters.decode_tokens < 400
+    assert hf_proxy.engine.backend.runner.counters.decode_tokens < 400
     for _ in range(200):
         if hf_proxy.engine.stats.requests_cancelled == 1:
             break
@@ -149,23 +149,22 @@ async def test_auto_falls_back_to_the_in_process_engine_when_nothing_answers(mon
     settings = make_settings(scheduler={"max_batch_size": 5, "preemption_policy": "recompute"})
     backend = await serve_cli.build_backend(settings)
     assert isinstance(backend, HFBackend)
-    assert backend.options["max_batch_size"] == 5 and backend.options["preemption_policy"] == "recompute"
+    # The one config object reaches the backend as it is.
+    assert backend.settings is settings
 
 
 async def test_hf_settings_size_the_engine(smollm2):
     """Config keys reach the engine: block size, pool, batch, preemption, chunk budget."""
-    from kvstream.cli.serve import backend_options
     from tests.conftest import make_settings
 
     settings = make_settings(
         memory={"block_size": 8, "num_gpu_blocks": 100, "num_cpu_blocks": 10},
         scheduler={"max_batch_size": 3, "preemption_policy": "recompute", "max_num_batched_tokens": 64},
     )
-    options = backend_options(settings) | {"preloaded": LoadedModel(smollm2[0], smollm2[2], "smollm2", "hf:test")}
-    backend = HFBackend(None, None, **options)
+    backend = HFBackend(None, None, settings, preloaded=LoadedModel(smollm2[0], smollm2[2], "smollm2", "hf:test"))
     await backend.start()
     try:
-        config = backend.engine.config
+        config = backend.runner.config
         assert (config.block_size, config.num_blocks, config.num_cpu_blocks) == (8, 100, 10)
         assert (config.max_num_seqs, config.preemption_mode, config.max_num_batched_tokens) == (3, "recompute", 64)
         limits = await backend.limits()
@@ -175,7 +174,7 @@ async def test_hf_settings_size_the_engine(smollm2):
 
 
 async def test_the_engine_failing_mid_stream_ends_that_stream_with_an_error_and_serves_the_next(hf_proxy, oa, monkeypatch):
-    from kvstream.backends.hf import compat
+    from kvstream.hf import compat
 
     real = compat.forward_logits
     calls = {"n": 0}

@@ -26,7 +26,7 @@ import torch
 import transformers
 from transformers import AttentionInterface
 
-from kvstream.backends.hf.attention import AttentionPlan, paged_attention
+from kvstream.hf.attention import AttentionPlan, paged_attention
 
 ATTENTION_NAME = "kvstream_paged"
 

@@ -1,7 +1,18 @@
-"""KVStreamEngine: one backend, one BlockManager, one Scheduler, and the async glue between
-them. ``engine.generate(request)`` is the whole product in one call: count the prompt, queue
-it, wait for admission, stream the tokens while the block table grows, and free everything
-on every way out (finished, failed, cancelled)."""
+"""KVStreamEngine: one backend, one runner (and through it one scheduler and one block
+manager), and the async glue between them. ``engine.generate(request)`` is the whole product
+in one call: count the prompt, queue it, wait for admission, stream the tokens, and free
+everything on every way out (finished, failed, cancelled).
+
+Every request takes the same path, whatever the backend::
+
+    submit() -> runner.enqueue()          counted, checked, queued (or refused at once)
+    admitted()                            a batch slot, or QueueTimeout
+    async for token in gen                runner.stream(): tokens, timing, usage
+    close(outcome)                        runner.release(): blocks and slot freed, stats
+
+What differs per backend (who schedules, whether a stream can be paused) is the runner's
+business (runners.py).
+"""
 
 from __future__ import annotations
 
@@ -10,36 +21,25 @@ import collections
 import contextlib
 import logging
 import time
-import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvstream.backends.base import (
-    BackendError,
-    BackendRejected,
-    BaseBackend,
-    GenerateRequest,
-    ModelInfo,
-    RuntimeLimits,
-    Token,
-    Usage,
-)
+from kvstream.backends.base import BaseBackend
 from kvstream.config import Settings
-from kvstream.kv.block_manager import UNKNOWN_TOKEN, BlockManager
-from kvstream.metrics import Metrics
-from kvstream.scheduler import Priority, Scheduler, SchedulerConfig, SchedulerError, Sequence, SeqStatus
+from kvstream.engine.estimate import estimate_tokens, flatten_messages
+from kvstream.engine.runners import Runner, runner_for
+from kvstream.scheduler import Priority, Scheduler, SchedulerError, Sequence
+from kvstream.types import BackendError, BackendRejected, GenerateRequest, ModelInfo, RuntimeLimits, Token, Usage
+
+if TYPE_CHECKING:
+    from kvstream.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
-# Pool size when num_gpu_blocks is auto and the runtime reports nothing (tokens).
-FALLBACK_POOL_TOKENS = 32768
 # Worst-case output assumed for admission when a request sets no max_tokens and the model's
 # context is unknown.
 FALLBACK_MAX_TOKENS = 2048
-# Characters per token when a runtime cannot tokenize for us; corrected by the usage it
-# reports (see EngineStats.estimate_error).
-CHARS_PER_TOKEN = 4
 # How long the runtime's model list is reused before asking again.
 MODELS_TTL_S = 5.0
 
@@ -47,24 +47,6 @@ MODELS_TTL_S = 5.0
 class QueueTimeout(SchedulerError):
     status = 503
     code = "queue_timeout"
-
-
-def estimate_tokens(text: str) -> list[int]:
-    """Stand-in token ids for runtimes that cannot tokenize: one per CHARS_PER_TOKEN
-    characters, each the CRC of its piece, so equal text prefixes give equal ids (and share
-    blocks) while counts stay estimates."""
-    return [zlib.crc32(text[i : i + CHARS_PER_TOKEN].encode()) for i in range(0, len(text), CHARS_PER_TOKEN)] or [0]
-
-
-def flatten_messages(messages: list[dict[str, Any]]) -> str:
-    """A template-like rendering of chat messages, for estimating only."""
-    parts = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        parts.append(f"<|{message.get('role')}|>\n{content or ''}\n")
-    return "".join(parts)
 
 
 @dataclass
@@ -86,6 +68,9 @@ class EngineStats:
     estimated_prompts: int = 0
     # (finished_at, ttft_s, e2e_s, decode tokens/s) of recent requests, for /status.
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1024))
+
+    def reject(self, code: str) -> None:
+        self.rejected[code] = self.rejected.get(code, 0) + 1
 
 
 class Generation:
@@ -120,35 +105,37 @@ class Generation:
         self.finish_reason: str | None = None
         self.num_tokens = 0
         self._closed = False
-        # Preemption of a resumable remote stream (llama.cpp slot swap): set while paused.
-        self._resumed: asyncio.Future[None] | None = None
-        self._text: list[str] = []  # what was streamed so far, for a resumed leg
 
     @property
     def queue_ms(self) -> float:
-        if self.engine.backend.capabilities.owns_kv:
-            # Admission happens inside the in-process engine; the scheduler stamps it.
-            end = self.seq.admitted_at if self.seq.admitted_at is not None else time.monotonic()
-        else:
-            end = self.admitted_at if self.admitted_at is not None else time.monotonic()
+        """Time queued before admission; the scheduler stamps the admission (on the model
+        runner's thread for the in-process engine)."""
+        end = self.seq.admitted_at if self.seq.admitted_at is not None else time.monotonic()
         return max(0.0, end - self.submitted_at) * 1000
 
     @property
     def prefix_hit_tokens(self) -> int:
         return self.seq.num_cached_tokens
 
+    def admit(self) -> None:
+        """The runner gave this request a batch slot: wake ``admitted()``."""
+        if self._closed or self.ticket.done():
+            return
+        self.ticket.set_result(None)
+        stats = self.engine.stats
+        stats.prefix_hit_tokens += self.seq.num_cached_tokens
+        stats.prefix_query_tokens += len(self.seq.prompt_token_ids)
+
     async def admitted(self) -> None:
         """Wait for a batch slot and KV blocks; QueueTimeout after queue_timeout_s."""
+        timeout = self.engine.settings.scheduler.queue_timeout_s
         if not self.ticket.done():  # admitted at submit(): the common case when not loaded
-            await asyncio.wait({self.ticket}, timeout=self.engine.settings.scheduler.queue_timeout_s)
+            await asyncio.wait({self.ticket}, timeout=timeout)
         if not self.ticket.done():
             # No await between the check and close(): the scheduler cannot admit us meanwhile.
-            rejected = self.engine.stats.rejected
-            rejected[QueueTimeout.code] = rejected.get(QueueTimeout.code, 0) + 1
+            self.engine.stats.reject(QueueTimeout.code)
             self.close("rejected")
-            raise QueueTimeout(
-                f"The request waited {self.engine.settings.scheduler.queue_timeout_s:g}s in the queue without a free slot."
-            )
+            raise QueueTimeout(f"The request waited {timeout:g}s in the queue without a free slot.")
         self.admitted_at = time.monotonic()
 
     def __aiter__(self) -> AsyncIterator[Token]:
@@ -160,72 +147,25 @@ class Generation:
         self.upstream_at = time.monotonic()
         if metrics is not None and self.admitted_at is not None:
             metrics.overhead.observe(max(0.0, self.upstream_at - self.arrived_at - (self.admitted_at - self.submitted_at)))
-        owns_kv = engine.backend.capabilities.owns_kv
-        resumable = engine.backend.capabilities.preemptible and not owns_kv
-        while True:
-            while self._resumed is not None:  # preempted: wait until the scheduler resumes us
-                paused = self._resumed
-                await paused
-                if self._resumed is paused:  # not preempted again in the meantime
-                    self._resumed = None
-            upstream = engine.backend.generate(self.request)
-            try:
-                # Closed explicitly, not left to garbage collection: closing is what releases
-                # the runtime's connection (and lets a backend finish its bookkeeping) at once.
-                async with contextlib.aclosing(upstream):
-                    async for token in upstream:
-                        if self._resumed is not None:
-                            break  # preempted: this token is regenerated by the resumed leg
-                        if token.finish_reason is None:
-                            now = time.monotonic()
-                            if self.first_token_at is None:
-                                self.first_token_at = now
-                            elif metrics is not None:
-                                metrics.observe_token_gap(now - self.last_token_at)  # type: ignore[operator]
-                            self.last_token_at = now
-                            self.num_tokens += 1
-                            if not owns_kv:  # an in-process backend grows its own block tables
-                                grown = engine.scheduler.append(self.seq, token.token_id if token.token_id is not None else UNKNOWN_TOKEN)
-                                if grown.preempted:  # short of blocks: someone (maybe us) pauses
-                                    engine._pause(grown.preempted)
-                            if resumable:
-                                self._text.append(token.text)
-                            yield token
-                            continue
-                        self.finish_reason = token.finish_reason
-                        self.usage = token.usage or Usage(len(self.seq.prompt_token_ids), self.num_tokens)
-                        if token.usage is not None and not self.exact_prompt:
-                            engine.stats.estimated_prompts += 1
-                            engine.stats.estimate_error += abs(token.usage.prompt_tokens - len(self.seq.prompt_token_ids))
-                        yield token
-                        return
-            except BackendError:
-                if self._resumed is None:
-                    raise
-            if self._resumed is None:
-                return  # the runtime ended the stream without finishing (the caller reports it)
-            # Paused by preemption: the backend saved the runtime's state while closing; the
-            # next leg continues from what the client already has.
-            self.request.hints["resume_text"] = "".join(self._text)
-            self.request.hints["resume_tokens"] = self.num_tokens
-
-    def preempt(self) -> None:
-        """The scheduler paused this request: stop its stream now (the backend saves its
-        state) and wait for ``resume``. A request not yet streaming just waits."""
-        if self._resumed is not None and not self._resumed.done():
-            return  # already paused
-        self._resumed = asyncio.get_running_loop().create_future()
-        self.request.hints["preempted"] = True
-        # Swapped: the backend saves the runtime's state; requeued (recompute): it need not.
-        self.request.hints["save_state"] = self.seq.status is SeqStatus.SWAPPED
-        interrupt = self.request.hints.pop("interrupt", None)
-        if interrupt is not None:
-            interrupt()
-
-    def resume(self) -> None:
-        if self._resumed is not None and not self._resumed.done():
-            self.request.hints["preempted"] = False
-            self._resumed.set_result(None)
+        async with contextlib.aclosing(engine.runner.stream(self)) as tokens:
+            async for token in tokens:
+                if token.finish_reason is None:
+                    now = time.monotonic()
+                    if self.first_token_at is None:
+                        self.first_token_at = now
+                    elif metrics is not None:
+                        metrics.observe_token_gap(now - self.last_token_at)  # type: ignore[operator]
+                    self.last_token_at = now
+                    self.num_tokens += 1
+                    yield token
+                    continue
+                self.finish_reason = token.finish_reason
+                self.usage = token.usage or Usage(len(self.seq.prompt_token_ids), self.num_tokens)
+                if token.usage is not None and not self.exact_prompt:
+                    engine.stats.estimated_prompts += 1
+                    engine.stats.estimate_error += abs(token.usage.prompt_tokens - len(self.seq.prompt_token_ids))
+                yield token
+                return
 
     def close(self, outcome: str | None = None) -> None:
         """Release the slot and every block. Idempotent; safe on every exit path."""
@@ -233,15 +173,7 @@ class Generation:
             return
         self._closed = True
         engine = self.engine
-        if engine.backend.capabilities.owns_kv:
-            # The backend aborted its request when the stream closed; here only the stats.
-            if self.seq.admitted_at is not None:
-                engine.stats.prefix_hit_tokens += self.seq.num_cached_tokens
-                engine.stats.prefix_query_tokens += len(self.seq.prompt_token_ids)
-        else:
-            engine.scheduler.finish(self.seq)
-            if self._resumed is not None:  # gone while paused: drop its saved state
-                engine.backend.forget(self.request)
+        engine.runner.release(self)
         engine._generations.pop(self.seq.seq_id, None)
         if not self.ticket.done():
             self.ticket.cancel()
@@ -264,24 +196,24 @@ class Generation:
             stats.requests_failed += 1
         elif outcome == "cancelled":
             stats.requests_cancelled += 1
-        engine._kick()
 
 
 class KVStreamEngine:
-    """Owns the scheduler, the block manager and the backend; admission is event-driven:
-    every arrival, finish and abort runs one synchronous scheduling pass."""
+    """Owns the backend and the runner in front of it; one lifecycle for every request."""
 
     def __init__(self, backend: BaseBackend, settings: Settings | None = None, metrics: Metrics | None = None) -> None:
+        """``settings`` defaults to the backend's own (``kvstream serve`` builds both from
+        one object)."""
         self.backend = backend
-        self.settings = settings or Settings()
+        self.settings = settings or backend.settings
         self.metrics: Metrics | None = None
         if metrics is not None:
             self.attach_metrics(metrics)
         self.stats = EngineStats()
         self.limits = RuntimeLimits()
+        self.runner: Runner = runner_for(backend, self.settings)
         self._generations: dict[str, Generation] = {}
-        self._pool_from_runtime = False
-        self.scheduler = self._build_scheduler(self.limits)
+        self._sized = False
         self._ready = False
         self._started = False
         self._models: list[ModelInfo] = []
@@ -293,34 +225,10 @@ class KVStreamEngine:
         self.metrics = metrics
         metrics.bind(self)
 
-    def _build_scheduler(self, limits: RuntimeLimits) -> Scheduler:
-        memory, sched = self.settings.memory, self.settings.scheduler
-        if memory.num_gpu_blocks == "auto":
-            tokens = limits.n_ctx_total or FALLBACK_POOL_TOKENS
-            num_blocks = max(1, tokens // memory.block_size)
-        else:
-            num_blocks = memory.num_gpu_blocks
-        max_batch = sched.max_batch_size
-        if limits.parallel:
-            # More in flight than the runtime has slots only queues inside the runtime,
-            # where nobody can see or order it.
-            max_batch = min(max_batch, limits.parallel)
-        bm = BlockManager(
-            num_blocks,
-            memory.block_size,
-            memory.num_cpu_blocks if self.backend.capabilities.preemptible else 0,
-            enable_prefix_cache=self.settings.prefix_cache.enabled,
-            max_prefix_length=self.settings.prefix_cache.max_prefix_length,
-            model_identity=f"{self.backend.name}:{self.backend.base_url}:{self.backend.model}",
-        )
-        config = SchedulerConfig(
-            max_batch_size=max_batch,
-            preemption_policy=sched.preemption_policy,
-            priority=sched.priority,
-            max_queue_size=sched.max_queue_size,
-            max_model_len=limits.n_ctx_per_request,
-        )
-        return Scheduler(bm, config, preemptible=self.backend.capabilities.preemptible)
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler over the pool this engine reports (the runner's)."""
+        return self.runner.scheduler
 
     async def start(self) -> None:
         """Start the backend and size the pool from the runtime, if it answers."""
@@ -343,22 +251,14 @@ class KVStreamEngine:
         except Exception:  # a probe must never take the proxy down
             logger.exception("health probe of backend %s failed", self.backend.name)
             healthy = False
-        owned = getattr(self.backend, "scheduler", None) if self.backend.capabilities.owns_kv else None
-        if healthy and owned is not None and self.scheduler is not owned:
-            # The in-process engine's own scheduler and pool: /status shows the real thing.
-            self.scheduler = owned
-            self.limits = await self.backend.limits()
-            self._pool_from_runtime = True
-        if healthy and not self._pool_from_runtime:
+        if healthy and not self._sized:
             try:
                 limits = await self.backend.limits()
             except BackendError as exc:
                 logger.warning("could not read the runtime's limits: %s", exc.message)
                 limits = RuntimeLimits()
-            if self.scheduler.bm.is_idle() and not self.scheduler.waiting:
-                self.limits = limits
-                self.scheduler = self._build_scheduler(limits)
-                self._pool_from_runtime = True
+            if self.runner.resize(limits):
+                self.limits, self._sized = limits, True
                 bm = self.scheduler.bm
                 logger.info(
                     "KV pool: %d blocks x %d tokens%s; max in flight %d; model context %s",
@@ -377,17 +277,6 @@ class KVStreamEngine:
         if self._started:
             self._started = False
             await self.backend.close()
-
-    async def serve(self, host: str | None = None, port: int | None = None, stop: asyncio.Event | None = None) -> None:
-        """Serve the OpenAI API in front of this engine until SIGINT/SIGTERM or ``stop``."""
-        from kvstream.server import serve
-
-        settings = self.settings.model_copy(deep=True)
-        if host is not None:
-            settings.server.host = host
-        if port is not None:
-            settings.server.port = port
-        await serve(settings, self, stop=stop)
 
     @property
     def ready(self) -> bool:
@@ -430,33 +319,27 @@ class KVStreamEngine:
         self.stats.requests_total += 1
         prompt_ids, exact = await self.prompt_tokens(request)
         if exact:
-            request.hints["prompt_tokens"] = prompt_ids  # for slot routing and KV inject
+            request.control.prompt_token_ids = prompt_ids  # for slot routing and KV inject
         # Without max_tokens a request may run to the end of the context; with no known
         # context, assume FALLBACK_MAX_TOKENS, within what the pool can ever hold.
-        limit = self.scheduler.config.max_model_len
+        scheduler = self.scheduler
+        limit = scheduler.config.max_model_len
         if limit is None:
-            pool_tokens = self.scheduler.bm.pool.num_blocks * self.scheduler.bm.block_size
+            pool_tokens = scheduler.bm.pool.num_blocks * scheduler.bm.block_size
             limit = len(prompt_ids) + min(FALLBACK_MAX_TOKENS, pool_tokens - len(prompt_ids))
         max_tokens = request.max_tokens if request.max_tokens is not None else max(1, limit - len(prompt_ids))
         seq = Sequence(prompt_ids, max_tokens, priority)
         if self.backend.capabilities.preemptible:
             seq.preemptible = self.backend.can_resume(request)
-        owns_kv = self.backend.capabilities.owns_kv
-        try:
-            if owns_kv:
-                self.scheduler.check_fits(seq)  # the engine queues it; only reject here
-            else:
-                self.scheduler.add(seq)
-        except SchedulerError as exc:
-            self.stats.rejected[exc.code] = self.stats.rejected.get(exc.code, 0) + 1
-            raise
         gen = Generation(self, request, seq, exact, arrived_at)
         self._generations[seq.seq_id] = gen
-        if owns_kv:
-            request.hints["sequence"] = seq
-            gen.ticket.set_result(None)
-        else:
-            self._kick()
+        try:
+            self.runner.enqueue(gen)
+        except BaseException as exc:
+            self._generations.pop(seq.seq_id, None)
+            if isinstance(exc, SchedulerError):
+                self.stats.reject(exc.code)
+            raise
         return gen
 
     async def generate(
@@ -501,9 +384,7 @@ class KVStreamEngine:
         if isinstance(request, str):
             request = GenerateRequest(model=self.backend.model, messages=[{"role": "system", "content": request}])
         request.max_tokens, request.temperature = 1, 0.0
-        # Backends that template prompts themselves (hf) leave the assistant header off, so
-        # that the warmed tokens are a true prefix of later conversations.
-        request.hints["prefix_only"] = True
+        request.prefix_only = True
         if not self._started:
             await self.start()
         started = time.monotonic()
@@ -518,29 +399,6 @@ class KVStreamEngine:
             "elapsed_ms": round((time.monotonic() - started) * 1000, 1),
         }
 
-    def _kick(self) -> None:
-        """Run one scheduling pass and wake whoever it admitted."""
-        if self.backend.capabilities.owns_kv:
-            return  # the in-process engine schedules on its own thread
-        out = self.scheduler.schedule()
-        self._pause(out.preempted)
-        for seq in out.admitted + out.resumed:
-            gen = self._generations.get(seq.seq_id)
-            if gen is None:
-                continue
-            if not gen.ticket.done():
-                gen.ticket.set_result(None)
-                self.stats.prefix_hit_tokens += seq.num_cached_tokens
-                self.stats.prefix_query_tokens += len(seq.prompt_token_ids)
-            else:
-                gen.resume()  # a preempted request back (swapped in, or re-admitted to recompute)
-
-    def _pause(self, preempted: list[Sequence]) -> None:
-        for seq in preempted:
-            gen = self._generations.get(seq.seq_id)
-            if gen is not None:
-                gen.preempt()
-
     # ------------------------------------------------------------- snapshot
     def snapshot(self) -> dict[str, Any]:
         """The JSON body of /status."""
@@ -548,7 +406,7 @@ class KVStreamEngine:
         pool = bm.pool
         hit_ratio = self.stats.prefix_hit_tokens / self.stats.prefix_query_tokens if self.stats.prefix_query_tokens else 0.0
         now = time.monotonic()
-        waits = [now - g.submitted_at for g in self._generations.values() if g.admitted_at is None]
+        waits = [now - g.submitted_at for g in self._generations.values() if not g.ticket.done()]
         return {
             "backend": self.backend.describe() | {"ready": self._ready},
             "uptime_s": round(time.time() - self.stats.started_at, 1),
@@ -561,7 +419,7 @@ class KVStreamEngine:
                 "oldest_wait_s": round(max(waits), 3) if waits else 0.0,
             },
             "kv": {
-                "estimated": not self.backend.capabilities.owns_kv,
+                "estimated": self.runner.kv_estimated,
                 "block_size": bm.block_size,
                 "blocks_total": pool.num_blocks,
                 "blocks_used": pool.num_used,

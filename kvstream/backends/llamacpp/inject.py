@@ -10,9 +10,11 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
-from kvstream.backends.llamacpp_slots import InjectStats, SlotFileStore, SlotState, SlotTable
+from kvstream.backends.llamacpp.slots import InjectStats, SlotFileStore, SlotState, SlotTable
 
 logger = logging.getLogger(__name__)
 
@@ -310,3 +312,24 @@ class HardInject:
             "swap_outs": s.swap_outs,
             "swap_ins": s.swap_ins,
         }
+
+
+def inject_metric_families(inject: HardInject) -> Iterator[Any]:
+    """Prometheus series of hard KV inject, read at scrape time."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    s = inject.stats
+    yield GaugeMetricFamily("kvstream_hard_inject_enabled", "1 while hard KV inject (slot save/restore) is on.", value=1.0 if inject.enabled else 0.0)
+    restores = CounterMetricFamily("kvstream_hard_inject_restores", "Slot-file restores, by result.", labels=["result"])
+    restores.add_metric(["ok"], s.restores)
+    restores.add_metric(["failed"], s.restore_failures)
+    restores.add_metric(["ineffective"], s.ineffective)
+    yield restores
+    yield CounterMetricFamily("kvstream_hard_inject_restored_tokens", "Prompt tokens restored instead of prefilled.", value=s.restored_tokens)
+    yield CounterMetricFamily("kvstream_hard_inject_restored_bytes", "Bytes of KV state read back into slots.", value=s.restored_bytes)
+    yield CounterMetricFamily("kvstream_hard_inject_saves", "Slot states saved to disk.", value=s.saves)
+    yield CounterMetricFamily("kvstream_hard_inject_saved_bytes", "Bytes of KV state written to disk.", value=s.saved_bytes)
+    yield CounterMetricFamily("kvstream_hard_inject_evicted_files", "Slot files deleted for the byte budget.", value=s.evicted_files)
+    yield CounterMetricFamily("kvstream_slot_affinity_hits", "Requests routed to a slot already holding their prefix.", value=s.affinity_hits)
+    store = inject.store
+    yield GaugeMetricFamily("kvstream_hard_inject_disk_bytes", "Bytes of slot files on disk.", value=store.total_bytes if store is not None else 0)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvstream.backends.llamacpp_runtime import embedded_model
+from kvstream.embedded import embedded_model
 
 logger = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from kvstream.backends.hf.blend import BlendParams
-from kvstream.backends.hf.engine import EngineConfig, PagedEngine, TokenEvent
-from kvstream.backends.hf.kv_cache import auto_num_blocks
-from kvstream.backends.hf.loader import LoadedModel, chat_token_ids, load_model
-from kvstream.backends.hf.sampling import SamplingParams
+from kvstream.hf.blend import BlendParams
+from kvstream.hf.model_runner import RunnerConfig, ModelRunner, TokenEvent
+from kvstream.hf.kv_cache import auto_num_blocks
+from kvstream.hf.loader import LoadedModel, chat_token_ids, load_model
+from kvstream.hf.sampling import SamplingParams
 from kvstream.scheduler import Sequence
 
 
@@ -64,12 +64,12 @@ class HFEngine:
 
     STRATEGIES = ("none", "selective", "cacheblend")
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, recompute_strategy: str = "none", blend_ratio: float = 0.15) -> None:
+    def __init__(self, loaded: LoadedModel, config: RunnerConfig, recompute_strategy: str = "none", blend_ratio: float = 0.15) -> None:
         if recompute_strategy not in self.STRATEGIES:
             raise ValueError(f"recompute_strategy must be one of {self.STRATEGIES}, not {recompute_strategy!r}")
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self.engine = PagedEngine(loaded.model, loaded.tokenizer, config)
+        self.engine = ModelRunner(loaded.model, loaded.tokenizer, config)
         # none: exact prefix reuse only. selective: also move reappearing chunks, recomputing
         # only their seams. cacheblend: move, then recompute the blend_ratio most deviant tokens.
         self.blend = None
@@ -102,7 +102,7 @@ class HFEngine:
         ``recompute_strategy``: none (exact reuse only), selective or cacheblend (see above)."""
         loaded = load_model(model, gguf_file, dtype, device)
         blocks = auto_num_blocks(loaded.model, chunk_size, max_cache_bytes)
-        config = EngineConfig(
+        config = RunnerConfig(
             block_size=chunk_size, num_blocks=blocks, num_cpu_blocks=0, max_num_seqs=max_batch_size,
             model_identity=loaded.identity, max_model_len=getattr(loaded.model.config, "max_position_embeddings", None),
             kv_cache_bits=kv_cache_bits, host_cache_bytes=host_cache_bytes, disk_cache_dir=disk_cache_dir,
@@ -156,9 +156,9 @@ class HFEngine:
         ``warm`` is given, those texts are (e.g. a RAG prompt's documents in another order,
         which exercises blend reuse)."""
         config = self.engine.config
-        plain = PagedEngine(
+        plain = ModelRunner(
             self.loaded.model, self.tokenizer,
-            EngineConfig(block_size=config.block_size, num_blocks=config.num_blocks, num_cpu_blocks=0, enable_prefix_caching=False),
+            RunnerConfig(block_size=config.block_size, num_blocks=config.num_blocks, num_cpu_blocks=0, enable_prefix_caching=False),
         )
         report = []
         for prompt in prompts:
@@ -202,7 +202,7 @@ class HFEngine:
         params: list[SamplingParams],
         start: float | None = None,
         keep_logits: bool = False,
-        engine: PagedEngine | None = None,
+        engine: ModelRunner | None = None,
     ) -> list[GenerationResult]:
         engine = engine or self.engine
         start = time.perf_counter() if start is None else start

@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-from kvstream.backends.hf import compat
-from kvstream.backends.hf import blend as blend_module
-from kvstream.backends.hf.attention import AttentionPlan, scattered_plan
-from kvstream.backends.hf.blend import BlendParams
-from kvstream.backends.hf.detokenize import IncrementalDetokenizer
-from kvstream.backends.hf.kv_cache import KVShape, PagedKVCache
-from kvstream.backends.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
-from kvstream.backends.hf.sampling import SamplingParams, sample
+from kvstream.hf import compat
+from kvstream.hf import blend as blend_module
+from kvstream.hf.attention import AttentionPlan, scattered_plan
+from kvstream.hf.blend import BlendParams
+from kvstream.hf.detokenize import IncrementalDetokenizer
+from kvstream.hf.kv_cache import KVShape, PagedKVCache
+from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
+from kvstream.hf.sampling import SamplingParams, sample
 from kvstream.kv.block_manager import BlockManager
 from kvstream.scheduler import (
     QueueFull,
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class EngineConfig:
+class RunnerConfig:
     """Sizes and policies of the in-process engine."""
 
     block_size: int = 16
@@ -65,6 +65,8 @@ class EngineConfig:
     preemption_mode: str = "swap"  # swap | recompute
     policy: str = "fcfs"  # fcfs | sjf
     enable_prefix_caching: bool = True
+    max_prefix_length: int | None = None  # longest prefix reused (tokens); None = no cap
+    cache_ttl_s: float | None = None  # cached blocks unused this long are forgotten
     max_queue_size: int = 256
     max_model_len: int | None = None
     model_identity: str = "hf"
@@ -96,7 +98,7 @@ Sink = Callable[[list[TokenEvent]], None]
 
 
 @dataclass(eq=False)
-class EngineRequest:
+class RunnerRequest:
     """A request inside the engine: its scheduler sequence plus decoding state."""
 
     seq: Sequence
@@ -116,7 +118,7 @@ class EngineRequest:
 
 
 @dataclass
-class EngineCounters:
+class RunnerCounters:
     steps: int = 0
     forward_tokens: int = 0
     prefill_tokens: int = 0
@@ -128,10 +130,10 @@ class EngineCounters:
     repaired_tokens: int = 0  # moved tokens recomputed by the repair
 
 
-class PagedEngine:
+class ModelRunner:
     """Continuous batching over a paged KV pool for one HF causal LM."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, config: RunnerConfig) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config
@@ -147,6 +149,7 @@ class PagedEngine:
             config.block_size,
             config.num_cpu_blocks,
             enable_prefix_cache=config.enable_prefix_caching,
+            max_prefix_length=config.max_prefix_length,
             model_identity=config.model_identity,
             hash_on_append=False,
         )
@@ -158,6 +161,7 @@ class PagedEngine:
                 priority=config.policy,
                 max_queue_size=config.max_queue_size,
                 max_model_len=config.max_model_len,
+                cache_ttl_s=config.cache_ttl_s,
             ),
             preemptible=True,
         )
@@ -170,10 +174,10 @@ class PagedEngine:
         self.blend_costs = blend_module.BlendCosts()
         compat.use_paged_attention(self.model)
         self.eos_ids = self._eos_ids()
-        self.counters = EngineCounters()
-        self.requests: dict[str, EngineRequest] = {}
-        self._finished: list[EngineRequest] = []  # finished this step, events not yet sent
-        self._inbox: list[EngineRequest] = []
+        self.counters = RunnerCounters()
+        self.requests: dict[str, RunnerRequest] = {}
+        self._finished: list[RunnerRequest] = []  # finished this step, events not yet sent
+        self._inbox: list[RunnerRequest] = []
         self._aborts: list[str] = []
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -209,11 +213,11 @@ class PagedEngine:
         return ids
 
     # ------------------------------------------------------------- requests
-    def add_request(self, seq: Sequence, params: SamplingParams, sink: Sink, blend: BlendParams | None = None) -> EngineRequest:
+    def add_request(self, seq: Sequence, params: SamplingParams, sink: Sink, blend: BlendParams | None = None) -> RunnerRequest:
         """Queue a request (any thread). Raises NeverFits / QueueFull at once. ``blend``
         opts the request into approximate reuse of moved chunks (blend.py)."""
         self.scheduler.check_fits(seq)
-        req = EngineRequest(seq, params, IncrementalDetokenizer(self.tokenizer, params.stop), sink, params.make_generator())
+        req = RunnerRequest(seq, params, IncrementalDetokenizer(self.tokenizer, params.stop), sink, params.make_generator())
         req.blend = blend
         with self._lock:
             if len(self.scheduler.waiting) + len(self._inbox) >= self.scheduler.config.max_queue_size:
@@ -365,7 +369,7 @@ class PagedEngine:
 
     # ---------------------------------------------------------------- blend
     @torch.inference_mode()
-    def _blend_prefill(self, req: EngineRequest) -> None:
+    def _blend_prefill(self, req: RunnerRequest) -> None:
         """Prefill a just-admitted ``reuse: blend`` request by moving matched chunks' KV,
         repairing the most deviant tokens and computing the rest (see blend.py). Leaves the
         prompt's last token to the normal step, which samples from it."""
@@ -436,7 +440,7 @@ class PagedEngine:
             self.counters.forward_tokens += len(chunk)
             self.counters.prefill_tokens += len(chunk) if num_layers is None else 0
 
-    def _plan_batch(self) -> list[tuple[EngineRequest, int]]:
+    def _plan_batch(self) -> list[tuple[RunnerRequest, int]]:
         """(request, tokens to compute) for this forward: every decode, then prefill chunks
         in admission order within the token budget."""
         decodes, prefills = [], []
@@ -459,13 +463,13 @@ class PagedEngine:
         return batch
 
     @torch.inference_mode()
-    def _forward(self, batch: list[tuple[EngineRequest, int]]) -> None:
+    def _forward(self, batch: list[tuple[RunnerRequest, int]]) -> None:
         bm = self.scheduler.bm
         ids: list[int] = []
         positions: list[int] = []
         plan_seqs = []
         logit_rows: list[int] = []
-        sampled: list[EngineRequest] = []
+        sampled: list[RunnerRequest] = []
         for req, take in batch:
             table = bm.tables[req.seq.seq_id]
             start = req.num_computed
@@ -507,7 +511,7 @@ class PagedEngine:
             if first is not None:
                 req.events[-1].logits = first  # the event _emit just queued
 
-    def _emit(self, req: EngineRequest, token: int) -> None:
+    def _emit(self, req: RunnerRequest, token: int) -> None:
         req.num_generated += 1
         params = req.params
         if token in self.eos_ids and not params.ignore_eos:
@@ -522,7 +526,7 @@ class PagedEngine:
             req.pending = token
             req.events.append(TokenEvent("token", token, text))
 
-    def _finish(self, req: EngineRequest, event: TokenEvent) -> None:
+    def _finish(self, req: RunnerRequest, event: TokenEvent) -> None:
         req.events.append(event)
         self.scheduler.finish(req.seq)
         self.requests.pop(req.seq.seq_id, None)

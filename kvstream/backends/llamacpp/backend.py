@@ -12,29 +12,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvstream.backends.base import (
-    BackendError,
-    BackendInterrupted,
-    Capabilities,
-    GenerateRequest,
-    RuntimeLimits,
-    Token,
-    Usage,
-)
+from kvstream.config import Settings
+from kvstream.backends.base import Capabilities
+from kvstream.types import BackendError, BackendInterrupted, GenerateRequest, RuntimeLimits, Token, Usage
 from kvstream.backends.http import DONE, EventReader, raise_for_upstream_status
-from kvstream.backends.llamacpp_runtime import ManagedLlamaServer, embedded_model
-from kvstream.backends.llamacpp_inject import HardInject
-from kvstream.backends.llamacpp_slots import SlotFileStore
-from kvstream.backends.llamacpp_tokens import ConversationTokenCache
+from kvstream.backends.llamacpp.runtime import ManagedLlamaServer
+from kvstream.embedded import embedded_model
+from kvstream.backends.llamacpp.inject import HardInject, inject_metric_families
+from kvstream.backends.llamacpp.slots import SlotFileStore
+from kvstream.backends.llamacpp.tokens import ConversationTokenCache
 from kvstream.backends.openai_compat import OpenAICompatibleBackend
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SLOT_BUDGET_BYTES = 2 * 1024**3
 # Request fields whose output a resumed leg (plain /completion text) could not reproduce.
 RESUME_BLOCKERS = ("tools", "functions", "response_format", "json_schema", "grammar", "logprobs", "n_probs")
 
@@ -48,12 +42,14 @@ class LlamaCppBackend(OpenAICompatibleBackend):
     health_path = "/health"
     capabilities = Capabilities(exact_prompt_tokens=True)
 
-    def __init__(self, base_url: str | None = None, model: str | None = None, **options: Any) -> None:
-        super().__init__(base_url, model, **options)
+    def __init__(
+        self, base_url: str | None = None, model: str | None = None, settings: Settings | None = None, **overrides: Any
+    ) -> None:
+        super().__init__(base_url, model, settings, **overrides)
         self.props: dict[str, Any] | None = None
         self.runtime: ManagedLlamaServer | None = None
         self.inject: HardInject | None = None
-        self.slot_save_path = Path(options["slot_save_path"]) if options.get("slot_save_path") else None
+        self.slot_save_path = self.settings.backend.slot_save_path
         self._runtime_restarts = 0
         self._background: set[asyncio.Task[None]] = set()
         self.conversations = ConversationTokenCache()
@@ -66,8 +62,8 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                 )
             self.runtime = ManagedLlamaServer(
                 gguf,
-                slots=int(options.get("managed_slots") or 2),
-                ctx=int(options.get("managed_ctx") or 4096),
+                slots=self.settings.backend.managed_slots,
+                ctx=self.settings.backend.managed_ctx,
                 slot_save_path=self.slot_save_path,
             )
             self.slot_save_path = self.runtime.slot_save_path
@@ -94,11 +90,16 @@ class LlamaCppBackend(OpenAICompatibleBackend):
             info["hard_inject"] = self.inject.snapshot()
         return info
 
+    def metric_families(self) -> Iterator[Any]:
+        if self.inject is not None:
+            yield from inject_metric_families(self.inject)
+
     async def _setup_inject(self, props: dict[str, Any]) -> None:
         """On first contact: slot table for affinity, and hard inject if slot saving works."""
         slots = int(props.get("total_slots") or 1)
         store = None
-        if self.options.get("inject", True):
+        config = self.settings.backend
+        if config.inject:
             async with self.http.request("POST", "/slots/0?action=probe", json_body={}, timeout=10) as resp:
                 supported = resp.status != 501  # 400 "Invalid action" when slot actions are on
             if not supported:
@@ -108,20 +109,19 @@ class LlamaCppBackend(OpenAICompatibleBackend):
             else:
                 identity = f"{props.get('model_path')}|{props.get('build_info')}|{(props.get('default_generation_settings') or {}).get('n_ctx')}"
                 store = SlotFileStore(
-                    self.slot_save_path, identity, int(self.options.get("block_size") or 16),
-                    int(self.options.get("slot_budget_bytes") or DEFAULT_SLOT_BUDGET_BYTES),
+                    self.slot_save_path, identity, self.settings.memory.block_size, config.slot_budget_bytes,
                 )
                 logger.info("hard KV inject on: %d slot files indexed in %s", len(store), self.slot_save_path)
-        self.inject = HardInject(self.http, slots, store, min_tokens=int(self.options.get("inject_min_tokens") or 64))
+        self.inject = HardInject(self.http, slots, store, min_tokens=config.inject_min_tokens)
         if store is not None:
             # Slot saving works: a running request can be paused (its slot saved to a swap
             # file) and resumed, so the scheduler may preempt for higher-priority requests.
             self.capabilities = Capabilities(exact_prompt_tokens=True, preemptible=True)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
-        prompt = request.hints.get("prompt_tokens")
+        prompt = request.control.prompt_token_ids
         inject = self.inject
-        if request.hints.get("resume_text") is not None and inject is not None and prompt:
+        if request.control.resume is not None and inject is not None and prompt:
             async with contextlib.aclosing(self._resume(request, inject, prompt)) as tokens:
                 async for token in tokens:
                     yield token
@@ -135,16 +135,17 @@ class LlamaCppBackend(OpenAICompatibleBackend):
             self._runtime_restarts = self.runtime.restarts
             inject.reset()  # the managed server restarted: its slots and caches are empty
         route = await inject.prepare(prompt)
+        body = self.build_body(request)
         if route.pin:
-            request.hints["id_slot"] = route.slot.id
+            body["id_slot"] = route.slot.id
         prefilled, cached = False, None
         try:
-            async with contextlib.aclosing(super().generate(request)) as tokens:
+            async with contextlib.aclosing(self.stream(request, body)) as tokens:
                 async for token in tokens:
                     # Once a token came back, the runtime holds the whole prompt's KV.
                     prefilled = True
                     if token.finish_reason is not None:
-                        cached = request.hints.get("cache_n")
+                        cached = request.control.cached_tokens
                         if cached is None and token.usage is not None:
                             cached = token.usage.cached_tokens
                     yield token
@@ -159,26 +160,29 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         Shielded: a client hanging up after the last byte must not abort the save (nor leave
         the slot marked busy); close() waits for saves still running.
         """
-        if request.hints.get("preempted"):
-            save = prefilled and bool(request.hints.get("save_state", True))
+        control = request.control
+        if control.preempted:
+            save = prefilled and control.save_state
             task = asyncio.ensure_future(inject.suspend(route, save))
         else:
             task = asyncio.ensure_future(inject.finish(route, cached, prefilled))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         name = await asyncio.shield(task)
-        if request.hints.get("preempted"):
-            request.hints["swap_file"] = name
+        if control.preempted:
+            control.saved_state = name
 
     async def _resume(self, request: GenerateRequest, inject: HardInject, prompt: list[int]) -> AsyncIterator[Token]:
         """The leg after a preemption: restore the saved slot state, then continue the
         generation from the prompt plus the text already streamed, through the native
         /completion route (it takes token ids and continues them exactly)."""
-        text = request.hints["resume_text"]
-        done = int(request.hints.get("resume_tokens") or 0)
+        resume = request.control.resume
+        assert resume is not None
+        text, done = resume.text, resume.tokens
         generated = await self._tokenize_text(text) if text else []
         tokens = list(prompt) + generated
-        route = await inject.prepare(tokens, swap_file=request.hints.pop("swap_file", None))
+        swap_file, request.control.saved_state = request.control.saved_state, None
+        route = await inject.prepare(tokens, swap_file=swap_file)
         remaining = request.max_tokens - done if request.max_tokens is not None else -1
         body: dict[str, Any] = {
             "prompt": tokens, "n_predict": remaining, "stream": True, "cache_prompt": True, "id_slot": route.slot.id,
@@ -195,7 +199,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                 return
             async with self.http.request("POST", "/completion", json_body=body) as resp:
                 await raise_for_upstream_status(resp)
-                request.hints["interrupt"] = lambda: resp.content.set_exception(BackendInterrupted())
+                request.control.on_interrupt(lambda: resp.content.set_exception(BackendInterrupted()))
                 events = EventReader(resp)
                 while batch := await events.read():
                     for event in batch:
@@ -223,21 +227,19 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         return not any(key in request.extra for key in RESUME_BLOCKERS)
 
     def forget(self, request: GenerateRequest) -> None:
-        name = request.hints.pop("swap_file", None)
+        name, request.control.saved_state = request.control.saved_state, None
         if name and self.inject is not None:
             self.inject.discard_swap(name)
 
     def build_body(self, request: GenerateRequest) -> dict[str, Any]:
         body = super().build_body(request)
         body.setdefault("cache_prompt", True)
-        if "id_slot" in request.hints:
-            body["id_slot"] = request.hints["id_slot"]
         return body
 
     def observe_event(self, event: dict[str, Any], request: GenerateRequest) -> None:
         timings = event.get("timings")
         if isinstance(timings, dict) and "cache_n" in timings:
-            request.hints["cache_n"] = int(timings["cache_n"])  # prompt tokens reused from the slot
+            request.control.cached_tokens = int(timings["cache_n"])  # prompt tokens reused from the slot
 
     async def health(self) -> bool:
         try:

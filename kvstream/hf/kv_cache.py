@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstream.backends.hf.kv_quant import QuantizedTensor, dequantize, quantize
+from kvstream.hf.kv_quant import QuantizedTensor, dequantize, quantize
 
 # Pool size when neither num_gpu_blocks nor kv_cache_bytes is set, on CPU.
 DEFAULT_CPU_KV_BYTES = 1024**3

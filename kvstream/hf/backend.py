@@ -1,0 +1,316 @@
+"""``--backend hf``: the in-process engine behind the same API as every other backend.
+
+Unlike the remote backends, this one owns the KV. The proxy's engine counts and checks each
+request, then hands its Sequence to ``submit``; admission, batching and preemption happen in
+the model runner's step loop over its own scheduler, which ``scheduler`` exposes so that
+/status and /metrics show the real pool.
+
+torch and transformers are imported when the model is loaded (``start``), not with this
+module: choosing another backend never needs them, and a base install that asks for this one
+is told in one line which extra to install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
+
+from kvstream.backends.base import Capabilities, InProcessBackend
+from kvstream.config import Settings
+from kvstream.scheduler import Scheduler, SchedulerError, Sequence
+from kvstream.types import (
+    BackendError,
+    BackendRejected,
+    BackendUnavailable,
+    GenerateRequest,
+    ModelInfo,
+    RuntimeLimits,
+    Token,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from kvstream.hf.loader import LoadedModel
+    from kvstream.hf.model_runner import ModelRunner, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+MISSING_EXTRA = "the hf backend needs torch and transformers: pip install 'kvstream[hf]'"
+
+
+def missing_requirements() -> str | None:
+    """None when the hf backend can run here, else the one-line install hint."""
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        return MISSING_EXTRA
+    return None
+
+
+def runner_metric_families(runner: ModelRunner) -> Iterator[Any]:
+    """The model runner's own series: steps, forward tokens, pool bytes, spill tiers."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    c = runner.counters
+    yield CounterMetricFamily("kvstream_engine_steps", "Batched forward passes run by the in-process engine.", value=c.steps)
+    tokens = CounterMetricFamily("kvstream_engine_forward_tokens", "Tokens computed by forward passes, by kind.", labels=["kind"])
+    tokens.add_metric(["prefill"], c.prefill_tokens)
+    tokens.add_metric(["decode"], c.decode_tokens)
+    yield tokens
+    kv_bytes = GaugeMetricFamily("kvstream_kv_pool_bytes", "Bytes allocated to the KV pools, by tier.", labels=["tier"])
+    kv_bytes.add_metric(["gpu"], runner.cache.device_bytes)
+    kv_bytes.add_metric(["cpu"], runner.cache.host_bytes)
+    yield kv_bytes
+    store = runner.store
+    if store is not None:
+        yield CounterMetricFamily("kvstream_kv_spilled_blocks", "Cached blocks reclaimed by the pool and kept in a spill tier.", value=store.spilled)
+        yield CounterMetricFamily("kvstream_kv_restored_blocks", "Blocks copied back from a spill tier instead of recomputed.", value=c.restored_blocks)
+        tier_bytes = GaugeMetricFamily("kvstream_kv_spill_bytes", "Bytes held by each spill tier.", labels=["store"])
+        tier_bytes.add_metric(["ram"], store.bytes_used)
+        tier_bytes.add_metric(["disk"], store.disk.bytes_used if store.disk is not None else 0)
+        yield tier_bytes
+
+
+class HFStream:
+    """One request in the model runner, seen from the event loop (a ``LocalStream``).
+
+    The runner's thread delivers event batches through ``sink``; the first one resolves
+    ``admitted`` (an error before admission resolves it too, and is raised by the stream).
+    """
+
+    def __init__(self, backend: HFBackend, seq: Sequence) -> None:
+        loop = asyncio.get_running_loop()
+        self.admitted: asyncio.Future[None] = loop.create_future()
+        self._backend = backend
+        self._seq = seq
+        self._loop = loop
+        self._events: asyncio.Queue[list[TokenEvent]] = asyncio.Queue()
+        self._finished = False
+
+    def sink(self, batch: list[TokenEvent]) -> None:
+        """Called on the runner's thread."""
+        self._loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _deliver(self, batch: list[TokenEvent]) -> None:
+        if not self.admitted.done():
+            self.admitted.set_result(None)
+        self._events.put_nowait(batch)
+
+    def __aiter__(self) -> AsyncIterator[Token]:
+        return self._tokens()
+
+    async def _tokens(self) -> AsyncIterator[Token]:
+        seq, runner = self._seq, self._backend.runner
+        generated = 0
+        while True:
+            for event in await self._events.get():
+                if event.kind == "admitted":
+                    continue
+                if event.kind == "error":
+                    self._finished = True
+                    if isinstance(event.error, SchedulerError):
+                        err = event.error
+                        raise BackendError(str(err), err.status, code=err.code, retryable=err.status >= 429)
+                    raise BackendError(f"the engine failed: {event.error!r}", 500, code="engine_error")
+                if event.finish_reason is None:
+                    generated += 1
+                    yield Token(text=event.text, token_id=event.token_id)
+                    continue
+                self._finished = True
+                if event.text:
+                    yield Token(text=event.text, token_id=event.token_id)
+                if event.finish_reason == "length" or event.token_id not in runner.eos_ids:
+                    generated += 1
+                yield Token(finish_reason=event.finish_reason, usage=Usage(len(seq.prompt_token_ids), generated, seq.num_cached_tokens))
+                return
+
+    def close(self) -> None:
+        """Abort the request in the runner unless it finished (frees its blocks there)."""
+        if not self._finished:
+            self._finished = True
+            self._backend.runner.abort(self._seq.seq_id)
+
+
+class HFBackend(InProcessBackend):
+    """A HuggingFace causal LM run in-process by KVStream's paged model runner."""
+
+    name = "hf"
+    capabilities = Capabilities(exact_prompt_tokens=True, preemptible=True)
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        model: str | None = None,
+        settings: Settings | None = None,
+        *,
+        preloaded: LoadedModel | None = None,
+        **overrides: Any,
+    ) -> None:
+        """``preloaded``: a LoadedModel to serve instead of loading ``model`` (tests, embedding).
+
+        Raises ValueError with the install hint when torch or transformers is missing."""
+        super().__init__(None, model, settings, **overrides)
+        if preloaded is None and (problem := missing_requirements()):
+            raise ValueError(problem)
+        self.preloaded = preloaded
+        self.runner: Any = None  # ModelRunner once started
+        self.model_name: str | None = None
+        self._start_lock = asyncio.Lock()
+        self._error: str | None = None
+
+    # ------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self.runner is not None:
+                return
+            try:
+                self.runner = await asyncio.to_thread(self._build)
+            except (OSError, ValueError) as exc:
+                self._error = str(exc)
+                raise RuntimeError(f"hf backend: {exc}") from exc
+            self.runner.start()
+
+    def _build(self) -> ModelRunner:
+        import torch
+
+        from kvstream.hf.kv_cache import auto_num_blocks
+        from kvstream.hf.loader import load_model
+        from kvstream.hf.model_runner import ModelRunner, RunnerConfig
+
+        backend, memory, sched = self.settings.backend, self.settings.memory, self.settings.scheduler
+        prefix, attention = self.settings.prefix_cache, self.settings.attention
+        if backend.threads:
+            torch.set_num_threads(backend.threads)
+        loaded = self.preloaded or load_model(self.model, backend.gguf_file, memory.dtype, backend.device)
+        self.model_name = loaded.name
+        context = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 0) or None
+        num_blocks = memory.num_gpu_blocks
+        if num_blocks == "auto":
+            num_blocks = auto_num_blocks(loaded.model, memory.block_size, memory.kv_cache_bytes)
+        config = RunnerConfig(
+            block_size=memory.block_size,
+            num_blocks=num_blocks,
+            num_cpu_blocks=memory.num_cpu_blocks,
+            max_num_seqs=sched.max_batch_size,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            preemption_mode=sched.preemption_policy,
+            policy=sched.priority,
+            enable_prefix_caching=prefix.enabled,
+            max_prefix_length=prefix.max_prefix_length,
+            cache_ttl_s=prefix.ttl_seconds,
+            max_queue_size=sched.max_queue_size,
+            max_model_len=context,
+            model_identity=loaded.identity,
+            attention="eager" if attention.backend == "eager" else "sdpa",
+            kv_cache_bits=memory.kv_cache_bits,
+            host_cache_bytes=memory.host_cache_bytes,
+            disk_cache_dir=str(memory.disk_cache_dir) if memory.disk_cache_dir else None,
+            disk_cache_bytes=memory.disk_cache_bytes,
+        )
+        runner = ModelRunner(loaded.model, loaded.tokenizer, config)
+        logger.info(
+            "hf engine: %s on %s, KV pool %d blocks x %d tokens (%.0f MiB), host swap %d blocks, batch %d",
+            loaded.name, runner.device, config.num_blocks, config.block_size,
+            runner.cache.device_bytes / 2**20, config.num_cpu_blocks, config.max_num_seqs,
+        )
+        return runner
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await asyncio.to_thread(self.runner.close)
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The model runner's scheduler (the real pool), once started."""
+        return self.runner.scheduler if self.runner is not None else None
+
+    # ----------------------------------------------------------------- info
+    async def health(self) -> bool:
+        return self.runner is not None
+
+    async def models(self) -> list[ModelInfo]:
+        if self.runner is None:
+            raise BackendUnavailable(self._error or "the model is still loading")
+        return [ModelInfo(self.model_name or "hf", context_length=self.runner.config.max_model_len)]
+
+    async def limits(self) -> RuntimeLimits:
+        if self.runner is None:
+            return RuntimeLimits()
+        config = self.runner.config
+        return RuntimeLimits(config.num_blocks * config.block_size, config.max_model_len, config.max_num_seqs)
+
+    def describe(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"type": self.name, "url": "in-process", "model": self.model_name or self.model}
+        if self.runner is not None:
+            runner = self.runner
+            info |= {
+                "device": str(runner.device),
+                "dtype": str(runner.kv_dtype).removeprefix("torch."),
+                "kv_device_bytes": runner.cache.device_bytes,
+                "kv_host_bytes": runner.cache.host_bytes,
+                "steps": runner.counters.steps,
+                "forward_tokens": runner.counters.forward_tokens,
+                "prefill_tokens": runner.counters.prefill_tokens,
+                "decode_tokens": runner.counters.decode_tokens,
+            }
+        return info
+
+    def metric_families(self) -> Iterator[Any]:
+        if self.runner is not None:
+            yield from runner_metric_families(self.runner)
+
+    # ------------------------------------------------------------ requests
+    async def tokenize(self, request: GenerateRequest) -> list[int] | None:
+        from kvstream.hf.loader import chat_token_ids
+
+        if self.runner is None:
+            raise BackendUnavailable(self._error or "the model is still loading")
+        tokenizer = self.runner.tokenizer
+        if request.is_chat:
+            try:
+                # A warm-up prefills the conversation's prefix: no assistant header after it,
+                # which later requests would not share.
+                return chat_token_ids(tokenizer, request.messages or [], generation_prompt=not request.prefix_only)
+            except Exception as exc:  # a template that rejects these messages (roles, tools...)
+                raise BackendRejected(f"the model's chat template rejected the messages: {exc}", param="messages") from None
+        return list(tokenizer(request.prompt or "").input_ids) or [tokenizer.bos_token_id or 0]
+
+    def _blend_params(self, request: GenerateRequest) -> Any:
+        """BlendParams when the request (or the configured default) asks for blend reuse."""
+        from kvstream.hf.blend import BlendParams
+
+        prefix = self.settings.prefix_cache
+        if (request.reuse or prefix.reuse) != "blend":
+            return None
+        return BlendParams(blend_ratio=prefix.blend_ratio if request.blend_ratio is None else request.blend_ratio)
+
+    def submit(self, request: GenerateRequest, seq: Sequence) -> HFStream:
+        from kvstream.hf.sampling import SamplingParams
+
+        if self.runner is None:
+            raise BackendUnavailable(self._error or "the model is still loading")
+        try:
+            params = SamplingParams(
+                max_tokens=seq.max_tokens,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=request.top_k or 0,
+                seed=request.seed,
+                stop=list(request.stop),
+            )
+        except ValueError as exc:
+            raise BackendRejected(str(exc)) from None
+        stream = HFStream(self, seq)
+        self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request))
+        return stream
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
+        """Generate without KVStreamEngine in front (the engine uses ``submit``)."""
+        prompt = await self.tokenize(request)
+        stream = self.submit(request, Sequence(prompt or [0], request.max_tokens or 256))
+        try:
+            async for token in stream:
+                yield token
+        finally:
+            stream.close()

@@ -1,0 +1,179 @@
+"""The shared vocabulary of every layer: requests, tokens, usage, runtime facts and errors.
+
+It sits at the bottom: it imports nothing from KVStream, and the mechanism, the backends, the
+in-process engine, the engine and the API all speak it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class BackendError(Exception):
+    """The runtime failed. ``status`` is what KVStream answers the client with."""
+
+    def __init__(self, message: str, status: int = 502, *, code: str = "backend_error", retryable: bool = True):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.retryable = retryable
+
+
+class BackendUnavailable(BackendError):
+    """The runtime cannot be reached or is not ready (503; the client may retry)."""
+
+    def __init__(self, message: str, status: int = 503, *, code: str = "backend_unavailable"):
+        super().__init__(message, status, code=code, retryable=True)
+
+
+class BackendInterrupted(BackendError):
+    """KVStream stopped a running stream on purpose (preempted to make room); the backend
+    saves its state and the request resumes later where it stopped."""
+
+    def __init__(self, message: str = "preempted") -> None:
+        super().__init__(message, 503, code="preempted", retryable=True)
+
+
+class BackendRejected(BackendError):
+    """The runtime refused the request itself (a 4xx from upstream, passed on as such)."""
+
+    def __init__(self, message: str, status: int = 400, *, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message, status, code=code, retryable=False)
+        self.param = param
+
+
+@dataclass
+class ResumePoint:
+    """Where a preempted generation continues: what the client already has."""
+
+    text: str  # the text streamed before the pause
+    tokens: int  # how many tokens that was
+
+
+class RequestControl:
+    """The typed channel between the engine and the backend running one request.
+
+    Engine to backend: ``prompt_token_ids`` (exact ids when the runtime tokenized the prompt),
+    ``preempted`` and ``save_state`` (the stream is being paused, and whether the runtime's
+    state is worth saving: a swap keeps it, a recompute does not), ``resume`` (where the next
+    leg continues after a pause).
+
+    Backend to engine: ``on_interrupt`` (how to stop the running stream from outside),
+    ``cached_tokens`` (prompt tokens the runtime reported reusing), ``saved_state`` (an opaque
+    handle to the state a paused request left behind, given back to the backend on resume or
+    to ``forget``).
+    """
+
+    __slots__ = ("prompt_token_ids", "preempted", "save_state", "resume", "cached_tokens", "saved_state", "_interrupt")
+
+    def __init__(self) -> None:
+        self.prompt_token_ids: list[int] | None = None
+        self.preempted = False
+        self.save_state = True
+        self.resume: ResumePoint | None = None
+        self.cached_tokens: int | None = None
+        self.saved_state: str | None = None
+        self._interrupt: Callable[[], None] | None = None
+
+    def on_interrupt(self, callback: Callable[[], None] | None) -> None:
+        """Register how to stop the stream now running (replaces an earlier leg's)."""
+        self._interrupt = callback
+
+    def interrupt(self) -> None:
+        """Stop the running stream, once: its pending read fails and the backend cleans up."""
+        callback, self._interrupt = self._interrupt, None
+        if callback is not None:
+            callback()
+
+
+@dataclass
+class GenerateRequest:
+    """One generation, runtime-neutral. ``messages`` for chat, ``prompt`` for completions."""
+
+    model: str | None
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    # OpenAI fields KVStream does not interpret (tools, response_format, penalties, ...):
+    # passed through to runtimes that speak OpenAI, translated where a native API differs.
+    extra: dict[str, Any] = field(default_factory=dict)
+    request_id: str = ""
+    # Prefill the prompt as a prefix of later ones (a warm-up): a backend that templates the
+    # prompt itself leaves the assistant header off, which later requests would not share.
+    prefix_only: bool = False
+    # In-process engine: "exact" or "blend" reuse and the blend's repair ratio; None = the
+    # configured default.
+    reuse: str | None = None
+    blend_ratio: float | None = None
+    control: RequestControl = field(default_factory=RequestControl, repr=False, compare=False)
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Token:
+    """One step of a generation stream.
+
+    ``delta`` is the OpenAI chat delta for this step ({"content": ...}, or tool_calls,
+    reasoning_content...). The last Token of a stream carries ``finish_reason`` and, when the
+    runtime reported it, ``usage``.
+    """
+
+    text: str = ""
+    token_id: int | None = None
+    delta: dict[str, Any] | None = None
+    logprobs: Any = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    # True when the backend already holds the next token (they came in one network read or
+    # one engine step): a writer may hold this one back and send both in one write.
+    more: bool = False
+
+    def chat_delta(self) -> dict[str, Any]:
+        if self.delta is not None:
+            return self.delta
+        return {"content": self.text} if self.text else {}
+
+
+def as_burst(tokens: list[Token]) -> list[Token]:
+    """Mark tokens that arrived together: every one but the last has ``more`` set."""
+    for token in tokens[:-1]:
+        token.more = True
+    return tokens
+
+
+@dataclass
+class ModelInfo:
+    id: str
+    owned_by: str = "kvstream"
+    created: int = 0
+    context_length: int | None = None
+
+
+@dataclass
+class RuntimeLimits:
+    """What the runtime says about its own memory, to size KVStream's pool and batch."""
+
+    n_ctx_total: int | None = None  # tokens of KV across all slots
+    n_ctx_per_request: int | None = None  # the longest single sequence
+    parallel: int | None = None  # requests the runtime runs at once
