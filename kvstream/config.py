@@ -165,6 +165,12 @@ SECTIONS: dict[str, type[BaseModel]] = {
 }
 
 
+def default(section: str, key: str) -> Any:
+    """The one default of ``section.key``, for code that takes the setting as a plain
+    argument (the in-process engine's library API) rather than the Settings object."""
+    return SECTIONS[section].model_fields[key].default
+
+
 def env_layer(environ: Mapping[str, str]) -> tuple[dict[str, dict[str, Any]], dict[tuple[str, str], str]]:
     """The KVSTREAM_* variables as a nested dict, and the variable behind each key."""
     layer: dict[str, dict[str, Any]] = {}

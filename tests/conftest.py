@@ -3,6 +3,7 @@ llama-server with the real SmolLM2 model (session-scoped, built once and cached 
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -95,6 +96,17 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 1
         except OSError:
             time.sleep(0.2)
     pytest.fail(f"{what} did not answer {url} within {timeout:.0f} s")
+
+
+def require_import(module: str) -> Any:
+    """Import ``module`` for a test module that cannot run without it: skipped when it is
+    missing, but under KVSTREAM_REQUIRE_REAL (CI) the ImportError fails the run instead."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        if REQUIRE_REAL:
+            raise
+        pytest.skip(f"{module} is not installed", allow_module_level=True)
 
 
 def _require(reason: str) -> None:

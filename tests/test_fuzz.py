@@ -7,6 +7,8 @@ import json
 
 import aiohttp
 import pytest
+
+from tests.conftest import require_import
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -134,7 +136,7 @@ def test_openapi_document_describes_the_routes(fuzz_target):
     assert {"model", "messages"} <= set(chat["required"])
 
 
-schemathesis = pytest.importorskip("schemathesis")
+schemathesis = require_import("schemathesis")
 api_schema = schemathesis.openapi.from_dict(build_spec())
 
 

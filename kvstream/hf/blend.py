@@ -31,14 +31,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstream.kv.block_pool import BlockPool
+from kvstream.config import default
+from kvstream.hf.block_manager import ReusePool
 
 
 @dataclass
 class BlendParams:
     """Per-request blend settings (``reuse: blend``)."""
 
-    blend_ratio: float = 0.15  # share of moved tokens recomputed by the repair (0 = no repair)
+    blend_ratio: float = default("prefix_cache", "blend_ratio")  # share of moved tokens recomputed by the repair (0 = no repair)
     seam_tokens: int = 2  # tokens always recomputed at the start of every moved run
     select_layer: int = 1  # layer whose key deviation picks the tokens to recompute
     min_tokens: int = 32  # fewer moved tokens than this are not worth a blend
@@ -95,7 +96,7 @@ class BlendCosts:
         return blend_s < span * self.prefill_s_per_token
 
 
-def find_moved_chunks(pool: BlockPool, token_ids: list[int], start: int, block_size: int) -> BlendPlan:
+def find_moved_chunks(pool: ReusePool, token_ids: list[int], start: int, block_size: int) -> BlendPlan:
     """Match ``token_ids[start:-1]`` against the content of the pool's cached blocks.
 
     Windows are tried at every offset; a match takes its ``block_size`` tokens. A match that

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvstream.config import default
 from kvstream.hf.blend import BlendParams
 from kvstream.hf.model_runner import RunnerConfig, ModelRunner, TokenEvent
 from kvstream.hf.kv_cache import auto_num_blocks
@@ -64,7 +65,7 @@ class HFEngine:
 
     STRATEGIES = ("none", "selective", "cacheblend")
 
-    def __init__(self, loaded: LoadedModel, config: RunnerConfig, recompute_strategy: str = "none", blend_ratio: float = 0.15) -> None:
+    def __init__(self, loaded: LoadedModel, config: RunnerConfig, recompute_strategy: str = "none", blend_ratio: float = default("prefix_cache", "blend_ratio")) -> None:
         if recompute_strategy not in self.STRATEGIES:
             raise ValueError(f"recompute_strategy must be one of {self.STRATEGIES}, not {recompute_strategy!r}")
         self.loaded = loaded
@@ -81,18 +82,18 @@ class HFEngine:
         cls,
         model: str | None = None,
         *,
-        chunk_size: int = 16,
+        chunk_size: int = default("memory", "block_size"),
         max_cache_bytes: int | None = None,
         device: str = "auto",
         dtype: str = "auto",
         gguf_file: str | None = None,
-        max_batch_size: int = 16,
+        max_batch_size: int = default("scheduler", "max_batch_size"),
         recompute_strategy: str = "none",
-        blend_ratio: float = 0.15,
+        blend_ratio: float = default("prefix_cache", "blend_ratio"),
         kv_cache_bits: int | None = None,
-        host_cache_bytes: int = 0,
+        host_cache_bytes: int = default("memory", "host_cache_bytes"),
         disk_cache_dir: str | None = None,
-        disk_cache_bytes: int = 4 * 1024**3,
+        disk_cache_bytes: int = default("memory", "disk_cache_bytes"),
     ) -> HFEngine:
         """Load ``model`` (default: the embedded SmolLM2). ``chunk_size`` is the KV block
         size in tokens, the granularity of reuse; ``max_cache_bytes`` bounds the KV pool

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kvstream.config import default
 from kvstream.hf import compat
 from kvstream.hf import blend as blend_module
 from kvstream.hf.attention import AttentionPlan, scattered_plan
@@ -37,7 +38,7 @@ from kvstream.hf.detokenize import IncrementalDetokenizer
 from kvstream.hf.kv_cache import KVShape, PagedKVCache
 from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
 from kvstream.hf.sampling import SamplingParams, sample
-from kvstream.kv.block_manager import BlockManager
+from kvstream.hf.block_manager import ReuseBlockManager
 from kvstream.scheduler import (
     QueueFull,
     Scheduler,
@@ -53,21 +54,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunnerConfig:
-    """Sizes and policies of the in-process engine."""
+    """Sizes and policies of the in-process engine. Settings it shares with the proxy take
+    their one default from config.py; ``HFBackend`` fills them from the Settings object."""
 
-    block_size: int = 16
-    num_blocks: int = 1024
-    num_cpu_blocks: int = 256
-    max_num_seqs: int = 16
+    block_size: int = default("memory", "block_size")
+    num_blocks: int = 1024  # config's "auto" is resolved by the caller (kv_cache.auto_num_blocks)
+    num_cpu_blocks: int = default("memory", "num_cpu_blocks")
+    max_num_seqs: int = default("scheduler", "max_batch_size")
     # Tokens in one forward pass (decodes count one each); long prompts are prefilled in
     # chunks of at most this, interleaved with running decodes.
-    max_num_batched_tokens: int = 2048
-    preemption_mode: str = "swap"  # swap | recompute
-    policy: str = "fcfs"  # fcfs | sjf
-    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = default("scheduler", "max_num_batched_tokens")
+    preemption_mode: str = default("scheduler", "preemption_policy")  # swap | recompute
+    policy: str = default("scheduler", "priority")  # fcfs | sjf
+    enable_prefix_caching: bool = default("prefix_cache", "enabled")
     max_prefix_length: int | None = None  # longest prefix reused (tokens); None = no cap
-    cache_ttl_s: float | None = None  # cached blocks unused this long are forgotten
-    max_queue_size: int = 256
+    cache_ttl_s: float | None = None  # cached blocks unused this long are forgotten; None = kept
+    max_queue_size: int = default("scheduler", "max_queue_size")
     max_model_len: int | None = None
     model_identity: str = "hf"
     attention: str = "sdpa"  # sdpa | eager (see attention.py)
@@ -76,9 +78,9 @@ class RunnerConfig:
     # kv_cache_bits 8 or 4 stores spilled and swapped blocks KIVI-quantized (None: model
     # precision); a swapped sequence's partial last block stays exact.
     kv_cache_bits: int | None = None
-    host_cache_bytes: int = 0
+    host_cache_bytes: int = default("memory", "host_cache_bytes")
     disk_cache_dir: str | None = None
-    disk_cache_bytes: int = 4 * 1024**3
+    disk_cache_bytes: int = default("memory", "disk_cache_bytes")
     debug_invariants: bool = False  # check every invariant after every step (tests)
 
 
@@ -144,15 +146,17 @@ class ModelRunner:
             self.kv_shape, config.num_blocks, config.block_size, config.num_cpu_blocks, self.kv_dtype, self.device,
             swap_bits=config.kv_cache_bits,
         )
-        bm = BlockManager(
+        self.store = self._build_store()
+        bm = ReuseBlockManager(
             config.num_blocks,
             config.block_size,
             config.num_cpu_blocks,
             enable_prefix_cache=config.enable_prefix_caching,
             max_prefix_length=config.max_prefix_length,
             model_identity=config.model_identity,
-            hash_on_append=False,
+            spill=self.store,
         )
+        self.bm = bm
         self.scheduler = Scheduler(
             bm,
             SchedulerConfig(
@@ -165,7 +169,6 @@ class ModelRunner:
             ),
             preemptible=True,
         )
-        self.store = self._build_store(bm)
         self.layers = blend_module.decoder_layers(model)
         try:
             self.rotary: blend_module.RotaryShift | None = blend_module.RotaryShift(model)
@@ -185,7 +188,7 @@ class ModelRunner:
         self._stopping = False
         self._closed = False
 
-    def _build_store(self, bm: BlockManager) -> HostBlockStore | None:
+    def _build_store(self) -> HostBlockStore | None:
         """The spill tiers under the pool, when the config asks for any."""
         cfg = self.config
         if cfg.host_cache_bytes <= 0 and cfg.disk_cache_dir is None:
@@ -197,10 +200,7 @@ class ModelRunner:
             disk = DiskBlockStore(cfg.disk_cache_dir, codec, cfg.disk_cache_bytes, identity=cfg.model_identity)
             if len(disk):
                 logger.info("disk KV tier %s: %d blocks from earlier runs", cfg.disk_cache_dir, len(disk))
-        store = HostBlockStore(codec, cfg.host_cache_bytes, disk)
-        bm.pool.evictions = []
-        bm.spill = store
-        return store
+        return HostBlockStore(codec, cfg.host_cache_bytes, disk)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -298,7 +298,7 @@ class ModelRunner:
         blocks freed by a swap-in happen before a swap-out may reuse them, and device blocks
         are saved before anyone writes to them again."""
         self._save_evicted()  # reclaimed cached blocks, before anything writes to them
-        partial = self.scheduler.bm.partial_copies
+        partial = self.bm.partial_copies
         if partial:  # their sources may have been handed out this pass: copy before any write
             self.cache.copy_blocks(partial)
             partial.clear()
@@ -321,12 +321,15 @@ class ModelRunner:
             return partial  # a full-precision swap pool keeps every block exact anyway
         for seq in out.preempted:
             swapped = bm.swapped.get(seq.seq_id)
-            if swapped is not None and len(swapped.token_ids) % self.config.block_size and swapped.entries[-1][0] == "cpu":
-                partial.add(swapped.entries[-1][1])  # type: ignore[arg-type]
+            if swapped is None or not len(swapped.token_ids) % self.config.block_size:
+                continue
+            last = swapped.entries[-1]
+            if isinstance(last, int):  # a host block id (a Block is still shared on the device)
+                partial.add(last)
         return partial
 
     def _save_evicted(self) -> None:
-        evicted = self.scheduler.bm.pool.evictions
+        evicted = self.bm.pool.evictions
         if not evicted or self.store is None:
             return
         ids = torch.tensor([block_id for block_id, _, _ in evicted], dtype=torch.long, device=self.device)
@@ -337,7 +340,7 @@ class ModelRunner:
         evicted.clear()
 
     def _restore_spilled(self) -> None:
-        restores = self.scheduler.bm.restores
+        restores = self.bm.restores
         if not restores or self.store is None:
             return
         for block_id, record in restores:
@@ -352,10 +355,11 @@ class ModelRunner:
         restarted engine with the same disk_cache_dir finds them (called on close)."""
         if self.store is None:
             return
-        pool = self.scheduler.bm.pool
+        pool = self.bm.pool
+        assert pool.evictions is not None  # logging is on whenever there is a store
         for block in pool.blocks:
             if block.block_hash is not None and pool.lookup(block.block_hash, block.token_ids or ()) is block:
-                pool.evictions.append((block.block_id, block.block_hash, block.token_ids))  # type: ignore[union-attr,arg-type]
+                pool.evictions.append((block.block_id, block.block_hash, block.token_ids or ()))
         self._save_evicted()
         self.store.persist()
 
@@ -375,7 +379,7 @@ class ModelRunner:
         prompt's last token to the normal step, which samples from it."""
         params = req.blend
         assert params is not None
-        bm = self.scheduler.bm
+        bm = self.bm
         table = bm.tables[req.seq.seq_id]
         plan = blend_module.find_moved_chunks(bm.pool, table.token_ids, req.num_computed, self.config.block_size)
         if not self.blend_costs.worth_it(plan, params, self.kv_shape.num_layers):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvstream.kv.block_pool import Block, BlockPool, NoFreeBlocks
 from kvstream.kv.hashing import BlockHash, hash_block, model_key
@@ -23,14 +22,6 @@ SeqId = Hashable
 UNKNOWN_TOKEN = -1
 
 
-class SpillLookup(Protocol):
-    """Where blocks reclaimed from the pool went (see kvstream.hf.kv_store)."""
-
-    def contains(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool: ...
-
-    def get(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> object | None: ...
-
-
 @dataclass(slots=True)
 class BlockTable:
     """The blocks holding one sequence's KV, in order, and the tokens they hold."""
@@ -40,8 +31,6 @@ class BlockTable:
     # Hashes of the leading full blocks, chained; len(hashes) <= len(blocks).
     hashes: list[BlockHash] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at allocation
-    # Tokens from here on hold approximate KV (moved by a blend): never shared as exact.
-    exact_until: int | None = None
     # Tokens whose KV is written (reported by commit(); in-process engines only).
     computed: int = 0
 
@@ -50,16 +39,23 @@ class BlockTable:
 class SwappedTable:
     """A swapped-out sequence: host blocks for what it held alone, device refs for the rest."""
 
-    # One entry per logical block: ("gpu", Block) kept shared on the device, or ("cpu", id).
-    entries: list[tuple[str, Block | int]]
+    # One entry per logical block: a Block still shared on the device, or a host block id.
+    entries: list[Block | int]
     token_ids: list[int]
     hashes: list[BlockHash]
     num_cached_tokens: int
-    exact_until: int | None = None
+    computed: int = 0
 
 
 class BlockManager:
-    """Allocates, grows, forks, swaps and frees block tables over one device pool."""
+    """Allocates, grows, forks, swaps and frees block tables over one device pool.
+
+    Subclasses that add reuse of their own (the in-process engine's partial blocks and spill
+    tiers, kvstream/hf/block_manager.py) set ``pool_class`` and extend ``allocate``,
+    ``commit``, ``fork`` and ``free``; the invariants below hold for them too.
+    """
+
+    pool_class: type[BlockPool] = BlockPool
 
     def __init__(
         self,
@@ -74,7 +70,7 @@ class BlockManager:
         hash_on_append: bool = True,
     ) -> None:
         kwargs = {"clock": clock} if clock is not None else {}
-        self.pool = BlockPool(num_gpu_blocks, block_size, **kwargs)
+        self.pool = self.pool_class(num_gpu_blocks, block_size, **kwargs)
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
@@ -87,23 +83,16 @@ class BlockManager:
         self.hash_on_append = hash_on_append
         self.tables: dict[SeqId, BlockTable] = {}
         self.swapped: dict[SeqId, SwappedTable] = {}
-        # Spill tiers below the pool (an in-process engine's host RAM / disk stores): a prefix
-        # that continues past the pool's cached blocks is looked up there, and allocate()
-        # takes fresh blocks for what it finds; their records wait in ``restores`` as
-        # (block_id, record) for the owner to copy in before the next forward pass.
-        self.spill: SpillLookup | None = None
-        self.restores: list[tuple[int, object]] = []
-        # (src, dst) block copies for partial-block hits: the head of a finished sequence's
-        # last block, copied into a new sequence that continues it (in-process engines).
-        self.partial_copies: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ sizing
     @property
     def num_free_blocks(self) -> int:
+        """Device blocks that can be handed out (free, cached or not)."""
         return self.pool.num_free
 
     @property
     def num_free_cpu_blocks(self) -> int:
+        """Host blocks not holding a swapped sequence."""
         return len(self._cpu_free)
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -118,9 +107,7 @@ class BlockManager:
         """
         if not self.enable_prefix_cache:
             return []
-        limit = len(token_ids) - 1
-        if self.max_prefix_length is not None:
-            limit = min(limit, self.max_prefix_length)
+        limit = self.reuse_limit(len(token_ids))
         hits: list[Block] = []
         parent: BlockHash | None = None
         for start in range(0, limit - self.block_size + 1, self.block_size):
@@ -134,26 +121,11 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def _spilled_after(self, token_ids: Sequence[int], hits: list[Block]) -> list[tuple[BlockHash, tuple[int, ...]]]:
-        """The blocks after the pool's hits that the spill tiers hold, as (hash, tokens)."""
-        if self.spill is None or not self.enable_prefix_cache:
-            return []
-        limit = len(token_ids) - 1
-        if self.max_prefix_length is not None:
-            limit = min(limit, self.max_prefix_length)
-        found: list[tuple[BlockHash, tuple[int, ...]]] = []
-        parent = hits[-1].block_hash if hits else None
-        for start in range(len(hits) * self.block_size, limit - self.block_size + 1, self.block_size):
-            chunk = tuple(token_ids[start : start + self.block_size])
-            if UNKNOWN_TOKEN in chunk:
-                break
-            parent = hash_block(parent, chunk, self.salt)
-            # A block the pool holds again is left to the next lookup rather than restored
-            # twice (and allocate()'s block count stays exact).
-            if self.pool.lookup(parent, chunk) is not None or not self.spill.contains(parent, chunk):
-                break
-            found.append((parent, chunk))
-        return found
+    def reuse_limit(self, num_tokens: int) -> int:
+        """Most prompt tokens any reuse may cover: all but the last (its logits are needed),
+        capped at max_prefix_length."""
+        limit = num_tokens - 1
+        return limit if self.max_prefix_length is None else min(limit, self.max_prefix_length)
 
     def blocks_needed(self, token_ids: Sequence[int]) -> int:
         """Free blocks that allocate(token_ids) would consume, counting cached hits that are
@@ -180,52 +152,15 @@ class BlockManager:
         for block in hits:
             self.pool.touch(block)
             table.blocks.append(block)
-        table.hashes = [b.block_hash for b in hits]  # type: ignore[misc]
+        table.hashes = [b.block_hash for b in hits if b.block_hash is not None]  # every hit is hashed
         table.num_cached_tokens = len(hits) * self.block_size
         table.token_ids = list(token_ids[: table.num_cached_tokens])
         self.tables[seq_id] = table
         self.pool.stats.cache_queries += self.blocks_for(len(token_ids))
         self.pool.stats.cache_hits += len(hits)
-        for block_hash, chunk in self._spilled_after(token_ids, hits):
-            record = self.spill.get(block_hash, chunk)  # type: ignore[union-attr]
-            if record is None:
-                break  # dropped or damaged since the lookup: computed instead
-            # Counted by blocks_needed (spilled blocks need fresh ones), so this cannot fail.
-            block = self.pool.allocate()
-            self.pool.cache(block, block_hash, chunk, len(table.token_ids))
-            table.blocks.append(block)
-            table.hashes.append(block_hash)
-            table.token_ids.extend(chunk)
-            table.num_cached_tokens += self.block_size
-            self.restores.append((block.block_id, record))
-        partial, matched = self._partial_hit(table, token_ids)
         for token in token_ids[table.num_cached_tokens :]:
             self._append(table, token)
-        if matched:
-            # The copy runs before anything writes to the pool again, so ``partial`` may even
-            # have been handed out by the appends above: its bytes are still there.
-            self.partial_copies.append((partial.block_id, table.blocks[table.num_cached_tokens // self.block_size].block_id))  # type: ignore[union-attr]
-            table.num_cached_tokens += matched
         return table.num_cached_tokens
-
-    def _partial_hit(self, table: BlockTable, token_ids: Sequence[int]) -> tuple[Block | None, int]:
-        """The kept partial block continuing the table's hit chain and how many of its
-        tokens the new prompt shares (leaving at least one to compute)."""
-        if self.hash_on_append or not self.enable_prefix_cache or len(table.hashes) * self.block_size != table.num_cached_tokens:
-            return None, 0
-        block = self.pool.lookup_partial(table.hashes[-1] if table.hashes else None)
-        if block is None:
-            return None, 0
-        start = table.num_cached_tokens
-        limit = len(token_ids) - 1
-        if self.max_prefix_length is not None:
-            limit = min(limit, self.max_prefix_length)
-        matched = 0
-        for kept, new in zip(block.token_ids or (), token_ids[start:limit]):
-            if kept != new:
-                break
-            matched += 1
-        return block, matched
 
     def append_token(self, seq_id: SeqId, token_id: int = UNKNOWN_TOKEN) -> tuple[int, int] | None:
         """Append one token, taking a new block when the last one is full.
@@ -255,20 +190,13 @@ class BlockManager:
 
     def commit(self, seq_id: SeqId, num_computed_tokens: int) -> None:
         """Make the full blocks among the first ``num_computed_tokens`` tokens shareable:
-        their KV has been written (in-process engines, ``hash_on_append=False``)."""
+        their KV has been written (in-process engines, ``hash_on_append=False``), so no block
+        is ever shared before its KV exists. Returns nothing."""
         table = self.tables[seq_id]
         table.computed = num_computed_tokens
-        if table.exact_until is not None:
-            num_computed_tokens = min(num_computed_tokens, table.exact_until)
         for index in range(len(table.hashes), num_computed_tokens // self.block_size):
             if not self._seal(table, index):
                 break
-
-    def mark_approximate(self, seq_id: SeqId, position: int) -> None:
-        """From ``position`` on, the sequence's KV is approximate (blend reuse): those blocks,
-        and every block after them, are never entered into the prefix cache."""
-        table = self.tables[seq_id]
-        table.exact_until = position if table.exact_until is None else min(table.exact_until, position)
 
     def _seal(self, table: BlockTable, index: int) -> bool:
         """Hash full block ``index`` so later requests can share it; False when the chain is
@@ -285,49 +213,36 @@ class BlockManager:
         return True
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
-        """Give ``child_id`` a table sharing every block of ``parent_id`` (copy-on-write)."""
+        """Give ``child_id`` a table sharing every block of ``parent_id`` (each block's ref_cnt
+        goes up by one; the first write into a shared partial block copies it first). Returns
+        nothing; raises ValueError if ``child_id`` already holds blocks."""
         if child_id in self.tables or child_id in self.swapped:
             raise ValueError(f"sequence {child_id!r} already has blocks")
         parent = self.tables[parent_id]
         for block in parent.blocks:
             self.pool.touch(block)
         self.tables[child_id] = BlockTable(
-            list(parent.blocks), list(parent.token_ids), list(parent.hashes), parent.num_cached_tokens, parent.exact_until
+            list(parent.blocks), list(parent.token_ids), list(parent.hashes), parent.num_cached_tokens, parent.computed
         )
 
     def free(self, seq_id: SeqId) -> None:
-        """Release everything a sequence holds, running or swapped. Unknown ids are ignored,
-        so every exit path may call it."""
+        """Release everything a sequence holds, running or swapped: device blocks lose one
+        holder each (tail first, so a chain's tail is evicted before its head), host blocks go
+        back to the host pool. Unknown ids are ignored, so every exit path may call it."""
         table = self.tables.pop(seq_id, None)
         if table is not None:
             self.pool.free(reversed(table.blocks))
-            self._keep_partial_tail(table)
         swapped = self.swapped.pop(seq_id, None)
         if swapped is not None:
-            for kind, ref in reversed(swapped.entries):
-                if kind == "gpu":
-                    self.pool.free([ref])  # type: ignore[list-item]
+            for entry in reversed(swapped.entries):
+                if isinstance(entry, Block):
+                    self.pool.free([entry])
                 else:
-                    self._cpu_free.append(ref)  # type: ignore[arg-type]
-
-    def _keep_partial_tail(self, table: BlockTable) -> None:
-        """Keep the computed head of a freed table's partial last block findable, so that a
-        conversation's next turn reuses up to its exact last token, not its last full block
-        (in-process engines: only they report what is computed)."""
-        if self.hash_on_append or not self.enable_prefix_cache:
-            return
-        computed = table.computed if table.exact_until is None else min(table.computed, table.exact_until)
-        full, rest = divmod(computed, self.block_size)
-        if not rest or len(table.hashes) != full or full >= len(table.blocks):
-            return
-        block = table.blocks[full]
-        tokens = tuple(table.token_ids[full * self.block_size : computed])
-        if block.ref_cnt or block.block_hash is not None or UNKNOWN_TOKEN in tokens:
-            return  # shared with a fork, or not ours to keep
-        self.pool.cache_partial(block, table.hashes[-1] if table.hashes else None, tokens)
+                    self._cpu_free.append(entry)
 
     # ------------------------------------------------------------------- swap
     def can_swap_out(self, seq_id: SeqId) -> bool:
+        """Whether the host pool can take every block the sequence holds alone."""
         table = self.tables[seq_id]
         return sum(1 for b in table.blocks if b.ref_cnt == 1) <= len(self._cpu_free)
 
@@ -341,23 +256,24 @@ class BlockManager:
         if not self.can_swap_out(seq_id):
             raise NoFreeBlocks
         table = self.tables.pop(seq_id)
-        entries: list[tuple[str, Block | int]] = []
+        entries: list[Block | int] = []
         copies: list[tuple[int, int]] = []
         for block in table.blocks:
             if block.ref_cnt > 1:
-                entries.append(("gpu", block))
+                entries.append(block)
             else:
                 cpu_id = self._cpu_free.pop()
                 copies.append((block.block_id, cpu_id))
-                entries.append(("cpu", cpu_id))
+                entries.append(cpu_id)
         # Freed last-to-first: cached tail blocks are evicted before the head of the chain.
         self.pool.free(reversed([b for b in table.blocks if b.ref_cnt == 1]))
-        self.swapped[seq_id] = SwappedTable(entries, table.token_ids, table.hashes, table.num_cached_tokens, table.exact_until)
+        self.swapped[seq_id] = SwappedTable(entries, table.token_ids, table.hashes, table.num_cached_tokens, table.computed)
         return copies
 
     def can_swap_in(self, seq_id: SeqId) -> bool:
+        """Whether the device pool has a block for every host block of the sequence."""
         swapped = self.swapped[seq_id]
-        return sum(1 for kind, _ in swapped.entries if kind == "cpu") <= self.pool.num_free
+        return sum(1 for entry in swapped.entries if not isinstance(entry, Block)) <= self.pool.num_free
 
     def swap_in(self, seq_id: SeqId) -> list[tuple[int, int]]:
         """Bring a swapped sequence back to the device; returns (cpu_id, gpu_id) copies.
@@ -369,14 +285,14 @@ class BlockManager:
         swapped = self.swapped.pop(seq_id)
         table = BlockTable(
             token_ids=swapped.token_ids, hashes=swapped.hashes, num_cached_tokens=swapped.num_cached_tokens,
-            exact_until=swapped.exact_until,
+            computed=swapped.computed,
         )
         copies: list[tuple[int, int]] = []
-        for index, (kind, ref) in enumerate(swapped.entries):
-            if kind == "gpu":
-                table.blocks.append(ref)  # type: ignore[arg-type]
+        for index, entry in enumerate(swapped.entries):
+            if isinstance(entry, Block):
+                table.blocks.append(entry)
                 continue
-            self._cpu_free.append(ref)  # type: ignore[arg-type]
+            self._cpu_free.append(entry)
             chunk = tuple(swapped.token_ids[index * self.block_size : (index + 1) * self.block_size])
             if index < len(swapped.hashes):
                 cached = self.pool.lookup(swapped.hashes[index], chunk)
@@ -386,7 +302,7 @@ class BlockManager:
                     table.blocks.append(cached)
                     continue
             block = self.pool.allocate()
-            copies.append((ref, block.block_id))  # type: ignore[arg-type]
+            copies.append((entry, block.block_id))
             if index < len(swapped.hashes):
                 self.pool.cache(block, swapped.hashes[index], chunk, index * self.block_size)
             table.blocks.append(block)
@@ -404,11 +320,11 @@ class BlockManager:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         cpu_held: list[int] = []
         for swapped in self.swapped.values():
-            for kind, ref in swapped.entries:
-                if kind == "gpu":
-                    holders[ref.block_id] = holders.get(ref.block_id, 0) + 1  # type: ignore[union-attr]
+            for entry in swapped.entries:
+                if isinstance(entry, Block):
+                    holders[entry.block_id] = holders.get(entry.block_id, 0) + 1
                 else:
-                    cpu_held.append(ref)  # type: ignore[arg-type]
+                    cpu_held.append(entry)
         for block in self.pool.blocks:
             assert block.ref_cnt == holders.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders.get(block.block_id, 0)} holders"

@@ -21,11 +21,6 @@ from dataclasses import dataclass, field
 from kvstream.kv.hashing import BlockHash
 
 
-# Marks the hash of a *partial* block: the computed head of a finished sequence's last block,
-# findable by its parent's hash (never equal to a real 16-byte digest).
-PARTIAL = b"partial:"
-
-
 class NoFreeBlocks(Exception):
     """Raised when the pool has no block to hand out (callers preempt or wait)."""
 
@@ -72,14 +67,6 @@ class BlockPool:
         # Insertion order is eviction order: the first entry is handed out next.
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
-        # The same blocks by their tokens alone, whatever preceded them (blend reuse).
-        self._by_content: dict[tuple[int, ...], Block] = {}
-        # Partial last blocks of finished sequences, by their parent block's hash.
-        self._partial: dict[BlockHash, Block] = {}
-        # When a list: every cached block reclaimed by allocate() is recorded here as
-        # (block_id, hash, token_ids) before its hash is dropped, so that an owner with spill
-        # tiers can save its KV before anyone writes to the block again.
-        self.evictions: list[tuple[int, BlockHash, tuple[int, ...]]] | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -89,12 +76,17 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
+        """Blocks held by at least one block table (ref_cnt >= 1)."""
         return self.num_blocks - len(self._free)
 
     @property
     def num_cached(self) -> int:
         """Blocks that carry a hash and are findable by a prefix lookup."""
         return len(self._cached)
+
+    def free_block_ids(self) -> list[int]:
+        """Ids of the free blocks in eviction order: the first is handed out next."""
+        return list(self._free)
 
     def usage(self) -> float:
         """Fraction of blocks held by live sequences, 0..1."""
@@ -107,23 +99,14 @@ class BlockPool:
             return None
         return block
 
-    def lookup_partial(self, parent: BlockHash | None) -> Block | None:
-        """The kept partial block that followed ``parent`` (None: the first block)."""
-        return self._partial.get(parent or b"")
-
-    def lookup_content(self, token_ids: tuple[int, ...]) -> Block | None:
-        """A cached block holding exactly these tokens, computed after any prefix."""
-        return self._by_content.get(token_ids)
-
     # ---------------------------------------------------------------- mutation
     def allocate(self) -> Block:
-        """Take the next block off the free queue; it loses any cached hash."""
+        """Take the next block off the free queue (ref_cnt 1); it loses any cached hash.
+        Raises NoFreeBlocks when none is free."""
         if not self._free:
             raise NoFreeBlocks
         _, block = self._free.popitem(last=False)
         if block.block_hash is not None:
-            if self.evictions is not None and self._cached.get(block.block_hash) is block:  # full blocks only
-                self.evictions.append((block.block_id, block.block_hash, block.token_ids))  # type: ignore[arg-type]
             self._uncache(block)
             self.stats.evictions += 1
         block.ref_cnt = 1
@@ -131,14 +114,17 @@ class BlockPool:
         return block
 
     def touch(self, block: Block) -> None:
-        """Add a holder to ``block`` (a prefix hit or a fork)."""
+        """Add a holder to ``block`` (a prefix hit or a fork); a free block leaves the free
+        queue, so in-use blocks are never handed out."""
         if block.ref_cnt == 0:
             del self._free[block.block_id]
         block.ref_cnt += 1
         block.last_used = self.clock()
 
     def free(self, blocks: Iterable[Block]) -> None:
-        """Drop one holder from each block; blocks nobody holds return to the free queue.
+        """Drop one holder from each block; blocks nobody holds return to the free queue
+        (cached ones keep their hash and stay findable; unhashed ones go to its head). Raises
+        AssertionError on a double free, so ref_cnt never goes below zero.
 
         Pass a sequence's blocks tail first: among cached blocks freed together the tail of
         a chain is then evicted before its head, which more requests share.
@@ -172,28 +158,11 @@ class BlockPool:
         block.token_ids = token_ids
         block.start = start
         self._cached[block_hash] = block
-        self._by_content[token_ids] = block
         return block
 
-    def cache_partial(self, block: Block, parent: BlockHash | None, token_ids: tuple[int, ...]) -> None:
-        """Keep a free block whose first ``len(token_ids)`` slots hold computed KV, for a later
-        sequence that continues ``parent``'s chain with the same tokens (it copies them). The
-        newest partial block for a parent replaces an older one. Evicted like cached blocks."""
-        key = parent or b""
-        old = self._partial.get(key)
-        if old is not None and old is not block:
-            self._uncache(old)
-            if old.ref_cnt == 0:
-                self._free.move_to_end(old.block_id, last=False)
-        block.block_hash = PARTIAL + key
-        block.token_ids = token_ids
-        self._partial[key] = block
-        if block.ref_cnt == 0:
-            self._free.move_to_end(block.block_id)  # most recently used
-        block.last_used = self.clock()
-
     def drop_expired(self, ttl_seconds: float) -> int:
-        """Forget cached blocks nobody holds that were last used over ``ttl_seconds`` ago."""
+        """Forget cached blocks nobody holds that were last used over ``ttl_seconds`` ago;
+        they move to the head of the free queue (handed out first). Returns how many."""
         deadline = self.clock() - ttl_seconds
         stale = [b for b in self._free.values() if b.block_hash is not None and b.last_used < deadline]
         for block in stale:
@@ -203,26 +172,31 @@ class BlockPool:
         return len(stale)
 
     def reset_cache(self) -> None:
-        """Forget every cached hash held by no one (used when the runtime loses its KV)."""
+        """Forget every cached hash held by no one (the runtime lost its KV); in-use blocks
+        keep theirs."""
         for block in list(self._free.values()):
             if block.block_hash is not None:
                 self._uncache(block)
                 self._free.move_to_end(block.block_id, last=False)
 
     def _uncache(self, block: Block) -> None:
+        """Drop ``block``'s hash and tokens (subclasses with more indexes drop it there too)."""
         assert block.block_hash is not None
-        if block.block_hash.startswith(PARTIAL):
-            key = block.block_hash[len(PARTIAL) :]
-            if self._partial.get(key) is block:
-                del self._partial[key]
-        elif self._cached.get(block.block_hash) is block:
+        if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
-        if self._by_content.get(block.token_ids) is block:  # type: ignore[arg-type]
-            del self._by_content[block.token_ids]  # type: ignore[arg-type]
         block.block_hash = None
         block.token_ids = None
 
     # -------------------------------------------------------------- invariants
+    def _check_hashed(self, block: Block) -> None:
+        """A hashed block is full and is the one its hash finds."""
+        assert block.token_ids is not None and len(block.token_ids) == self.block_size, (
+            f"block {block.block_id} is hashed but not full"
+        )
+        assert block.block_hash is not None and self._cached.get(block.block_hash) is block, (
+            f"block {block.block_id} is hashed but not findable"
+        )
+
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's own state is inconsistent."""
         for block in self.blocks:
@@ -231,18 +205,8 @@ class BlockPool:
             assert in_free == (block.ref_cnt == 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue={in_free}"
             )
-            if block.block_hash is not None and block.block_hash.startswith(PARTIAL):
-                key = block.block_hash[len(PARTIAL) :]
-                assert self._partial.get(key) is block, f"partial block {block.block_id} is not findable"
-                assert block.token_ids and len(block.token_ids) < self.block_size
-            elif block.block_hash is not None:
-                assert block.token_ids is not None and len(block.token_ids) == self.block_size, (
-                    f"block {block.block_id} is hashed but not full"
-                )
+            if block.block_hash is not None:
+                self._check_hashed(block)
         for block_hash, block in self._cached.items():
             assert block.block_hash == block_hash, f"cache map entry for block {block.block_id} is stale"
-        for token_ids, block in self._by_content.items():
-            assert block.token_ids == token_ids and self._cached.get(block.block_hash) is block, (  # type: ignore[arg-type]
-                f"content map entry for block {block.block_id} is stale"
-            )
         assert len(self._free) + sum(1 for b in self.blocks if b.ref_cnt > 0) == self.num_blocks

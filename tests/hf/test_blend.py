@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.conftest import require_import
+
+torch = require_import("torch")
 
 from kvstream.hf import compat  # noqa: E402
 from kvstream.hf.attention import AttentionPlan  # noqa: E402

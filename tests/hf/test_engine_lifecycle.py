@@ -4,10 +4,12 @@ every step, and the pool returns to all-free once the work is done."""
 from __future__ import annotations
 
 import pytest
+
+from tests.conftest import require_import
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-torch = pytest.importorskip("torch")
+torch = require_import("torch")
 
 from kvstream.hf.model_runner import RunnerConfig, ModelRunner  # noqa: E402
 from kvstream.hf.sampling import SamplingParams  # noqa: E402

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import require_import
+
 from tests.hf.conftest import chat_prompts
 
-torch = pytest.importorskip("torch")
+torch = require_import("torch")
 
 from kvstream.hf.model_runner import RunnerConfig, ModelRunner  # noqa: E402
 from kvstream.hf.sampling import SamplingParams  # noqa: E402

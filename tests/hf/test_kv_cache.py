@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.conftest import require_import
+
+torch = require_import("torch")
 
 from kvstream.hf.kv_cache import KVShape, PagedKVCache  # noqa: E402
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.conftest import require_import
+
+torch = require_import("torch")
 
 from kvstream.hf.model_runner import RunnerConfig, ModelRunner  # noqa: E402
 from kvstream.hf.kv_quant import KEY_AXIS, VALUE_AXIS, dequantize, quantize  # noqa: E402

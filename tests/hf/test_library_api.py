@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.conftest import require_import
+
+torch = require_import("torch")
 
 from kvstream.hf.model_runner import RunnerConfig  # noqa: E402
 from kvstream.hf.loader import LoadedModel  # noqa: E402

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.conftest import require_import
+
+torch = require_import("torch")
 
 from kvstream.hf.model_runner import RunnerConfig, ModelRunner  # noqa: E402
 from kvstream.hf.loader import chat_token_ids  # noqa: E402

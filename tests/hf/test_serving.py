@@ -7,7 +7,9 @@ import asyncio
 import aiohttp
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.conftest import require_import
+
+torch = require_import("torch")
 
 import openai  # noqa: E402
 from openai import AsyncOpenAI, BadRequestError  # noqa: E402

@@ -29,8 +29,11 @@ def test_hashes_are_chained_and_deterministic():
     assert block_hashes([0, 2, 3, 4, 5, 6, 7, 8], 4, salt)[1] != a[1]
     # Another model: different hashes for the same tokens.
     assert block_hashes([1, 2, 3, 4], 4, model_key("other"))[0] != a[0]
-    # Known value: the hash must not change across processes or releases (files are named by it).
-    assert hash_block(None, [1, 2, 3, 4], model_key("m")).hex() == hash_block(None, (1, 2, 3, 4), model_key("m")).hex()
+    # Known values: the hash must not change across processes or releases (slot and disk-tier
+    # files are named by it). Computed once with blake2b-128, keyed by the model key.
+    assert model_key("m").hex() == "25ee4a05c339424604bfc268f854dafa"
+    assert hash_block(None, [1, 2, 3, 4], model_key("m")).hex() == "700b0f1276f1e1702690999f0bbd8999"
+    assert hash_block(None, (1, 2, 3, 4), model_key("m")) == hash_block(None, [1, 2, 3, 4], model_key("m"))
 
 
 def test_streaming_allocation_takes_one_block_per_boundary():
@@ -50,14 +53,15 @@ def test_streaming_allocation_takes_one_block_per_boundary():
 def test_prefix_hit_shares_full_blocks_and_leaves_one_token_to_compute():
     bm = make_bm()
     bm.allocate("a", list(range(10)))  # blocks [0-3] [4-7] [8,9]
-    a_blocks = [b.block_id for b in bm.tables["a"].blocks]
+    assert [b.block_id for b in bm.tables["a"].blocks] == [0, 1, 2]
     cached = bm.allocate("b", list(range(8)) + [99, 98])
     assert cached == 8
-    b_blocks = [b.block_id for b in bm.tables["b"].blocks]
-    assert b_blocks[:2] == a_blocks[:2] and b_blocks[2] != a_blocks[2]
-    assert [bm.pool.blocks[i].ref_cnt for i in a_blocks[:2]] == [2, 2]
+    assert [b.block_id for b in bm.tables["b"].blocks] == [0, 1, 3]
+    assert [b.ref_cnt for b in bm.pool.blocks[:4]] == [2, 2, 1, 1]
     # A prompt that is exactly two cached blocks reuses only the first: one token must run.
     assert bm.allocate("c", list(range(8))) == 4
+    assert [b.block_id for b in bm.tables["c"].blocks] == [0, 4]
+    assert bm.pool.free_block_ids() == [5, 6, 7]
     bm.check_invariants()
 
 
@@ -71,10 +75,15 @@ def test_freed_blocks_stay_cached_until_reallocated_lru():
     bm.free("a")
     clock.now = 3
     bm.free("b")
-    # Unhashed tail blocks are handed out first, then cached blocks oldest first.
+    # a: [0]=[1,2] cached, [1]=[3]; b: [2]=[5,6] cached, [3]=[7]. Unhashed tail blocks are
+    # handed out first (last freed first), then cached blocks oldest first.
     assert bm.pool.num_cached == 2
+    assert bm.pool.free_block_ids() == [3, 1, 0, 2]
     assert bm.allocate("c", [1, 2, 9]) == 2  # revived from the cache
-    bm.allocate("d", [8, 8, 8])  # needs 2 blocks: the 1 free unhashed + evict [5,6]
+    assert [b.block_id for b in bm.tables["c"].blocks] == [0, 3]
+    assert bm.pool.free_block_ids() == [1, 2]
+    bm.allocate("d", [8, 8, 8])  # needs 2 blocks: the free unhashed one, then evict [5,6]
+    assert [b.block_id for b in bm.tables["d"].blocks] == [1, 2]
     assert bm.cached_prefix([5, 6, 7]) == []  # [5,6] was the least recently used
     assert len(bm.cached_prefix([1, 2, 7])) == 1 and len(bm.cached_prefix([8, 8, 7])) == 1
     assert bm.pool.stats.evictions == 1
@@ -201,39 +210,5 @@ def test_eviction_takes_the_least_recently_used_cached_block():
     assert bm.cached_prefix([1, 2, 0]) == []
     bm.allocate("x", [4, 5, 9])  # [4,5] is a hit; the other block is new
     assert bm.tables["x"].num_cached_tokens == 2
+    assert [b.block_id for b in bm.tables["x"].blocks] == [1, 0]
     bm.check_invariants()
-
-
-def test_a_finished_sequences_partial_last_block_is_reused_token_for_token():
-    """In-process engines (hash_on_append=False): the computed head of a freed table's last,
-    partial block is kept by its parent hash; a prompt continuing it copies what matches."""
-    bm = BlockManager(16, 8, hash_on_append=False)
-    first = list(range(100, 120))  # 2 full blocks + 4 tokens
-    bm.allocate("a", first)
-    bm.commit("a", len(first))
-    bm.free("a")
-    bm.check_invariants()
-    # The next turn: everything computed so far, then new tokens.
-    assert bm.allocate("b", first + [7, 8, 9]) == 20
-    (src, dst), = bm.partial_copies
-    assert bm.tables["b"].blocks[2].block_id == dst  # the new block k gets the kept head copied in
-    bm.partial_copies.clear()
-    bm.check_invariants()
-    # Diverging inside the partial block reuses up to the divergence.
-    assert bm.allocate("c", first[:18] + [1, 2, 3]) == 18
-    # Diverging before it falls back to whole blocks; a prompt ending inside it leaves one token.
-    assert bm.allocate("d", first[:10] + [5, 5, 5, 5]) == 8
-    assert bm.allocate("e", first[:19]) == 18
-    bm.check_invariants()
-
-
-def test_partial_blocks_are_never_kept_for_remote_runtimes_or_uncomputed_tokens():
-    remote = BlockManager(16, 8)  # hash_on_append: a remote runtime's estimate
-    remote.allocate("a", list(range(20)))
-    remote.free("a")
-    assert remote.allocate("b", list(range(20)) + [1]) == 16
-    bm = BlockManager(16, 8, hash_on_append=False)
-    bm.allocate("a", list(range(20)))
-    bm.commit("a", 17)  # aborted mid-prefill: only 17 tokens have KV
-    bm.free("a")
-    assert bm.allocate("b", list(range(20)) + [1]) == 17

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 from kvstream.kv import BlockManager, NoFreeBlocks
-from kvstream.scheduler import Priority, Scheduler, SchedulerConfig, Sequence
+from kvstream.scheduler import NeverFits, Priority, QueueFull, Scheduler, SchedulerConfig, Sequence
 
 # A small vocabulary and a few fixed prefixes make prefix hits and shared blocks frequent.
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
@@ -120,21 +120,25 @@ class SchedulerMachine(RuleBasedStateMachine):
         super().__init__()
         self.sched: Scheduler | None = None
         self.live: list[Sequence] = []
+        # A clock that ticks per arrival: orders (fcfs, sjf aging) must not depend on how
+        # fast the machine runs, or hypothesis cannot replay an example.
+        self.now = 0.0
 
     @precondition(lambda self: self.sched is None)
     @rule(preemptible=st.booleans(), policy=st.sampled_from(["swap", "recompute"]), order=st.sampled_from(["fcfs", "sjf"]))
     def configure(self, preemptible, policy, order):
         bm = BlockManager(10, 4, 4 if preemptible else 0, model_identity="sched")
         config = SchedulerConfig(max_batch_size=3, preemption_policy=policy, priority=order, max_queue_size=6)
-        self.sched = Scheduler(bm, config, preemptible=preemptible)
+        self.sched = Scheduler(bm, config, preemptible=preemptible, clock=lambda: self.now)
 
     @precondition(lambda self: self.sched is not None)
     @rule(prefix=st.sampled_from(PREFIXES), suffix=tokens, max_tokens=st.integers(1, 12), prio=st.sampled_from(list(Priority)))
     def arrive(self, prefix, suffix, max_tokens, prio):
-        seq = Sequence(prefix + suffix, max_tokens, prio)
+        self.now += 1.0
+        seq = Sequence(prefix + suffix, max_tokens, prio, arrival=self.now)
         try:
             self.sched.add(seq)
-        except Exception:
+        except (NeverFits, QueueFull):  # the only refusals; anything else is a bug
             return
         self.live.append(seq)
         self.sched.schedule()
