@@ -46,6 +46,8 @@ class BackendSettings(_Section):
     inject: bool = Field(True, description="llama.cpp: hard KV inject (save and restore slot state) when slot saving works")
     inject_min_tokens: int = Field(64, ge=1, description="llama.cpp: shortest prefix worth restoring from a slot file")
     slot_budget_bytes: int = Field(2 * 1024**3, ge=0, description="llama.cpp: most bytes of slot files kept (LRU)")
+    model_aliases: dict[str, str] = Field(default_factory=dict, description="model names clients send -> the runtime's model id (applied before anything else)")
+    model_fallback: bool | None = Field(None, description="serve a model name the runtime does not list with its one model (as llama-server does); none = on unless the backend is ollama (which answers 404 itself)")
     gguf_file: str | None = Field(None, description="hf: the .gguf file inside the --model folder, for transformers' GGUF loader")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="hf: where the model runs; auto = cuda when available")
     threads: int | None = Field(None, ge=1, description="hf: torch CPU threads; none = torch's default")

@@ -37,11 +37,17 @@ class BackendInterrupted(BackendError):
 
 
 class BackendRejected(BackendError):
-    """The runtime refused the request itself (a 4xx from upstream, passed on as such)."""
+    """The runtime refused the request itself (a 4xx from upstream, passed on as such).
 
-    def __init__(self, message: str, status: int = 400, *, code: str = "invalid_request", param: str | None = None):
+    ``body`` is the runtime's own JSON error body, when it sent one: the client gets it
+    unchanged, as it would have from the runtime."""
+
+    def __init__(
+        self, message: str, status: int = 400, *, code: str = "invalid_request", param: str | None = None, body: Any = None
+    ):
         super().__init__(message, status, code=code, retryable=False)
         self.param = param
+        self.body = body
 
 
 @dataclass
@@ -112,6 +118,13 @@ class GenerateRequest:
     # configured default.
     reuse: str | None = None
     blend_ratio: float | None = None
+    # Whether the client streams. Backends that forward the runtime's own answer ask the
+    # runtime the same way (and still count tokens); translating backends always stream.
+    stream: bool = True
+    # The client's JSON body as sent (KVStream's own fields removed, ``model`` resolved):
+    # forwarded as it is by backends that speak the client's protocol natively, so that
+    # nothing the runtime understands is lost. None: built from the fields above.
+    body: dict[str, Any] | None = None
     control: RequestControl = field(default_factory=RequestControl, repr=False, compare=False)
 
     @property
@@ -148,6 +161,12 @@ class Token:
     # True when the backend already holds the next token (they came in one network read or
     # one engine step): a writer may hold this one back and send both in one write.
     more: bool = False
+    # The runtime's own stream chunks that carried this step (OpenAI-compatible runtimes):
+    # forwarded to the client with only the fields KVStream owns rewritten, so logprobs,
+    # timings and any other field arrive as the runtime sent them. None: build the chunk.
+    events: list[dict[str, Any]] | None = None
+    # On the last Token of a non-streamed forward: the runtime's whole response body.
+    payload: dict[str, Any] | None = None
 
     def chat_delta(self) -> dict[str, Any]:
         if self.delta is not None:

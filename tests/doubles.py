@@ -46,6 +46,10 @@ class Script:
     malformed_after: int | None = None  # send garbage after this many tokens
     prompt_tokens: int = 7
     usage_in_stream: bool = True
+    # Fields a runtime adds that KVStream does not know (llama.cpp's timings, logprobs...):
+    # merged into every chunk / the non-streamed body, per-token logprobs into each choice.
+    extra: dict[str, Any] = field(default_factory=dict)
+    logprobs: bool = False
 
 
 @dataclass
@@ -99,10 +103,34 @@ def openai_upstream(script: Script, recorder: Recorder, model_id: str = "test-mo
                     script.error_body or {"error": {"code": script.status, "message": "scripted failure", "type": "server_error"}},
                     status=script.status,
                 )
+            cid = "chatcmpl-double"
+            echoed = body.get("model") or model_id  # like llama-server, the request's name
+            usage = {"prompt_tokens": script.prompt_tokens, "completion_tokens": len(script.tokens), "total_tokens": script.prompt_tokens + len(script.tokens)}
+            if body.get("stream") is not True:  # a real server answers one JSON body
+                if script.first_delay_s:
+                    await asyncio.sleep(script.first_delay_s)
+                if script.delay_s:
+                    await asyncio.sleep(script.delay_s * max(0, len(script.tokens) - 1))
+                if script.die_after is not None:
+                    await _kill_connection(request)
+                if script.error_after is not None:
+                    return web.json_response({"error": {"code": 500, "message": "scripted runtime crash", "type": "server_error"}}, status=500)
+                if script.malformed_after is not None:
+                    return web.Response(body=b"{not json", content_type="application/json")
+                text = "".join(script.tokens)
+                choice = {"index": 0, "finish_reason": script.finish_reason, "logprobs": _logprobs(script.tokens) if script.logprobs else None}
+                choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+                recorder.completed += 1
+                return web.json_response(
+                    {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": 1, "model": echoed,
+                     "choices": [choice], "usage": usage} | script.extra
+                )
+            options = body.get("stream_options") or {}
+            include = options.get("include_usage")  # a bad value fails here, before the stream starts
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            cid = "chatcmpl-double"
-            base = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": 1, "model": model_id}
+            base = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": 1, "model": echoed}
+            base |= script.extra
 
             def frame(obj: dict[str, Any]) -> bytes:
                 return b"data: " + json.dumps(obj).encode() + b"\n\n"
@@ -124,22 +152,41 @@ def openai_upstream(script: Script, recorder: Recorder, model_id: str = "test-mo
                     await asyncio.sleep(script.delay_s)
                 recorder.token_times.append(time.monotonic())
                 choice = {"index": 0, "delta": {"content": text}, "finish_reason": None} if chat else {"index": 0, "text": text, "finish_reason": None}
+                if script.logprobs:
+                    choice["logprobs"] = _logprobs([text])
                 await resp.write(frame(base | {"choices": [choice]}))
             final = {"index": 0, "delta": {}, "finish_reason": script.finish_reason} if chat else {"index": 0, "text": "", "finish_reason": script.finish_reason}
             await resp.write(frame(base | {"choices": [final]}))
-            include = (body.get("stream_options") or {}).get("include_usage")
             if include and script.usage_in_stream:
-                usage = {"prompt_tokens": script.prompt_tokens, "completion_tokens": len(script.tokens), "total_tokens": script.prompt_tokens + len(script.tokens)}
                 await resp.write(frame(base | {"choices": [], "usage": usage}))
             await resp.write(b"data: [DONE]\n\n")
             recorder.completed += 1
             return resp
 
-    app = web.Application()
+    async def model(request: web.Request) -> web.Response:
+        if request.match_info["model"] != model_id:
+            return web.json_response({"error": {"code": 404, "message": "model not found", "type": "not_found_error"}}, status=404)
+        return web.json_response({"id": model_id, "object": "model", "created": 1, "owned_by": "double"})
+
+    @web.middleware
+    async def judge(request: web.Request, handler: Any) -> web.StreamResponse:
+        """Like a real runtime: a body it cannot use gets a 400, never a crash."""
+        try:
+            return await handler(request)
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            return web.json_response({"error": {"code": 400, "message": f"bad request: {exc}", "type": "invalid_request_error"}}, status=400)
+
+    app = web.Application(middlewares=[judge])
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_post("/v1/completions", generate)
     return app
+
+
+def _logprobs(tokens: list[str]) -> dict[str, Any]:
+    """OpenAI's logprobs object for these tokens (values made up, shape real)."""
+    return {"content": [{"token": t, "logprob": -0.25, "bytes": list(t.encode()), "top_logprobs": []} for t in tokens]}
 
 
 # ---------------------------------------------------------------------------- Ollama

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from kvstream.api import routes_ops, routes_openai
+from kvstream.api import routes_openai, routes_ops, routes_passthrough
 from kvstream.api.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware
 from kvstream.api.state import STATE, AppState
 from kvstream.types import BackendError
@@ -23,7 +23,10 @@ logger = logging.getLogger(__name__)
 PUBLIC_PATHS = frozenset({"/health"})
 
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Routes that run the model: the per-key concurrency cap counts them.
+GENERATION_PATHS = (
+    routes_openai.GENERATION_PATHS | routes_passthrough.GENERATION_PATHS | routes_passthrough.FORWARD_ONLY_PATHS
+)
 
 
 def auth_middleware(keys: list[str], max_concurrent_per_key: int | None = None):
@@ -36,7 +39,9 @@ def auth_middleware(keys: list[str], max_concurrent_per_key: int | None = None):
     async def middleware(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        if request.path in PUBLIC_PATHS:
+        # CORS preflights carry no credentials by design (browsers never send them); they
+        # compute nothing and pass through to the runtime.
+        if request.path in PUBLIC_PATHS or request.method == "OPTIONS":
             return await handler(request)
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
@@ -95,6 +100,7 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
     app[MAX_BODY_BYTES] = settings.server.max_body_bytes
     app.add_routes(routes_openai.routes)
     app.add_routes(routes_ops.routes)
+    app.add_routes(routes_passthrough.routes)  # last: it takes every route the others did not
 
     async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
         await engine.start()

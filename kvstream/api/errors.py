@@ -49,8 +49,12 @@ class APIError(Exception):
         param: str | None = None,
         retry_after: int | None = None,
         should_retry: bool | None = None,
+        raw_body: dict | None = None,
     ) -> None:
+        """``raw_body``: answer with this body instead of building one (a runtime's own
+        error, passed through unchanged)."""
         super().__init__(message)
+        self.raw_body = raw_body
         self.status = status
         self.message = message
         self.code = code
@@ -59,6 +63,8 @@ class APIError(Exception):
         self.should_retry = should_retry
 
     def body(self) -> dict:
+        if self.raw_body is not None:
+            return self.raw_body
         return {
             "error": {
                 "message": self.message,
@@ -88,7 +94,7 @@ def from_exception(exc: BaseException, retry_after: int = 1) -> APIError:
         retry = retry_after if exc.status in (429, 503) else None
         return APIError(exc.status, str(exc), code=exc.code, retry_after=retry, should_retry=exc.status != 400)
     if isinstance(exc, BackendRejected):
-        return APIError(exc.status, exc.message, code=exc.code, param=exc.param, should_retry=False)
+        return APIError(exc.status, exc.message, code=exc.code, param=exc.param, should_retry=False, raw_body=exc.body)
     if isinstance(exc, BackendUnavailable):
         return APIError(503, exc.message, code=exc.code, retry_after=retry_after)
     if isinstance(exc, BackendError):

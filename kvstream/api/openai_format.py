@@ -49,10 +49,17 @@ class StreamFormatter:
     include_usage: bool = False
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
+    # Forwarded chunks get ``model`` set to what the client asked for (what the runtime,
+    # asked directly, would have echoed); False when the client named no model.
+    rewrite_model: bool = True
+    _adopted: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if not self.id:
             self.id = ("chatcmpl-" if self.chat else "cmpl-") + random_hex(96)
+        self._render_template()
+
+    def _render_template(self) -> None:
         # Every token chunk is the same JSON but for the delta (or text): render the rest
         # once, so a token costs one small json.dumps (this is the proxy's hot path).
         marker = "\u0000KVSTREAM\u0000"
@@ -83,6 +90,26 @@ class StreamFormatter:
             "logprobs": token.logprobs if token else None,
             "finish_reason": finish_reason,
         }
+
+    def forward(self, events: list[dict[str, Any]]) -> bytes:
+        """The runtime's own chunks, as it sent them but for ``model``. Chunks KVStream has
+        to build later (a stream resumed after preemption) take the runtime's id."""
+        out = []
+        for event in events:
+            if not self._adopted and isinstance(event.get("id"), str):
+                self._adopted = True
+                self.id, self.created = event["id"], int(event.get("created") or self.created)
+                self._render_template()
+            if self.rewrite_model and "model" in event:
+                event["model"] = self.model
+            out.append(sse(event))
+        return b"".join(out)
+
+    def forward_payload(self, payload: dict[str, Any]) -> bytes:
+        """The runtime's own non-streamed answer, as it sent it but for ``model``."""
+        if self.rewrite_model and "model" in payload:
+            payload["model"] = self.model
+        return dumps(payload)
 
     def role_chunk(self) -> bytes | None:
         """The first chat chunk (``role: assistant``); completions have none."""

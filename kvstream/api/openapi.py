@@ -1,5 +1,10 @@
 """``GET /openapi.json``: an OpenAPI 3.1 description of KVStream's routes, built from the same
-pydantic models that validate the bodies, so the two cannot drift apart."""
+pydantic models that validate the bodies, so the two cannot drift apart.
+
+The request schemas are what KVStream validates in front of a backend that translates
+(Ollama's native API, the in-process engine). In front of a runtime that speaks OpenAI
+itself, the body is forwarded and the runtime judges it; every other route is passed
+through to the runtime and is the runtime's to describe."""
 
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ def _generation(model: type, summary: str) -> dict[str, Any]:
                     "description": "The completion (JSON), or its stream (text/event-stream) when stream is true",
                     "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}},
                 },
-                **_errors(400, 401, 404, 413, 422, 429, 502, 503, 504),
+                **_errors(400, 401, 404, 413, 429, 502, 503, 504),
             },
         }
     }
@@ -67,7 +72,7 @@ def build_spec() -> dict[str, Any]:
                 "post": {
                     "summary": "Prefill a prefix so later requests find it cached (KVStream's own route)",
                     "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WarmRequest"}}}},
-                    "responses": {"200": _json("prompt_tokens, cached_tokens, elapsed_ms"), **_errors(400, 401, 404, 413, 422, 429, 502, 503, 504)},
+                    "responses": {"200": _json("prompt_tokens, cached_tokens, elapsed_ms"), **_errors(400, 401, 404, 413, 429, 502, 503, 504)},
                 }
             },
             "/v1/models": {"get": {"summary": "Models", "responses": {"200": _json("The runtime's models"), **_errors(401, 502, 503)}}},

@@ -17,10 +17,11 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from kvstream.api.errors import REQUEST_ID, APIError, from_exception, json_body_error
-from kvstream.api.openai_format import Aggregate, StreamFormatter
-from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest, WarmRequest
+from kvstream.api.openai_format import DONE, Aggregate, StreamFormatter
+from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest, WarmRequest, forwarded_request
+from kvstream.api.routes_passthrough import forward
 from kvstream.api.state import STATE, AppState
-from kvstream.types import BackendError, BackendRejected, BackendUnavailable, Token
+from kvstream.types import BackendError, BackendRejected, BackendUnavailable, GenerateRequest, Token
 from kvstream.engine import Generation
 from kvstream.jsonfast import dumps, loads
 from kvstream.scheduler import Priority, SchedulerError
@@ -31,8 +32,8 @@ routes = web.RouteTableDef()
 PRIORITY_HEADER = "X-KVStream-Priority"
 
 
-async def read_body(request: web.Request, model: type[BaseModel]) -> Any:
-    """Parse and validate a JSON body: 400 if it is not JSON, 422 if a field is wrong."""
+async def read_object(request: web.Request) -> dict[str, Any]:
+    """The JSON object body: 400 if it is not JSON or not an object, 413 past the limit."""
     raw = await request.read()  # 413 past client_max_size, raised by aiohttp
     try:
         data = loads(raw)
@@ -40,13 +41,20 @@ async def read_body(request: web.Request, model: type[BaseModel]) -> Any:
         raise json_body_error(exc) from None
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    return data
+
+
+async def read_body(request: web.Request, model: type[BaseModel]) -> Any:
+    """Parse and validate a JSON body; 400 ``invalid_request_error`` for any bad value, as
+    OpenAI answers (never 422)."""
+    data = await read_object(request)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         error = exc.errors()[0]
         loc = ".".join(str(p) for p in error["loc"])
         message = error["msg"].removeprefix("Value error, ")
-        raise APIError(422, f"Invalid value for '{loc}': {message}." if loc else f"{message}.", param=loc or None, code="invalid_value") from None
+        raise APIError(400, f"Invalid value for '{loc}': {message}." if loc else f"{message}.", param=loc or None, code="invalid_value") from None
 
 
 def parse_priority(request: web.Request, body_value: object) -> Priority:
@@ -56,12 +64,16 @@ def parse_priority(request: web.Request, body_value: object) -> Priority:
     try:
         return Priority.parse(value)
     except ValueError as exc:
-        raise APIError(422, str(exc), param="priority", code="invalid_value") from None
+        raise APIError(400, str(exc), param="priority", code="invalid_value") from None
 
 
 async def resolve_model(state: AppState, name: str) -> str:
-    """The runtime's id for ``name``: an exact id, or its file name with or without the
-    extension (llama-server names its model by path). Unknown names get 404."""
+    """The runtime's id for ``name``: the configured alias, an exact id, or its file name with
+    or without the extension (llama-server names its model by path). A name the runtime does
+    not list is served by its one model when it serves a single model (the model fallback);
+    otherwise 404, as the runtime would answer."""
+    backend = state.settings.backend
+    name = backend.model_aliases.get(name, name)
     try:
         models = await state.engine.models()
     except BackendError:
@@ -74,6 +86,9 @@ async def resolve_model(state: AppState, name: str) -> str:
     resolved = model_aliases(models).get(name)
     if resolved is not None:
         return resolved
+    fallback = backend.model_fallback if backend.model_fallback is not None else state.engine.backend.serves_any_model_name
+    if fallback and len(models) == 1:
+        return models[0].id
     known = ", ".join(m.id for m in models[:10])
     raise APIError(404, f"The model '{name}' does not exist on this server (available: {known}).", param="model", code="model_not_found")
 
@@ -111,21 +126,57 @@ def _error_kind(exc: BackendError) -> str:
     return "timeout" if exc.status == 504 else "error"
 
 
+async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[GenerateRequest, Priority, bool]:
+    """The request as the backend needs it, its priority, and whether the client asked for
+    the usage chunk.
+
+    A runtime that speaks OpenAI itself gets the client's body as it is and judges it; for
+    a backend that translates (Ollama's native API, the in-process engine) KVStream
+    validates the body first and answers 400 for what it cannot translate."""
+    request_id = request[REQUEST_ID]
+    if state.engine.backend.forwards_body:
+        data = await read_object(request)
+        generate = forwarded_request(data, chat, request_id)
+        priority = parse_priority(request, data.get("priority"))
+        options = data.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    else:
+        body = await read_body(request, ChatCompletionRequest if chat else CompletionRequest)
+        if body.n != 1:
+            raise APIError(400, "This backend serves one choice per request (n must be 1).", param="n", code="unsupported_value")
+        generate = body.to_generate(request_id)
+        generate.stream = body.stream
+        priority = parse_priority(request, body.priority)
+        include_usage = body.include_usage
+    max_messages = state.settings.server.max_messages
+    if chat and len(generate.messages or ()) > max_messages:
+        raise APIError(
+            413, f"Too many messages ({len(generate.messages or ())}; the limit is {max_messages}).",
+            param="messages", code="too_many_messages",
+        )
+    if generate.model is not None:
+        generate.model = await resolve_model(state, generate.model)
+    elif not state.engine.backend.forwards_body and state.engine.backend.model is None:
+        # No model named: a translating backend needs one, so the runtime's first serves.
+        generate.model = await default_model(state)
+    return generate, priority, include_usage
+
+
+async def default_model(state: AppState) -> str | None:
+    """The runtime's first model (None while it cannot be asked: the request gets the 503)."""
+    try:
+        models = await state.engine.models()
+    except BackendError:
+        return None
+    return models[0].id if models else None
+
+
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     arrived_at = time.monotonic()
     state = request.app[STATE]
-    body = await read_body(request, ChatCompletionRequest if chat else CompletionRequest)
-    if body.n != 1:
-        raise APIError(400, "KVStream serves one choice per request (n must be 1).", param="n", code="unsupported_value")
-    if chat and len(body.messages) > state.settings.server.max_messages:
-        raise APIError(
-            413, f"Too many messages ({len(body.messages)}; the limit is {state.settings.server.max_messages}).",
-            param="messages", code="too_many_messages",
-        )
-    priority = parse_priority(request, body.priority)
+    generate, priority, include_usage = await _parse(request, state, chat)
     request_id = request[REQUEST_ID]
-    generate = body.to_generate(request_id)
-    generate.model = await resolve_model(state, body.model)
+    client_model = (generate.body or {}).get("model") if generate.body is not None else generate.model
     try:
         gen = await state.engine.submit(generate, priority, arrived_at)
     except Exception as exc:
@@ -145,8 +196,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             "X-KVStream-Queue-Ms": f"{gen.queue_ms:.1f}",
             "X-KVStream-Prefix-Hit-Tokens": str(gen.prefix_hit_tokens),
         }
-        fmt = StreamFormatter(model=body.model, chat=chat, include_usage=body.include_usage)
-        if body.stream:
+        fmt = StreamFormatter(
+            model=client_model if isinstance(client_model, str) else (generate.model or ""), chat=chat,
+            include_usage=include_usage, rewrite_model=isinstance(client_model, str),
+        )
+        if first.payload is not None:  # the runtime's own non-streamed answer
+            outcome = "finished"
+            return web.Response(body=fmt.forward_payload(first.payload), content_type="application/json", charset="utf-8", headers=headers)
+        if generate.stream:
             response = web.StreamResponse(
                 headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             )
@@ -195,16 +252,21 @@ async def _write_stream(
     """Write the SSE response; returns the outcome (finished, failed, cancelled)."""
     try:
         await response.prepare(request)  # the headers go out with the first write
-        role = fmt.role_chunk()
+        # The runtime's own chunks are forwarded when it sent them (its role chunk too);
+        # otherwise KVStream builds OpenAI's framing itself.
+        role = fmt.role_chunk() if first.events is None else None
         held = [role] if role else []
         token = first
         while token.finish_reason is None:
-            held.append(fmt.token_chunk(token))
+            held.append(fmt.forward(token.events) if token.events is not None else fmt.token_chunk(token))
             if not token.more:  # nothing else is ready: send what we hold now
                 await response.write(b"".join(held))
                 held.clear()
             token = await _next(stream)
-        held.append(fmt.finish_chunks(token.finish_reason, gen.usage))
+        if token.events is not None:
+            held.append(fmt.forward(token.events) + DONE)
+        else:
+            held.append(fmt.finish_chunks(token.finish_reason, gen.usage))
         await response.write_eof(b"".join(held))
         return "finished"
     except BackendError as exc:
@@ -236,14 +298,24 @@ async def _counted(request: web.Request, chat: bool) -> web.StreamResponse:
     return response
 
 
-@routes.post("/v1/chat/completions")
+# llama-server (and others) serve the OpenAI routes without the /v1 prefix too.
+CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
+COMPLETION_PATHS = ("/v1/completions", "/completions")
+GENERATION_PATHS = frozenset(CHAT_PATHS + COMPLETION_PATHS)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _counted(request, chat=True)
 
 
-@routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _counted(request, chat=False)
+
+
+for _path in CHAT_PATHS:
+    routes.post(_path)(chat_completions)
+for _path in COMPLETION_PATHS:
+    routes.post(_path)(completions)
 
 
 @routes.post("/v1/warm")
@@ -256,7 +328,7 @@ async def warm(request: web.Request) -> web.Response:
         if body.model:
             generate.model = await resolve_model(state, body.model)
         else:  # the configured model, else the runtime's first
-            generate.model = state.engine.backend.model or next((m.id for m in await state.engine.models()), None)
+            generate.model = state.engine.backend.model or await default_model(state)
         result = await state.engine.warm(generate)
     except (SchedulerError, BackendError) as exc:
         raise from_exception(exc, retry_after(state)) from None
@@ -267,9 +339,12 @@ def _model_object(info: Any) -> dict[str, Any]:
     return {"id": info.id, "object": "model", "created": info.created, "owned_by": info.owned_by}
 
 
-@routes.get("/v1/models")
-async def list_models(request: web.Request) -> web.Response:
+async def list_models(request: web.Request) -> web.StreamResponse:
+    """The runtime's own list when it speaks OpenAI (every field it sends kept), else the
+    models as KVStream knows them."""
     state = request.app[STATE]
+    if state.engine.backend.forwards_body:
+        return await forward(request)
     try:
         models = await state.engine.models()
     except BackendError as exc:
@@ -277,11 +352,17 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [_model_object(m) for m in models]})
 
 
-@routes.get("/v1/models/{model:.+}")
-async def get_model(request: web.Request) -> web.Response:
+async def get_model(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
+    if state.engine.backend.forwards_body:
+        return await forward(request)
     name = await resolve_model(state, request.match_info["model"])
     for info in await state.engine.models():
         if info.id == name:
             return web.json_response(_model_object(info))
     raise APIError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+
+
+for _prefix in ("/v1", ""):
+    routes.get(f"{_prefix}/models")(list_models)
+    routes.get(f"{_prefix}/models/{{model:.+}}")(get_model)

@@ -46,8 +46,9 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
+    # Optional, as single-model runtimes have it: the backend's model serves the request.
+    model: str | None = Field(None, min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
@@ -95,7 +96,7 @@ class ChatCompletionRequest(_Sampling):
     """Body of POST /v1/chat/completions."""
 
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
 
     def _own_extra(self) -> set[str]:
         return {"messages", "max_completion_tokens"}
@@ -148,6 +149,45 @@ class CompletionRequest(_Sampling):
             reuse=self.reuse,
             blend_ratio=self.blend_ratio,
         )
+
+
+# KVStream's own body fields: read by KVStream, never sent upstream.
+OWN_BODY_FIELDS = ("priority", "reuse", "blend_ratio")
+
+
+def forwarded_request(data: dict[str, Any], chat: bool, request_id: str) -> GenerateRequest:
+    """A GenerateRequest for a runtime that speaks OpenAI itself: the body goes upstream as
+    the client sent it (KVStream's own fields removed) and the runtime judges every value.
+    KVStream reads only what it schedules by (the prompt, for counting; ``max_tokens``, for
+    the KV reservation; ``stream``), and never refuses a shape the runtime might accept:
+    what it cannot read it estimates."""
+    body = {k: v for k, v in data.items() if k not in OWN_BODY_FIELDS}
+    model = body.get("model")
+    limit = next((body[k] for k in ("max_completion_tokens", "max_tokens", "n_predict") if _count(body.get(k))), None)
+    request = GenerateRequest(
+        model=model if isinstance(model, str) and model else None,
+        max_tokens=limit,
+        request_id=request_id,
+        stream=body.get("stream") is True,
+        body=body,
+    )
+    if chat:
+        messages = body.get("messages")
+        # Counted (or estimated) from what is there; the runtime decides whether it is valid.
+        request.messages = [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+    else:
+        prompt = body.get("prompt")
+        request.prompt = prompt if isinstance(prompt, str) else dumps_text(prompt)
+    return request
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def dumps_text(value: Any) -> str:
+    """Text to estimate a prompt of another shape by (token ids, several prompts)."""
+    return "" if value is None else str(value)
 
 
 class WarmRequest(BaseModel):

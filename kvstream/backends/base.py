@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvstream.backends.http import UpstreamSession
 from kvstream.config import Settings
 from kvstream.scheduler import Scheduler, Sequence
 from kvstream.types import GenerateRequest, ModelInfo, RuntimeLimits, Token
@@ -37,6 +38,13 @@ class BaseBackend(abc.ABC):
     name: str = "base"
     default_url: str | None = None
     capabilities = Capabilities()
+    # True for a runtime that speaks the client's OpenAI protocol itself: the route forwards
+    # the client's body (GenerateRequest.body) and the runtime's own answer comes back.
+    # False for a backend that translates (validated by KVStream, answered in its framing).
+    forwards_body: bool = False
+    # Whether a model name the runtime does not list is served by its one model, as a
+    # single-model runtime does (llama-server); Ollama answers 404 instead.
+    serves_any_model_name: bool = True
 
     def __init__(
         self, base_url: str | None = None, model: str | None = None, settings: Settings | None = None, **overrides: Any
@@ -87,6 +95,11 @@ class BaseBackend(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for /status (no secrets)."""
         return {"type": self.name, "url": self.base_url, "model": self.model}
+
+    def upstream(self) -> UpstreamSession | None:
+        """The HTTP session to the runtime, for routes KVStream passes through unchanged;
+        None for a backend with no runtime behind it (in-process)."""
+        return None
 
     def metric_families(self) -> Iterator[Any]:
         """Prometheus metric families of the backend's own (read at scrape time); none by default."""

@@ -46,19 +46,35 @@ class UpstreamSession:
 
     @asynccontextmanager
     async def request(
-        self, method: str, path: str, *, json_body: Any = None, timeout: float | None = None
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        timeout: float | None = None,
+        data: Any = None,
+        headers: dict[str, str] | None = None,
+        raw: bool = False,
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """Send a request; yields the response once its headers arrived.
 
-        Connection failures become BackendUnavailable; a stale pooled connection is retried
-        once on a fresh one.
+        ``json_body`` is serialized; ``data`` (bytes, or an async iterator of bytes that is
+        streamed) and ``headers`` go as given; ``raw`` leaves the response's content
+        encoding alone (a pass-through forwards the bytes it got). Connection failures
+        become BackendUnavailable; a stale pooled connection is retried once on a fresh one
+        when the body can be sent again.
         """
         url = self.base_url + path
         kwargs: dict[str, Any] = {}
         if json_body is not None:
             kwargs = {"data": dumps(json_body), "headers": _JSON_HEADERS}
+        elif data is not None or headers is not None:
+            kwargs = {"data": data, "headers": headers}
+        if raw:
+            kwargs["auto_decompress"] = False
         if timeout is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout, sock_connect=self.connect_timeout)
+        replayable = data is None or isinstance(data, bytes)
         response = None
         for session in (self._pooled, self._fresh):
             try:
@@ -67,11 +83,14 @@ class UpstreamSession:
             except aiohttp.ClientConnectorError as exc:
                 raise BackendUnavailable(f"cannot connect to the runtime at {self.base_url} ({exc.strerror or exc})") from None
             except _STALE_CONNECTION as exc:
-                if session is self._fresh:
-                    raise BackendUnavailable(f"the runtime at {self.base_url} closed the connection ({exc})") from None
+                if session is self._fresh or not replayable:
+                    # A fresh connection closed too: the runtime dropped this request itself.
+                    raise BackendError(f"the runtime at {self.base_url} closed the connection without answering ({exc})") from None
                 logger.debug("stale keep-alive connection to %s, retrying once on a fresh one", self.base_url)
             except TimeoutError:
                 raise BackendError(f"the runtime at {self.base_url} did not answer in time", 504, code="backend_timeout") from None
+            except aiohttp.ClientError as exc:  # an answer that is not valid HTTP
+                raise BackendError(f"the runtime at {self.base_url} sent a malformed answer ({exc.__class__.__name__})") from None
         assert response is not None
         try:
             yield response
@@ -137,7 +156,8 @@ async def raise_for_upstream_status(resp: aiohttp.ClientResponse) -> None:
     if resp.status == 503 or resp.status == 429:
         raise BackendUnavailable(f"runtime busy or not ready: {message}", 503, code=code or "backend_unavailable")
     if resp.status in (400, 404, 413, 422):
-        raise BackendRejected(message, resp.status, code=code or "invalid_request", param=param)
+        own = body if isinstance(body, dict) else None
+        raise BackendRejected(message, resp.status, code=code or "invalid_request", param=param, body=own)
     if resp.status == 401 or resp.status == 403:
         raise BackendError(f"the runtime refused KVStream's credentials: {message}", 502, code="backend_auth")
     raise BackendError(f"runtime error (HTTP {resp.status}): {message}", 502)

@@ -103,6 +103,7 @@ class OllamaBackend(BaseBackend):
 
     name = "ollama"
     default_url = "http://127.0.0.1:11434"
+    serves_any_model_name = False  # Ollama answers 404 for a model it does not have
 
     def __init__(
         self, base_url: str | None = None, model: str | None = None, settings: Settings | None = None, **overrides: Any
@@ -126,6 +127,9 @@ class OllamaBackend(BaseBackend):
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
+
+    def upstream(self) -> UpstreamSession | None:
+        return self.session
 
     @property
     def http(self) -> UpstreamSession:

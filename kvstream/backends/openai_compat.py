@@ -17,7 +17,7 @@ from kvstream.types import (
     Usage,
     as_burst,
 )
-from kvstream.backends.http import DONE, EventReader, UpstreamSession, raise_for_upstream_status
+from kvstream.backends.http import DONE, EventReader, UpstreamSession, raise_for_upstream_status, read_json
 
 
 def usage_from(payload: dict[str, Any] | None) -> Usage | None:
@@ -65,6 +65,9 @@ class OpenAICompatibleBackend(BaseBackend):
         if self.session is not None:
             await self.session.close()
 
+    def upstream(self) -> UpstreamSession | None:
+        return self.session
+
     @property
     def http(self) -> UpstreamSession:
         if self.session is None:
@@ -72,9 +75,24 @@ class OpenAICompatibleBackend(BaseBackend):
         return self.session
 
     # ---------------------------------------------------------------- requests
+    # The client's body is forwarded as it is (GenerateRequest.body): this runtime speaks the
+    # client's protocol, so it judges every field itself and its answer comes back whole.
+    forwards_body = True
+
     def build_body(self, request: GenerateRequest) -> dict[str, Any]:
-        """The upstream JSON body: the client's extra fields, then the ones KVStream owns."""
-        body: dict[str, Any] = dict(request.extra)
+        """The upstream JSON body: the client's own (``model`` resolved; when streaming,
+        usage asked for so KVStream can count), or one built from the request's fields."""
+        if request.body is not None:
+            body = dict(request.body)
+            model = request.model or self.model
+            if model is not None:
+                body["model"] = model
+            options = body.get("stream_options")
+            if request.stream and (options is None or isinstance(options, dict)):
+                # Anything else is the runtime's to refuse; KVStream then counts without it.
+                body["stream_options"] = {**(options or {}), "include_usage": True}
+            return body
+        body = dict(request.extra)
         body["model"] = request.model or self.model
         if request.is_chat:
             body["messages"] = request.messages
@@ -94,15 +112,28 @@ class OpenAICompatibleBackend(BaseBackend):
         return self.stream(request, self.build_body(request))
 
     async def stream(self, request: GenerateRequest, body: dict[str, Any]) -> AsyncIterator[Token]:
-        """POST ``body`` to the chat or completions route and stream its tokens."""
+        """POST ``body`` to the chat or completions route and yield its tokens; the last one
+        carries the finish reason and usage. With a forwarded client body, tokens carry the
+        runtime's own chunks (``events``) or, not streaming, its whole answer (``payload``)."""
         path = self.chat_path if request.is_chat else self.completions_path
+        forwarded = request.body is not None
         async with self.http.request("POST", path, json_body=body) as resp:
             await raise_for_upstream_status(resp)
+            # The answer's own type decides how it is read (a runtime may stream for a
+            # "stream" value KVStream does not take as true, or not stream at all).
+            if resp.content_type != "text/event-stream":
+                payload = await read_json(resp)
+                yield self._final_from_payload(payload, request)
+                return
             # KVStream may stop this stream from outside (preemption): the pending read
             # then raises BackendInterrupted, and closing the response stops the runtime.
             request.control.on_interrupt(lambda: resp.content.set_exception(BackendInterrupted()))
+            # Forwarded: the usage chunk KVStream asked for reaches the client only if it did.
+            options = (request.body or {}).get("stream_options")
+            keep_usage = forwarded and isinstance(options, dict) and options.get("include_usage") is True
             finish_reason: str | None = None
             usage: Usage | None = None
+            pending: list[dict[str, Any]] = []  # chunks not yet attached to a token
             events = EventReader(resp)
             while batch := await events.read():
                 tokens = []
@@ -112,13 +143,18 @@ class OpenAICompatibleBackend(BaseBackend):
                     if "usage" in event:
                         usage = usage_from(event["usage"]) or usage
                     self.observe_event(event, request)
-                    for choice in event.get("choices") or ():
+                    choices = event.get("choices") or ()
+                    if forwarded and (choices or keep_usage or "usage" not in event):
+                        pending.append(event)
+                    for choice in choices:
                         token = self._token_from_choice(choice, request.is_chat)
                         if token is not None:
+                            if forwarded:
+                                token.events, pending = pending, []
                             tokens.append(token)
                         finish_reason = choice.get("finish_reason") or finish_reason
                 if events.ended and finish_reason is not None:
-                    tokens.append(Token(finish_reason=finish_reason, usage=usage))
+                    tokens.append(self._final(finish_reason, usage, pending if forwarded else None))
                 for token in as_burst(tokens):
                     yield token
                 if events.ended and finish_reason is not None:
@@ -126,7 +162,27 @@ class OpenAICompatibleBackend(BaseBackend):
             if finish_reason is None:
                 # [DONE] or EOF without a finish_reason: the runtime stopped mid-generation.
                 raise BackendError("the runtime ended the stream before the generation finished")
-            yield Token(finish_reason=finish_reason, usage=usage)
+            yield self._final(finish_reason, usage, pending if forwarded else None)
+
+    @staticmethod
+    def _final(finish_reason: str, usage: Usage | None, events: list[dict[str, Any]] | None) -> Token:
+        return Token(finish_reason=finish_reason, usage=usage, events=events)
+
+    @staticmethod
+    def _final_from_payload(payload: Any, request: GenerateRequest) -> Token:
+        """The one Token of a non-streamed answer: its finish reason, usage and the body."""
+        if not isinstance(payload, dict):
+            raise BackendError("the runtime's answer is not a JSON object")
+        choices = payload.get("choices") or [{}]
+        first = choices[0] if isinstance(choices[0], dict) else {}
+        message = first.get("message") or {}
+        text = (message.get("content") if request.is_chat else first.get("text")) or ""
+        return Token(
+            text=text if isinstance(text, str) else "",
+            finish_reason=first.get("finish_reason") or "stop",
+            usage=usage_from(payload.get("usage")),
+            payload=payload,
+        )
 
     def observe_event(self, event: dict[str, Any], request: GenerateRequest) -> None:
         """Hook for adapters that read runtime-specific fields (llama.cpp ``timings``)."""

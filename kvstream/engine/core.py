@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstream.backends.base import BaseBackend
 from kvstream.config import Settings
-from kvstream.engine.estimate import estimate_tokens, flatten_messages
+from kvstream.engine.estimate import CHARS_PER_TOKEN, estimate_tokens, flatten_messages
 from kvstream.engine.runners import Runner, runner_for
 from kvstream.scheduler import Priority, Scheduler, SchedulerError, Sequence
 from kvstream.types import BackendError, BackendRejected, GenerateRequest, ModelInfo, RuntimeLimits, Token, Usage
@@ -320,6 +320,29 @@ class KVStreamEngine:
         prompt_ids, exact = await self.prompt_tokens(request)
         if exact:
             request.control.prompt_token_ids = prompt_ids  # for slot routing and KV inject
+        return self._enqueue(request, prompt_ids, exact, priority, arrived_at)
+
+    def reserve(self, body_size: int, max_tokens: int | None, priority: Priority = Priority.NORMAL) -> Generation:
+        """A batch slot for a generation KVStream forwards without reading it (a runtime's
+        native route: llama.cpp's /completion, /infill, Anthropic's /v1/messages...): queued
+        and admitted like any request, its prompt estimated from the body's size. Wait with
+        ``admitted()`` and ``close()`` it when the runtime's answer has been forwarded."""
+        self.stats.requests_total += 1
+        request = GenerateRequest(model=self.backend.model, max_tokens=max_tokens)
+        # Stand-in ids, one per CHARS_PER_TOKEN bytes: a size, not content to match.
+        prompt_ids = [0] * max(1, body_size // CHARS_PER_TOKEN)
+        # Never preempted: KVStream cannot pause a stream it does not read.
+        return self._enqueue(request, prompt_ids, False, priority, None, preemptible=False)
+
+    def _enqueue(
+        self,
+        request: GenerateRequest,
+        prompt_ids: list[int],
+        exact: bool,
+        priority: Priority,
+        arrived_at: float | None,
+        preemptible: bool = True,
+    ) -> Generation:
         # Without max_tokens a request may run to the end of the context; with no known
         # context, assume FALLBACK_MAX_TOKENS, within what the pool can ever hold.
         scheduler = self.scheduler
@@ -330,7 +353,7 @@ class KVStreamEngine:
         max_tokens = request.max_tokens if request.max_tokens is not None else max(1, limit - len(prompt_ids))
         seq = Sequence(prompt_ids, max_tokens, priority)
         if self.backend.capabilities.preemptible:
-            seq.preemptible = self.backend.can_resume(request)
+            seq.preemptible = preemptible and self.backend.can_resume(request)
         gen = Generation(self, request, seq, exact, arrived_at)
         self._generations[seq.seq_id] = gen
         try:

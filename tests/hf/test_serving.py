@@ -243,7 +243,7 @@ async def test_warm_endpoint_prefills_a_system_prompt_the_next_chat_reuses(hf_pr
         assert warmed["model"] == "smollm2"
         assert hit == warmed["prompt_tokens"]
         async with http.post(hf_proxy.v1 + "/warm", json={"system": system, "prompt": "x"}) as resp:
-            assert resp.status == 422 and (await resp.json())["error"]["code"] == "invalid_value"
+            assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_value"
         async with http.post(hf_proxy.v1 + "/warm", json={"model": "no-such-model", "system": "x"}) as resp:
             assert resp.status == 404
     await wait_idle(hf_proxy)

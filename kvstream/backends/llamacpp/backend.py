@@ -224,7 +224,9 @@ class LlamaCppBackend(OpenAICompatibleBackend):
     def can_resume(self, request: GenerateRequest) -> bool:
         # A resumed leg continues raw text through /completion: features that the chat route
         # parses out of the text (tool calls, JSON schemas, grammars, logprobs) would be lost.
-        return not any(key in request.extra for key in RESUME_BLOCKERS)
+        # A non-streamed answer is one JSON body: there is no stream to pause.
+        fields = request.body if request.body is not None else request.extra
+        return request.stream and not any(key in fields for key in RESUME_BLOCKERS)
 
     def forget(self, request: GenerateRequest) -> None:
         name, request.control.saved_state = request.control.saved_state, None
@@ -272,7 +274,8 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         if not request.is_chat:
             return await self._tokenize_raw(request.prompt or "", add_special=True, parse_special=False)
         messages = request.messages or []
-        text = await self._apply_template(messages)
+        # A forwarded body is templated whole: tools and template options shape the prompt.
+        text = await self._apply_template(messages, context=request.body)
         if text is None:
             return None
         entry = self.conversations.lookup(messages, text)
@@ -308,8 +311,13 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         except BackendError as exc:
             logger.debug("learning a conversation prefix failed: %s", exc.message)
 
-    async def _apply_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str | None:
-        body: dict[str, Any] = {"messages": messages}
+    async def _apply_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, context: dict[str, Any] | None = None
+    ) -> str | None:
+        """The prompt llama-server builds for a chat: ``context`` is the rest of the client's
+        body (tools, template options), parsed by the same code as the chat route."""
+        body: dict[str, Any] = {k: v for k, v in (context or {}).items() if k not in ("stream", "stream_options")}
+        body["messages"] = messages
         if not add_generation_prompt:
             body["add_generation_prompt"] = False
         templated = await self.http.post_json("/apply-template", body)

@@ -1,0 +1,186 @@
+"""Every route KVStream does not manage, passed to the runtime unchanged.
+
+Method, path, query, headers (less the hop-by-hop ones and KVStream's own credentials) and
+the body go upstream, the body streamed; the runtime's status, headers and body come back,
+streamed as they arrive and still encoded as the runtime encoded them. The same auth, body
+limit and request metrics apply as on the managed routes.
+
+Generation routes that KVStream forwards without reading (llama.cpp's ``/completion`` and
+``/infill``, ``/v1/responses``, Anthropic's ``/v1/messages``) still take a batch slot: a slot
+is a slot, whoever parses the stream.
+
+KVStream's own routes (``/health``, ``/ready``, ``/status``, ``/metrics``, ``/openapi.json``,
+``/v1/warm``) shadow the runtime's; the runtime's are reached under ``/upstream/``
+(``/upstream/metrics`` is llama-server's ``/metrics``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from kvstream.api.errors import REQUEST_ID, APIError, from_exception
+from kvstream.api.state import STATE
+from kvstream.jsonfast import loads
+from kvstream.scheduler import Priority
+from kvstream.types import BackendError
+
+logger = logging.getLogger(__name__)
+
+routes = web.RouteTableDef()
+
+UPSTREAM_PREFIX = "/upstream"
+
+# Connection-level headers (RFC 9110 section 7.6.1) and those the two legs set themselves.
+HOP_BY_HOP = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
+        "transfer-encoding", "upgrade", "host",
+    }
+)
+
+# Native generation routes: forwarded as bytes, admitted like any generation.
+GENERATION_PATHS = frozenset({"/completion", "/infill", "/v1/responses", "/responses", "/v1/messages", "/api/generate", "/api/chat"})
+# Routes that run the model without generating (one forward pass): admitted with no output.
+FORWARD_ONLY_PATHS = frozenset(
+    {"/v1/embeddings", "/embedding", "/embeddings", "/api/embed", "/api/embeddings", "/rerank", "/reranking", "/v1/rerank"}
+)
+# Fields a native route may cap its output with, in the order they are looked for.
+LIMIT_FIELDS = ("n_predict", "max_tokens", "max_output_tokens", "max_completion_tokens")
+
+
+def upstream_path(request: web.Request) -> str:
+    """The runtime's path and query for this request (``/upstream/x`` -> ``/x``)."""
+    path = request.rel_url.raw_path
+    if path == UPSTREAM_PREFIX or path.startswith(UPSTREAM_PREFIX + "/"):
+        path = path[len(UPSTREAM_PREFIX) :] or "/"
+    query = request.rel_url.raw_query_string
+    return f"{path}?{query}" if query else path
+
+
+def forwarded_headers(request: web.Request, drop_authorization: bool) -> dict[str, str]:
+    """The client's headers for the runtime: no hop-by-hop ones (nor those the Connection
+    header names), and no Authorization when it was KVStream's own key."""
+    named = {h.strip().lower() for h in request.headers.get("Connection", "").split(",") if h.strip()}
+    headers = {}
+    for name, value in request.headers.items():
+        lower = name.lower()
+        if lower in HOP_BY_HOP or lower in named or (drop_authorization and lower == "authorization"):
+            continue
+        if lower == "x-request-id":
+            continue  # KVStream's id for this request is sent below
+        headers[name] = value
+    headers["X-Request-Id"] = request[REQUEST_ID]
+    return headers
+
+
+async def limited_body(request: web.Request, limit: int) -> AsyncIterator[bytes]:
+    """The request body as it arrives; 413 once it passes ``limit`` bytes."""
+    seen = 0
+    async for chunk in request.content.iter_any():
+        seen += len(chunk)
+        if seen > limit:
+            raise APIError(413, f"Request body too large (the limit is {limit} bytes).", code="request_too_large")
+        yield chunk
+
+
+def route_class(path: str) -> str:
+    """The low-cardinality label a passed-through request is counted under."""
+    return "passthrough_generation" if path in GENERATION_PATHS | FORWARD_ONLY_PATHS else "passthrough"
+
+
+@routes.route("*", "/{tail:.*}")
+async def passthrough(request: web.Request) -> web.StreamResponse:
+    """Forward any route no other handler took (registered last)."""
+    state = request.app[STATE]
+    counter = state.engine.metrics.http_requests  # type: ignore[union-attr]
+    path = request.rel_url.raw_path
+    try:
+        response = await forward(request)
+    except APIError as exc:
+        counter.inc(route_class(path), str(exc.status))
+        raise
+    counter.inc(route_class(path), str(response.status))
+    return response
+
+
+async def forward(request: web.Request) -> web.StreamResponse:
+    """Pass ``request`` to the runtime and its answer back, admitting native generations."""
+    state = request.app[STATE]
+    engine = state.engine
+    session = engine.backend.upstream()
+    if session is None:  # the in-process engine: there is no runtime to ask
+        raise APIError(404, "Unknown route.", code="unknown_route")
+    target = upstream_path(request)
+    limit = state.settings.server.max_body_bytes
+    gen = None
+    route = target.split("?", 1)[0]
+    body: bytes | AsyncIterator[bytes] | None = None
+    if request.method == "POST" and route in GENERATION_PATHS | FORWARD_ONLY_PATHS:
+        # The body is read here (bounded: 413 past the limit) to size the reservation.
+        body = await request.read()
+        max_tokens = 0 if route in FORWARD_ONLY_PATHS else _limit_of(body)
+        try:
+            gen = engine.reserve(len(body), max_tokens, Priority.NORMAL)
+        except Exception as exc:
+            raise from_exception(exc) from None
+    elif request.content_length is not None and request.content_length > limit:
+        raise APIError(413, f"Request body too large (the limit is {limit} bytes).", code="request_too_large")
+    elif request.body_exists:
+        body = limited_body(request, limit)
+    outcome = "cancelled"
+    response: web.StreamResponse | None = None
+    try:
+        if gen is not None:
+            try:
+                await gen.admitted()
+            except Exception as exc:
+                raise from_exception(exc) from None
+        drop_auth = bool(state.settings.accepted_keys()) or state.settings.backend.api_key is not None
+        headers = forwarded_headers(request, drop_auth)
+        try:
+            async with session.request(request.method, target, data=body, headers=headers, raw=True) as upstream:
+                response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+                for name, value in upstream.headers.items():
+                    if name.lower() not in HOP_BY_HOP and name.lower() != "content-length":
+                        response.headers.add(name, value)
+                if upstream.content_length is not None and request.method != "HEAD":
+                    response.content_length = upstream.content_length  # the raw bytes are forwarded
+                response.headers["X-Request-Id"] = request[REQUEST_ID]
+                await response.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                outcome = "finished" if upstream.status < 400 else "failed"
+                return response
+        except (BackendError, aiohttp.ClientError) as exc:
+            outcome = "failed"
+            if not isinstance(exc, BackendError):
+                exc = BackendError(f"the runtime failed mid-response ({exc.__class__.__name__})")
+            if response is None or not response.prepared:
+                raise from_exception(exc) from None
+            # Part of the answer is out: end the connection so the client sees it cut short.
+            logger.warning("[%s] pass-through of %s failed mid-response: %s", request[REQUEST_ID], route, exc.message)
+            response.force_close()
+            return response
+    finally:
+        if gen is not None:
+            gen.close(outcome)
+
+
+def _limit_of(body: bytes) -> int | None:
+    """The output cap a native generation body sets, when it is readable."""
+    try:
+        data = loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    for key in LIMIT_FIELDS:
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
