@@ -105,6 +105,7 @@ class ServerSettings(_Section):
     api_keys_file: Path | None = Field(None, description="a file with one accepted key per line")
     shutdown_grace_s: float = Field(30.0, ge=0, description="time running requests get to finish on SIGTERM")
     max_concurrent_per_key: int | None = Field(None, ge=1, description="most generations in flight per API key (429 past it); none = no cap")
+    passthrough: bool = Field(True, description="pass every route KVStream does not manage to the runtime (its admin routes too, behind KVStream's keys); false = 404 for them")
 
     @field_validator("api_keys", mode="before")
     @classmethod

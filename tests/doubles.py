@@ -219,6 +219,14 @@ def ollama_double(script: Script, recorder: Recorder, models: list[str] | None =
                 return web.json_response(payload("ollama/error_queue_full_503.json"), status=503)
             if script.status is not None:
                 return web.json_response(payload("ollama/error_response.json"), status=script.status)
+            if body.get("stream") is False:  # one object, as Ollama answers stream: false
+                final = dict(chat_template[-1] if chat else gen_template[-1])
+                text = "".join(script.tokens)
+                final.update(model=body["model"], done=True, done_reason="length" if script.finish_reason == "length" else "stop",
+                             prompt_eval_count=script.prompt_tokens, eval_count=len(script.tokens))
+                final.update({"message": {"role": "assistant", "content": text}} if chat else {"response": text})
+                recorder.completed += 1
+                return web.json_response(final)
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
             await resp.prepare(request)
             template = chat_template[0] if chat else gen_template[0]

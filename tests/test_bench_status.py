@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -111,6 +112,8 @@ def test_bench_compares_kvstream_with_llama_server_directly(llama_server, tmp_pa
     proxy = subprocess.Popen(
         [sys.executable, "-m", "kvstream.cli.main", "serve", "--backend", "llamacpp", "--backend-url", llama_server.url, "--port", str(port)],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        # Unknown model names get a 404 here (checked below) instead of the single model's fallback.
+        env={**os.environ, "KVSTREAM_BACKEND__MODEL_FALLBACK": "false"},
     )
     try:
         wait_http(f"http://127.0.0.1:{port}/ready", proxy, what="kvstream serve")

@@ -266,14 +266,14 @@ async def test_a_non_streamed_answer_is_the_runtimes_own_body(runtime, start_pro
     assert proxy.engine.stats.requests_finished == 1 and proxy.engine.scheduler.bm.is_idle()
 
 
-async def test_the_model_field_is_what_the_client_named(runtime, start_proxy):
+async def test_any_model_name_is_served_by_a_single_model_runtime(runtime, start_proxy):
     url, recorder, _, _ = runtime
     proxy = await start_proxy(OpenAICompatibleBackend(url))
     async with AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as client:
         # An app written for OpenAI: the single-model runtime serves any name (llama-server does).
         reply = await client.chat.completions.create(model="gpt-3.5-turbo", messages=[{"role": "user", "content": "hi"}])
-    assert reply.model == "gpt-3.5-turbo"
     assert recorder.bodies[-1]["model"] == "test-model"
+    assert reply.model == "test-model"  # what the runtime answered, untouched
 
 
 async def test_a_body_without_model_is_accepted(runtime, start_proxy, http):
@@ -323,3 +323,13 @@ async def test_a_translating_backend_validates_with_400_and_keeps_ollamas_404(st
         # max_tokens 0 is the runtime's to judge, not refused before it.
         reply = await client.chat.completions.create(model="llama3.2:latest", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
         assert reply.choices[0].finish_reason is not None
+
+
+async def test_pass_through_can_be_switched_off(runtime, start_proxy, http):
+    url, _, seen, _ = runtime
+    proxy = await start_proxy(OpenAICompatibleBackend(url), server={"passthrough": False})
+    async with http.get(proxy.url + "/props") as resp:
+        assert resp.status == 404 and (await resp.json())["error"]["code"] == "unknown_route"
+    assert not seen
+    async with http.post(proxy.v1 + "/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}) as resp:
+        assert resp.status == 200  # the managed routes still work

@@ -49,9 +49,6 @@ class StreamFormatter:
     include_usage: bool = False
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
-    # Forwarded chunks get ``model`` set to what the client asked for (what the runtime,
-    # asked directly, would have echoed); False when the client named no model.
-    rewrite_model: bool = True
     _adopted: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -92,24 +89,18 @@ class StreamFormatter:
         }
 
     def forward(self, events: list[dict[str, Any]]) -> bytes:
-        """The runtime's own chunks, as it sent them but for ``model``. Chunks KVStream has
-        to build later (a stream resumed after preemption) take the runtime's id."""
+        """The runtime's own chunks, as it sent them (its ``model`` and ids too: llama-server
+        names its own model whatever the request said). Chunks KVStream has to build later (a
+        stream resumed after preemption) take the runtime's id, model and timestamp."""
         out = []
         for event in events:
             if not self._adopted and isinstance(event.get("id"), str):
                 self._adopted = True
                 self.id, self.created = event["id"], int(event.get("created") or self.created)
+                self.model = str(event.get("model") or self.model)
                 self._render_template()
-            if self.rewrite_model and "model" in event:
-                event["model"] = self.model
             out.append(sse(event))
         return b"".join(out)
-
-    def forward_payload(self, payload: dict[str, Any]) -> bytes:
-        """The runtime's own non-streamed answer, as it sent it but for ``model``."""
-        if self.rewrite_model and "model" in payload:
-            payload["model"] = self.model
-        return dumps(payload)
 
     def role_chunk(self) -> bytes | None:
         """The first chat chunk (``role: assistant``); completions have none."""

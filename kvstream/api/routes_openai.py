@@ -197,12 +197,11 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             "X-KVStream-Prefix-Hit-Tokens": str(gen.prefix_hit_tokens),
         }
         fmt = StreamFormatter(
-            model=client_model if isinstance(client_model, str) else (generate.model or ""), chat=chat,
-            include_usage=include_usage, rewrite_model=isinstance(client_model, str),
+            model=client_model if isinstance(client_model, str) else (generate.model or ""), chat=chat, include_usage=include_usage
         )
-        if first.payload is not None:  # the runtime's own non-streamed answer
+        if first.payload is not None:  # the runtime's own non-streamed answer, as it sent it
             outcome = "finished"
-            return web.Response(body=fmt.forward_payload(first.payload), content_type="application/json", charset="utf-8", headers=headers)
+            return web.Response(body=dumps(first.payload), content_type="application/json", charset="utf-8", headers=headers)
         if generate.stream:
             response = web.StreamResponse(
                 headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -112,7 +112,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.engine
     session = engine.backend.upstream()
-    if session is None:  # the in-process engine: there is no runtime to ask
+    if session is None or not state.settings.server.passthrough:
+        # The in-process engine has no runtime to ask; or the operator closed the door.
         raise APIError(404, "Unknown route.", code="unknown_route")
     target = upstream_path(request)
     limit = state.settings.server.max_body_bytes

@@ -164,6 +164,10 @@ def forwarded_request(data: dict[str, Any], chat: bool, request_id: str) -> Gene
     body = {k: v for k, v in data.items() if k not in OWN_BODY_FIELDS}
     model = body.get("model")
     limit = next((body[k] for k in ("max_completion_tokens", "max_tokens", "n_predict") if _count(body.get(k))), None)
+    choices = body.get("n")
+    if limit is not None and _count(choices) and choices > 1:
+        # n choices share the prompt's KV in the runtime and grow n outputs.
+        limit *= choices
     request = GenerateRequest(
         model=model if isinstance(model, str) and model else None,
         max_tokens=limit,

@@ -1,0 +1,385 @@
+"""Ollama's API as a second front, on the same port, in front of any backend: apps and the
+official ``ollama`` clients written for Ollama point at KVStream unchanged.
+
+In front of a real Ollama these routes are Ollama's own and pass through (generations still
+admitted). In front of anything else KVStream answers them itself: ``/api/chat`` and
+``/api/generate`` are translated into the same GenerateRequest the OpenAI routes make and go
+through the same engine (queue, admission, KV accounting), answered as Ollama answers:
+NDJSON when streaming, one object otherwise, durations in nanoseconds, ``done_reason``,
+Ollama's ``{"error": "..."}`` bodies. ``/api/tags``, ``/api/ps``, ``/api/show``,
+``/api/version`` describe the backend's models; ``/api/embed`` goes to an OpenAI-compatible
+runtime's ``/v1/embeddings``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from aiohttp import web
+
+from kvstream import __version__
+from kvstream.api.errors import REQUEST_ID, APIError, from_exception
+from kvstream.api.routes_openai import default_model, read_object, resolve_model
+from kvstream.api.routes_passthrough import forward
+from kvstream.api.state import STATE, AppState
+from kvstream.engine import Generation
+from kvstream.jsonfast import dumps
+from kvstream.scheduler import Priority, SchedulerError
+from kvstream.types import BackendError, GenerateRequest, Token
+
+logger = logging.getLogger(__name__)
+routes = web.RouteTableDef()
+
+# Ollama's options -> the OpenAI field KVStream sends (or reads itself).
+SAMPLING_OPTIONS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed", "num_predict": "max_tokens",
+    "stop": "stop", "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "repeat_penalty": "repeat_penalty", "min_p": "min_p", "typical_p": "typical_p", "repeat_last_n": "repeat_last_n",
+}
+CHAT_FIELDS = {"model", "messages", "stream", "format", "options", "keep_alive", "tools", "think"}
+
+
+class OllamaError(APIError):
+    """An error in Ollama's shape: ``{"error": "message"}``."""
+
+    def body(self) -> dict:
+        return {"error": self.message}
+
+
+def is_ollama(state: AppState) -> bool:
+    return state.engine.backend.name == "ollama"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _messages(raw: Any) -> list[dict[str, Any]]:
+    """Ollama chat messages as OpenAI messages (base64 ``images`` become image parts, tool
+    call arguments become JSON strings)."""
+    if not isinstance(raw, list):
+        raise OllamaError(400, "messages must be a list")
+    out = []
+    for message in raw:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise OllamaError(400, "each message needs a role")
+        content = message.get("content") or ""
+        if not isinstance(content, str):
+            raise OllamaError(400, "message content must be a string")
+        converted: dict[str, Any] = {"role": message["role"], "content": content}
+        images = message.get("images")
+        if images:
+            parts: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+            parts += [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}} for image in images]
+            converted["content"] = parts
+        calls = message.get("tool_calls")
+        if calls:
+            converted["tool_calls"] = [
+                {"id": f"call_{i}", "type": "function",
+                 "function": {"name": c["function"]["name"], "arguments": dumps(c["function"].get("arguments") or {}).decode()}}
+                for i, c in enumerate(calls)
+            ]
+        if message.get("tool_name"):
+            converted["name"] = message["tool_name"]
+        out.append(converted)
+    return out
+
+
+def _request(body: dict[str, Any], request_id: str, messages: list[dict[str, Any]] | None, prompt: str | None) -> GenerateRequest:
+    """The GenerateRequest for an Ollama body: options mapped, ``format`` as response_format."""
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise OllamaError(400, "options must be an object")
+    fields: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in options.items():
+        target = SAMPLING_OPTIONS.get(key)
+        if target in ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop"):
+            fields[target] = value
+        elif target is not None:
+            extra[target] = value
+        # Load-time options (num_ctx, num_gpu, ...) belong to the runtime's own config.
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = [fields["stop"]]
+    if fields.get("max_tokens") is not None and fields["max_tokens"] < 0:
+        fields.pop("max_tokens")  # Ollama's -1: until the model stops
+    fmt = body.get("format")
+    if fmt == "json":
+        extra["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    if body.get("tools"):
+        extra["tools"] = body["tools"]
+    try:
+        return GenerateRequest(
+            model=None, messages=messages, prompt=prompt, extra=extra, request_id=request_id,
+            stream=body.get("stream", True) is not False, **fields,
+        )
+    except TypeError as exc:
+        raise OllamaError(400, str(exc)) from None
+
+
+async def _model(state: AppState, body: dict[str, Any]) -> str | None:
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        if name is None:
+            return state.engine.backend.model or await default_model(state)
+        raise OllamaError(400, "model is required")
+    try:
+        return await resolve_model(state, name)
+    except APIError:
+        raise OllamaError(404, f'model "{name}" not found, try pulling it first') from None
+
+
+class OllamaAnswer:
+    """Builds Ollama's objects for one generation: chat ``message`` or generate ``response``."""
+
+    def __init__(self, model: str, chat: bool) -> None:
+        self.model = model
+        self.chat = chat
+        self.text: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+
+    def piece(self, token: Token) -> dict[str, Any] | None:
+        """The object for one token, or None for a tool-call fragment (sent whole at the end)."""
+        delta = token.chat_delta()
+        for call in delta.get("tool_calls") or ():
+            merged = self.tool_calls.setdefault(call.get("index", 0), {"name": "", "arguments": ""})
+            function = call.get("function") or {}
+            merged["name"] += function.get("name") or ""
+            merged["arguments"] += function.get("arguments") or ""
+        text = delta.get("content") or (token.text if token.delta is None else "")
+        if not text:
+            return None
+        self.text.append(text)
+        return self._object(text, done=False)
+
+    def _object(self, text: str, done: bool) -> dict[str, Any]:
+        obj: dict[str, Any] = {"model": self.model, "created_at": now_iso()}
+        if self.chat:
+            obj["message"] = {"role": "assistant", "content": text}
+        else:
+            obj["response"] = text
+        obj["done"] = done
+        return obj
+
+    def final(self, gen: Generation, finish_reason: str | None, whole: bool) -> dict[str, Any]:
+        """The ``done: true`` object: the whole text when not streaming, and the counters."""
+        obj = self._object("".join(self.text) if whole else "", done=True)
+        if self.chat and self.tool_calls:
+            obj["message"]["tool_calls"] = [
+                {"function": {"name": call["name"], "arguments": _arguments(call["arguments"])}}
+                for _, call in sorted(self.tool_calls.items())
+            ]
+        obj["done_reason"] = "length" if finish_reason == "length" else "stop"
+        if not self.chat:
+            obj["context"] = []  # KVStream keeps the conversation's KV itself; no token context
+        now = time.monotonic()
+        usage = gen.usage
+        first = gen.first_token_at or now
+        obj.update(
+            total_duration=int((now - gen.arrived_at) * 1e9),
+            load_duration=0,
+            prompt_eval_count=usage.prompt_tokens if usage else len(gen.seq.prompt_token_ids),
+            prompt_eval_duration=int(max(0.0, first - (gen.upstream_at or first)) * 1e9),
+            eval_count=usage.completion_tokens if usage else gen.num_tokens,
+            eval_duration=int(max(0.0, now - first) * 1e9),
+        )
+        return obj
+
+
+def _arguments(text: str) -> Any:
+    from kvstream.jsonfast import loads
+
+    try:
+        return loads(text) if text else {}
+    except ValueError:
+        return text
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    if is_ollama(state):
+        return await forward(request)  # Ollama's own API: the runtime answers it
+    arrived_at = time.monotonic()
+    try:
+        body = await read_object(request)
+    except APIError as exc:
+        raise OllamaError(400, exc.message) from None
+    request_id = request[REQUEST_ID]
+    if chat:
+        generate = _request(body, request_id, _messages(body.get("messages", [])), None)
+    else:
+        prompt = body.get("prompt") or ""
+        if not isinstance(prompt, str):
+            raise OllamaError(400, "prompt must be a string")
+        if body.get("raw"):
+            generate = _request(body, request_id, None, prompt)
+        else:  # Ollama templates a generate prompt as a user turn (with its system prompt)
+            system = body.get("system")
+            messages = ([{"role": "system", "content": system}] if isinstance(system, str) and system else [])
+            generate = _request(body, request_id, messages + [{"role": "user", "content": prompt}], None)
+    model_name = body.get("model") if isinstance(body.get("model"), str) else None
+    generate.model = await _model(state, body)
+    if chat and not generate.messages:
+        # An empty chat loads the model in Ollama; here the model is always loaded.
+        return web.json_response({"model": model_name or generate.model, "created_at": now_iso(), "message": {"role": "assistant", "content": ""}, "done_reason": "load", "done": True})
+    if len(generate.messages or ()) > state.settings.server.max_messages:
+        raise OllamaError(413, f"too many messages (the limit is {state.settings.server.max_messages})")
+    try:
+        gen = await state.engine.submit(generate, Priority.NORMAL, arrived_at)
+    except (SchedulerError, BackendError) as exc:
+        raise _ollama_error(exc) from None
+    answer = OllamaAnswer(model_name or generate.model or "", chat)
+    outcome = "cancelled"
+    stream = aiter(gen)
+    try:
+        try:
+            await gen.admitted()
+        except SchedulerError as exc:
+            raise _ollama_error(exc) from None
+        headers = {"X-Request-Id": request_id, "X-KVStream-Queue-Ms": f"{gen.queue_ms:.1f}"}
+        if not generate.stream:
+            async for token in stream:
+                if token.finish_reason is not None:
+                    outcome = "finished"
+                    return web.Response(body=dumps(answer.final(gen, token.finish_reason, whole=True)), content_type="application/json", headers=headers)
+                answer.piece(token)
+            raise BackendError("the runtime ended the stream without finishing the generation")
+        response = web.StreamResponse(headers=headers | {"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        try:
+            async for token in stream:
+                if token.finish_reason is not None:
+                    await response.write_eof(dumps(answer.final(gen, token.finish_reason, whole=False)) + b"\n")
+                    outcome = "finished"
+                    return response
+                piece = answer.piece(token)
+                if piece is not None:
+                    await response.write(dumps(piece) + b"\n")
+            raise BackendError("the runtime ended the stream without finishing the generation")
+        except BackendError as exc:
+            outcome = "failed"
+            logger.warning("[%s] backend failed mid-stream: %s", request_id, exc.message)
+            # Ollama ends a failed stream with an error line.
+            await response.write_eof(dumps({"error": exc.message}) + b"\n")
+            return response
+        except ConnectionError:
+            return response
+    except BackendError as exc:
+        outcome = "failed"
+        raise _ollama_error(exc) from None
+    finally:
+        await stream.aclose()
+        gen.close(outcome)
+
+
+def _ollama_error(exc: Exception) -> OllamaError:
+    error = from_exception(exc)
+    return OllamaError(error.status, error.message, retry_after=error.retry_after)
+
+
+@routes.post("/api/chat")
+async def api_chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+@routes.post("/api/generate")
+async def api_generate(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+def _model_entry(name: str, context: int | None) -> dict[str, Any]:
+    return {
+        "name": name, "model": name, "modified_at": now_iso(), "size": 0, "digest": "",
+        "details": {"parent_model": "", "format": "gguf", "family": "", "families": [], "parameter_size": "", "quantization_level": ""},
+        **({"context_length": context} if context else {}),
+    }
+
+
+async def _models(state: AppState) -> list[Any]:
+    try:
+        return await state.engine.models()
+    except BackendError as exc:
+        raise _ollama_error(exc) from None
+
+
+@routes.get("/api/tags")
+async def api_tags(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    if is_ollama(state):
+        return await forward(request)
+    return web.json_response({"models": [_model_entry(m.id, None) for m in await _models(state)]})
+
+
+@routes.get("/api/ps")
+async def api_ps(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    if is_ollama(state):
+        return await forward(request)
+    # The backend's models are always loaded: nothing expires.
+    models = [_model_entry(m.id, m.context_length) | {"expires_at": "0001-01-01T00:00:00Z", "size_vram": 0} for m in await _models(state)]
+    return web.json_response({"models": models})
+
+
+@routes.post("/api/show")
+async def api_show(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    if is_ollama(state):
+        return await forward(request)
+    body = await read_object(request)
+    name = await _model(state, body)
+    info = next((m for m in await _models(state) if m.id == name), None)
+    if info is None:
+        raise OllamaError(404, f'model "{body.get("model")}" not found, try pulling it first')
+    return web.json_response({
+        "modelfile": "", "parameters": "", "template": "",
+        "details": _model_entry(info.id, None)["details"],
+        "model_info": {"general.context_length": info.context_length} if info.context_length else {},
+        "capabilities": ["completion"],
+        "modified_at": now_iso(),
+    })
+
+
+@routes.get("/api/version")
+async def api_version(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    if is_ollama(state):
+        return await forward(request)
+    return web.json_response({"version": __version__})
+
+
+@routes.post("/api/embed")
+async def api_embed(request: web.Request) -> web.StreamResponse:
+    """Ollama's embeddings from an OpenAI-compatible runtime's /v1/embeddings."""
+    state = request.app[STATE]
+    if is_ollama(state):
+        return await forward(request)
+    session = state.engine.backend.upstream() if state.engine.backend.forwards_body else None
+    if session is None:
+        raise OllamaError(501, f"the {state.engine.backend.name} backend does not serve embeddings")
+    body = await read_object(request)
+    name = await _model(state, body)
+    started = time.monotonic()
+    gen = state.engine.reserve(len(dumps(body.get("input", ""))), 0)
+    outcome = "cancelled"
+    try:
+        try:
+            await gen.admitted()
+            result = await session.post_json("/v1/embeddings", {"model": name, "input": body.get("input", "")})
+        except (SchedulerError, BackendError) as exc:
+            outcome = "failed"
+            raise _ollama_error(exc) from None
+        outcome = "finished"
+    finally:
+        gen.close(outcome)
+    data = sorted(result.get("data") or [], key=lambda d: d.get("index", 0))
+    usage = result.get("usage") or {}
+    return web.json_response({
+        "model": body.get("model") or name, "embeddings": [d.get("embedding") for d in data],
+        "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0,
+        "prompt_eval_count": usage.get("prompt_tokens", 0),
+    })

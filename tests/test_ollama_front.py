@@ -1,0 +1,125 @@
+"""Ollama's API as a second front, driven by the official ``ollama`` client: in front of an
+OpenAI-compatible runtime (a double here, the real llama-server in the llamacpp-marked test)
+and in front of a real Ollama (its own routes pass through)."""
+
+from __future__ import annotations
+
+import json
+
+import ollama
+import pytest
+
+import kvstream
+
+from kvstream.backends import LlamaCppBackend, OllamaBackend, OpenAICompatibleBackend
+from tests.doubles import Script, ollama_double
+
+
+@pytest.fixture
+async def front(start_upstream, start_proxy):
+    script = Script(tokens=["Hel", "lo", "!"], prompt_tokens=9)
+    url, recorder = await start_upstream(script)
+    proxy = await start_proxy(OpenAICompatibleBackend(url))
+    return proxy, script, recorder, ollama.AsyncClient(host=proxy.url)
+
+
+async def test_chat_streams_ndjson_the_way_ollama_does(front):
+    proxy, _, recorder, client = front
+    parts = [part async for part in await client.chat(model="llama3.2", messages=[{"role": "user", "content": "hi"}], stream=True)]
+    assert "".join(p.message.content for p in parts) == "Hello!"
+    assert [p.done for p in parts] == [False, False, False, True]
+    last = parts[-1]
+    assert last.done_reason == "stop" and last.prompt_eval_count == 9 and last.eval_count == 3
+    assert last.total_duration > 0 and last.eval_duration >= 0 and last.model == "llama3.2"
+    sent = recorder.bodies[-1]
+    assert sent["messages"] == [{"role": "user", "content": "hi"}] and sent["model"] == "test-model"
+    assert proxy.engine.scheduler.bm.is_idle() and proxy.engine.stats.requests_finished == 1
+
+
+async def test_chat_without_streaming_maps_options_format_and_tools(front):
+    _, _, recorder, client = front
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]
+    reply = await client.chat(
+        model="llama3.2", messages=[{"role": "user", "content": "hi"}], stream=False, format="json", tools=tools,
+        options={"temperature": 0, "num_predict": 5, "stop": ["\n"], "repeat_penalty": 1.1, "num_ctx": 4096},
+    )
+    assert reply.message.content == "Hello!" and reply.done and reply.done_reason == "stop"
+    sent = recorder.bodies[-1]
+    assert (sent["temperature"], sent["max_tokens"], sent["stop"], sent["repeat_penalty"]) == (0, 5, ["\n"], 1.1)
+    assert sent["response_format"] == {"type": "json_object"} and sent["tools"] == tools
+    assert "num_ctx" not in sent  # a load-time option, the runtime's own
+
+
+async def test_generate_templates_the_prompt_as_a_user_turn_unless_raw(front):
+    _, script, recorder, client = front
+    script.finish_reason = "length"
+    reply = await client.generate(model="llama3.2", prompt="Why is the sky blue?", system="Be brief.", stream=False)
+    assert reply.response == "Hello!" and reply.done_reason == "length"
+    assert recorder.bodies[-1]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
+    parts = [p async for p in await client.generate(model="llama3.2", prompt="1, 2,", raw=True, stream=True)]
+    assert "".join(p.response for p in parts) == "Hello!"
+    assert recorder.bodies[-1]["prompt"] == "1, 2,"
+
+
+async def test_model_routes_describe_the_backend(front, http):
+    proxy, _, _, client = front
+    assert [m.model for m in (await client.list()).models] == ["test-model"]
+    assert [m.model for m in (await client.ps()).models] == ["test-model"]
+    shown = await client.show("test-model")
+    assert shown.details is not None and shown.capabilities == ["completion"]
+    async with http.get(proxy.url + "/api/version") as resp:
+        assert await resp.json() == {"version": kvstream.__version__}
+
+
+async def test_errors_come_in_ollamas_shape(start_upstream, start_proxy, http):
+    url, _ = await start_upstream(Script(status=500))
+    proxy = await start_proxy(OpenAICompatibleBackend(url))
+    async with http.post(proxy.url + "/api/chat", json={"model": "llama3.2", "messages": [{"role": "user", "content": "x"}], "stream": False}) as resp:
+        assert resp.status == 502 and set(await resp.json()) == {"error"}
+    async with http.post(proxy.url + "/api/chat", data=b"{broken") as resp:
+        assert resp.status == 400 and set(await resp.json()) == {"error"}
+    async with http.post(proxy.url + "/api/chat", json={"model": "llama3.2", "messages": "hi"}) as resp:
+        assert resp.status == 400 and "messages" in (await resp.json())["error"]
+    async with http.post(proxy.url + "/api/chat", json={"model": 5, "messages": [{"role": "user", "content": "x"}]}) as resp:
+        assert resp.status == 400 and (await resp.json()) == {"error": "model is required"}
+
+
+async def test_a_runtime_failing_mid_stream_ends_the_ndjson_with_an_error_line(start_upstream, start_proxy, http):
+    url, _ = await start_upstream(Script(tokens=["a", "b", "c"], error_after=2))
+    proxy = await start_proxy(OpenAICompatibleBackend(url))
+    async with http.post(proxy.url + "/api/chat", json={"model": "llama3.2", "messages": [{"role": "user", "content": "x"}]}) as resp:
+        lines = [json.loads(line) for line in (await resp.text()).splitlines()]
+    assert [line.get("message", {}).get("content") for line in lines[:2]] == ["a", "b"]
+    assert set(lines[-1]) == {"error"}
+    assert proxy.engine.scheduler.bm.is_idle()
+
+
+async def test_in_front_of_ollama_its_own_api_passes_through_admitted(start_upstream, start_proxy):
+    url, recorder = await start_upstream(Script(tokens=["x"] * 3), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url), scheduler={"max_batch_size": 1})
+    client = ollama.AsyncClient(host=proxy.url)
+    reply = await client.chat(model="llama3.2:latest", messages=[{"role": "user", "content": "hi"}], stream=False)
+    assert reply.message.content == "xxx"
+    assert recorder.bodies[-1]["model"] == "llama3.2:latest"  # Ollama's own body, as the client sent it
+    assert [m.model for m in (await client.list()).models][:1] == ["deepseek-r1:latest"]  # Ollama's own list
+    assert proxy.engine.stats.requests_finished == 1 and proxy.engine.scheduler.bm.is_idle()
+
+
+@pytest.mark.llamacpp
+@pytest.mark.timeout(300)
+async def test_the_ollama_client_gets_the_same_greedy_text_as_the_openai_route(start_proxy, llama_server):
+    import openai
+
+    proxy = await start_proxy(LlamaCppBackend(llama_server.url), scheduler={"max_batch_size": 2})
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+        model = (await oa.models.list()).data[0].id
+        expected = await oa.chat.completions.create(model=model, messages=question, max_tokens=16, temperature=0)
+    client = ollama.AsyncClient(host=proxy.url)
+    options = {"temperature": 0, "num_predict": 16}
+    reply = await client.chat(model=model, messages=question, stream=False, options=options)
+    assert reply.message.content == expected.choices[0].message.content
+    assert reply.eval_count == expected.usage.completion_tokens and reply.prompt_eval_count == expected.usage.prompt_tokens
+    streamed = [p async for p in await client.chat(model=model, messages=question, stream=True, options=options)]
+    assert "".join(p.message.content for p in streamed) == expected.choices[0].message.content
+    assert proxy.engine.scheduler.bm.is_idle()
