@@ -297,9 +297,10 @@ async def _counted(request: web.Request, chat: bool) -> web.StreamResponse:
     return response
 
 
-# llama-server (and others) serve the OpenAI routes without the /v1 prefix too.
+# llama-server serves OpenAI's chat route without the /v1 prefix too. Its unprefixed
+# /completions is its native completion route, not OpenAI's: that one passes through.
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
-COMPLETION_PATHS = ("/v1/completions", "/completions")
+COMPLETION_PATHS = ("/v1/completions",)
 GENERATION_PATHS = frozenset(CHAT_PATHS + COMPLETION_PATHS)
 
 

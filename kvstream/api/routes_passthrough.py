@@ -43,7 +43,9 @@ HOP_BY_HOP = frozenset(
 )
 
 # Native generation routes: forwarded as bytes, admitted like any generation.
-GENERATION_PATHS = frozenset({"/completion", "/infill", "/v1/responses", "/responses", "/v1/messages", "/api/generate", "/api/chat"})
+GENERATION_PATHS = frozenset(
+    {"/completion", "/completions", "/infill", "/v1/responses", "/responses", "/v1/messages", "/api/generate", "/api/chat"}
+)
 # Routes that run the model without generating (one forward pass): admitted with no output.
 FORWARD_ONLY_PATHS = frozenset(
     {"/v1/embeddings", "/embedding", "/embeddings", "/api/embed", "/api/embeddings", "/rerank", "/reranking", "/v1/rerank"}
