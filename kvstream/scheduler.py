@@ -95,6 +95,11 @@ class Sequence:
     # False for a request that cannot be paused and resumed (remote runtimes: one using
     # features a resumed stream could not continue, such as tool calls).
     preemptible: bool = True
+    # n choices: the prompt is computed once, then the table is forked n - 1 times; the
+    # slots of the forks are reserved from admission until fork() takes them.
+    num_samples: int = 1
+    unforked: int = 0  # forks still to come (reserved slots)
+    forked: bool = False  # the forks were made (a re-admitted parent reserves none)
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +107,8 @@ class Sequence:
 
     @property
     def max_total_tokens(self) -> int:
-        return len(self.prompt_token_ids) + self.max_tokens
+        """Tokens this request may hold at most: the prompt once, each choice's output."""
+        return len(self.prompt_token_ids) + self.max_tokens * self.num_samples
 
     @property
     def remaining_tokens(self) -> int:
@@ -174,6 +180,8 @@ class Scheduler:
         self._growth: dict[str, int] = {}
         self._headroom = 0
         self._next_expiry = 0.0
+        # Batch slots held for forks to come (Sequence.unforked, summed over running).
+        self._reserved = 0
 
     # ----------------------------------------------------------------- intake
     def check_fits(self, seq: Sequence) -> None:
@@ -260,13 +268,16 @@ class Scheduler:
         for seq in sorted(self.swapped, key=lambda s: self._order_key(s, now)):
             if urgent is not None and urgent < seq.priority:
                 break
-            if len(self.running) >= self.config.max_batch_size or not self.bm.can_swap_in(seq.seq_id):
+            if len(self.running) + self._reserved + self._slots_for(seq) > self.config.max_batch_size:
+                break
+            if not self.bm.can_swap_in(seq.seq_id):
                 break
             copies = self.bm.swap_in(seq.seq_id)
             out.swap_in_copies += copies
             self.stats.swap_ins += 1
             self.stats.swapped_in_blocks += len(copies)
             self.swapped.remove(seq)
+            self._reserve_forks(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.resumed.append(seq)
@@ -279,7 +290,7 @@ class Scheduler:
             # No free slot or not enough blocks: preempt a running request of a lower class
             # (preemptible backends only), or wait.
             while (
-                len(self.running) >= self.config.max_batch_size
+                len(self.running) + self._reserved + self._slots_for(seq) > self.config.max_batch_size
                 or self._blocks_to_admit(seq) > self.bm.num_free_blocks - self._headroom_blocks()
             ):
                 victim = self._pick_victim(below=seq.priority)
@@ -292,11 +303,25 @@ class Scheduler:
                 self.waiting.sort(key=lambda s: self._order_key(s, now))
             seq.num_cached_tokens = self.bm.allocate(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids)
             self._reserve_growth(seq)
+            self._reserve_forks(seq)
             seq.status = SeqStatus.RUNNING
             seq.admitted_at = now
             self.running.append(seq)
             out.admitted.append(seq)
         return out
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start ``child`` as a copy of running ``parent`` (one of its n choices): it shares
+        every block of the parent's table (copy-on-write) and takes a reserved slot."""
+        assert parent.status is SeqStatus.RUNNING and parent.unforked > 0, "no fork reserved for this sequence"
+        self.bm.fork(parent.seq_id, child.seq_id)
+        parent.unforked -= 1
+        parent.forked = True
+        self._reserved -= 1
+        child.status = SeqStatus.RUNNING
+        child.admitted_at = parent.admitted_at
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.running.append(child)
 
     # ---------------------------------------------------------------- growth
     def append(self, seq: Sequence, token_id: int = UNKNOWN_TOKEN) -> ScheduleOutput:
@@ -343,8 +368,21 @@ class Scheduler:
             return None
         return max(candidates, key=lambda s: (s.priority, s.arrival))
 
+    def _slots_for(self, seq: Sequence) -> int:
+        """Batch slots ``seq`` takes when it runs: itself and the forks it has still to make."""
+        return 1 if seq.forked else seq.num_samples
+
+    def _reserve_forks(self, seq: Sequence) -> None:
+        seq.unforked = self._slots_for(seq) - 1
+        self._reserved += seq.unforked
+
+    def _release_forks(self, seq: Sequence) -> None:
+        self._reserved -= seq.unforked
+        seq.unforked = 0
+
     def _preempt(self, seq: Sequence, out: ScheduleOutput) -> None:
         self.running.remove(seq)
+        self._release_forks(seq)  # taken again at re-admission, if it still has to fork
         seq.num_preemptions += 1
         self.stats.preemptions += 1
         out.preempted.append(seq)
@@ -369,6 +407,7 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
         self._release_growth(seq)
+        self._release_forks(seq)
         self.bm.free(seq.seq_id)
         seq.status = SeqStatus.FINISHED
 
@@ -376,7 +415,8 @@ class Scheduler:
     def check_invariants(self) -> None:
         """The block manager's invariants plus the scheduler's budget and queue rules."""
         self.bm.check_invariants()
-        assert len(self.running) <= self.config.max_batch_size, "sequence budget exceeded"
+        assert len(self.running) + self._reserved <= self.config.max_batch_size, "sequence budget exceeded"
+        assert self._reserved == sum(s.unforked for s in self.running), "fork reservations drifted"
         ids = [s.seq_id for s in self.running + self.waiting + self.swapped]
         assert len(ids) == len(set(ids)), "a sequence is in two queues"
         for seq in self.running:

@@ -118,6 +118,8 @@ class GenerateRequest:
     # configured default.
     reuse: str | None = None
     blend_ratio: float | None = None
+    # Choices to generate; the prompt is computed once (backends with ``serves_n``).
+    n: int = 1
     # Whether the client streams. Backends that forward the runtime's own answer ask the
     # runtime the same way (and still count tokens); translating backends always stream.
     stream: bool = True
@@ -167,6 +169,10 @@ class Token:
     events: list[dict[str, Any]] | None = None
     # On the last Token of a non-streamed forward: the runtime's whole response body.
     payload: dict[str, Any] | None = None
+    # With n > 1: the choice this step belongs to, and, on a choice's last token while others
+    # go on, why that choice ended (the stream's last Token carries ``finish_reason``).
+    index: int = 0
+    choice_finish_reason: str | None = None
 
     def chat_delta(self) -> dict[str, Any]:
         if self.delta is not None:

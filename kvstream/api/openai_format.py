@@ -47,6 +47,7 @@ class StreamFormatter:
     model: str
     chat: bool
     include_usage: bool = False
+    n: int = 1  # choices; chunks carry each one's index
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
     _adopted: bool = field(default=False, init=False)
@@ -77,12 +78,12 @@ class StreamFormatter:
             chunk["usage"] = None
         return chunk
 
-    def _choice(self, token: Token | None, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(self, token: Token | None, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
         if self.chat:
             delta = token.chat_delta() if token is not None else {}
-            return {"index": 0, "delta": delta, "logprobs": token.logprobs if token else None, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": token.logprobs if token else None, "finish_reason": finish_reason}
         return {
-            "index": 0,
+            "index": index,
             "text": token.text if token is not None else "",
             "logprobs": token.logprobs if token else None,
             "finish_reason": finish_reason,
@@ -103,19 +104,26 @@ class StreamFormatter:
         return b"".join(out)
 
     def role_chunk(self) -> bytes | None:
-        """The first chat chunk (``role: assistant``); completions have none."""
+        """The first chat chunk of each choice (``role: assistant``); completions have none."""
         if not self.chat:
             return None
-        return sse(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+        return b"".join(
+            sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+            for i in range(self.n)
+        )
 
     def token_chunk(self, token: Token) -> bytes:
-        if token.logprobs is not None:
-            return sse(self._chunk([self._choice(token, None)]))
+        if token.logprobs is not None or token.index:
+            return sse(self._chunk([self._choice(token, None, token.index)]))
         value = token.chat_delta() if self.chat else token.text
         return self._head + dumps(value) + self._tail
 
-    def finish_chunks(self, finish_reason: str, usage: Usage | None) -> bytes:
-        out = sse(self._chunk([self._choice(None, finish_reason)]))
+    def choice_finish_chunk(self, token: Token) -> bytes:
+        """The end of one of n choices while the others go on."""
+        return sse(self._chunk([self._choice(None, token.choice_finish_reason, token.index)]))
+
+    def finish_chunks(self, finish_reason: str, usage: Usage | None, index: int = 0) -> bytes:
+        out = sse(self._chunk([self._choice(None, finish_reason, index)]))
         if self.include_usage and usage is not None:
             chunk = self._chunk([])
             chunk["usage"] = usage_dict(usage)
@@ -130,13 +138,13 @@ class StreamFormatter:
 
 
 @dataclass
-class Aggregate:
-    """Collects a stream into one non-streamed response."""
+class ChoiceParts:
+    """One choice of a non-streamed response, collected from its tokens."""
 
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
-    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
 
     def add(self, token: Token) -> None:
         delta = token.chat_delta()
@@ -154,32 +162,54 @@ class Aggregate:
             function = call.get("function") or {}
             merged["function"]["name"] += function.get("name") or ""
             merged["function"]["arguments"] += function.get("arguments") or ""
-        if token.logprobs:
-            self.logprobs.append(token.logprobs)
 
-    def chat_response(self, fmt: StreamFormatter, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) if self.text or not self.tool_calls else None}
         if self.reasoning:
             message["reasoning_content"] = "".join(self.reasoning)
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return message
+
+
+@dataclass
+class Aggregate:
+    """Collects a stream into one non-streamed response (a translating backend's): every
+    choice by its index. A runtime that speaks OpenAI answers non-streamed itself."""
+
+    choices: dict[int, ChoiceParts] = field(default_factory=dict)
+
+    def add(self, token: Token) -> None:
+        """A token of a choice, or the end of one (``choice_finish_reason``, or the stream's
+        last token's ``finish_reason``)."""
+        parts = self.choices.setdefault(token.index, ChoiceParts())
+        reason = token.choice_finish_reason or token.finish_reason
+        if reason is not None:
+            parts.finish_reason = reason
+        else:
+            parts.add(token)
+
+    def _body(self, fmt: StreamFormatter, usage: Usage, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": fmt.id,
-            "object": "chat.completion",
+            "object": "chat.completion" if fmt.chat else "text_completion",
             "created": fmt.created,
             "model": fmt.model,
             "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": choices,
             "usage": usage_dict(usage),
         }
 
-    def completion_response(self, fmt: StreamFormatter, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        return {
-            "id": fmt.id,
-            "object": "text_completion",
-            "created": fmt.created,
-            "model": fmt.model,
-            "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": [{"index": 0, "text": "".join(self.text), "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage_dict(usage),
-        }
+    def chat_response(self, fmt: StreamFormatter, usage: Usage) -> dict[str, Any]:
+        choices = [
+            {"index": i, "message": parts.message(), "logprobs": None, "finish_reason": parts.finish_reason}
+            for i, parts in sorted(self.choices.items())
+        ]
+        return self._body(fmt, usage, choices)
+
+    def completion_response(self, fmt: StreamFormatter, usage: Usage) -> dict[str, Any]:
+        choices = [
+            {"index": i, "text": "".join(parts.text), "logprobs": None, "finish_reason": parts.finish_reason}
+            for i, parts in sorted(self.choices.items())
+        ]
+        return self._body(fmt, usage, choices)

@@ -142,10 +142,11 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[Gen
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
     else:
         body = await read_body(request, ChatCompletionRequest if chat else CompletionRequest)
-        if body.n != 1:
+        if body.n != 1 and not state.engine.backend.serves_n:
             raise APIError(400, "This backend serves one choice per request (n must be 1).", param="n", code="unsupported_value")
         generate = body.to_generate(request_id)
         generate.stream = body.stream
+        generate.n = body.n
         priority = parse_priority(request, body.priority)
         include_usage = body.include_usage
     max_messages = state.settings.server.max_messages
@@ -197,7 +198,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             "X-KVStream-Prefix-Hit-Tokens": str(gen.prefix_hit_tokens),
         }
         fmt = StreamFormatter(
-            model=client_model if isinstance(client_model, str) else (generate.model or ""), chat=chat, include_usage=include_usage
+            model=client_model if isinstance(client_model, str) else (generate.model or ""), chat=chat,
+            include_usage=include_usage, n=generate.n,
         )
         if first.payload is not None:  # the runtime's own non-streamed answer, as it sent it
             outcome = "finished"
@@ -213,10 +215,11 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         while token.finish_reason is None:
             aggregate.add(token)
             token = await _next(stream)
+        aggregate.add(token)
         assert gen.usage is not None
         outcome = "finished"
         build = aggregate.chat_response if chat else aggregate.completion_response
-        return web.Response(body=dumps(build(fmt, token.finish_reason, gen.usage)), content_type="application/json", charset="utf-8", headers=headers)
+        return web.Response(body=dumps(build(fmt, gen.usage)), content_type="application/json", charset="utf-8", headers=headers)
     except BackendError as exc:
         outcome = "failed"
         state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
@@ -257,7 +260,12 @@ async def _write_stream(
         held = [role] if role else []
         token = first
         while token.finish_reason is None:
-            held.append(fmt.forward(token.events) if token.events is not None else fmt.token_chunk(token))
+            if token.events is not None:
+                held.append(fmt.forward(token.events))
+            elif token.choice_finish_reason is not None:
+                held.append(fmt.choice_finish_chunk(token))
+            else:
+                held.append(fmt.token_chunk(token))
             if not token.more:  # nothing else is ready: send what we hold now
                 await response.write(b"".join(held))
                 held.clear()
@@ -265,7 +273,7 @@ async def _write_stream(
         if token.events is not None:
             held.append(fmt.forward(token.events) + DONE)
         else:
-            held.append(fmt.finish_chunks(token.finish_reason, gen.usage))
+            held.append(fmt.finish_chunks(token.finish_reason, gen.usage, token.index))
         await response.write_eof(b"".join(held))
         return "finished"
     except BackendError as exc:

@@ -45,6 +45,9 @@ class BaseBackend(abc.ABC):
     # Whether a model name the runtime does not list is served by its one model, as a
     # single-model runtime does (llama-server); Ollama answers 404 instead.
     serves_any_model_name: bool = True
+    # Whether the backend generates n > 1 choices of one request itself (the translating
+    # routes refuse n > 1 otherwise; a forwarding runtime judges n itself).
+    serves_n: bool = False
 
     def __init__(
         self, base_url: str | None = None, model: str | None = None, settings: Settings | None = None, **overrides: Any

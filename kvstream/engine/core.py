@@ -149,6 +149,9 @@ class Generation:
             metrics.overhead.observe(max(0.0, self.upstream_at - self.arrived_at - (self.admitted_at - self.submitted_at)))
         async with contextlib.aclosing(engine.runner.stream(self)) as tokens:
             async for token in tokens:
+                if token.choice_finish_reason is not None:  # one of n choices ended, no token
+                    yield token
+                    continue
                 if token.finish_reason is None:
                     now = time.monotonic()
                     if self.first_token_at is None:

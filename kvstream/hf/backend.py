@@ -77,6 +77,8 @@ class HFStream:
 
     The runner's thread delivers event batches through ``sink``; the first one resolves
     ``admitted`` (an error before admission resolves it too, and is raised by the stream).
+    With n choices, each choice's end is a token with ``choice_finish_reason`` until the
+    last, which ends the stream with usage summed over the choices.
     """
 
     def __init__(self, backend: HFBackend, seq: Sequence) -> None:
@@ -103,6 +105,7 @@ class HFStream:
     async def _tokens(self) -> AsyncIterator[Token]:
         seq, runner = self._seq, self._backend.runner
         generated = 0
+        open_choices = seq.num_samples
         while True:
             for event in await self._events.get():
                 if event.kind == "admitted":
@@ -115,14 +118,19 @@ class HFStream:
                     raise BackendError(f"the engine failed: {event.error!r}", 500, code="engine_error")
                 if event.finish_reason is None:
                     generated += 1
-                    yield Token(text=event.text, token_id=event.token_id)
+                    yield Token(text=event.text, token_id=event.token_id, index=event.index)
                     continue
-                self._finished = True
                 if event.text:
-                    yield Token(text=event.text, token_id=event.token_id)
+                    yield Token(text=event.text, token_id=event.token_id, index=event.index)
                 if event.finish_reason == "length" or event.token_id not in runner.eos_ids:
                     generated += 1
-                yield Token(finish_reason=event.finish_reason, usage=Usage(len(seq.prompt_token_ids), generated, seq.num_cached_tokens))
+                open_choices -= 1
+                if open_choices:
+                    yield Token(index=event.index, choice_finish_reason=event.finish_reason)
+                    continue
+                self._finished = True
+                usage = Usage(len(seq.prompt_token_ids), generated, seq.num_cached_tokens)
+                yield Token(finish_reason=event.finish_reason, usage=usage, index=event.index)
                 return
 
     def close(self) -> None:
@@ -137,6 +145,7 @@ class HFBackend(InProcessBackend):
 
     name = "hf"
     capabilities = Capabilities(exact_prompt_tokens=True, preemptible=True)
+    serves_n = True  # n choices fork the prompt's blocks (copy-on-write)
 
     def __init__(
         self,
@@ -302,7 +311,7 @@ class HFBackend(InProcessBackend):
         except ValueError as exc:
             raise BackendRejected(str(exc)) from None
         stream = HFStream(self, seq)
-        self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request))
+        self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
         return stream
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:

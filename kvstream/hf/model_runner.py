@@ -94,6 +94,7 @@ class TokenEvent:
     finish_reason: str | None = None
     error: BaseException | None = None
     logits: torch.Tensor | None = None  # the first token's, when SamplingParams asks for them
+    index: int = 0  # the choice this event belongs to (n > 1)
 
 
 Sink = Callable[[list[TokenEvent]], None]
@@ -117,6 +118,7 @@ class RunnerRequest:
     moved_tokens: int = 0  # prompt tokens whose KV a blend moved instead of computing
     repaired_tokens: int = 0  # of those, recomputed by the repair
     approx_from: int | None = None  # first position holding moved (approximate) KV
+    index: int = 0  # choice index among the request's n (forks carry 1..n-1)
 
 
 @dataclass
@@ -213,9 +215,14 @@ class ModelRunner:
         return ids
 
     # ------------------------------------------------------------- requests
-    def add_request(self, seq: Sequence, params: SamplingParams, sink: Sink, blend: BlendParams | None = None) -> RunnerRequest:
+    def add_request(
+        self, seq: Sequence, params: SamplingParams, sink: Sink, blend: BlendParams | None = None, n: int = 1
+    ) -> RunnerRequest:
         """Queue a request (any thread). Raises NeverFits / QueueFull at once. ``blend``
-        opts the request into approximate reuse of moved chunks (blend.py)."""
+        opts the request into approximate reuse of moved chunks (blend.py). With ``n`` > 1
+        the prompt is computed once and its block table forked into n choices (copy-on-write),
+        each sampled from the same logits; events carry the choice's ``index``."""
+        seq.num_samples = n
         self.scheduler.check_fits(seq)
         req = RunnerRequest(seq, params, IncrementalDetokenizer(self.tokenizer, params.stop), sink, params.make_generator())
         req.blend = blend
@@ -248,9 +255,11 @@ class ModelRunner:
                 continue
             self.requests[req.seq.seq_id] = req
         for seq_id in aborts:
-            req = self.requests.pop(seq_id, None)
-            if req is not None:
-                self.scheduler.finish(req.seq)
+            # A request's choices (its forks, "<id>/<index>") end with it.
+            for key in [seq_id] + [k for k in self.requests if k.startswith(seq_id + "/")]:
+                req = self.requests.pop(key, None)
+                if req is not None:
+                    self.scheduler.finish(req.seq)
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
@@ -508,6 +517,16 @@ class ModelRunner:
             bm.commit(req.seq.seq_id, req.num_computed)
         if not sampled:
             return
+        # A request of n choices forks now, its prompt computed: every choice samples its
+        # first token from this same row of logits.
+        rows = list(range(len(sampled)))
+        for row, req in enumerate(list(sampled)):
+            if req.seq.unforked:
+                for fork in self._fork(req):
+                    sampled.append(fork)
+                    rows.append(row)
+        if len(rows) > len(logits):
+            logits = logits[torch.tensor(rows, device=logits.device)]
         tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
         for row, (req, token) in enumerate(zip(sampled, tokens, strict=True)):
             first = logits[row].float().cpu() if req.params.keep_first_logits and req.num_generated == 0 else None
@@ -515,20 +534,36 @@ class ModelRunner:
             if first is not None:
                 req.events[-1].logits = first  # the event _emit just queued
 
+    def _fork(self, req: RunnerRequest) -> list[RunnerRequest]:
+        """The request's other n - 1 choices: tables sharing all of its blocks, the same
+        computed prompt, their own sampling streams (seeded apart)."""
+        seq, params = req.seq, req.params
+        forks = []
+        for index in range(1, seq.num_samples):
+            child = Sequence(list(seq.prompt_token_ids), seq.max_tokens, seq.priority, seq_id=f"{seq.seq_id}/{index}", arrival=seq.arrival)
+            self.scheduler.fork(seq, child)
+            fork = RunnerRequest(
+                child, params, IncrementalDetokenizer(self.tokenizer, params.stop), req.sink, params.make_generator(index),
+                num_computed=req.num_computed, admitted=True, index=index,
+            )
+            self.requests[child.seq_id] = fork
+            forks.append(fork)
+        return forks
+
     def _emit(self, req: RunnerRequest, token: int) -> None:
         req.num_generated += 1
-        params = req.params
+        params, index = req.params, req.index
         if token in self.eos_ids and not params.ignore_eos:
-            self._finish(req, TokenEvent("token", token, req.detokenizer.flush(), "stop"))
+            self._finish(req, TokenEvent("token", token, req.detokenizer.flush(), "stop", index=index))
             return
         text = req.detokenizer.add(token)
         if req.detokenizer.stopped:
-            self._finish(req, TokenEvent("token", token, text, "stop"))
+            self._finish(req, TokenEvent("token", token, text, "stop", index=index))
         elif req.num_generated >= params.max_tokens:
-            self._finish(req, TokenEvent("token", token, text + req.detokenizer.flush(), "length"))
+            self._finish(req, TokenEvent("token", token, text + req.detokenizer.flush(), "length", index=index))
         else:
             req.pending = token
-            req.events.append(TokenEvent("token", token, text))
+            req.events.append(TokenEvent("token", token, text, index=index))
 
     def _finish(self, req: RunnerRequest, event: TokenEvent) -> None:
         req.events.append(event)

@@ -40,11 +40,13 @@ class SamplingParams:
         # top_p 0 keeps only the most likely token (OpenAI accepts it): greedy as well.
         return self.temperature == 0 or self.top_k == 1 or self.top_p == 0
 
-    def make_generator(self) -> torch.Generator | None:
+    def make_generator(self, stream: int = 0) -> torch.Generator | None:
+        """The random stream of one choice (``stream`` > 0 for a request's other choices:
+        with a seed they stay reproducible and still differ from each other)."""
         if self.greedy:
             return None
         generator = torch.Generator()
-        generator.manual_seed(self.seed if self.seed is not None else random.getrandbits(63))
+        generator.manual_seed(self.seed + stream if self.seed is not None else random.getrandbits(63))
         return generator
 
 

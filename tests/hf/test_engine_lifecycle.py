@@ -18,7 +18,7 @@ from kvstream.scheduler import Priority, Sequence  # noqa: E402
 SHARED = list(range(300, 316))  # a common prefix, so blocks are shared and cached
 
 op = st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 8), st.booleans(), st.sampled_from(list(Priority))),
+    st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 8), st.booleans(), st.sampled_from(list(Priority)), st.integers(1, 3)),
     st.tuples(st.just("abort"), st.integers(0, 40)),
     st.tuples(st.just("step"), st.integers(1, 3)),
 )
@@ -37,14 +37,16 @@ def test_random_schedules_keep_every_invariant_and_leak_nothing(smollm2, ops, mo
     )
     events: dict[str, list] = {}
     ids: list[str] = []
+    choices: dict[str, int] = {}
     aborted: set[str] = set()
     for action, *args in ops:
         if action == "add":
-            length, max_tokens, shared, priority = args
+            length, max_tokens, shared, priority, n = args
             prompt = (SHARED if shared else []) + [400 + (i * 7 + length) % 500 for i in range(length)]
             seq = Sequence(prompt, max_tokens, priority)
+            choices[seq.seq_id] = n  # n > 1: the prompt's table is forked into n choices
             try:
-                engine.add_request(seq, SamplingParams(max_tokens=max_tokens, temperature=0), events.setdefault(seq.seq_id, []).extend)
+                engine.add_request(seq, SamplingParams(max_tokens=max_tokens, temperature=0), events.setdefault(seq.seq_id, []).extend, n=n)
             except Exception as exc:  # NeverFits for prompts the tiny pool can never hold
                 assert getattr(exc, "code", None) == "context_length_exceeded"
                 continue
@@ -63,9 +65,9 @@ def test_random_schedules_keep_every_invariant_and_leak_nothing(smollm2, ops, mo
         got = events.get(seq_id, [])
         tokens = [e for e in got if e.kind == "token"]
         assert all(e.kind != "error" for e in got)
-        finishes = sum(1 for e in tokens if e.finish_reason)
-        # A request finishes exactly once, unless it was aborted first; never twice.
-        assert finishes == 1 or (seq_id in aborted and finishes == 0)
+        finishes = [e.index for e in tokens if e.finish_reason]
+        # Each choice finishes exactly once, unless the request was aborted first; never twice.
+        assert sorted(finishes) == list(range(choices[seq_id])) or (seq_id in aborted and len(set(finishes)) == len(finishes))
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

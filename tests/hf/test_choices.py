@@ -1,0 +1,115 @@
+"""n > 1 choices on the in-process engine: the prompt is computed once and its block table
+forked (copy-on-write on each choice's first write), every choice sampled from the same
+logits; through the proxy, the openai client sees n indexed choices and usage counts them all."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import require_import
+
+torch = require_import("torch")
+
+from openai import AsyncOpenAI  # noqa: E402
+
+from kvstream.hf import HFBackend  # noqa: E402
+from kvstream.hf.loader import LoadedModel  # noqa: E402
+from kvstream.hf.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from kvstream.hf.sampling import SamplingParams  # noqa: E402
+from kvstream.scheduler import Sequence  # noqa: E402
+
+PROMPT = list(range(300, 320))  # 2 full blocks of 8 and a partial one of 4
+
+
+def runner(smollm2, **config) -> ModelRunner:
+    return ModelRunner(smollm2[0], smollm2[2], RunnerConfig(block_size=8, num_blocks=32, num_cpu_blocks=0, debug_invariants=True, **config))
+
+
+def test_the_prompt_is_computed_once_and_forked_copy_on_write(smollm2):
+    engine = runner(smollm2)
+    events: list = []
+    seq = Sequence(list(PROMPT), 6)
+    engine.add_request(seq, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), events.extend, n=3)
+    bm = engine.scheduler.bm
+    engine.step()  # admit, prefill the 20 prompt tokens once, fork, sample 3 first tokens
+    assert engine.counters.prefill_tokens == 20
+    forks = [f"{seq.seq_id}/1", f"{seq.seq_id}/2"]
+    tables = [bm.tables[seq.seq_id]] + [bm.tables[f] for f in forks]
+    assert [[b.block_id for b in t.blocks] for t in tables] == [[0, 1, 2]] * 3
+    assert [bm.pool.blocks[i].ref_cnt for i in (0, 1, 2)] == [3, 3, 3] and bm.pool.num_used == 3
+    assert sorted(e.index for e in events if e.kind == "token") == [0, 1, 2]
+    engine.step()  # each choice appends its first token into the shared partial block
+    # Equal arrivals append in running order: the parent and the first fork copy the shared
+    # block before writing (copy-on-write); the last writer has it to itself and writes in place.
+    assert [b.block_id for b in bm.tables[seq.seq_id].blocks] == [0, 1, 3]
+    assert [b.block_id for b in bm.tables[forks[0]].blocks] == [0, 1, 4]
+    assert [b.block_id for b in bm.tables[forks[1]].blocks] == [0, 1, 2]
+    assert [bm.pool.blocks[i].ref_cnt for i in range(5)] == [3, 3, 1, 1, 1] and bm.pool.num_used == 5
+    while engine.has_work():
+        engine.step()
+    assert engine.is_idle()
+    tokens = [e for e in events if e.kind == "token"]
+    per_choice = {i: [e.token_id for e in tokens if e.index == i] for i in range(3)}
+    # Greedy: every choice is the one greedy continuation, as with n = 1.
+    alone = runner(smollm2).generate_sync([list(PROMPT)], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert per_choice == {0: alone, 1: alone, 2: alone}
+
+
+def test_choices_sample_apart_and_reproducibly_with_a_seed(smollm2):
+    def run() -> dict[int, list[int]]:
+        engine = runner(smollm2)
+        events: list = []
+        engine.add_request(Sequence(list(PROMPT), 12), SamplingParams(max_tokens=12, temperature=1.5, seed=7, ignore_eos=True), events.extend, n=3)
+        while engine.has_work():
+            engine.step()
+        assert engine.is_idle()
+        return {i: [e.token_id for e in events if e.kind == "token" and e.index == i] for i in range(3)}
+
+    first = run()
+    assert first == run()  # the same seed, the same three choices
+    assert len({tuple(v) for v in first.values()}) > 1  # and they are not copies of each other
+
+
+def test_forks_wait_for_batch_slots_reserved_at_admission(smollm2):
+    engine = runner(smollm2, max_num_seqs=3)
+    a, b = Sequence(list(PROMPT), 4), Sequence([7] * 12, 4)
+    engine.add_request(a, SamplingParams(max_tokens=4, temperature=0), lambda events: None, n=3)
+    engine.add_request(b, SamplingParams(max_tokens=4, temperature=0), lambda events: None)
+    engine.step()
+    running = [s.seq_id for s in engine.scheduler.running]
+    assert running == [a.seq_id, f"{a.seq_id}/1", f"{a.seq_id}/2"]  # b waits: the 3 slots are a's
+    while engine.has_work():
+        engine.step()
+    assert engine.is_idle()
+
+
+@pytest.fixture
+async def hf_choices(smollm2, start_proxy):
+    model, _, tokenizer = smollm2
+    backend = HFBackend(None, None, preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"), block_size=16, num_gpu_blocks=128, num_cpu_blocks=0)
+    proxy = await start_proxy(backend)
+    await proxy.engine.start()
+    yield proxy
+    await proxy.engine.close()
+
+
+async def test_the_openai_client_gets_n_choices_with_usage_for_all(hf_choices):
+    async with AsyncOpenAI(base_url=hf_choices.v1, api_key="unused", max_retries=0) as client:
+        reply = await client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Name a color."}], n=3, max_tokens=8, temperature=1.0, seed=3
+        )
+        assert [c.index for c in reply.choices] == [0, 1, 2]
+        assert all(c.finish_reason in ("stop", "length") and c.message.content for c in reply.choices)
+        assert 3 <= reply.usage.completion_tokens <= 24
+        stream = await client.completions.create(model="smollm2", prompt="1, 2, 3,", n=2, max_tokens=5, temperature=0, stream=True)
+        texts: dict[int, str] = {0: "", 1: ""}
+        finishes: dict[int, str] = {}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+                if choice.finish_reason:
+                    finishes[choice.index] = choice.finish_reason
+    assert texts[0] == texts[1] and texts[0]  # greedy: both choices alike
+    assert finishes == {0: "length", 1: "length"}
+    engine = hf_choices.engine.backend.runner
+    assert engine.is_idle()
