@@ -123,3 +123,30 @@ async def test_the_ollama_client_gets_the_same_greedy_text_as_the_openai_route(s
     streamed = [p async for p in await client.chat(model=model, messages=question, stream=True, options=options)]
     assert "".join(p.message.content for p in streamed) == expected.choices[0].message.content
     assert proxy.engine.scheduler.bm.is_idle()
+
+
+async def test_embed_comes_from_the_runtimes_openai_embeddings(start_proxy, aiohttp_server, http):
+    from aiohttp import web
+
+    from tests.doubles import Recorder, openai_upstream
+
+    async def embeddings(request: web.Request) -> web.Response:
+        body = await request.json()
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        return web.json_response({"object": "list", "data": [{"index": i, "embedding": [float(i), 0.5]} for i in reversed(range(len(inputs)))],
+                                  "usage": {"prompt_tokens": 4, "total_tokens": 4}})
+
+    app = openai_upstream(Script(), Recorder())
+    app.router.add_post("/v1/embeddings", embeddings)
+    server = await aiohttp_server(app)
+    proxy = await start_proxy(OpenAICompatibleBackend(str(server.make_url("")).rstrip("/")))
+    result = await ollama.AsyncClient(host=proxy.url).embed(model="all-minilm", input=["a", "b"])
+    assert result.embeddings == [[0.0, 0.5], [1.0, 0.5]] and result.prompt_eval_count == 4  # in input order
+    assert proxy.engine.scheduler.bm.is_idle() and proxy.engine.stats.requests_finished == 1
+
+
+async def test_in_front_of_ollama_embed_is_ollamas_own(start_upstream, start_proxy, http):
+    url, _ = await start_upstream(Script(), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url))
+    async with http.post(proxy.url + "/api/embed", json={"model": "llama3.2:latest", "input": "x"}) as resp:
+        assert resp.status == 404  # the double serves no /api/embed: the runtime's own answer, passed through

@@ -13,8 +13,10 @@ runtime's ``/v1/embeddings``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -49,8 +51,16 @@ class OllamaError(APIError):
         return {"error": self.message}
 
 
-def is_ollama(state: AppState) -> bool:
-    return state.engine.backend.name == "ollama"
+def ollama_answers_itself(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """In front of a real Ollama these routes are its own: pass through (generations admitted)."""
+
+    @functools.wraps(handler)
+    async def route(request: web.Request) -> web.StreamResponse:
+        if request.app[STATE].engine.backend.name == "ollama":
+            return await forward(request)
+        return await handler(request)
+
+    return route
 
 
 def now_iso() -> str:
@@ -202,8 +212,6 @@ def _arguments(text: str) -> Any:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
-    if is_ollama(state):
-        return await forward(request)  # Ollama's own API: the runtime answers it
     arrived_at = time.monotonic()
     try:
         body = await read_object(request)
@@ -283,11 +291,13 @@ def _ollama_error(exc: Exception) -> OllamaError:
 
 
 @routes.post("/api/chat")
+@ollama_answers_itself
 async def api_chat(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=True)
 
 
 @routes.post("/api/generate")
+@ollama_answers_itself
 async def api_generate(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=False)
 
@@ -308,28 +318,25 @@ async def _models(state: AppState) -> list[Any]:
 
 
 @routes.get("/api/tags")
+@ollama_answers_itself
 async def api_tags(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    if is_ollama(state):
-        return await forward(request)
     return web.json_response({"models": [_model_entry(m.id, None) for m in await _models(state)]})
 
 
 @routes.get("/api/ps")
+@ollama_answers_itself
 async def api_ps(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    if is_ollama(state):
-        return await forward(request)
     # The backend's models are always loaded: nothing expires.
     models = [_model_entry(m.id, m.context_length) | {"expires_at": "0001-01-01T00:00:00Z", "size_vram": 0} for m in await _models(state)]
     return web.json_response({"models": models})
 
 
 @routes.post("/api/show")
+@ollama_answers_itself
 async def api_show(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    if is_ollama(state):
-        return await forward(request)
     body = await read_object(request)
     name = await _model(state, body)
     info = next((m for m in await _models(state) if m.id == name), None)
@@ -345,19 +352,16 @@ async def api_show(request: web.Request) -> web.StreamResponse:
 
 
 @routes.get("/api/version")
+@ollama_answers_itself
 async def api_version(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    if is_ollama(state):
-        return await forward(request)
     return web.json_response({"version": __version__})
 
 
 @routes.post("/api/embed")
+@ollama_answers_itself
 async def api_embed(request: web.Request) -> web.StreamResponse:
     """Ollama's embeddings from an OpenAI-compatible runtime's /v1/embeddings."""
     state = request.app[STATE]
-    if is_ollama(state):
-        return await forward(request)
     session = state.engine.backend.upstream() if state.engine.backend.forwards_body else None
     if session is None:
         raise OllamaError(501, f"the {state.engine.backend.name} backend does not serve embeddings")

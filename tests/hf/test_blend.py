@@ -3,7 +3,6 @@ helps, exact prefix hits are untouched, and approximate KV never enters the exac
 
 from __future__ import annotations
 
-import pytest
 
 from tests.conftest import require_import
 

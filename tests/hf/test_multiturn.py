@@ -5,7 +5,6 @@ split into the tokens that were generated)."""
 
 from __future__ import annotations
 
-import pytest
 
 from tests.conftest import require_import
 

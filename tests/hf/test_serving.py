@@ -248,3 +248,14 @@ async def test_warm_endpoint_prefills_a_system_prompt_the_next_chat_reuses(hf_pr
         async with http.post(hf_proxy.v1 + "/warm", json={"model": "no-such-model", "system": "x"}) as resp:
             assert resp.status == 200 and (await resp.json())["model"] == "smollm2"
     await wait_idle(hf_proxy)
+
+
+async def test_ollama_front_on_the_in_process_engine(hf_proxy, http):
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hi."}], "stream": False, "options": {"temperature": 0, "num_predict": 4}}
+    async with http.post(hf_proxy.url + "/api/chat", json=body) as resp:
+        reply = await resp.json()
+    assert reply["done"] and reply["message"]["content"] and reply["eval_count"] >= 1
+    # No runtime with embeddings behind the in-process engine: said plainly, in Ollama's shape.
+    async with http.post(hf_proxy.url + "/api/embed", json={"model": "smollm2", "input": "x"}) as resp:
+        assert resp.status == 501 and "embeddings" in (await resp.json())["error"]
+
