@@ -5,9 +5,10 @@ the body go upstream, the body streamed; the runtime's status, headers and body 
 streamed as they arrive and still encoded as the runtime encoded them. The same auth, body
 limit and request metrics apply as on the managed routes.
 
-Generation routes that KVStream forwards without reading (llama.cpp's ``/completion`` and
-``/infill``, ``/v1/responses``, Anthropic's ``/v1/messages``) still take a batch slot: a slot
-is a slot, whoever parses the stream.
+Generation routes that KVStream forwards without reading (llama.cpp's ``/completion``,
+``/completions`` and ``/infill``, ``/v1/responses``, Anthropic's ``/v1/messages``, Ollama's
+own) and the embedding and rerank routes still take a batch slot: a slot is a slot,
+whoever parses the stream.
 
 KVStream's own routes (``/health``, ``/ready``, ``/status``, ``/metrics``, ``/openapi.json``,
 ``/v1/warm``) shadow the runtime's; the runtime's are reached under ``/upstream/``
