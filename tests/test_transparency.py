@@ -333,3 +333,17 @@ async def test_pass_through_can_be_switched_off(runtime, start_proxy, http):
     assert not seen
     async with http.post(proxy.v1 + "/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}) as resp:
         assert resp.status == 200  # the managed routes still work
+
+
+async def test_a_compressed_upload_reaches_the_runtime_readable(runtime, start_proxy, http):
+    """aiohttp inflates a gzip request body as it reads it: what goes upstream is the inflated
+    body, so it must not still be labelled gzip (nor carry the compressed length)."""
+    import gzip
+
+    url, _, seen, _ = runtime
+    proxy = await start_proxy(OpenAICompatibleBackend(url))
+    data = b"kvstream " * 20_000
+    async with http.post(proxy.url + "/upload", data=gzip.compress(data), headers={"Content-Encoding": "gzip"}) as resp:
+        assert resp.status == 200, await resp.text()
+        assert await resp.json() == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert "Content-Encoding" not in seen[-1].headers

@@ -66,8 +66,13 @@ def upstream_path(request: web.Request) -> str:
 
 def forwarded_headers(request: web.Request, drop_authorization: bool) -> dict[str, str]:
     """The client's headers for the runtime: no hop-by-hop ones (nor those the Connection
-    header names), and no Authorization when it was KVStream's own key."""
+    header names), no Authorization when it was KVStream's own key, and no body encoding
+    once the body has been inflated."""
     named = {h.strip().lower() for h in request.headers.get("Connection", "").split(",") if h.strip()}
+    if request.headers.get("Content-Encoding", "identity").lower() != "identity":
+        # aiohttp inflates an encoded request body as it reads it: what goes upstream is the
+        # inflated body, neither encoded any more nor of the length the client sent.
+        named |= {"content-encoding", "content-length"}
     headers = {}
     for name, value in request.headers.items():
         lower = name.lower()
