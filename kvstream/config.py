@@ -8,6 +8,7 @@ every value came from, for ``kvstream config show``.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -110,8 +111,18 @@ class ServerSettings(_Section):
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
+        """``k1,k2`` or the JSON list form ``["k1", "k2"]`` (pydantic-settings' own for lists)."""
         if isinstance(value, str):
-            return [k.strip() for k in value.split(",") if k.strip()]
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    keys = json.loads(text)
+                except ValueError:
+                    raise ValueError("looks like a JSON list of keys but is not valid JSON") from None
+                if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                    raise ValueError("a JSON list of keys must hold strings only")
+                return [k.strip() for k in keys if k.strip()]
+            return [k.strip() for k in text.split(",") if k.strip()]
         return value
 
 

@@ -50,6 +50,7 @@ class Script:
     # merged into every chunk / the non-streamed body, per-token logprobs into each choice.
     extra: dict[str, Any] = field(default_factory=dict)
     logprobs: bool = False
+    models_hang_after: int | None = None  # /v1/models never answers after this many calls
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Recorder:
     max_in_flight: int = 0
     cancelled: int = 0
     completed: int = 0
+    models_calls: int = 0
     token_times: list[float] = field(default_factory=list)
 
     @contextlib.contextmanager
@@ -90,6 +92,9 @@ def openai_upstream(script: Script, recorder: Recorder, model_id: str = "test-mo
     """A scripted OpenAI-compatible server: /v1/models, /v1/chat/completions, /v1/completions."""
 
     async def models(request: web.Request) -> web.Response:
+        recorder.models_calls += 1
+        if script.models_hang_after is not None and recorder.models_calls > script.models_hang_after:
+            await asyncio.sleep(3600)
         return web.json_response({"object": "list", "data": [{"id": model_id, "object": "model", "created": 1, "owned_by": "double"}]})
 
     async def generate(request: web.Request) -> web.StreamResponse:

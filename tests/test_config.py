@@ -80,6 +80,19 @@ def test_api_keys_from_env_are_split_and_never_shown(tmp_path):
     assert "k1" not in shown and "k2" not in shown and "(2 set, hidden)" in shown
 
 
+@pytest.mark.parametrize("form", ['["a","b"]', ' [ "a", "b" ] ', "a,b"])
+def test_api_keys_in_the_json_list_form_are_the_same_keys(tmp_path, form):
+    """pydantic-settings' own form for lists must not turn into the keys '["a"' and '"b"]'."""
+    loaded = load_settings(environ={"KVSTREAM_SERVER__API_KEYS": form}, cwd=tmp_path)
+    assert loaded.settings.accepted_keys() == ["a", "b"]
+
+
+@pytest.mark.parametrize("form", ['["a", 3]', '["a", "b"'])
+def test_a_broken_json_list_of_keys_is_a_config_error(tmp_path, form):
+    with pytest.raises(ConfigError, match="server.api_keys"):
+        load_settings(environ={"KVSTREAM_SERVER__API_KEYS": form}, cwd=tmp_path)
+
+
 def test_repo_kvstream_yaml_lists_every_key_with_its_default():
     """The documented file is the defaults, key for key (docs as tests)."""
     data = yaml.safe_load((REPO / "kvstream.yaml").read_text())

@@ -75,3 +75,20 @@ async def test_client_leaving_during_prefill_cancels_the_runtime(start_upstream,
         with pytest.raises(asyncio.CancelledError):
             await task
     await assert_cancelled_and_released(proxy, recorder)
+
+
+async def test_a_hanging_model_list_delays_no_request(start_upstream, start_proxy):
+    """Once the list is known, a runtime whose /v1/models stops answering costs requests
+    nothing: the known list serves while one refresh (not one per request) waits."""
+    # The first call is the start-up health probe (this backend's is /v1/models), the second
+    # the first list; from then on the runtime's model list hangs.
+    url, recorder = await start_upstream(Script(models_hang_after=2))
+    proxy = await start_proxy(OpenAICompatibleBackend(url))
+    async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0, timeout=3) as client:
+        await client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
+        proxy.engine._models_at -= 60  # the list is stale now: the next request starts a refresh
+        replies = await asyncio.gather(*(
+            client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}]) for _ in range(8)
+        ))
+    assert all(r.choices[0].message.content == "Hello, world!" for r in replies)
+    assert recorder.models_calls == 3  # probe, first list, then a single refresh for all eight

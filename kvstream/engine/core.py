@@ -221,6 +221,7 @@ class KVStreamEngine:
         self._started = False
         self._models: list[ModelInfo] = []
         self._models_at = 0.0
+        self._models_refresh: asyncio.Future[list[ModelInfo]] | None = None
 
     # ----------------------------------------------------------------- setup
     def attach_metrics(self, metrics: Metrics) -> None:
@@ -277,6 +278,10 @@ class KVStreamEngine:
     async def close(self) -> None:
         for gen in list(self._generations.values()):
             gen.close("cancelled")
+        if self._models_refresh is not None and not self._models_refresh.done():
+            self._models_refresh.cancel()
+            with contextlib.suppress(asyncio.CancelledError, BackendError):
+                await self._models_refresh
         if self._started:
             self._started = False
             await self.backend.close()
@@ -288,16 +293,27 @@ class KVStreamEngine:
     # ------------------------------------------------------------- requests
     async def models(self) -> list[ModelInfo]:
         """The runtime's models, asked at most every MODELS_TTL_S (every request resolves its
-        model name against them); the last good list is kept while the runtime is down."""
-        now = time.monotonic()
-        if self._models and now - self._models_at < MODELS_TTL_S:
+        model name against them). One refresh at a time, shared by every caller; while it
+        runs, a list already known is answered at once (a runtime whose model list hangs
+        must not delay requests), and kept while the runtime is down."""
+        if self._models and time.monotonic() - self._models_at < MODELS_TTL_S:
             return self._models
+        if self._models_refresh is None or self._models_refresh.done():
+            self._models_refresh = asyncio.ensure_future(self._refresh_models())
+        if self._models:
+            return self._models
+        # Shielded: a caller that leaves does not cancel the refresh the others wait for.
+        return await asyncio.shield(self._models_refresh)
+
+    async def _refresh_models(self) -> list[ModelInfo]:
         try:
             self._models = await self.backend.models()
-            self._models_at = now
-        except BackendError:
+        except BackendError as exc:
             if not self._models:
                 raise
+            logger.debug("the runtime's model list could not be refreshed (%s); keeping the last one", exc.message)
+        finally:
+            self._models_at = time.monotonic()  # a failed refresh too waits a TTL before the next
         return self._models
 
     async def prompt_tokens(self, request: GenerateRequest) -> tuple[list[int], bool]:
