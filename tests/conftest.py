@@ -183,6 +183,18 @@ def llama_server() -> LlamaServer:
     stop_process(server.process)
 
 
+async def wait_released(proxy: Proxy) -> None:
+    """Wait (bounded) until every block is free: a streamed answer's slot is released right
+    after its last bytes are written, so a client can read them a moment before."""
+    import asyncio
+
+    for _ in range(200):
+        if proxy.engine.scheduler.bm.is_idle() and not proxy.engine._generations:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"blocks still held: {proxy.engine.snapshot()['kv']}")
+
+
 async def assert_cancelled_and_released(proxy: Proxy, recorder: Any) -> None:
     """After a client left: the runtime saw the cancellation and everything was freed."""
     import asyncio

@@ -15,6 +15,7 @@ from aiohttp import web
 from openai import AsyncOpenAI
 
 from kvstream.backends import OllamaBackend, OpenAICompatibleBackend
+from tests.conftest import wait_released
 from tests.doubles import Recorder, Script, ollama_double, openai_upstream
 
 KEY = "kvstream-key"
@@ -194,7 +195,8 @@ async def test_a_native_generation_route_takes_a_batch_slot(runtime, start_proxy
     results = await asyncio.gather(*(one() for _ in range(3)))
     assert all(r["content"] == " done" for r in results)
     assert recorder.max_in_flight == 1  # admitted one at a time, like the managed routes
-    assert proxy.engine.scheduler.bm.is_idle() and proxy.engine.stats.requests_finished == 3
+    await wait_released(proxy)
+    assert proxy.engine.stats.requests_finished == 3
     metrics = await (await http.get(proxy.url + "/metrics")).text()
     assert 'kvstream_requests_total{code="200",route="passthrough_generation"} 3.0' in metrics
 
