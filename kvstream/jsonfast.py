@@ -11,11 +11,26 @@ import orjson
 
 def loads(data: bytes | str) -> Any:
     """Parse JSON. What orjson refuses and the stdlib takes (NaN, integers past 64 bits) is
-    parsed by the stdlib, whose exception (with its message) is what invalid input raises."""
+    parsed by the stdlib, whose exception (with its message) is what invalid input raises.
+
+    Raises ValueError for anything that is not JSON KVStream can carry on: nesting too deep
+    for the stdlib (orjson stops at 1,024 levels) and lone surrogates (``"\\ud800"``), which
+    no UTF-8 body can hold."""
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
-        return json.loads(data)
+        pass
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ValueError("a string holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    return value
 
 
 def dumps(obj: Any) -> bytes:

@@ -45,7 +45,8 @@ def auth_middleware(keys: list[str], max_concurrent_per_key: int | None = None):
             return await handler(request)
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+        # surrogateescape: a header byte that is not UTF-8 is just a wrong key, not a crash.
+        presented = token.strip().encode("utf-8", "surrogateescape") if scheme.lower() == "bearer" else b""
         # Compare against every key so that timing does not reveal which one matched.
         matched = -1
         for index, key in enumerate(encoded):

@@ -11,6 +11,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from kvstream.api.openai_format import random_hex
 from kvstream.types import BackendError, BackendRejected, BackendUnavailable
@@ -133,6 +135,10 @@ async def error_middleware(
         return APIError(exc.status, message, code=code).response(request_id)
     except (SchedulerError, BackendError) as exc:
         return from_exception(exc).response(request_id)
+    except (HttpProcessingError, RequestPayloadError) as exc:  # a body that cannot be read as sent (not gzip, ...)
+        cause = exc.__cause__ if isinstance(exc, RequestPayloadError) and exc.__cause__ is not None else exc
+        detail = getattr(cause, "message", "") or cause.__class__.__name__
+        return APIError(400, f"The request body cannot be read as sent ({detail}).", code="invalid_body").response(request_id)
     except Exception:
         logger.exception("[%s] unhandled error", request_id)
         return from_exception(RuntimeError()).response(request_id)

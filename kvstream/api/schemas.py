@@ -20,6 +20,12 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
 
+    @model_validator(mode="after")
+    def _text_is_text(self) -> ContentPart:
+        if self.type == "text" and not isinstance(getattr(self, "text", None), str):
+            raise ValueError("a text part needs 'text' as a string")
+        return self
+
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")

@@ -25,6 +25,9 @@ def flatten_messages(messages: list[dict[str, Any]]) -> str:
     for message in messages:
         content = message.get("content")
         if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        parts.append(f"<|{message.get('role')}|>\n{content or ''}\n")
+            # Only text parts count; what else a forwarded body holds is the runtime's to judge.
+            content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        elif not isinstance(content, str):
+            content = ""
+        parts.append(f"<|{message.get('role')}|>\n{content}\n")
     return "".join(parts)
