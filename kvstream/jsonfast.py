@@ -19,7 +19,11 @@ def loads(data: bytes | str) -> Any:
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
-        pass
+        return _stdlib_loads(data)
+
+
+def _stdlib_loads(data: bytes | str) -> Any:
+    """What orjson refused, parsed by the stdlib, and refused if KVStream cannot carry it."""
     try:
         value = json.loads(data)
     except RecursionError:

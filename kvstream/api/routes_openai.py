@@ -126,9 +126,9 @@ def _error_kind(exc: BackendError) -> str:
     return "timeout" if exc.status == 504 else "error"
 
 
-async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[GenerateRequest, Priority, bool]:
-    """The request as the backend needs it, its priority, and whether the client asked for
-    the usage chunk.
+async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[GenerateRequest, Priority, bool, str | None]:
+    """The request as the backend needs it, its priority, whether the client asked for the
+    usage chunk, and the model name the client used (KVStream's own chunks echo it).
 
     A runtime that speaks OpenAI itself gets the client's body as it is and judges it; for
     a backend that translates (Ollama's native API, the in-process engine) KVStream
@@ -155,12 +155,13 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[Gen
             413, f"Too many messages ({len(generate.messages or ())}; the limit is {max_messages}).",
             param="messages", code="too_many_messages",
         )
+    named = generate.model
     if generate.model is not None:
         generate.model = await resolve_model(state, generate.model)
     elif not state.engine.backend.forwards_body and state.engine.backend.model is None:
         # No model named: a translating backend needs one, so the runtime's first serves.
         generate.model = await default_model(state)
-    return generate, priority, include_usage
+    return generate, priority, include_usage, named
 
 
 async def default_model(state: AppState) -> str | None:
@@ -175,9 +176,8 @@ async def default_model(state: AppState) -> str | None:
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     arrived_at = time.monotonic()
     state = request.app[STATE]
-    generate, priority, include_usage = await _parse(request, state, chat)
+    generate, priority, include_usage, named = await _parse(request, state, chat)
     request_id = request[REQUEST_ID]
-    client_model = (generate.body or {}).get("model") if generate.body is not None else generate.model
     try:
         gen = await state.engine.submit(generate, priority, arrived_at)
     except Exception as exc:
@@ -198,7 +198,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             "X-KVStream-Prefix-Hit-Tokens": str(gen.prefix_hit_tokens),
         }
         fmt = StreamFormatter(
-            model=client_model if isinstance(client_model, str) else (generate.model or ""), chat=chat,
+            model=named or generate.model or "", chat=chat,
             include_usage=include_usage, n=generate.n,
         )
         if first.payload is not None:  # the runtime's own non-streamed answer, as it sent it

@@ -169,9 +169,9 @@ def forwarded_request(data: dict[str, Any], chat: bool, request_id: str) -> Gene
     what it cannot read it estimates."""
     body = {k: v for k, v in data.items() if k not in OWN_BODY_FIELDS}
     model = body.get("model")
-    limit = next((body[k] for k in ("max_completion_tokens", "max_tokens", "n_predict") if _count(body.get(k))), None)
+    limit = next((body[k] for k in ("max_completion_tokens", "max_tokens", "n_predict") if _non_negative_int(body.get(k))), None)
     choices = body.get("n")
-    if limit is not None and _count(choices) and choices > 1:
+    if limit is not None and _non_negative_int(choices) and choices > 1:
         # n choices share the prompt's KV in the runtime and grow n outputs.
         limit *= choices
     request = GenerateRequest(
@@ -187,17 +187,13 @@ def forwarded_request(data: dict[str, Any], chat: bool, request_id: str) -> Gene
         request.messages = [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
     else:
         prompt = body.get("prompt")
-        request.prompt = prompt if isinstance(prompt, str) else dumps_text(prompt)
+        # Another shape (token ids, several prompts) is estimated by its text.
+        request.prompt = prompt if isinstance(prompt, str) else ("" if prompt is None else str(prompt))
     return request
 
 
-def _count(value: Any) -> bool:
+def _non_negative_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def dumps_text(value: Any) -> str:
-    """Text to estimate a prompt of another shape by (token ids, several prompts)."""
-    return "" if value is None else str(value)
 
 
 class WarmRequest(BaseModel):

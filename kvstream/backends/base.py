@@ -20,8 +20,6 @@ from kvstream.types import GenerateRequest, ModelInfo, RuntimeLimits, Token
 class Capabilities:
     """What a backend can do; the engine and scheduler adapt to it."""
 
-    # Token ids come back with each token (in-process); remote runtimes stream text.
-    token_ids: bool = False
     # Prompt token counts are exact (the runtime tokenizes for us) rather than estimated.
     exact_prompt_tokens: bool = False
     # A running sequence can be paused and resumed (swap/recompute), so the scheduler may
