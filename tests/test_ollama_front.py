@@ -4,6 +4,7 @@ and in front of a real Ollama (its own routes pass through)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import ollama
@@ -154,3 +155,31 @@ async def test_in_front_of_ollama_embed_is_ollamas_own(start_upstream, start_pro
     proxy = await start_proxy(OllamaBackend(url))
     async with http.post(proxy.url + "/api/embed", json={"model": "llama3.2:latest", "input": "x"}) as resp:
         assert resp.status == 404  # the double serves no /api/embed: the runtime's own answer, passed through
+
+
+async def test_a_client_leaving_an_ollama_stream_cancels_the_runtime_and_frees_the_slot(start_upstream, start_proxy):
+    import aiohttp
+
+    url, recorder = await start_upstream(Script(tokens=["tok"] * 50, delay_s=0.05))
+    proxy = await start_proxy(OpenAICompatibleBackend(url))
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(proxy.url + "/api/chat", json={"model": "llama3.2", "messages": [{"role": "user", "content": "hi"}]})
+        assert json.loads(await resp.content.readline())["message"]["content"] == "tok"
+        resp.close()  # the client hangs up mid-stream
+    for _ in range(200):
+        if recorder.cancelled:
+            break
+        await asyncio.sleep(0.02)
+    assert recorder.cancelled == 1 and recorder.completed == 0
+    await wait_released(proxy)
+    assert proxy.engine.stats.requests_cancelled == 1
+
+
+async def test_the_ollama_front_with_the_runtime_gone_is_a_503_in_ollamas_shape(start_proxy, http, unused_tcp_port_factory):
+    proxy = await start_proxy(OpenAICompatibleBackend(f"http://127.0.0.1:{unused_tcp_port_factory()}", "some-model"))
+    async with http.post(proxy.url + "/api/chat", json={"model": "some-model", "messages": [{"role": "user", "content": "x"}]}) as resp:
+        assert resp.status == 503 and set(await resp.json()) == {"error"}
+        assert resp.headers.get("Retry-After")
+    async with http.get(proxy.url + "/api/tags") as resp:
+        assert resp.status == 503 and set(await resp.json()) == {"error"}
+    await wait_released(proxy)

@@ -349,3 +349,58 @@ async def test_a_compressed_upload_reaches_the_runtime_readable(runtime, start_p
         assert resp.status == 200, await resp.text()
         assert await resp.json() == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     assert "Content-Encoding" not in seen[-1].headers
+
+
+async def test_pass_through_with_the_runtime_gone_is_a_503(start_proxy, http, unused_tcp_port_factory):
+    proxy = await start_proxy(OpenAICompatibleBackend(f"http://127.0.0.1:{unused_tcp_port_factory()}"))
+    async with http.get(proxy.url + "/props") as resp:
+        assert resp.status == 503 and (await resp.json())["error"]["code"] == "backend_unavailable"
+    async with http.post(proxy.url + "/completion", json={"prompt": "x"}) as resp:
+        assert resp.status == 503
+    await wait_released(proxy)
+
+
+async def test_a_client_leaving_a_native_generation_cancels_it_and_frees_the_slot(start_proxy, aiohttp_server):
+    recorder = Recorder()
+    started = asyncio.Event()
+
+    async def completion(request: web.Request) -> web.StreamResponse:
+        with recorder.tracking(await request.json()):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(100):
+                await resp.write(f'data: {{"content": "{i}"}}\n\n'.encode())
+                started.set()
+                await asyncio.sleep(0.05)
+        return resp
+
+    app = openai_upstream(Script(), Recorder())
+    app.router.add_post("/completion", completion)
+    server = await aiohttp_server(app)
+    proxy = await start_proxy(OpenAICompatibleBackend(str(server.make_url("")).rstrip("/")))
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(proxy.url + "/completion", json={"prompt": "x", "stream": True})
+        await resp.content.readline()
+        await started.wait()
+        resp.close()  # the client hangs up mid-answer
+    for _ in range(200):
+        if recorder.cancelled:
+            break
+        await asyncio.sleep(0.02)
+    assert recorder.cancelled == 1 and recorder.completed == 0  # the runtime stopped generating
+    await wait_released(proxy)
+    assert proxy.engine.stats.requests_cancelled == 1
+
+
+async def test_a_chunked_upload_over_the_limit_is_cut_with_413(runtime, start_proxy, http):
+    url, _, _, _ = runtime
+    proxy = await start_proxy(OpenAICompatibleBackend(url), server={"max_body_bytes": 64 * 1024})
+
+    async def chunked():  # no Content-Length: the limit is counted as the body streams
+        for _ in range(8):
+            yield b"x" * 16 * 1024
+
+    async with http.post(proxy.url + "/upload", data=chunked()) as resp:
+        assert resp.status == 413, await resp.text()
+    async with http.get(proxy.url + "/props") as resp:
+        assert resp.status == 200  # and the proxy goes on

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -257,10 +257,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                     return web.Response(body=dumps(answer.final(gen, token.finish_reason, whole=True)), content_type="application/json", headers=headers)
                 answer.piece(token)
             raise BackendError("the runtime ended the stream without finishing the generation")
+        # The first token before the headers: a runtime that fails at once gets its own status.
+        first = await anext(stream, None)
+        if first is None:
+            raise BackendError("the runtime ended the stream without finishing the generation")
         response = web.StreamResponse(headers=headers | {"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
         try:
-            async for token in stream:
+            async for token in _chain(first, stream):
                 if token.finish_reason is not None:
                     await response.write_eof(dumps(answer.final(gen, token.finish_reason, whole=False)) + b"\n")
                     outcome = "finished"
@@ -283,6 +287,12 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     finally:
         await stream.aclose()
         gen.close(outcome)
+
+
+async def _chain(first: Token, rest: AsyncIterator[Token]) -> AsyncIterator[Token]:
+    yield first
+    async for token in rest:
+        yield token
 
 
 def _ollama_error(exc: Exception) -> OllamaError:

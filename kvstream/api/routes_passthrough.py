@@ -85,14 +85,28 @@ def forwarded_headers(request: web.Request, drop_authorization: bool) -> dict[st
     return headers
 
 
-async def limited_body(request: web.Request, limit: int) -> AsyncIterator[bytes]:
-    """The request body as it arrives; 413 once it passes ``limit`` bytes."""
-    seen = 0
-    async for chunk in request.content.iter_any():
-        seen += len(chunk)
-        if seen > limit:
-            raise APIError(413, f"Request body too large (the limit is {limit} bytes).", code="request_too_large")
-        yield chunk
+class LimitedBody:
+    """The request body as it arrives, streamed upstream, stopped once it passes ``limit``
+    bytes. The upload then fails inside aiohttp's client (which reports a connection error);
+    ``exceeded`` tells the handler that the answer is a 413, not a runtime failure."""
+
+    def __init__(self, request: web.Request, limit: int) -> None:
+        self.request = request
+        self.limit = limit
+        self.exceeded = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in self.request.content.iter_any():
+            seen += len(chunk)
+            if seen > self.limit:
+                self.exceeded = True
+                raise too_large(self.limit)
+            yield chunk
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"Request body too large (the limit is {limit} bytes).", code="request_too_large")
 
 
 def route_class(path: str) -> str:
@@ -127,7 +141,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
     limit = state.settings.server.max_body_bytes
     gen = None
     route = target.split("?", 1)[0]
-    body: bytes | AsyncIterator[bytes] | None = None
+    body: bytes | LimitedBody | None = None
     if request.method == "POST" and route in GENERATION_PATHS | FORWARD_ONLY_PATHS:
         # The body is read here (bounded: 413 past the limit) to size the reservation.
         body = await request.read()
@@ -137,9 +151,9 @@ async def forward(request: web.Request) -> web.StreamResponse:
         except Exception as exc:
             raise from_exception(exc) from None
     elif request.content_length is not None and request.content_length > limit:
-        raise APIError(413, f"Request body too large (the limit is {limit} bytes).", code="request_too_large")
+        raise too_large(limit)
     elif request.body_exists:
-        body = limited_body(request, limit)
+        body = LimitedBody(request, limit)
     outcome = "cancelled"
     response: web.StreamResponse | None = None
     try:
@@ -167,6 +181,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
                 return response
         except (BackendError, aiohttp.ClientError) as exc:
             outcome = "failed"
+            if isinstance(body, LimitedBody) and body.exceeded:
+                raise too_large(limit) from None
             if not isinstance(exc, BackendError):
                 exc = BackendError(f"the runtime failed mid-response ({exc.__class__.__name__})")
             if response is None or not response.prepared:
