@@ -130,3 +130,17 @@ async def test_a_damaged_swap_file_is_recomputed_and_the_stream_still_completes(
     assert backend.inject.stats.swap_outs == 1 and backend.inject.stats.swap_ins == 0
     await wait_idle(proxy)
     assert not list(tmp_path.glob("kvstream-swap-*"))
+
+
+def test_a_resumed_leg_samples_as_the_first_leg_did():
+    """The resumed /completion leg takes the client's sampling from the forwarded body (it
+    lost temperature 0 once, and greedy resumes then continued at the server's 0.8)."""
+    from kvstream.types import GenerateRequest
+
+    forwarded = GenerateRequest(model="m", prompt="p", body={
+        "model": "m", "prompt": "p", "stream": True, "max_tokens": 9, "temperature": 0, "top_k": 5, "min_p": 0.1, "stop": ["\n"],
+        "stream_options": {"include_usage": True},
+    })
+    assert LlamaCppBackend._resume_sampling(forwarded) == {"temperature": 0, "top_k": 5, "min_p": 0.1, "stop": ["\n"]}
+    built = GenerateRequest(model="m", prompt="p", temperature=0.0, seed=3, stop=["x"], extra={"min_p": 0.2, "user": "u"})
+    assert LlamaCppBackend._resume_sampling(built) == {"temperature": 0.0, "seed": 3, "stop": ["x"], "min_p": 0.2}

@@ -30,6 +30,12 @@ from kvstream.backends.openai_compat import OpenAICompatibleBackend
 logger = logging.getLogger(__name__)
 
 # Request fields whose output a resumed leg (plain /completion text) could not reproduce.
+# Fields of a forwarded body that a resumed /completion leg sets itself (or that only the
+# OpenAI routes understand): everything else in the body (sampling) carries over.
+RESUME_OWN_FIELDS = frozenset(
+    {"model", "prompt", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n_predict", "n",
+     "id_slot", "cache_prompt", "echo", "suffix", "user"}
+)
 RESUME_BLOCKERS = ("tools", "functions", "response_format", "json_schema", "grammar", "logprobs", "n_probs")
 
 
@@ -184,14 +190,9 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         swap_file, request.control.saved_state = request.control.saved_state, None
         route = await inject.prepare(tokens, swap_file=swap_file)
         remaining = request.max_tokens - done if request.max_tokens is not None else -1
-        body: dict[str, Any] = {
+        body = self._resume_sampling(request) | {
             "prompt": tokens, "n_predict": remaining, "stream": True, "cache_prompt": True, "id_slot": route.slot.id,
         }
-        for key in ("temperature", "top_p", "top_k", "seed"):
-            if getattr(request, key) is not None:
-                body[key] = getattr(request, key)
-        if request.stop:
-            body["stop"] = request.stop
         prefilled, cached = False, None
         try:
             if remaining == 0:
@@ -217,6 +218,22 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                 raise BackendError("the runtime ended the stream before the generation finished")
         finally:
             await self._after(request, inject, route, cached, prefilled)
+
+    @staticmethod
+    def _resume_sampling(request: GenerateRequest) -> dict[str, Any]:
+        """The sampling the first leg ran with, for /completion (which takes llama-server's
+        sampling fields under the same names): the client's own body when it was forwarded,
+        else the request's fields. Without it the resumed leg samples at the server's
+        defaults and the continuation is not the one the client was getting."""
+        if request.body is not None:
+            fields = request.body
+        else:
+            fields = dict(request.extra) | {
+                key: getattr(request, key) for key in ("temperature", "top_p", "top_k", "seed") if getattr(request, key) is not None
+            }
+            if request.stop:
+                fields["stop"] = request.stop
+        return {k: v for k, v in fields.items() if k not in RESUME_OWN_FIELDS}
 
     async def _tokenize_text(self, text: str) -> list[int]:
         return await self._tokenize_raw(text, add_special=False, parse_special=False) or []
