@@ -36,7 +36,8 @@ class BackendSettings(_Section):
     base_url: str | None = Field(None, description="the runtime's URL; each backend has its own default")
     model: str | None = Field(None, description="the model to serve; default: the runtime's first model")
     api_key: SecretStr | None = Field(None, description="a key KVStream sends upstream, if the runtime needs one")
-    request_timeout_s: float = Field(600.0, gt=0, description="longest a single upstream request may take")
+    request_timeout_s: float = Field(600.0, gt=0, description="deadline for one upstream request, from sending it to its last byte (a stream still running then is cut with an error)")
+    read_timeout_s: float = Field(120.0, gt=0, description="longest the runtime may send nothing (prefill included) before the request is failed with 504")
     connect_timeout_s: float = Field(5.0, gt=0, description="longest to wait for the runtime to accept a connection")
     parallel: int | None = Field(None, ge=1, description="requests the runtime runs at once when it does not report it (Ollama: OLLAMA_NUM_PARALLEL, default 1; LM Studio: 4)")
     num_ctx: int | None = Field(None, ge=256, description="Ollama: context per request (options.num_ctx), kept constant to avoid reloads")
@@ -87,6 +88,7 @@ class SchedulerSettings(_Section):
 class PrefixCacheSettings(_Section):
     enabled: bool = Field(True, description="share KV blocks of common prompt prefixes")
     max_prefix_length: int | None = Field(None, ge=0, description="longest prefix (tokens) reused; none = no cap")
+    tenant_isolation: bool | None = Field(None, description="per-API-key cache salt: a key's requests share cached prefixes only with the same key's, and see only their own hits; none = on when API keys are configured")
     ttl_seconds: float = Field(3600.0, gt=0, description="unreferenced cached blocks older than this are dropped")
     warm: list[str] = Field(default_factory=list, description="system prompts prefilled at start, so their prefix is cached before the first request")
     reuse: Literal["exact", "blend"] = Field("exact", description="hf: exact = reuse only identical prefixes (output unchanged); blend = also reuse moved chunks, approximately (RAG); a request's own 'reuse' field wins")
@@ -106,6 +108,10 @@ class ServerSettings(_Section):
     api_keys_file: Path | None = Field(None, description="a file with one accepted key per line")
     shutdown_grace_s: float = Field(30.0, ge=0, description="time running requests get to finish on SIGTERM")
     max_concurrent_per_key: int | None = Field(None, ge=1, description="most generations in flight per API key (429 past it); none = no cap")
+    idle_timeout_s: float = Field(15.0, gt=0, description="a connection with no complete request head for this long is closed: idle keep-alive connections and slowly sent heads alike")
+    body_timeout_s: float = Field(60.0, gt=0, description="longest a client may take to send a request body (408 past it)")
+    write_timeout_s: float = Field(30.0, gt=0, description="a client that reads nothing of its answer for this long is disconnected, and its request cancelled (its batch slot freed)")
+    max_connections: int | None = Field(None, ge=1, description="most client connections open at once; past it a new connection gets 503 and is closed; none = 4096, or 3/4 of the open-file limit if that is lower")
     passthrough: bool = Field(True, description="pass every route KVStream does not manage to the runtime (its admin routes too, behind KVStream's keys); false = 404 for them")
 
     @field_validator("api_keys", mode="before")
@@ -276,6 +282,15 @@ def load_settings(
     return LoadedSettings(settings=settings, sources=sources)
 
 
+def redact_url(url: str) -> str:
+    """``url`` with any ``user:password@`` part shown as ``***@``."""
+    scheme, sep, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    if not sep or "@" not in authority:
+        return url
+    return f"{scheme}://***@{authority.rpartition('@')[2]}{slash}{path}"
+
+
 def describe(loaded: LoadedSettings) -> list[tuple[str, str, str]]:
     """Rows of (key, value, source) for display; secrets are masked."""
     rows = []
@@ -284,6 +299,8 @@ def describe(loaded: LoadedSettings) -> list[tuple[str, str, str]]:
         for key, value in values.items():
             if key in ("api_keys", "api_key"):
                 shown = "(none)" if not value else f"({len(value) if isinstance(value, list) else 1} set, hidden)"
+            elif key == "base_url" and value:
+                shown = redact_url(value)
             else:
                 shown = "null" if value is None else str(value)
             rows.append((f"{section}.{key}", shown, loaded.sources[f"{section}.{key}"]))

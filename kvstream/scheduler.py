@@ -98,6 +98,8 @@ class Sequence:
     # n choices: the prompt is computed once, then the table is forked n - 1 times; the
     # slots of the forks are reserved from admission until fork() takes them.
     num_samples: int = 1
+    # The tenant's chain root (kv.hashing.tenant_root): its prefixes match only its own.
+    cache_root: bytes | None = None
     unforked: int = 0  # forks still to come (reserved slots)
     forked: bool = False  # the forks were made (a re-admitted parent reserves none)
 
@@ -178,6 +180,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         # Non-preemptible mode: blocks each running sequence may still claim, and their sum.
         self._growth: dict[str, int] = {}
+        # (kept incrementally: admission must stay O(1) with hundreds running).
         self._headroom = 0
         self._next_expiry = 0.0
         # Batch slots held for forks to come (Sequence.unforked, summed over running).
@@ -224,11 +227,6 @@ class Scheduler:
         self._next_expiry = now + min(1.0, ttl / 10)
         self.bm.pool.drop_expired(ttl)
 
-    def _headroom_blocks(self) -> int:
-        """Blocks that running non-preemptible sequences may still claim as they grow
-        (kept incrementally: admission must stay O(1) with hundreds running)."""
-        return self._headroom
-
     def _recount_headroom(self) -> int:
         total = 0
         for seq in self.running:
@@ -249,7 +247,7 @@ class Scheduler:
 
     def _blocks_to_admit(self, seq: Sequence) -> int:
         tokens = seq.prompt_token_ids + seq.output_token_ids
-        needed = self.bm.blocks_needed(tokens)
+        needed = self.bm.blocks_needed(tokens, seq.cache_root)
         if not self.preemptible:
             needed += self.bm.blocks_for(seq.max_total_tokens) - self.bm.blocks_for(len(tokens))
         return needed
@@ -291,7 +289,7 @@ class Scheduler:
             # (preemptible backends only), or wait.
             while (
                 len(self.running) + self._reserved + self._slots_for(seq) > self.config.max_batch_size
-                or self._blocks_to_admit(seq) > self.bm.num_free_blocks - self._headroom_blocks()
+                or self._blocks_to_admit(seq) > self.bm.num_free_blocks - self._headroom
             ):
                 victim = self._pick_victim(below=seq.priority)
                 if victim is None:
@@ -301,7 +299,7 @@ class Scheduler:
             if out.preempted:
                 # Recompute victims re-entered the queue; put them in their place behind.
                 self.waiting.sort(key=lambda s: self._order_key(s, now))
-            seq.num_cached_tokens = self.bm.allocate(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids)
+            seq.num_cached_tokens = self.bm.allocate(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, seq.cache_root)
             self._reserve_growth(seq)
             self._reserve_forks(seq)
             seq.status = SeqStatus.RUNNING
@@ -330,13 +328,18 @@ class Scheduler:
         Returns what was preempted and the copies the backend must perform first.
         """
         out = ScheduleOutput()
+        if not self.preemptible and len(seq.output_token_ids) >= seq.max_tokens:
+            # Past its reservation (a runtime that generates more than KVStream assumed for
+            # a request with no max_tokens): counted, but given no block, since every free
+            # block is owed to someone's growth or to the next admission.
+            self.stats.append_overflows += 1
+            seq.output_token_ids.append(token_id)
+            return out
         while True:
             try:
                 copy = self.bm.append_token(seq.seq_id, token_id)
             except NoFreeBlocks:
-                if not self.preemptible:
-                    # The headroom rule makes this unreachable unless the runtime produced
-                    # more than max_tokens; count it rather than corrupt the table.
+                if not self.preemptible:  # unreachable under the headroom rule; never corrupt the table
                     self.stats.append_overflows += 1
                     seq.output_token_ids.append(token_id)
                     return out

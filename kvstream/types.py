@@ -114,6 +114,8 @@ class GenerateRequest:
     # Prefill the prompt as a prefix of later ones (a warm-up): a backend that templates the
     # prompt itself leaves the assistant header off, which later requests would not share.
     prefix_only: bool = False
+    # The tenant (API key) this request's cached prefixes belong to; None: shared.
+    cache_salt: str | None = None
     # In-process engine: "exact" or "blend" reuse and the blend's repair ratio; None = the
     # configured default.
     reuse: str | None = None

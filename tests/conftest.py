@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 from kvstream.api.app import create_app
+from kvstream.api.server import handler_options
 from kvstream.backends.base import BaseBackend
 from kvstream.backends.llamacpp.runtime import free_port, stop_process  # noqa: F401 (re-exported to tests)
 from kvstream.config import Settings, load_settings
@@ -56,7 +57,9 @@ def start_proxy(aiohttp_server) -> Callable[..., Any]:
         settings = Settings(**merged)
         backend.settings = settings
         engine = KVStreamEngine(backend, settings)
-        server = await aiohttp_server(create_app(settings, engine))
+        options = handler_options(settings)
+        options.pop("handler_cancellation")  # the test server sets it itself
+        server = await aiohttp_server(create_app(settings, engine), **options)
         return Proxy(str(server.make_url("")).rstrip("/"), engine)
 
     return start

@@ -54,6 +54,7 @@ def fuzz_target():
 
     from tests.conftest import make_settings
     from kvstream.api.app import create_app
+    from kvstream.api.server import handler_options
     from kvstream.engine import KVStreamEngine
     from tests.doubles import Recorder, Script, ollama_double, openai_upstream
 
@@ -61,8 +62,8 @@ def fuzz_target():
     ready = threading.Event()
     state: dict = {"runners": []}
 
-    async def serve(app: web.Application) -> str:
-        runner = web.AppRunner(app, handler_cancellation=True)
+    async def serve(app: web.Application, **options: object) -> str:
+        runner = web.AppRunner(app, **(options or {"handler_cancellation": True}))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -73,8 +74,8 @@ def fuzz_target():
         settings = make_settings(server={"max_body_bytes": 4096})
         ollama = KVStreamEngine(OllamaBackend(await serve(ollama_double(Script(), Recorder())), settings=settings), settings)
         openai = KVStreamEngine(OpenAICompatibleBackend(await serve(openai_upstream(Script(), Recorder())), settings=settings), settings)
-        state.update(url=await serve(create_app(settings, ollama)), engine=ollama)
-        state.update(forwarding_url=await serve(create_app(settings, openai)), forwarding_engine=openai)
+        state.update(url=await serve(create_app(settings, ollama), **handler_options(settings)), engine=ollama)
+        state.update(forwarding_url=await serve(create_app(settings, openai), **handler_options(settings)), forwarding_engine=openai)
         ready.set()
 
     thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)

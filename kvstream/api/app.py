@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -10,7 +11,7 @@ from aiohttp import web
 
 from kvstream.api import routes_ollama, routes_openai, routes_ops, routes_passthrough
 from kvstream.api.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware
-from kvstream.api.state import STATE, AppState
+from kvstream.api.state import CACHE_SALT, STATE, AppState
 from kvstream.types import BackendError
 from kvstream.config import Settings
 from kvstream.engine import KVStreamEngine
@@ -25,14 +26,25 @@ PUBLIC_PATHS = frozenset({"/health"})
 
 # Routes that run the model: the per-key concurrency cap counts them.
 GENERATION_PATHS = (
-    routes_openai.GENERATION_PATHS | routes_passthrough.GENERATION_PATHS | routes_passthrough.FORWARD_ONLY_PATHS
+    routes_openai.GENERATION_PATHS
+    | {routes_openai.WARM_PATH}
+    | routes_passthrough.GENERATION_PATHS
+    | routes_passthrough.FORWARD_ONLY_PATHS
 )
 
 
-def auth_middleware(keys: list[str], max_concurrent_per_key: int | None = None):
-    """Require ``Authorization: Bearer KEY`` on every route but /health (constant-time), and
-    optionally cap the generations each key has in flight."""
+def tenant_salt(key: str) -> str:
+    """A key's cache salt: stable across restarts (slot files and disk caches outlive the
+    process), and telling nothing about the key."""
+    return hashlib.blake2b(key.encode(), digest_size=16, person=b"kvstream-salt").hexdigest()
+
+
+def auth_middleware(keys: list[str], max_concurrent_per_key: int | None = None, isolate: bool = False):
+    """Require ``Authorization: Bearer KEY`` on every route but /health (constant-time),
+    optionally cap the generations each key has in flight, and with ``isolate`` tag each
+    request with its key's cache salt (tenant isolation of cached prefixes)."""
     encoded = [k.encode() for k in keys]
+    salts = [tenant_salt(k) for k in keys]
     in_flight = [0] * len(keys)
 
     @web.middleware
@@ -60,6 +72,8 @@ def auth_middleware(keys: list[str], max_concurrent_per_key: int | None = None):
                 else "This server requires an API key. Send 'Authorization: Bearer <key>'.",
                 code="invalid_api_key",
             )
+        if isolate:
+            request[CACHE_SALT] = salts[matched]
         if max_concurrent_per_key is None or request.path not in GENERATION_PATHS:
             return await handler(request)
         if in_flight[matched] >= max_concurrent_per_key:
@@ -93,7 +107,8 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
     keys = settings.accepted_keys()
     middlewares = [error_middleware]
     if keys:
-        middlewares.append(auth_middleware(keys, settings.server.max_concurrent_per_key))
+        isolate = settings.prefix_cache.tenant_isolation is not False  # default (None): on with keys
+        middlewares.append(auth_middleware(keys, settings.server.max_concurrent_per_key, isolate))
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=middlewares)
     if engine.metrics is None:
         engine.attach_metrics(Metrics())

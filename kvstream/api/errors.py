@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import functools
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -15,6 +16,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from kvstream.api.openai_format import random_hex
+from kvstream.api.state import STATE
 from kvstream.types import BackendError, BackendRejected, BackendUnavailable
 from kvstream.scheduler import SchedulerError
 
@@ -29,7 +31,9 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -152,3 +156,31 @@ def json_body_error(exc: Exception) -> APIError:
         return APIError(400, "The request body is not valid UTF-8.", code="invalid_json")
     msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
     return APIError(400, f"The request body is not valid JSON ({msg}).", code="invalid_json")
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def counted(route: str | Callable[[web.Request], str]) -> Callable[[Handler], Handler]:
+    """Count a route's answers in ``kvstream_requests_total`` by route label (a string, or a
+    function of the request) and status, errors and failures included."""
+
+    def wrap(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def run(request: web.Request) -> web.StreamResponse:
+            counter = request.app[STATE].engine.metrics.http_requests  # type: ignore[union-attr]
+            label = route if isinstance(route, str) else route(request)
+            try:
+                response = await handler(request)
+            except APIError as exc:
+                counter.inc(label, str(exc.status))
+                raise
+            except Exception:
+                counter.inc(label, "500")
+                raise
+            counter.inc(label, str(response.status))
+            return response
+
+        return run
+
+    return wrap

@@ -26,7 +26,8 @@ from kvstream import __version__
 from kvstream.api.errors import REQUEST_ID, APIError, from_exception
 from kvstream.api.routes_openai import default_model, read_object, resolve_model
 from kvstream.api.routes_passthrough import forward
-from kvstream.api.state import STATE, AppState
+from kvstream.api.state import CACHE_SALT, STATE, AppState
+from kvstream.api.streaming import GuardedResponse
 from kvstream.engine import Generation
 from kvstream.jsonfast import dumps
 from kvstream.scheduler import Priority, SchedulerError
@@ -237,6 +238,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return web.json_response({"model": model_name or generate.model, "created_at": now_iso(), "message": {"role": "assistant", "content": ""}, "done_reason": "load", "done": True})
     if len(generate.messages or ()) > state.settings.server.max_messages:
         raise OllamaError(413, f"too many messages (the limit is {state.settings.server.max_messages})")
+    generate.cache_salt = request.get(CACHE_SALT)
     try:
         gen = await state.engine.submit(generate, Priority.NORMAL, arrived_at)
     except (SchedulerError, BackendError) as exc:
@@ -261,7 +263,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         first = await anext(stream, None)
         if first is None:
             raise BackendError("the runtime ended the stream without finishing the generation")
-        response = web.StreamResponse(headers=headers | {"Content-Type": "application/x-ndjson"})
+        response = GuardedResponse(headers=headers | {"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
         try:
             async for token in _chain(first, stream):

@@ -16,11 +16,13 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from kvstream.api.errors import REQUEST_ID, APIError, from_exception, json_body_error
+from kvstream.api.body import read_bytes
+from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception, json_body_error
 from kvstream.api.openai_format import DONE, Aggregate, StreamFormatter
 from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest, WarmRequest, forwarded_request
 from kvstream.api.routes_passthrough import forward
-from kvstream.api.state import STATE, AppState
+from kvstream.api.state import CACHE_SALT, STATE, AppState
+from kvstream.api.streaming import GuardedResponse
 from kvstream.types import BackendError, BackendRejected, BackendUnavailable, GenerateRequest, Token
 from kvstream.engine import Generation
 from kvstream.jsonfast import dumps, loads
@@ -33,8 +35,9 @@ PRIORITY_HEADER = "X-KVStream-Priority"
 
 
 async def read_object(request: web.Request) -> dict[str, Any]:
-    """The JSON object body: 400 if it is not JSON or not an object, 413 past the limit."""
-    raw = await request.read()  # 413 past client_max_size, raised by aiohttp
+    """The JSON object body: 400 if it is not JSON or not an object, 413 past the limit,
+    408 past the body timeout (a compressed body is inflated, bounded)."""
+    raw = await read_bytes(request)
     try:
         data = loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -149,12 +152,8 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[Gen
         generate.n = body.n
         priority = parse_priority(request, body.priority)
         include_usage = body.include_usage
-    max_messages = state.settings.server.max_messages
-    if chat and len(generate.messages or ()) > max_messages:
-        raise APIError(
-            413, f"Too many messages ({len(generate.messages or ())}; the limit is {max_messages}).",
-            param="messages", code="too_many_messages",
-        )
+    check_message_count(state, generate)
+    generate.cache_salt = request.get(CACHE_SALT)
     named = generate.model
     if generate.model is not None:
         generate.model = await resolve_model(state, generate.model)
@@ -162,6 +161,16 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[Gen
         # No model named: a translating backend needs one, so the runtime's first serves.
         generate.model = await default_model(state)
     return generate, priority, include_usage, named
+
+
+def check_message_count(state: AppState, generate: GenerateRequest) -> None:
+    """413 past ``server.max_messages`` (every route that takes messages)."""
+    max_messages = state.settings.server.max_messages
+    if len(generate.messages or ()) > max_messages:
+        raise APIError(
+            413, f"Too many messages ({len(generate.messages or ())}; the limit is {max_messages}).",
+            param="messages", code="too_many_messages",
+        )
 
 
 async def default_model(state: AppState) -> str | None:
@@ -205,7 +214,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             outcome = "finished"
             return web.Response(body=dumps(first.payload), content_type="application/json", charset="utf-8", headers=headers)
         if generate.stream:
-            response = web.StreamResponse(
+            response = GuardedResponse(
                 headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             )
             outcome = await _write_stream(request, response, gen, stream, first, fmt)
@@ -289,22 +298,6 @@ async def _write_stream(
         return "cancelled"  # the client went away; the finally upstream cancels the runtime
 
 
-async def _counted(request: web.Request, chat: bool) -> web.StreamResponse:
-    """Run a generation and count its answer by route and status."""
-    counter = request.app[STATE].engine.metrics.http_requests  # type: ignore[union-attr]
-    route = "chat" if chat else "completions"
-    try:
-        response = await _generate(request, chat)
-    except APIError as exc:
-        counter.inc(route, str(exc.status))
-        raise
-    except Exception:
-        counter.inc(route, "500")
-        raise
-    counter.inc(route, str(response.status))
-    return response
-
-
 # llama-server serves OpenAI's chat route without the /v1 prefix too. Its unprefixed
 # /completions is its native completion route, not OpenAI's: that one passes through.
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
@@ -312,12 +305,14 @@ COMPLETION_PATHS = ("/v1/completions",)
 GENERATION_PATHS = frozenset(CHAT_PATHS + COMPLETION_PATHS)
 
 
+@counted("chat")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _counted(request, chat=True)
+    return await _generate(request, chat=True)
 
 
+@counted("completions")
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _counted(request, chat=False)
+    return await _generate(request, chat=False)
 
 
 for _path in CHAT_PATHS:
@@ -326,12 +321,19 @@ for _path in COMPLETION_PATHS:
     routes.post(_path)(completions)
 
 
-@routes.post("/v1/warm")
+WARM_PATH = "/v1/warm"
+
+
+@routes.post(WARM_PATH)
+@counted("warm")
 async def warm(request: web.Request) -> web.Response:
-    """Prefill a prefix (KVStream's own route): queued at low priority like any request."""
+    """Prefill a prefix (KVStream's own route): queued at low priority like any request,
+    under the same limits (message count, per-key concurrency) and counted as one."""
     state = request.app[STATE]
     body = await read_body(request, WarmRequest)
     generate = body.to_generate(request[REQUEST_ID])
+    check_message_count(state, generate)
+    generate.cache_salt = request.get(CACHE_SALT)
     try:
         if body.model:
             generate.model = await resolve_model(state, body.model)

@@ -23,8 +23,10 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from kvstream.api.errors import REQUEST_ID, APIError, from_exception
+from kvstream.api.body import LimitedBody, content_encoding, inflate, read_raw, too_large
+from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception
 from kvstream.api.state import STATE
+from kvstream.api.streaming import GuardedResponse
 from kvstream.jsonfast import loads
 from kvstream.scheduler import Priority
 from kvstream.types import BackendError
@@ -66,13 +68,9 @@ def upstream_path(request: web.Request) -> str:
 
 def forwarded_headers(request: web.Request, drop_authorization: bool) -> dict[str, str]:
     """The client's headers for the runtime: no hop-by-hop ones (nor those the Connection
-    header names), no Authorization when it was KVStream's own key, and no body encoding
-    once the body has been inflated."""
+    header names) and no Authorization when it was KVStream's own key. The body goes as
+    sent, so its Content-Encoding and Content-Length stay."""
     named = {h.strip().lower() for h in request.headers.get("Connection", "").split(",") if h.strip()}
-    if request.headers.get("Content-Encoding", "identity").lower() != "identity":
-        # aiohttp inflates an encoded request body as it reads it: what goes upstream is the
-        # inflated body, neither encoded any more nor of the length the client sent.
-        named |= {"content-encoding", "content-length"}
     headers = {}
     for name, value in request.headers.items():
         lower = name.lower()
@@ -85,48 +83,16 @@ def forwarded_headers(request: web.Request, drop_authorization: bool) -> dict[st
     return headers
 
 
-class LimitedBody:
-    """The request body as it arrives, streamed upstream, stopped once it passes ``limit``
-    bytes. The upload then fails inside aiohttp's client (which reports a connection error);
-    ``exceeded`` tells the handler that the answer is a 413, not a runtime failure."""
-
-    def __init__(self, request: web.Request, limit: int) -> None:
-        self.request = request
-        self.limit = limit
-        self.exceeded = False
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        seen = 0
-        async for chunk in self.request.content.iter_any():
-            seen += len(chunk)
-            if seen > self.limit:
-                self.exceeded = True
-                raise too_large(self.limit)
-            yield chunk
-
-
-def too_large(limit: int) -> APIError:
-    return APIError(413, f"Request body too large (the limit is {limit} bytes).", code="request_too_large")
-
-
 def route_class(path: str) -> str:
     """The low-cardinality label a passed-through request is counted under."""
     return "passthrough_generation" if path in GENERATION_PATHS | FORWARD_ONLY_PATHS else "passthrough"
 
 
 @routes.route("*", "/{tail:.*}")
+@counted(lambda request: route_class(request.rel_url.raw_path))
 async def passthrough(request: web.Request) -> web.StreamResponse:
     """Forward any route no other handler took (registered last)."""
-    state = request.app[STATE]
-    counter = state.engine.metrics.http_requests  # type: ignore[union-attr]
-    path = request.rel_url.raw_path
-    try:
-        response = await forward(request)
-    except APIError as exc:
-        counter.inc(route_class(path), str(exc.status))
-        raise
-    counter.inc(route_class(path), str(response.status))
-    return response
+    return await forward(request)
 
 
 async def forward(request: web.Request) -> web.StreamResponse:
@@ -143,9 +109,10 @@ async def forward(request: web.Request) -> web.StreamResponse:
     route = target.split("?", 1)[0]
     body: bytes | LimitedBody | None = None
     if request.method == "POST" and route in GENERATION_PATHS | FORWARD_ONLY_PATHS:
-        # The body is read here (bounded: 413 past the limit) to size the reservation.
-        body = await request.read()
-        max_tokens = 0 if route in FORWARD_ONLY_PATHS else _limit_of(body)
+        # The body is read here (bounded: 413 past the limit, 408 past the body timeout)
+        # to size the reservation; it goes upstream as sent.
+        body = await read_raw(request)
+        max_tokens = 0 if route in FORWARD_ONLY_PATHS else _limit_of(_decoded(body, content_encoding(request), limit))
         try:
             gen = engine.reserve(len(body), max_tokens, Priority.NORMAL)
         except Exception as exc:
@@ -153,7 +120,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
     elif request.content_length is not None and request.content_length > limit:
         raise too_large(limit)
     elif request.body_exists:
-        body = LimitedBody(request, limit)
+        body = LimitedBody(request, limit, state.settings.server.body_timeout_s)
     outcome = "cancelled"
     response: web.StreamResponse | None = None
     try:
@@ -166,7 +133,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
         headers = forwarded_headers(request, drop_auth)
         try:
             async with session.request(request.method, target, data=body, headers=headers, raw=True) as upstream:
-                response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+                response = GuardedResponse(status=upstream.status, reason=upstream.reason)
                 for name, value in upstream.headers.items():
                     if name.lower() not in HOP_BY_HOP and name.lower() != "content-length":
                         response.headers.add(name, value)
@@ -181,8 +148,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
                 return response
         except (BackendError, aiohttp.ClientError) as exc:
             outcome = "failed"
-            if isinstance(body, LimitedBody) and body.exceeded:
-                raise too_large(limit) from None
+            if isinstance(body, LimitedBody) and body.failure is not None:
+                raise body.failure from None
             if not isinstance(exc, BackendError):
                 exc = BackendError(f"the runtime failed mid-response ({exc.__class__.__name__})")
             if response is None or not response.prepared:
@@ -194,6 +161,17 @@ async def forward(request: web.Request) -> web.StreamResponse:
     finally:
         if gen is not None:
             gen.close(outcome)
+
+
+def _decoded(body: bytes, encoding: str, limit: int) -> bytes:
+    """The body decoded to find its output cap; an encoding KVStream cannot read is the
+    runtime's to judge (the cap is then unknown)."""
+    try:
+        return inflate(body, encoding, limit)
+    except APIError as exc:
+        if exc.status == 415:
+            return b""
+        raise
 
 
 def _limit_of(body: bytes) -> int | None:

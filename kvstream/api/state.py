@@ -19,3 +19,6 @@ class AppState:
 
 
 STATE = web.AppKey("kvstream_state", AppState)
+
+# The requester's cache salt (set by the auth middleware when tenant isolation is on).
+CACHE_SALT = web.RequestKey("cache_salt", str)

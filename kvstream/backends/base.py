@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvstream.backends.http import UpstreamSession
-from kvstream.config import Settings
+from kvstream.backends.http import UpstreamSession, split_credentials
+from kvstream.config import ConfigError, Settings
 from kvstream.scheduler import Scheduler, Sequence
 from kvstream.types import GenerateRequest, ModelInfo, RuntimeLimits, Token
 
@@ -52,9 +52,16 @@ class BaseBackend(abc.ABC):
     ) -> None:
         """``settings`` is KVStream's one config object (defaults when None); ``overrides``
         are single settings by key (``request_timeout_s=0.5``) applied to a copy of it."""
-        self.base_url = (base_url or self.default_url or "").rstrip("/")
         self.model = model
         self.settings = (settings or Settings()).with_overrides(**overrides)
+        # Credentials in the URL (a runtime behind basic auth) are kept apart, so that the
+        # URL shown in /status, /ready, logs and error messages never carries them.
+        self.base_url, self._url_auth = split_credentials((base_url or self.default_url or "").rstrip("/"))
+        if self._url_auth is not None and self.settings.backend.api_key is not None:
+            raise ConfigError(
+                "the backend URL carries credentials and backend.api_key is set: only one "
+                "Authorization header can go upstream, so keep one of them"
+            )
 
     async def start(self) -> None:
         """Open sessions and discover the runtime. Must not fail if the runtime is down."""
@@ -96,6 +103,22 @@ class BaseBackend(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for /status (no secrets)."""
         return {"type": self.name, "url": self.base_url, "model": self.model}
+
+    def open_session(self) -> UpstreamSession:
+        """An HTTP session to the runtime with the configured timeouts and credentials
+        (``backend.api_key`` as a Bearer token, or the URL's own as basic auth)."""
+        config = self.settings.backend
+        headers = {}
+        if config.api_key is not None:
+            headers["Authorization"] = f"Bearer {config.api_key.get_secret_value()}"
+        return UpstreamSession(
+            self.base_url,
+            connect_timeout=config.connect_timeout_s,
+            read_timeout=config.read_timeout_s,
+            deadline=config.request_timeout_s,
+            headers=headers,
+            auth=self._url_auth,
+        )
 
     def upstream(self) -> UpstreamSession | None:
         """The HTTP session to the runtime, for routes KVStream passes through unchanged;

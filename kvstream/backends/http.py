@@ -4,6 +4,8 @@ keep-alive retry, SSE and NDJSON readers, and upstream error bodies mapped to Ba
 from __future__ import annotations
 
 import logging
+import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,21 +23,48 @@ _STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
+def split_credentials(url: str) -> tuple[str, aiohttp.BasicAuth | None]:
+    """``url`` without its ``user:password@`` part, and those credentials (None when it has
+    none). KVStream shows, logs and puts in error messages only the first."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url, None
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    clean = urllib.parse.urlunsplit(parts._replace(netloc=hostport))
+    return clean, aiohttp.BasicAuth(urllib.parse.unquote(user), urllib.parse.unquote(password))
+
+
 class UpstreamSession:
     """Two aiohttp sessions to one runtime: a pooled one for normal traffic and a
     close-after-use one for the single retry after a stale pooled connection."""
 
-    def __init__(self, base_url: str, *, connect_timeout: float, read_timeout: float, headers: dict[str, str]):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        deadline: float | None = None,
+        headers: dict[str, str],
+        auth: aiohttp.BasicAuth | None = None,
+    ):
+        """``read_timeout``: longest the runtime may send nothing; ``deadline``: longest a
+        whole request may take, streaming included (aiohttp's total timeout runs until the
+        body is read); ``auth``: credentials that came in the URL (never shown: ``base_url``
+        is the URL without them)."""
         self.base_url = base_url
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=read_timeout)
+        self.deadline = deadline
+        timeout = aiohttp.ClientTimeout(total=deadline, sock_connect=connect_timeout, sock_read=read_timeout)
         # No connection limit: the scheduler bounds what is in flight (aiohttp's default of
         # 100 would queue requests the scheduler had admitted). No cookie jar: a proxy must
         # not carry one client's upstream cookies into another client's requests.
         self._pooled = aiohttp.ClientSession(
-            timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar()
+            timeout=timeout, headers=headers, auth=auth, connector=aiohttp.TCPConnector(limit=0),
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         self._fresh = aiohttp.ClientSession(
-            timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(limit=0, force_close=True),
+            timeout=timeout, headers=headers, auth=auth, connector=aiohttp.TCPConnector(limit=0, force_close=True),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         self.connect_timeout = connect_timeout
@@ -75,6 +104,7 @@ class UpstreamSession:
         if timeout is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout, sock_connect=self.connect_timeout)
         replayable = data is None or isinstance(data, bytes)
+        started = time.monotonic()
         response = None
         for session in (self._pooled, self._fresh):
             try:
@@ -88,7 +118,7 @@ class UpstreamSession:
                     raise BackendError(f"the runtime at {self.base_url} closed the connection without answering ({exc})") from None
                 logger.debug("stale keep-alive connection to %s, retrying once on a fresh one", self.base_url)
             except TimeoutError:
-                raise BackendError(f"the runtime at {self.base_url} did not answer in time", 504, code="backend_timeout") from None
+                raise self._timeout_error(started) from None
             except aiohttp.ClientError as exc:  # an answer that is not valid HTTP
                 raise BackendError(f"the runtime at {self.base_url} sent a malformed answer ({exc.__class__.__name__})") from None
         assert response is not None
@@ -99,7 +129,7 @@ class UpstreamSession:
             raise BackendError(f"the runtime closed the stream mid-response ({exc.__class__.__name__})") from None
         except TimeoutError:
             response.close()
-            raise BackendError("the runtime stopped sending (read timeout)", 504, code="backend_timeout") from None
+            raise self._timeout_error(started) from None
         except BaseException:
             # Cancelled (the client left) or failed: closing the connection is what makes
             # the runtime stop generating; returning it to the pool would not.
@@ -107,6 +137,15 @@ class UpstreamSession:
             raise
         else:
             response.release()
+
+    def _timeout_error(self, started: float) -> BackendError:
+        """Which of the two limits ran out: the request's deadline, or the read timeout."""
+        elapsed = time.monotonic() - started
+        if self.deadline is not None and elapsed >= self.deadline - 0.05:
+            message = f"the runtime's answer did not finish within the request deadline ({self.deadline:g}s)"
+        else:
+            message = f"the runtime at {self.base_url} sent nothing for too long (read timeout after {elapsed:.0f}s)"
+        return BackendError(message, 504, code="backend_timeout")
 
     async def get_json(self, path: str, timeout: float = 5.0) -> Any:
         """GET a JSON document; raises for any non-2xx answer."""

@@ -117,12 +117,7 @@ class OllamaBackend(BaseBackend):
         self.num_parallel: int = config.parallel or 1
 
     async def start(self) -> None:
-        self.session = UpstreamSession(
-            self.base_url,
-            connect_timeout=self.settings.backend.connect_timeout_s,
-            read_timeout=self.settings.backend.request_timeout_s,
-            headers={},
-        )
+        self.session = self.open_session()
 
     async def close(self) -> None:
         if self.session is not None:

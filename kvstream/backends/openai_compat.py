@@ -50,16 +50,7 @@ class OpenAICompatibleBackend(BaseBackend):
         self.session: UpstreamSession | None = None
 
     async def start(self) -> None:
-        config = self.settings.backend
-        headers = {}
-        if config.api_key is not None:
-            headers["Authorization"] = f"Bearer {config.api_key.get_secret_value()}"
-        self.session = UpstreamSession(
-            self.base_url,
-            connect_timeout=config.connect_timeout_s,
-            read_timeout=config.request_timeout_s,
-            headers=headers,
-        )
+        self.session = self.open_session()
 
     async def close(self) -> None:
         if self.session is not None:

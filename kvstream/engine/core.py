@@ -29,6 +29,7 @@ from kvstream.backends.base import BaseBackend
 from kvstream.config import Settings
 from kvstream.engine.estimate import CHARS_PER_TOKEN, estimate_tokens, flatten_messages
 from kvstream.engine.runners import Runner, runner_for
+from kvstream.kv.hashing import tenant_root
 from kvstream.scheduler import Priority, Scheduler, SchedulerError, Sequence
 from kvstream.types import BackendError, BackendRejected, GenerateRequest, ModelInfo, RuntimeLimits, Token, Usage
 
@@ -371,6 +372,8 @@ class KVStreamEngine:
             limit = len(prompt_ids) + min(FALLBACK_MAX_TOKENS, pool_tokens - len(prompt_ids))
         max_tokens = request.max_tokens if request.max_tokens is not None else max(1, limit - len(prompt_ids))
         seq = Sequence(prompt_ids, max_tokens, priority)
+        if request.cache_salt:
+            seq.cache_root = tenant_root(request.cache_salt)
         if self.backend.capabilities.preemptible:
             seq.preemptible = preemptible and self.backend.can_resume(request)
         gen = Generation(self, request, seq, exact, arrived_at)
@@ -470,6 +473,9 @@ class KVStreamEngine:
                 "usage_ratio": round(pool.usage(), 4),
                 "cpu_blocks_total": bm.num_cpu_blocks,
                 "cpu_blocks_free": bm.num_free_cpu_blocks,
+                # Tokens runtimes generated past what KVStream reserved for them (a request
+                # with no max_tokens and no known context): counted, not given blocks.
+                "unreserved_tokens": sched.stats.append_overflows,
             },
             "prefix_cache": {
                 "enabled": bm.enable_prefix_cache,

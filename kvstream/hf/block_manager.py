@@ -145,16 +145,16 @@ class ReuseBlockManager(BlockManager):
         # never entered into the prefix cache.
         self.exact_until: dict[SeqId, int] = {}
 
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], root: BlockHash | None = None) -> int:
         """BlockManager.allocate, then reuse past the pool's hits: blocks the spill tiers
         hold, then the head of a kept partial block. Returns the prompt tokens whose KV is
         reused (or will be, once ``restores`` and ``partial_copies`` are carried out)."""
         # Found before allocate() runs: it may hand the partial block out (its bytes stay
         # until the copy, which runs before anything writes to the pool).
-        partial = self._partial_after_chain(token_ids)
-        super().allocate(seq_id, token_ids)
+        partial = self._partial_after_chain(token_ids, root)
+        super().allocate(seq_id, token_ids, root)
         table = self.tables[seq_id]
-        for index, block_hash, chunk in self._spill_chain(token_ids, len(table.hashes)):
+        for index, block_hash, chunk in self._spill_chain(token_ids, len(table.hashes), root):
             record = self.spill.get(block_hash, chunk)  # type: ignore[union-attr]
             if record is None:
                 break  # dropped or damaged since the lookup: computed instead
@@ -164,16 +164,18 @@ class ReuseBlockManager(BlockManager):
             table.hashes.append(block_hash)
             table.num_cached_tokens += self.block_size
             self.restores.append((block.block_id, record))
-        if partial is not None and (table.hashes[-1] if table.hashes else None) == partial[0]:
+        if partial is not None and (table.hashes[-1] if table.hashes else root) == partial[0]:
             self._continue_partial(table, token_ids, *partial[1:])
         return table.num_cached_tokens
 
-    def _spill_chain(self, token_ids: Sequence[int], start: int) -> Iterator[tuple[int, BlockHash, tuple[int, ...]]]:
+    def _spill_chain(
+        self, token_ids: Sequence[int], start: int, root: BlockHash | None
+    ) -> Iterator[tuple[int, BlockHash, tuple[int, ...]]]:
         """(index, hash, tokens) of the blocks from block ``start`` on that the spill tiers
         hold and the pool does not (a block the pool holds again is left to its lookup)."""
         if self.spill is None or not self.enable_prefix_cache:
             return
-        parent = None
+        parent = root
         for index in range(self.reuse_limit(len(token_ids)) // self.block_size):
             chunk = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
             if UNKNOWN_TOKEN in chunk:
@@ -185,14 +187,16 @@ class ReuseBlockManager(BlockManager):
                 return
             yield index, parent, chunk
 
-    def _partial_after_chain(self, token_ids: Sequence[int]) -> tuple[BlockHash | None, int, tuple[int, ...]] | None:
+    def _partial_after_chain(
+        self, token_ids: Sequence[int], root: BlockHash | None
+    ) -> tuple[BlockHash | None, int, tuple[int, ...]] | None:
         """(parent hash, block id, kept tokens) of the partial block that would continue the
         chain of hits and spilled blocks of ``token_ids``, if one is kept."""
         if not self.enable_prefix_cache or not self.pool.num_partial:
             return None
-        hits = self.cached_prefix(token_ids)
-        parent = hits[-1].block_hash if hits else None
-        for _, block_hash, _ in self._spill_chain(token_ids, len(hits)):
+        hits = self.cached_prefix(token_ids, root)
+        parent = hits[-1].block_hash if hits else root
+        for _, block_hash, _ in self._spill_chain(token_ids, len(hits), root):
             parent = block_hash
         block = self.pool.lookup_partial(parent)
         return None if block is None else (parent, block.block_id, block.token_ids or ())
@@ -246,4 +250,4 @@ class ReuseBlockManager(BlockManager):
         tokens = tuple(table.token_ids[full * self.block_size : computed])
         if block.ref_cnt or block.block_hash is not None or UNKNOWN_TOKEN in tokens:
             return  # shared with a fork, or not ours to keep
-        self.pool.cache_partial(block, table.hashes[-1] if table.hashes else None, tokens)
+        self.pool.cache_partial(block, table.hashes[-1] if table.hashes else table.root, tokens)

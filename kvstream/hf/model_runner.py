@@ -390,6 +390,8 @@ class ModelRunner:
         assert params is not None
         bm = self.bm
         table = bm.tables[req.seq.seq_id]
+        if table.root is not None:
+            return  # a tenant's prompt takes no other's chunks: the content index is shared
         plan = blend_module.find_moved_chunks(bm.pool, table.token_ids, req.num_computed, self.config.block_size)
         if not self.blend_costs.worth_it(plan, params, self.kv_shape.num_layers):
             return

@@ -33,6 +33,8 @@ class BlockTable:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at allocation
     # Tokens whose KV is written (reported by commit(); in-process engines only).
     computed: int = 0
+    # The chain's start: a tenant's cache salt, so that its blocks match only its own.
+    root: BlockHash | None = None
 
 
 @dataclass(slots=True)
@@ -45,6 +47,7 @@ class SwappedTable:
     hashes: list[BlockHash]
     num_cached_tokens: int
     computed: int = 0
+    root: BlockHash | None = None
 
 
 class BlockManager:
@@ -99,8 +102,9 @@ class BlockManager:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def cached_prefix(self, token_ids: Sequence[int]) -> list[Block]:
-        """The cached blocks that a sequence with these prompt tokens would share.
+    def cached_prefix(self, token_ids: Sequence[int], root: BlockHash | None = None) -> list[Block]:
+        """The cached blocks that a sequence with these prompt tokens (and chain ``root``)
+        would share.
 
         At least one prompt token is always left to compute (a runtime needs a forward pass
         to produce the next token's logits), and the hit is capped at max_prefix_length.
@@ -109,7 +113,7 @@ class BlockManager:
             return []
         limit = self.reuse_limit(len(token_ids))
         hits: list[Block] = []
-        parent: BlockHash | None = None
+        parent = root
         for start in range(0, limit - self.block_size + 1, self.block_size):
             chunk = tuple(token_ids[start : start + self.block_size])
             if UNKNOWN_TOKEN in chunk:
@@ -127,16 +131,17 @@ class BlockManager:
         limit = num_tokens - 1
         return limit if self.max_prefix_length is None else min(limit, self.max_prefix_length)
 
-    def blocks_needed(self, token_ids: Sequence[int]) -> int:
+    def blocks_needed(self, token_ids: Sequence[int], root: BlockHash | None = None) -> int:
         """Free blocks that allocate(token_ids) would consume, counting cached hits that are
         idle (they leave the free queue when taken)."""
-        hits = self.cached_prefix(token_ids)
+        hits = self.cached_prefix(token_ids, root)
         idle_hits = sum(1 for b in hits if b.ref_cnt == 0)
         return self.blocks_for(len(token_ids)) - len(hits) + idle_hits
 
     # -------------------------------------------------------------- lifecycle
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
-        """Give a new sequence blocks for its prompt, sharing cached prefix blocks.
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], root: BlockHash | None = None) -> int:
+        """Give a new sequence blocks for its prompt, sharing cached prefix blocks of the
+        same chain ``root`` (a tenant's salt; None: the shared chain).
 
         Returns the number of prompt tokens whose KV is already cached. All or nothing: on
         NoFreeBlocks nothing is held.
@@ -145,10 +150,10 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         if not token_ids:
             raise ValueError("a sequence needs at least one token")
-        hits = self.cached_prefix(token_ids)
-        if self.blocks_needed(token_ids) > self.pool.num_free:
+        hits = self.cached_prefix(token_ids, root)
+        if self.blocks_needed(token_ids, root) > self.pool.num_free:
             raise NoFreeBlocks
-        table = BlockTable()
+        table = BlockTable(root=root)
         for block in hits:
             self.pool.touch(block)
             table.blocks.append(block)
@@ -206,7 +211,7 @@ class BlockManager:
         chunk = tuple(table.token_ids[index * self.block_size : (index + 1) * self.block_size])
         if UNKNOWN_TOKEN in chunk:
             return False
-        parent = table.hashes[-1] if table.hashes else None
+        parent = table.hashes[-1] if table.hashes else table.root
         block_hash = hash_block(parent, chunk, self.salt)
         self.pool.cache(table.blocks[index], block_hash, chunk, index * self.block_size)
         table.hashes.append(block_hash)
@@ -222,7 +227,8 @@ class BlockManager:
         for block in parent.blocks:
             self.pool.touch(block)
         self.tables[child_id] = BlockTable(
-            list(parent.blocks), list(parent.token_ids), list(parent.hashes), parent.num_cached_tokens, parent.computed
+            list(parent.blocks), list(parent.token_ids), list(parent.hashes), parent.num_cached_tokens, parent.computed,
+            parent.root,
         )
 
     def free(self, seq_id: SeqId) -> None:
@@ -267,7 +273,9 @@ class BlockManager:
                 entries.append(cpu_id)
         # Freed last-to-first: cached tail blocks are evicted before the head of the chain.
         self.pool.free(reversed([b for b in table.blocks if b.ref_cnt == 1]))
-        self.swapped[seq_id] = SwappedTable(entries, table.token_ids, table.hashes, table.num_cached_tokens, table.computed)
+        self.swapped[seq_id] = SwappedTable(
+            entries, table.token_ids, table.hashes, table.num_cached_tokens, table.computed, table.root
+        )
         return copies
 
     def can_swap_in(self, seq_id: SeqId) -> bool:
@@ -285,7 +293,7 @@ class BlockManager:
         swapped = self.swapped.pop(seq_id)
         table = BlockTable(
             token_ids=swapped.token_ids, hashes=swapped.hashes, num_cached_tokens=swapped.num_cached_tokens,
-            computed=swapped.computed,
+            computed=swapped.computed, root=swapped.root,
         )
         copies: list[tuple[int, int]] = []
         for index, entry in enumerate(swapped.entries):

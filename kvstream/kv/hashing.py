@@ -23,6 +23,12 @@ def model_key(identity: str) -> bytes:
     return hashlib.blake2b(identity.encode(), digest_size=_DIGEST_SIZE).digest()
 
 
+def tenant_root(salt: str) -> BlockHash:
+    """The chain root of a tenant's blocks: its prefixes hash apart from everyone else's,
+    so they can neither be matched nor confirmed by another tenant."""
+    return hashlib.blake2b(salt.encode(), digest_size=_DIGEST_SIZE, person=b"kvstream-tenant").digest()
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: bytes) -> BlockHash:
     """Hash one full block, chained on its parent block's hash."""
     h = hashlib.blake2b(digest_size=_DIGEST_SIZE, key=salt)
