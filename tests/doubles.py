@@ -42,6 +42,7 @@ class Script:
     error_after: int | None = None  # send a runtime error event after this many tokens
     status: int | None = None  # answer with this HTTP error status instead
     error_body: Any = None
+    error_html: bool = False  # answer the error status with an HTML page (a reverse proxy's)
     hang: bool = False  # never answer
     malformed_after: int | None = None  # send garbage after this many tokens
     prompt_tokens: int = 7
@@ -103,6 +104,9 @@ def openai_upstream(script: Script, recorder: Recorder, model_id: str = "test-mo
         with recorder.tracking(body):
             if script.hang:
                 await asyncio.sleep(3600)
+            if script.status is not None and script.error_html:
+                page = "<!DOCTYPE html><html><head><title>502 Bad Gateway</title></head><body>" + "<p>nginx</p>" * 200 + "</body></html>"
+                return web.Response(text=page, content_type="text/html", status=script.status)
             if script.status is not None:
                 return web.json_response(
                     script.error_body or {"error": {"code": script.status, "message": "scripted failure", "type": "server_error"}},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import functools
 from collections.abc import Awaitable, Callable
 
@@ -23,6 +24,7 @@ from kvstream.scheduler import SchedulerError
 logger = logging.getLogger(__name__)
 
 REQUEST_ID = web.RequestKey("request_id", str)
+_REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
 
 _TYPES = {
@@ -123,7 +125,9 @@ async def error_middleware(
 ) -> web.StreamResponse:
     """Tag every request with an id and turn every failure into an OpenAI-shaped error."""
     incoming = request.headers.get("X-Request-Id", "")
-    request_id = incoming if 0 < len(incoming) <= 128 and incoming.isprintable() else f"req-{random_hex(128)}"
+    # A client's own id is kept for tracing only if it is a plain token: it goes into every
+    # log line of the request, which must not let a client forge or garble them.
+    request_id = incoming if _REQUEST_ID_FORMAT.fullmatch(incoming) else f"req-{random_hex(128)}"
     request[REQUEST_ID] = request_id
     try:
         response = await handler(request)

@@ -18,7 +18,6 @@ KVStream's own routes (``/health``, ``/ready``, ``/status``, ``/metrics``, ``/op
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web

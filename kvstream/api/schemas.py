@@ -16,8 +16,11 @@ from kvstream.types import GenerateRequest
 Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
 
 
+# strict: a value of the wrong JSON type is refused (400), not coerced: OpenAI refuses
+# "stream": "yes" and "max_tokens": "10", so a client that sends them learns it here, not
+# when it moves to OpenAI. (Strict still takes an integer where a number is expected.)
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
 
     @model_validator(mode="after")
@@ -28,7 +31,7 @@ class ContentPart(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -43,14 +46,14 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """Fields shared by chat and completions requests."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     # Optional, as single-model runtimes have it: the backend's model serves the request.
     model: str | None = Field(None, min_length=1)
@@ -203,7 +206,7 @@ class WarmRequest(BaseModel):
     completions), or ``system`` (shorthand for ``messages: [{"role": "system", ...}]``).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     messages: list[Message] | None = Field(None, min_length=1)

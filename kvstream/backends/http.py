@@ -182,6 +182,15 @@ def error_message(body: Any) -> tuple[str, str | None, str | None]:
     return str(body)[:500], None, None
 
 
+def plain_text(raw: bytes, content_type: str) -> str:
+    """A non-JSON error body fit for a one-line message: an HTML page (a reverse proxy's
+    error page, a login form) is named, not quoted; other text is cut to one short line."""
+    if "html" in content_type or raw.lstrip()[:1] == b"<":
+        return f"an HTML page ({len(raw)} bytes) instead of an API error"
+    text = " ".join(raw.decode("utf-8", "replace").split())
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 async def raise_for_upstream_status(resp: aiohttp.ClientResponse) -> None:
     """Map an upstream error status to the BackendError KVStream answers with."""
     if resp.status < 400:
@@ -190,7 +199,7 @@ async def raise_for_upstream_status(resp: aiohttp.ClientResponse) -> None:
     try:
         body: Any = loads(raw)
     except ValueError:
-        body = raw.decode("utf-8", "replace")
+        body = plain_text(raw, resp.content_type)
     message, code, param = error_message(body)
     if resp.status == 503 or resp.status == 429:
         raise BackendUnavailable(f"runtime busy or not ready: {message}", 503, code=code or "backend_unavailable")

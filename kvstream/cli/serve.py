@@ -13,7 +13,7 @@ from kvstream.backends.auto import CANDIDATES, probe_runtimes
 from kvstream.backends.base import BaseBackend
 from kvstream.backends.llamacpp import LlamaCppBackend
 from kvstream.backends.llamacpp.runtime import find_binary
-from kvstream.config import Settings
+from kvstream.config import ConfigError, Settings
 from kvstream.embedded import embedded_model
 from kvstream.engine import KVStreamEngine
 
@@ -53,8 +53,8 @@ async def build_backend(settings: Settings) -> BaseBackend:
         raise typer.Exit(2) from None
     try:
         return cls(b.base_url, b.model, settings)
-    except ValueError as exc:
-        logger.error("%s", exc)
+    except (ValueError, ConfigError) as exc:
+        logger.error("config error: %s", exc)
         raise typer.Exit(2) from None
 
 
