@@ -226,6 +226,8 @@ def ollama_double(script: Script, recorder: Recorder, models: list[str] | None =
                 return web.json_response({"error": f'model "{body.get("model")}" not found, try pulling it first'}, status=404)
             if script.status == 503:
                 return web.json_response(payload("ollama/error_queue_full_503.json"), status=503)
+            if script.status is not None and script.error_html:
+                return web.Response(text="<html><body><h1>502 Bad Gateway</h1></body></html>", content_type="text/html", status=script.status)
             if script.status is not None:
                 return web.json_response(payload("ollama/error_response.json"), status=script.status)
             if body.get("stream") is False:  # one object, as Ollama answers stream: false

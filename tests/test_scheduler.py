@@ -246,3 +246,21 @@ def test_equal_classes_never_preempt_each_other_for_a_slot():
     sched.add(second)
     out = sched.schedule()
     assert not out and sched.waiting == [second]
+
+
+def test_a_runtime_generating_past_its_reservation_takes_no_one_elses_blocks():
+    """Issue 18, item 8: with no max_tokens and no known context KVStream reserves a guess; a
+    runtime that goes on past it is counted but given no more blocks, so a small request
+    that fits beside the reservation is still admitted."""
+    sched, _ = make(num_blocks=6, block_size=4, cpu=0, preemptible=False, max_batch_size=4)
+    runaway = seq(4, max_tokens=8, first=0)  # reserves 3 blocks
+    sched.add(runaway)
+    sched.schedule()
+    for t in range(40):  # 32 tokens past its reservation: 8 more blocks if it were given them
+        sched.append(runaway, t)
+    assert sched.stats.append_overflows == 32
+    assert len(sched.bm.tables[runaway.seq_id].blocks) == 3
+    small = seq(3, max_tokens=1, first=500)
+    sched.add(small)
+    assert admitted_ids(sched.schedule()) == [small.seq_id]
+    sched.check_invariants()

@@ -185,3 +185,40 @@ async def test_an_authorization_byte_that_is_not_utf8_is_a_wrong_key(start_upstr
     answer = await reader.read()
     writer.close()
     assert answer.startswith(b"HTTP/1.1 401"), answer[:80]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("stream", "yes"), ("max_tokens", "10"), ("temperature", "0.5"), ("n", True), ("stream", 1)],
+)
+async def test_translated_bodies_take_json_types_strictly(start_upstream, start_proxy, http, field, value):
+    """Issue 18, item 12: a string where OpenAI expects a boolean or a number is refused
+    with 400 (OpenAI does), not coerced, when KVStream validates the body itself."""
+    from kvstream.backends import OllamaBackend
+    from tests.doubles import ollama_double
+
+    url, recorder = await start_upstream(Script(), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url))
+    body = {"model": "llama3.2:latest", "messages": [{"role": "user", "content": "x"}], field: value}
+    async with http.post(proxy.v1 + "/chat/completions", json=body) as resp:
+        error = (await resp.json())["error"]
+    assert resp.status == 400 and error["param"] == field, error
+    assert not recorder.bodies
+    body[field] = {"stream": False, "max_tokens": 10, "temperature": 1, "n": 1}[field]  # an int is a number
+    async with http.post(proxy.v1 + "/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def test_an_html_error_page_from_upstream_is_named_not_quoted(start_upstream, start_proxy, http):
+    """Issue 18, item 12: a reverse proxy's HTML page in front of the runtime does not end
+    up verbatim in the client's error message."""
+    from kvstream.backends import OllamaBackend
+    from tests.doubles import ollama_double
+
+    url, _ = await start_upstream(Script(status=502, error_html=True), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url))
+    body = {"model": "llama3.2:latest", "messages": [{"role": "user", "content": "x"}]}
+    async with http.post(proxy.v1 + "/chat/completions", json=body) as resp:
+        message = (await resp.json())["error"]["message"]
+    assert resp.status == 502
+    assert "HTML page" in message and "<" not in message and len(message) < 200

@@ -212,3 +212,18 @@ def test_eviction_takes_the_least_recently_used_cached_block():
     assert bm.tables["x"].num_cached_tokens == 2
     assert [b.block_id for b in bm.tables["x"].blocks] == [1, 0]
     bm.check_invariants()
+
+
+def test_a_chain_root_keeps_tenants_prefixes_apart():
+    """Issue 18, item 7: blocks cached under one tenant's root match only that root."""
+    from kvstream.kv.hashing import tenant_root
+
+    bm = BlockManager(16, 4, model_identity="m")
+    alice, bob = tenant_root("alice"), tenant_root("bob")
+    prompt = list(range(13))
+    assert bm.allocate("a1", prompt, alice) == 0
+    bm.free("a1")
+    assert bm.allocate("b1", prompt, bob) == 0  # Bob cannot match (or confirm) Alice's prompt
+    assert bm.allocate("shared", prompt) == 0  # nor can an untagged request
+    assert bm.allocate("a2", prompt, alice) == 12  # Alice hits her own
+    bm.check_invariants()
