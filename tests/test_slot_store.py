@@ -45,3 +45,20 @@ def test_two_stores_share_the_index_and_other_identities_are_ignored(tmp_path):
     assert make(tmp_path, identity="other|build|4096").lookup(list(range(9))) is None
     (tmp_path / name).unlink()
     assert make(tmp_path).lookup(list(range(9))) is None  # a missing file is dropped on load
+
+
+def test_a_tenants_saved_prefix_is_found_only_under_its_root(tmp_path):
+    """Issue 18, item 7: slot files saved for one API key are named by hashes chained from
+    its root, so another key's identical prompt neither finds nor confirms them."""
+    from kvstream.kv.hashing import tenant_root
+
+    store = make(tmp_path)
+    alice, bob = tenant_root("alice"), tenant_root("bob")
+    prompt = list(range(9))
+    hashes = store.prefix_hashes(prompt, alice)
+    name = store.filename_for_hashes(hashes)
+    (tmp_path / name).write_bytes(b"x" * 100)
+    store.add(name, prompt, 100, hashes)
+    assert store.longest(store.prefix_hashes(prompt, alice)) == (name, 8)
+    assert store.longest(store.prefix_hashes(prompt, bob)) is None
+    assert store.longest(store.prefix_hashes(prompt)) is None

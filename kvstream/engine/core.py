@@ -372,8 +372,7 @@ class KVStreamEngine:
             limit = len(prompt_ids) + min(FALLBACK_MAX_TOKENS, pool_tokens - len(prompt_ids))
         max_tokens = request.max_tokens if request.max_tokens is not None else max(1, limit - len(prompt_ids))
         seq = Sequence(prompt_ids, max_tokens, priority)
-        if request.cache_salt:
-            seq.cache_root = tenant_root(request.cache_salt)
+        seq.cache_root = tenant_root(request.cache_salt)
         if self.backend.capabilities.preemptible:
             seq.preemptible = preemptible and self.backend.can_resume(request)
         gen = Generation(self, request, seq, exact, arrived_at)

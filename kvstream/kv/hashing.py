@@ -23,9 +23,11 @@ def model_key(identity: str) -> bytes:
     return hashlib.blake2b(identity.encode(), digest_size=_DIGEST_SIZE).digest()
 
 
-def tenant_root(salt: str) -> BlockHash:
+def tenant_root(salt: str | None) -> BlockHash | None:
     """The chain root of a tenant's blocks: its prefixes hash apart from everyone else's,
-    so they can neither be matched nor confirmed by another tenant."""
+    so they can neither be matched nor confirmed by another tenant. None: no tenant."""
+    if not salt:
+        return None
     return hashlib.blake2b(salt.encode(), digest_size=_DIGEST_SIZE, person=b"kvstream-tenant").digest()
 
 
@@ -37,10 +39,11 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: bytes) 
     return h.digest()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes) -> list[BlockHash]:
-    """Hashes of every full block of ``token_ids`` (a partial tail block gets none)."""
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes, root: BlockHash | None = None) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids`` (a partial tail block gets none), chained
+    from ``root`` (a tenant's, or None)."""
     hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
+    parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size], salt)
         hashes.append(parent)

@@ -22,6 +22,7 @@ from kvstream.types import BackendError, BackendInterrupted, GenerateRequest, Ru
 from kvstream.backends.http import DONE, EventReader, raise_for_upstream_status
 from kvstream.backends.llamacpp.runtime import ManagedLlamaServer
 from kvstream.embedded import embedded_model
+from kvstream.kv.hashing import tenant_root
 from kvstream.backends.llamacpp.inject import HardInject, inject_metric_families
 from kvstream.backends.llamacpp.slots import SlotFileStore
 from kvstream.backends.llamacpp.tokens import ConversationTokenCache
@@ -140,7 +141,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         if self.runtime is not None and self.runtime.restarts != self._runtime_restarts:
             self._runtime_restarts = self.runtime.restarts
             inject.reset()  # the managed server restarted: its slots and caches are empty
-        route = await inject.prepare(prompt)
+        route = await inject.prepare(prompt, root=tenant_root(request.cache_salt))
         body = self.build_body(request)
         if route.pin:
             body["id_slot"] = route.slot.id
@@ -188,7 +189,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         generated = await self._tokenize_text(text) if text else []
         tokens = list(prompt) + generated
         swap_file, request.control.saved_state = request.control.saved_state, None
-        route = await inject.prepare(tokens, swap_file=swap_file)
+        route = await inject.prepare(tokens, swap_file=swap_file, root=tenant_root(request.cache_salt))
         remaining = request.max_tokens - done if request.max_tokens is not None else -1
         body = self._resume_sampling(request) | {
             "prompt": tokens, "n_predict": remaining, "stream": True, "cache_prompt": True, "id_slot": route.slot.id,

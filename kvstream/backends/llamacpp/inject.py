@@ -145,13 +145,15 @@ class HardInject:
     def block_size(self) -> int:
         return self.store.block_size if self.store is not None else 16
 
-    async def prepare(self, prompt: list[int], swap_file: str | None = None) -> Route:
+    async def prepare(self, prompt: list[int], swap_file: str | None = None, root: bytes | None = None) -> Route:
         """Pick the slot for ``prompt``; restore a saved prefix into it when that saves work,
-        or ``swap_file`` (the state of a preempted request being resumed)."""
+        or ``swap_file`` (the state of a preempted request being resumed). ``root``: the
+        tenant's chain root; only its own saved prefixes are found, and what it saves is
+        found only by it."""
         await self._sync_with_runtime()
         await self.table.wait_idle(SLOT_WAIT_S)
         slot, shared = self.table.acquire(prompt)
-        route = Route(slot, prompt, self.store.prefix_hashes(prompt) if self.store is not None else [])
+        route = Route(slot, prompt, self.store.prefix_hashes(prompt, root) if self.store is not None else [])
         if swap_file is not None:
             await self._restore_swap(route, swap_file)
             return route

@@ -128,8 +128,10 @@ class SlotFileStore:
         self._mtime = self.index_path.stat().st_mtime
 
     # ---------------------------------------------------------------- queries
-    def prefix_hashes(self, tokens: Sequence[int]) -> list[str]:
-        return [h.hex() for h in block_hashes(tokens, self.block_size, self.salt)]
+    def prefix_hashes(self, tokens: Sequence[int], root: bytes | None = None) -> list[str]:
+        """The chained hashes that name saved prefixes of ``tokens``; a tenant's ``root``
+        makes its files findable only by its own requests."""
+        return [h.hex() for h in block_hashes(tokens, self.block_size, self.salt, root)]
 
     def filename_for(self, tokens: Sequence[int]) -> str:
         """A name derived from the prefix hash only: no user text, no path separators."""
