@@ -183,3 +183,17 @@ async def test_the_ollama_front_with_the_runtime_gone_is_a_503_in_ollamas_shape(
     async with http.get(proxy.url + "/api/tags") as resp:
         assert resp.status == 503 and set(await resp.json()) == {"error"}
     await wait_released(proxy)
+
+
+async def test_ollama_front_routes_are_counted(start_upstream, start_proxy, http):
+    """Issue 18, item 5: every route that computes shows in kvstream_requests_total."""
+    url, _ = await start_upstream()
+    proxy = await start_proxy(OpenAICompatibleBackend(url))
+    async with http.post(proxy.url + "/api/chat", json={"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "stream": False}) as resp:
+        assert resp.status == 200
+    async with http.post(proxy.url + "/api/generate", json={"model": "test-model", "prompt": 5}) as resp:
+        assert resp.status == 400
+    async with http.get(proxy.url + "/metrics") as resp:
+        text = await resp.text()
+    assert 'kvstream_requests_total{code="200",route="ollama_chat"} 1.0' in text
+    assert 'kvstream_requests_total{code="400",route="ollama_generate"} 1.0' in text

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from kvstream import __version__
-from kvstream.api.errors import REQUEST_ID, APIError, from_exception
+from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception
 from kvstream.api.routes_openai import default_model, read_object, resolve_model
 from kvstream.api.routes_passthrough import forward
 from kvstream.api.state import CACHE_SALT, STATE, AppState
@@ -303,12 +303,14 @@ def _ollama_error(exc: Exception) -> OllamaError:
 
 
 @routes.post("/api/chat")
+@counted("ollama_chat")
 @ollama_answers_itself
 async def api_chat(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=True)
 
 
 @routes.post("/api/generate")
+@counted("ollama_generate")
 @ollama_answers_itself
 async def api_generate(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=False)
@@ -370,6 +372,7 @@ async def api_version(request: web.Request) -> web.StreamResponse:
 
 
 @routes.post("/api/embed")
+@counted("ollama_embed")
 @ollama_answers_itself
 async def api_embed(request: web.Request) -> web.StreamResponse:
     """Ollama's embeddings from an OpenAI-compatible runtime's /v1/embeddings."""
