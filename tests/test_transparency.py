@@ -407,3 +407,27 @@ async def test_a_chunked_upload_over_the_limit_is_cut_with_413(runtime, start_pr
         assert resp.status == 413, await resp.text()
     async with http.get(proxy.url + "/props") as resp:
         assert resp.status == 200  # and the proxy goes on
+
+
+async def test_an_admin_route_outlives_the_generation_deadline(aiohttp_server, start_proxy, http):
+    """The request deadline is for generations: a runtime's own long route (Ollama's
+    /api/pull streams progress for as long as a download takes) passes through whole, held
+    only to the read timeout."""
+
+    async def pull(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        for done in range(6):
+            await response.write(json.dumps({"status": "pulling", "completed": done}).encode() + b"\n")
+            await asyncio.sleep(0.3)
+        await response.write_eof(b'{"status":"success"}\n')
+        return response
+
+    app = web.Application()
+    app.router.add_post("/api/pull", pull)
+    app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "m"}]}))
+    server = await aiohttp_server(app)
+    proxy = await start_proxy(OpenAICompatibleBackend(str(server.make_url("")).rstrip("/"), request_timeout_s=0.5))
+    async with http.post(proxy.url + "/api/pull", json={"model": "m"}) as resp:
+        lines = (await resp.read()).splitlines()
+    assert resp.status == 200 and json.loads(lines[-1]) == {"status": "success"} and len(lines) == 7

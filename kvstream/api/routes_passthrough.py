@@ -131,7 +131,11 @@ async def forward(request: web.Request) -> web.StreamResponse:
         drop_auth = bool(state.settings.accepted_keys()) or state.settings.backend.api_key is not None
         headers = forwarded_headers(request, drop_auth)
         try:
-            async with session.request(request.method, target, data=body, headers=headers, raw=True) as upstream:
+            # Generations keep the request deadline; the runtime's other routes (a model
+            # download, an upload) only the read timeout.
+            async with session.request(
+                request.method, target, data=body, headers=headers, raw=True, deadline=gen is not None
+            ) as upstream:
                 response = GuardedResponse(status=upstream.status, reason=upstream.reason)
                 for name, value in upstream.headers.items():
                     if name.lower() not in HOP_BY_HOP and name.lower() != "content-length":

@@ -68,6 +68,7 @@ class UpstreamSession:
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
 
     async def close(self) -> None:
         await self._pooled.close()
@@ -84,14 +85,18 @@ class UpstreamSession:
         data: Any = None,
         headers: dict[str, str] | None = None,
         raw: bool = False,
+        deadline: bool = True,
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """Send a request; yields the response once its headers arrived.
 
         ``json_body`` is serialized; ``data`` (bytes, or an async iterator of bytes that is
         streamed) and ``headers`` go as given; ``raw`` leaves the response's content
-        encoding alone (a pass-through forwards the bytes it got). Connection failures
-        become BackendUnavailable; a stale pooled connection is retried once on a fresh one
-        when the body can be sent again.
+        encoding alone (a pass-through forwards the bytes it got). ``timeout`` replaces the
+        session's deadline for this request; ``deadline=False`` drops it (only the read
+        timeout holds: a runtime's admin route, such as a model download, may rightly run
+        for an hour while it reports progress). Connection failures become
+        BackendUnavailable; a stale pooled connection is retried once on a fresh one when
+        the body can be sent again.
         """
         url = self.base_url + path
         kwargs: dict[str, Any] = {}
@@ -101,8 +106,9 @@ class UpstreamSession:
             kwargs = {"data": data, "headers": headers}
         if raw:
             kwargs["auto_decompress"] = False
-        if timeout is not None:
-            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout, sock_connect=self.connect_timeout)
+        limit = timeout if timeout is not None else self.deadline if deadline else None
+        if limit != self.deadline:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=limit, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
         replayable = data is None or isinstance(data, bytes)
         started = time.monotonic()
         response = None
@@ -118,7 +124,7 @@ class UpstreamSession:
                     raise BackendError(f"the runtime at {self.base_url} closed the connection without answering ({exc})") from None
                 logger.debug("stale keep-alive connection to %s, retrying once on a fresh one", self.base_url)
             except TimeoutError:
-                raise self._timeout_error(started) from None
+                raise self._timeout_error(started, limit) from None
             except aiohttp.ClientError as exc:  # an answer that is not valid HTTP
                 raise BackendError(f"the runtime at {self.base_url} sent a malformed answer ({exc.__class__.__name__})") from None
         assert response is not None
@@ -129,7 +135,7 @@ class UpstreamSession:
             raise BackendError(f"the runtime closed the stream mid-response ({exc.__class__.__name__})") from None
         except TimeoutError:
             response.close()
-            raise self._timeout_error(started) from None
+            raise self._timeout_error(started, limit) from None
         except BaseException:
             # Cancelled (the client left) or failed: closing the connection is what makes
             # the runtime stop generating; returning it to the pool would not.
@@ -138,11 +144,11 @@ class UpstreamSession:
         else:
             response.release()
 
-    def _timeout_error(self, started: float) -> BackendError:
+    def _timeout_error(self, started: float, limit: float | None) -> BackendError:
         """Which of the two limits ran out: the request's deadline, or the read timeout."""
         elapsed = time.monotonic() - started
-        if self.deadline is not None and elapsed >= self.deadline - 0.05:
-            message = f"the runtime's answer did not finish within the request deadline ({self.deadline:g}s)"
+        if limit is not None and elapsed >= limit - 0.05:
+            message = f"the runtime's answer did not finish within the request deadline ({limit:g}s)"
         else:
             message = f"the runtime at {self.base_url} sent nothing for too long (read timeout after {elapsed:.0f}s)"
         return BackendError(message, 504, code="backend_timeout")
