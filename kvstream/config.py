@@ -79,9 +79,10 @@ class MemorySettings(_Section):
 class SchedulerSettings(_Section):
     max_batch_size: int = Field(8, ge=1, description="most requests in flight to the runtime at once")
     preemption_policy: Literal["swap", "recompute"] = Field("swap", description="how a preempted sequence is paused")
-    priority: Literal["fcfs", "sjf"] = Field("fcfs", description="queue order: arrival, or shortest job (with aging)")
+    policy: Literal["auto", "fcfs", "sjf", "lpm"] = Field("auto", description="queue order: fcfs = arrival; sjf = shortest job first (with aging); lpm = longest prefix the runtime already holds first (with aging); auto = lpm in front of a runtime with a per-slot prompt cache (every remote backend), fcfs in-process")
+    lpm_max_overtakes: int = Field(8, ge=0, description="lpm: times a waiting request may be passed over for a better prefix match before it goes first")
     max_queue_size: int = Field(256, ge=0, description="waiting requests beyond this get 429 + Retry-After")
-    queue_timeout_s: float = Field(120.0, gt=0, description="a request waiting longer gets 503 + Retry-After")
+    queue_timeout_s: float | None = Field(None, gt=0, description="a request waiting longer for a slot gets 503 + Retry-After; none = no deadline (a request waits as long as its client does, as it would at the runtime; a client sets its own with the X-KVStream-Deadline-Ms header)")
     max_num_batched_tokens: int = Field(2048, ge=16, description="hf: most tokens in one forward pass; longer prompts are prefilled in chunks")
 
 

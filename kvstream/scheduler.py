@@ -100,6 +100,7 @@ class Sequence:
     num_samples: int = 1
     # The tenant's chain root (kv.hashing.tenant_root): its prefixes match only its own.
     cache_root: bytes | None = None
+    overtaken: int = 0  # lpm: times a later arrival was admitted first
     unforked: int = 0  # forks still to come (reserved slots)
     forked: bool = False  # the forks were made (a re-admitted parent reserves none)
 
@@ -123,8 +124,11 @@ class SchedulerConfig:
 
     max_batch_size: int = 8
     preemption_policy: str = "swap"  # swap | recompute
-    priority: str = "fcfs"  # fcfs | sjf
+    policy: str = "fcfs"  # fcfs | sjf | lpm
     max_queue_size: int = 256
+    # lpm: a waiting request is passed over for better prefix matches at most this many
+    # times; then it goes first (FCFS among such), so nobody starves behind a hot prefix.
+    lpm_max_overtakes: int = 8
     # sjf aging: a waiting request's expected size shrinks by this many tokens per second
     # waited, so a long request is eventually first however many short ones arrive.
     sjf_aging_tokens_per_s: float = 200.0
@@ -169,8 +173,12 @@ class Scheduler:
         *,
         preemptible: bool,
         clock: Callable[[], float] = time.monotonic,
+        affinity: Callable[[Sequence], int] | None = None,
     ) -> None:
+        """``affinity`` (lpm): prompt tokens of a sequence the runtime already holds, as its
+        owner infers it (a remote runtime's slots, or this pool's prefix cache)."""
         self.bm = block_manager
+        self.affinity = affinity
         self.config = config
         self.preemptible = preemptible
         self.clock = clock
@@ -212,11 +220,16 @@ class Scheduler:
 
     # ------------------------------------------------------------- scheduling
     def _order_key(self, seq: Sequence, now: float) -> tuple[float, float, float]:
-        if self.config.priority == "sjf":
+        policy = self.config.policy
+        if policy == "sjf":
             waited = now - seq.arrival
             size = seq.max_total_tokens - self.config.sjf_aging_tokens_per_s * waited
             return (seq.priority, size, seq.arrival)
-        return (seq.priority, seq.arrival, 0.0)
+        if policy == "lpm" and self.affinity is not None and seq.overtaken < self.config.lpm_max_overtakes:
+            # Longest prefix the runtime holds first (SGLang's lpm); those passed over too
+            # often sort before every match.
+            return (seq.priority, -self.affinity(seq), seq.arrival)
+        return (seq.priority, -float("inf"), seq.arrival) if policy == "lpm" else (seq.priority, seq.arrival, 0.0)
 
     def _expire_cache(self, now: float) -> None:
         """Drop cached blocks past the TTL before they can be matched; the scan over the
@@ -296,6 +309,8 @@ class Scheduler:
                     return out  # head of line waits; admitting around it could starve it
                 self._preempt(victim, out)
             self.waiting.remove(seq)
+            for other in self.waiting:  # lpm aging: earlier arrivals of its class passed over
+                other.overtaken += other.arrival < seq.arrival and other.priority == seq.priority
             if out.preempted:
                 # Recompute victims re-entered the queue; put them in their place behind.
                 self.waiting.sort(key=lambda s: self._order_key(s, now))

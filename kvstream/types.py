@@ -116,6 +116,9 @@ class GenerateRequest:
     prefix_only: bool = False
     # The tenant (API key) this request's cached prefixes belong to; None: shared.
     cache_salt: str | None = None
+    # Longest this request may wait for a slot (the client's X-KVStream-Deadline-Ms);
+    # None: scheduler.queue_timeout_s alone.
+    queue_deadline_s: float | None = None
     # In-process engine: "exact" or "blend" reuse and the blend's repair ratio; None = the
     # configured default.
     reuse: str | None = None

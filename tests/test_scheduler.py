@@ -51,7 +51,7 @@ def test_fcfs_admits_in_arrival_order_up_to_the_batch_size():
 
 
 def test_sjf_prefers_short_jobs_and_ages_long_ones():
-    sched, clock = make(max_batch_size=1, priority="sjf", sjf_aging_tokens_per_s=10)
+    sched, clock = make(max_batch_size=1, policy="sjf", sjf_aging_tokens_per_s=10)
     long = seq(20, max_tokens=20, arrival=0, first=0)  # expected 40 tokens
     sched.add(long)
     short = seq(2, max_tokens=2, arrival=0.5, first=500)  # expected 4 tokens
@@ -263,4 +263,35 @@ def test_a_runtime_generating_past_its_reservation_takes_no_one_elses_blocks():
     small = seq(3, max_tokens=1, first=500)
     sched.add(small)
     assert admitted_ids(sched.schedule()) == [small.seq_id]
+    sched.check_invariants()
+
+
+def test_lpm_admits_the_longest_held_prefix_first_and_bounds_how_often_one_is_passed_over():
+    """scheduler.policy lpm: when a slot frees, the waiting request whose prefix the runtime
+    holds goes first; one passed over lpm_max_overtakes times goes before every match."""
+    held = {"a": 0}
+
+    def affinity(s):
+        return 64 if s.prompt_token_ids[0] == held["a"] else 0
+
+    clock = Clock()
+    bm = BlockManager(64, 4, 0, model_identity="t")
+    sched = Scheduler(bm, SchedulerConfig(max_batch_size=1, policy="lpm", lpm_max_overtakes=2), preemptible=False,
+                      clock=clock, affinity=affinity)
+    running = seq(4, max_tokens=1, first=0, arrival=0)
+    sched.add(running)
+    sched.schedule()
+    other = seq(4, max_tokens=1, first=100, arrival=1)  # arrived first, holds nothing
+    sched.add(other)
+    matches = [seq(4, max_tokens=1, first=0, arrival=2 + i) for i in range(4)]  # share the held prefix
+    for m in matches:
+        sched.add(m)
+    order = []
+    current = running
+    for _ in range(5):
+        sched.finish(current)
+        (current,) = sched.schedule().admitted
+        order.append(current.seq_id)
+    # Two matches jump ahead of `other`, which then goes first; the other matches follow.
+    assert order == [matches[0].seq_id, matches[1].seq_id, other.seq_id, matches[2].seq_id, matches[3].seq_id]
     sched.check_invariants()

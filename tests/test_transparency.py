@@ -425,7 +425,10 @@ async def test_an_admin_route_outlives_the_generation_deadline(aiohttp_server, s
 
     app = web.Application()
     app.router.add_post("/api/pull", pull)
-    app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "m"}]}))
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    app.router.add_get("/v1/models", models)
     server = await aiohttp_server(app)
     proxy = await start_proxy(OpenAICompatibleBackend(str(server.make_url("")).rstrip("/"), request_timeout_s=0.5))
     async with http.post(proxy.url + "/api/pull", json={"model": "m"}) as resp:

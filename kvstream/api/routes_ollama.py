@@ -24,7 +24,7 @@ from aiohttp import web
 
 from kvstream import __version__
 from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception
-from kvstream.api.routes_openai import default_model, read_object, resolve_model
+from kvstream.api.routes_openai import default_model, parse_deadline, read_object, resolve_model
 from kvstream.api.routes_passthrough import forward
 from kvstream.api.state import CACHE_SALT, STATE, AppState
 from kvstream.api.streaming import GuardedResponse
@@ -239,6 +239,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if len(generate.messages or ()) > state.settings.server.max_messages:
         raise OllamaError(413, f"too many messages (the limit is {state.settings.server.max_messages})")
     generate.cache_salt = request.get(CACHE_SALT)
+    try:
+        generate.queue_deadline_s = parse_deadline(request)
+    except APIError as exc:
+        raise OllamaError(400, exc.message) from None
     try:
         gen = await state.engine.submit(generate, Priority.NORMAL, arrived_at)
     except (SchedulerError, BackendError) as exc:

@@ -60,6 +60,24 @@ async def read_body(request: web.Request, model: type[BaseModel]) -> Any:
         raise APIError(400, f"Invalid value for '{loc}': {message}." if loc else f"{message}.", param=loc or None, code="invalid_value") from None
 
 
+DEADLINE_HEADER = "X-KVStream-Deadline-Ms"
+
+
+def parse_deadline(request: web.Request) -> float | None:
+    """The client's own queue deadline in seconds (``X-KVStream-Deadline-Ms``), if it sent
+    one: past it, waiting for a slot is pointless and the request gets 503."""
+    value = request.headers.get(DEADLINE_HEADER)
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not 0 < ms < 86_400_000 or ms != ms:
+        raise APIError(400, f"{DEADLINE_HEADER} must be a positive number of milliseconds.", param=DEADLINE_HEADER, code="invalid_value")
+    return ms / 1000
+
+
 def parse_priority(request: web.Request, body_value: object) -> Priority:
     value = request.headers.get(PRIORITY_HEADER, body_value)
     if value is None:
@@ -154,6 +172,7 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[Gen
         include_usage = body.include_usage
     check_message_count(state, generate)
     generate.cache_salt = request.get(CACHE_SALT)
+    generate.queue_deadline_s = parse_deadline(request)
     named = generate.model
     if generate.model is not None:
         generate.model = await resolve_model(state, generate.model)
@@ -201,10 +220,12 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         except Exception as exc:
             raise from_exception(exc, retry_after(state)) from None
         first = await _next(stream)
+        hit, source = gen.verified_hit()
         headers = {
             "X-Request-Id": request_id,
             "X-KVStream-Queue-Ms": f"{gen.queue_ms:.1f}",
-            "X-KVStream-Prefix-Hit-Tokens": str(gen.prefix_hit_tokens),
+            "X-KVStream-Prefix-Hit-Tokens": str(hit),
+            "X-KVStream-Prefix-Hit-Source": source,
         }
         fmt = StreamFormatter(
             model=named or generate.model or "", chat=chat,
@@ -227,6 +248,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         aggregate.add(token)
         assert gen.usage is not None
         outcome = "finished"
+        # The whole answer is in: the runtime's own count of what it reused, if it gave one.
+        hit, headers["X-KVStream-Prefix-Hit-Source"] = gen.verified_hit()
+        headers["X-KVStream-Prefix-Hit-Tokens"] = str(hit)
         build = aggregate.chat_response if chat else aggregate.completion_response
         return web.Response(body=dumps(build(fmt, gen.usage)), content_type="application/json", charset="utf-8", headers=headers)
     except BackendError as exc:

@@ -97,8 +97,9 @@ class BaseBackend(abc.ABC):
         paused). Backends that can pause a stream override this."""
 
     async def limits(self) -> RuntimeLimits:
-        """The runtime's memory and parallelism, as far as it reports them."""
-        return RuntimeLimits()
+        """The runtime's memory and parallelism, as far as it reports them; by default
+        only ``backend.parallel``, the slot count the operator says the runtime has."""
+        return RuntimeLimits(parallel=self.settings.backend.parallel)
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for /status (no secrets)."""

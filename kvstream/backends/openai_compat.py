@@ -13,6 +13,7 @@ from kvstream.types import (
     BackendInterrupted,
     GenerateRequest,
     ModelInfo,
+    RuntimeLimits,
     Token,
     Usage,
     as_burst,
@@ -21,15 +22,32 @@ from kvstream.backends.http import DONE, EventReader, UpstreamSession, raise_for
 
 
 def usage_from(payload: dict[str, Any] | None) -> Usage | None:
-    """An OpenAI ``usage`` object (with llama.cpp's cached_tokens when present)."""
+    """An OpenAI ``usage`` object (with ``prompt_tokens_details.cached_tokens``, what the
+    runtime reports it reused, when present)."""
     if not isinstance(payload, dict) or "prompt_tokens" not in payload:
         return None
     details = payload.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return Usage(
         prompt_tokens=int(payload.get("prompt_tokens") or 0),
         completion_tokens=int(payload.get("completion_tokens") or 0),
-        cached_tokens=details.get("cached_tokens") if isinstance(details, dict) else None,
+        cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) else None,
     )
+
+
+def cache_n(event: dict[str, Any]) -> int | None:
+    """llama-server's ``timings.cache_n``: prompt tokens its slot cache supplied."""
+    timings = event.get("timings")
+    value = timings.get("cache_n") if isinstance(timings, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def with_cached(usage: Usage | None, cached: int | None) -> Usage | None:
+    """``usage`` with the runtime's reused-token count filled in from ``timings`` when its
+    usage object did not carry one."""
+    if usage is not None and usage.cached_tokens is None and cached is not None:
+        usage.cached_tokens = cached
+    return usage
 
 
 class OpenAICompatibleBackend(BaseBackend):
@@ -48,6 +66,7 @@ class OpenAICompatibleBackend(BaseBackend):
     ) -> None:
         super().__init__(base_url, model, settings, **overrides)
         self.session: UpstreamSession | None = None
+        self._probed: Any = None  # the last health probe's answer
 
     async def start(self) -> None:
         self.session = self.open_session()
@@ -124,6 +143,7 @@ class OpenAICompatibleBackend(BaseBackend):
             keep_usage = forwarded and isinstance(options, dict) and options.get("include_usage") is True
             finish_reason: str | None = None
             usage: Usage | None = None
+            cached: int | None = None  # llama-server's timings.cache_n, from any chunk
             pending: list[dict[str, Any]] = []  # chunks not yet attached to a token
             events = EventReader(resp)
             while batch := await events.read():
@@ -133,6 +153,7 @@ class OpenAICompatibleBackend(BaseBackend):
                         break
                     if "usage" in event:
                         usage = usage_from(event["usage"]) or usage
+                    cached = cache_n(event) if "timings" in event else cached
                     self.observe_event(event, request)
                     choices = event.get("choices") or ()
                     if forwarded and (choices or keep_usage or "usage" not in event):
@@ -145,7 +166,7 @@ class OpenAICompatibleBackend(BaseBackend):
                             tokens.append(token)
                         finish_reason = choice.get("finish_reason") or finish_reason
                 if events.ended and finish_reason is not None:
-                    tokens.append(self._final(finish_reason, usage, pending if forwarded else None))
+                    tokens.append(self._final(finish_reason, with_cached(usage, cached), pending if forwarded else None))
                 for token in as_burst(tokens):
                     yield token
                 if events.ended and finish_reason is not None:
@@ -153,7 +174,7 @@ class OpenAICompatibleBackend(BaseBackend):
             if finish_reason is None:
                 # [DONE] or EOF without a finish_reason: the runtime stopped mid-generation.
                 raise BackendError("the runtime ended the stream before the generation finished")
-            yield self._final(finish_reason, usage, pending if forwarded else None)
+            yield self._final(finish_reason, with_cached(usage, cached), pending if forwarded else None)
 
     @staticmethod
     def _final(finish_reason: str, usage: Usage | None, events: list[dict[str, Any]] | None) -> Token:
@@ -171,7 +192,7 @@ class OpenAICompatibleBackend(BaseBackend):
         return Token(
             text=text if isinstance(text, str) else "",
             finish_reason=first.get("finish_reason") or "stop",
-            usage=usage_from(payload.get("usage")),
+            usage=with_cached(usage_from(payload.get("usage")), cache_n(payload)),
             payload=payload,
         )
 
@@ -194,10 +215,23 @@ class OpenAICompatibleBackend(BaseBackend):
     # ------------------------------------------------------------------ probes
     async def health(self) -> bool:
         try:
-            await self.http.get_json(self.health_path, timeout=3.0)
+            self._probed = await self.http.get_json(self.health_path, timeout=3.0)
         except BackendError:
             return False
         return True
+
+    async def limits(self) -> RuntimeLimits:
+        """``backend.parallel``, and the context vLLM reports per model (``max_model_len``
+        in /v1/models, read from the health probe that precedes this call): a request with
+        no max_tokens may run to it."""
+        context = None
+        payload = self._probed if self.health_path == self.models_path else None
+        for entry in payload.get("data", []) if isinstance(payload, dict) else []:
+            length = entry.get("max_model_len") if isinstance(entry, dict) else None
+            if isinstance(length, int) and length > 0 and (self.model is None or entry.get("id") == self.model):
+                context = length
+                break
+        return RuntimeLimits(n_ctx_per_request=context, parallel=self.settings.backend.parallel)
 
     async def models(self) -> list[ModelInfo]:
         payload = await self.http.get_json(self.models_path)

@@ -64,6 +64,10 @@ class EngineStats:
     generation_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
+    # What runtimes reported they reused (usage cached_tokens, llama.cpp timings.cache_n),
+    # and the prompt tokens of those same requests: the verified hit ratio.
+    runtime_cached_tokens: int = 0
+    runtime_reported_prompt_tokens: int = 0
     # Sum of |estimated - reported| prompt tokens for runtimes that cannot tokenize.
     estimate_error: int = 0
     estimated_prompts: int = 0
@@ -116,7 +120,18 @@ class Generation:
 
     @property
     def prefix_hit_tokens(self) -> int:
+        """Prompt tokens found cached: KVStream's own figure (its prefix index)."""
         return self.seq.num_cached_tokens
+
+    def verified_hit(self) -> tuple[int, str]:
+        """The best prefix-hit figure known now, and where it comes from: ``runtime`` once
+        the runtime reported what it reused, else ``kvstream`` (an inference for a remote
+        runtime; exact for the in-process engine, which is its own runtime). A tenant's
+        request (API keys with isolation) gets KVStream's figure only: the runtime's cache
+        is shared by every tenant, so its count could confirm another's prompt."""
+        if self.usage is not None and self.usage.cached_tokens is not None and self.request.cache_salt is None:
+            return self.usage.cached_tokens, "runtime"
+        return self.prefix_hit_tokens, "kvstream"
 
     def admit(self) -> None:
         """The runner gave this request a batch slot: wake ``admitted()``."""
@@ -128,15 +143,19 @@ class Generation:
         stats.prefix_query_tokens += len(self.seq.prompt_token_ids)
 
     async def admitted(self) -> None:
-        """Wait for a batch slot and KV blocks; QueueTimeout after queue_timeout_s."""
-        timeout = self.engine.settings.scheduler.queue_timeout_s
+        """Wait for a batch slot and KV blocks: as long as the client does, unless
+        ``scheduler.queue_timeout_s`` or the request's own deadline says less (then
+        QueueTimeout)."""
+        limits = [t for t in (self.engine.settings.scheduler.queue_timeout_s, self.request.queue_deadline_s) if t is not None]
+        timeout = max(0.0, min(limits) - (time.monotonic() - self.arrived_at)) if limits else None
         if not self.ticket.done():  # admitted at submit(): the common case when not loaded
             await asyncio.wait({self.ticket}, timeout=timeout)
         if not self.ticket.done():
             # No await between the check and close(): the scheduler cannot admit us meanwhile.
             self.engine.stats.reject(QueueTimeout.code)
             self.close("rejected")
-            raise QueueTimeout(f"The request waited {timeout:g}s in the queue without a free slot.")
+            waited = time.monotonic() - self.arrived_at
+            raise QueueTimeout(f"The request waited {waited:.1f}s in the queue without a free slot (its deadline).")
         self.admitted_at = time.monotonic()
 
     def __aiter__(self) -> AsyncIterator[Token]:
@@ -165,6 +184,9 @@ class Generation:
                     continue
                 self.finish_reason = token.finish_reason
                 self.usage = token.usage or Usage(len(self.seq.prompt_token_ids), self.num_tokens)
+                if token.usage is not None and token.usage.cached_tokens is not None:
+                    engine.stats.runtime_cached_tokens += token.usage.cached_tokens
+                    engine.stats.runtime_reported_prompt_tokens += token.usage.prompt_tokens
                 if token.usage is not None and not self.exact_prompt:
                     engine.stats.estimated_prompts += 1
                     engine.stats.estimate_error += abs(token.usage.prompt_tokens - len(self.seq.prompt_token_ids))
@@ -478,9 +500,15 @@ class KVStreamEngine:
             },
             "prefix_cache": {
                 "enabled": bm.enable_prefix_cache,
+                # KVStream's own index: for a remote runtime an inference from what it sent
+                # (on estimated token counts unless the runtime tokenizes for it).
+                "estimated": self.runner.kv_estimated,
                 "hit_tokens": self.stats.prefix_hit_tokens,
                 "query_tokens": self.stats.prefix_query_tokens,
                 "hit_ratio": round(hit_ratio, 4),
+                # What the runtime itself reported it reused (verified).
+                "runtime_cached_tokens": self.stats.runtime_cached_tokens,
+                "runtime_prompt_tokens": self.stats.runtime_reported_prompt_tokens,
             },
             "requests": {
                 "total": self.stats.requests_total,

@@ -15,11 +15,12 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstream.backends.base import BaseBackend, InProcessBackend, LocalStream
+from kvstream.engine.affinity import SlotModel
 from kvstream.config import Settings
 from kvstream.kv.block_manager import UNKNOWN_TOKEN, BlockManager
 from kvstream.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
@@ -32,8 +33,11 @@ if TYPE_CHECKING:
 FALLBACK_POOL_TOKENS = 32768
 
 
-def build_scheduler(settings: Settings, limits: RuntimeLimits, backend: BaseBackend) -> Scheduler:
-    """A scheduler and block manager sized by the settings and what the runtime reports."""
+def build_scheduler(
+    settings: Settings, limits: RuntimeLimits, backend: BaseBackend, affinity: Callable[[Sequence], int] | None = None
+) -> Scheduler:
+    """A scheduler and block manager sized by the settings and what the runtime reports.
+    ``affinity``: what lpm orders by; without it the policy ``auto`` is fcfs."""
     memory, sched = settings.memory, settings.scheduler
     if memory.num_gpu_blocks == "auto":
         num_blocks = max(1, (limits.n_ctx_total or FALLBACK_POOL_TOKENS) // memory.block_size)
@@ -56,12 +60,20 @@ def build_scheduler(settings: Settings, limits: RuntimeLimits, backend: BaseBack
     config = SchedulerConfig(
         max_batch_size=max_batch,
         preemption_policy=sched.preemption_policy,
-        priority=sched.priority,
+        policy=resolve_policy(sched.policy, affinity is not None),
+        lpm_max_overtakes=sched.lpm_max_overtakes,
         max_queue_size=sched.max_queue_size,
         max_model_len=limits.n_ctx_per_request,
         cache_ttl_s=settings.prefix_cache.ttl_seconds,
     )
-    return Scheduler(bm, config, preemptible=preemptible)
+    return Scheduler(bm, config, preemptible=preemptible, affinity=affinity)
+
+
+def resolve_policy(policy: str, has_affinity: bool) -> str:
+    """``auto``: lpm where the scheduler can tell what the runtime holds, else fcfs."""
+    if policy == "auto":
+        return "lpm" if has_affinity else "fcfs"
+    return policy
 
 
 class Runner(abc.ABC):
@@ -113,8 +125,15 @@ class RemoteRunner(Runner):
     def __init__(self, backend: BaseBackend, settings: Settings) -> None:
         self.backend = backend
         self.settings = settings
-        self._scheduler = build_scheduler(settings, RuntimeLimits(), backend)
         self._legs: dict[str, _Leg] = {}
+        self._build(RuntimeLimits())
+
+    def _build(self, limits: RuntimeLimits) -> None:
+        """The scheduler, and the model of the runtime's slots its lpm policy orders by."""
+        slots = min(self.settings.scheduler.max_batch_size, limits.parallel or self.settings.scheduler.max_batch_size)
+        identity = f"{self.backend.name}:{self.backend.base_url}:{self.backend.model}"
+        self.slots = SlotModel(slots, self.settings.memory.block_size, identity)
+        self._scheduler = build_scheduler(self.settings, limits, self.backend, self.slots.held_tokens)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -124,7 +143,7 @@ class RemoteRunner(Runner):
         """Rebuild the pool from the runtime's figures, only while nothing holds a block."""
         if not self._scheduler.bm.is_idle() or self._scheduler.waiting:
             return False
-        self._scheduler = build_scheduler(self.settings, limits, self.backend)
+        self._build(limits)
         return True
 
     def enqueue(self, gen: Generation) -> None:
@@ -169,6 +188,7 @@ class RemoteRunner(Runner):
 
     def release(self, gen: Generation) -> None:
         self._scheduler.finish(gen.seq)
+        self.slots.finish(gen.seq)
         leg = self._legs.pop(gen.seq.seq_id, None)
         if leg is not None and leg.paused is not None:  # gone while paused: drop its saved state
             self.backend.forget(gen.request)
@@ -183,6 +203,7 @@ class RemoteRunner(Runner):
             leg = self._legs.get(seq.seq_id)
             if leg is None:
                 continue
+            self.slots.start(seq)
             if not leg.gen.ticket.done():
                 leg.gen.admit()
             elif leg.paused is not None and not leg.paused.done():
@@ -196,6 +217,7 @@ class RemoteRunner(Runner):
             leg = self._legs.get(seq.seq_id)
             if leg is None or (leg.paused is not None and not leg.paused.done()):
                 continue
+            self.slots.finish(seq)
             leg.paused = asyncio.get_running_loop().create_future()
             control = leg.gen.request.control
             control.preempted = True

@@ -204,7 +204,7 @@ class HFBackend(InProcessBackend):
             max_num_seqs=sched.max_batch_size,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             preemption_mode=sched.preemption_policy,
-            policy=sched.priority,
+            policy=sched.policy,
             enable_prefix_caching=prefix.enabled,
             max_prefix_length=prefix.max_prefix_length,
             cache_ttl_s=prefix.ttl_seconds,

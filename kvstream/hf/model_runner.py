@@ -65,7 +65,7 @@ class RunnerConfig:
     # chunks of at most this, interleaved with running decodes.
     max_num_batched_tokens: int = default("scheduler", "max_num_batched_tokens")
     preemption_mode: str = default("scheduler", "preemption_policy")  # swap | recompute
-    policy: str = default("scheduler", "priority")  # fcfs | sjf
+    policy: str = default("scheduler", "policy")  # auto (= fcfs here) | fcfs | sjf | lpm
     enable_prefix_caching: bool = default("prefix_cache", "enabled")
     max_prefix_length: int | None = None  # longest prefix reused (tokens); None = no cap
     cache_ttl_s: float | None = None  # cached blocks unused this long are forgotten; None = kept
@@ -164,12 +164,15 @@ class ModelRunner:
             SchedulerConfig(
                 max_batch_size=config.max_num_seqs,
                 preemption_policy=config.preemption_mode,
-                priority=config.policy,
+                # auto is fcfs here: the pool's prefix cache is shared by every running
+                # sequence (no per-slot cache to steer toward); lpm orders by its hits.
+                policy="fcfs" if config.policy == "auto" else config.policy,
                 max_queue_size=config.max_queue_size,
                 max_model_len=config.max_model_len,
                 cache_ttl_s=config.cache_ttl_s,
             ),
             preemptible=True,
+            affinity=lambda seq: len(bm.cached_prefix(seq.prompt_token_ids, seq.cache_root)) * bm.block_size,
         )
         self.layers = blend_module.decoder_layers(model)
         try:

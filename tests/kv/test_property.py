@@ -125,11 +125,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.now = 0.0
 
     @precondition(lambda self: self.sched is None)
-    @rule(preemptible=st.booleans(), policy=st.sampled_from(["swap", "recompute"]), order=st.sampled_from(["fcfs", "sjf"]))
+    @rule(preemptible=st.booleans(), policy=st.sampled_from(["swap", "recompute"]), order=st.sampled_from(["fcfs", "sjf", "lpm"]))
     def configure(self, preemptible, policy, order):
         bm = BlockManager(10, 4, 4 if preemptible else 0, model_identity="sched")
-        config = SchedulerConfig(max_batch_size=3, preemption_policy=policy, priority=order, max_queue_size=6)
-        self.sched = Scheduler(bm, config, preemptible=preemptible, clock=lambda: self.now)
+        config = SchedulerConfig(max_batch_size=3, preemption_policy=policy, policy=order, max_queue_size=6)
+        affinity = lambda seq: len(bm.cached_prefix(seq.prompt_token_ids)) * bm.block_size  # noqa: E731
+        self.sched = Scheduler(bm, config, preemptible=preemptible, clock=lambda: self.now, affinity=affinity)
 
     @precondition(lambda self: self.sched is not None)
     @rule(prefix=st.sampled_from(PREFIXES), suffix=tokens, max_tokens=st.integers(1, 12), prio=st.sampled_from(list(Priority)))
