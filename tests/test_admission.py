@@ -119,3 +119,70 @@ async def test_python_api_generate_and_close(start_upstream):
     assert recorder.bodies[0]["prompt"] == "Once upon a time" and recorder.bodies[0]["max_tokens"] == 8
     assert engine.scheduler.bm.is_idle()
     await engine.close()
+
+
+async def test_without_a_queue_timeout_a_request_waits_as_its_client_does(start_upstream, start_proxy):
+    """Issue 16: no queue deadline by default, so a slow runtime does not become errors it
+    would not have given; a client sets its own with X-KVStream-Deadline-Ms."""
+    url, recorder = await start_upstream(Script(tokens=["a"], first_delay_s=0.6))
+    proxy = await start_proxy(OpenAICompatibleBackend(url), scheduler={"max_batch_size": 1})
+    assert proxy.engine.settings.scheduler.queue_timeout_s is None
+    async with aiohttp.ClientSession() as s:
+        results = await asyncio.gather(*(post(s, proxy) for _ in range(4)))  # ~2.4 s of work, one at a time
+        assert [r[0] for r in results] == [200] * 4
+        running = asyncio.create_task(post(s, proxy))
+        await asyncio.sleep(0.1)
+        status, body, headers = await post(s, proxy, headers={"X-KVStream-Deadline-Ms": "200"})
+        assert status == 503 and body["error"]["code"] == "queue_timeout" and int(headers["Retry-After"]) >= 1
+        status, body, _ = await post(s, proxy, headers={"X-KVStream-Deadline-Ms": "soon"})
+        assert status == 400 and body["error"]["param"] == "X-KVStream-Deadline-Ms"
+        assert (await running)[0] == 200
+    assert len(recorder.bodies) == 5
+
+
+async def test_lpm_sends_a_waiting_request_to_the_slot_that_holds_its_prefix(start_upstream, start_proxy):
+    """Issue 16: one runtime slot, requests of two tenants (long shared system prompts)
+    arriving interleaved: lpm runs each tenant's requests back to back, so the slot's prompt
+    cache is reused; fcfs would alternate and reuse nothing."""
+    url, recorder = await start_upstream(Script(tokens=["a"], first_delay_s=0.2))
+    proxy = await start_proxy(OpenAICompatibleBackend(url), scheduler={"max_batch_size": 1})
+    assert proxy.engine.scheduler.config.policy == "lpm"
+
+    def body(tenant: str, i: int) -> dict:
+        system = f"You are the assistant of tenant {tenant}. " * 40
+        return {"model": "test-model", "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}]}
+
+    async with aiohttp.ClientSession() as s:
+        first = asyncio.create_task(post(s, proxy, body("A", 0)))
+        await asyncio.sleep(0.05)
+        waiting = []
+        for i in range(1, 4):  # B A B A B A, arriving while A0 runs
+            waiting.append(asyncio.create_task(post(s, proxy, body("B", i))))
+            await asyncio.sleep(0.01)
+            waiting.append(asyncio.create_task(post(s, proxy, body("A", i))))
+            await asyncio.sleep(0.01)
+        assert (await first)[0] == 200
+        assert all(r[0] == 200 for r in await asyncio.gather(*waiting))
+    tenants = [b["messages"][0]["content"].split()[6].rstrip(".") for b in recorder.bodies]
+    assert tenants == ["A", "A", "A", "A", "B", "B", "B"], tenants
+
+
+async def test_the_runtimes_own_reuse_report_is_the_verified_hit(start_upstream, start_proxy):
+    """Issue 16: llama-server's timings.cache_n (or usage cached_tokens) becomes the hit the
+    header reports on a whole answer, and kvstream_runtime_cached_tokens_total counts it;
+    KVStream's own inference stays its own series."""
+    url, _ = await start_upstream(Script(extra={"timings": {"cache_n": 37, "prompt_n": 3}}))
+    proxy = await start_proxy(OpenAICompatibleBackend(url))
+    async with aiohttp.ClientSession() as s:
+        status, _, headers = await post(s, proxy)
+        assert status == 200
+        assert headers["X-KVStream-Prefix-Hit-Tokens"] == "37" and headers["X-KVStream-Prefix-Hit-Source"] == "runtime"
+        async with s.post(proxy.v1 + "/chat/completions", json=BODY | {"stream": True}) as resp:
+            assert resp.headers["X-KVStream-Prefix-Hit-Source"] == "kvstream"  # sent before the runtime reported
+            await resp.read()
+        async with s.get(proxy.url + "/metrics") as resp:
+            text = await resp.text()
+        async with s.get(proxy.url + "/status") as resp:
+            cache = (await resp.json())["prefix_cache"]
+    assert "kvstream_runtime_cached_tokens_total 74.0" in text
+    assert cache["runtime_cached_tokens"] == 74 and cache["estimated"] is True
