@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from kvstream import __version__
 from kvstream.api import routes_ollama, routes_openai, routes_ops, routes_passthrough
 from kvstream.api.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware
 from kvstream.api.state import CACHE_SALT, STATE, AppState
@@ -126,7 +127,19 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
         await engine.close()
 
     app.cleanup_ctx.append(engine_lifecycle)
+    app.on_response_prepare.append(add_via)
     return app
+
+
+VIA = f"1.1 kvstream/{__version__}"
+
+
+async def add_via(request: web.Request, response: web.StreamResponse) -> None:
+    """Name KVStream in ``Via`` on every answer, passed-through ones included (RFC 9110
+    7.6.3: a proxy adds itself): what tells a client, or another KVStream probing for a
+    runtime, that this is a proxy and not the runtime whose routes it relays."""
+    via = response.headers.get("Via")
+    response.headers["Via"] = f"{via}, {VIA}" if via else VIA
 
 
 __all__ = ["REQUEST_ID", "create_app"]

@@ -25,8 +25,9 @@ CANDIDATES: list[tuple[type[BaseBackend], str | None]] = [
 
 
 async def probe_runtimes(settings: Settings) -> BaseBackend | None:
-    """A backend (not yet started) for the first runtime that passes its health probe,
-    never on KVStream's own port; None when nothing answers."""
+    """A backend (not yet started) for the first runtime that identifies as itself (by what
+    only it answers; an answer relayed by a KVStream does not count), never on KVStream's
+    own port; None when nothing answers."""
     own_port, model = settings.server.port, settings.backend.model
     for cls, url in CANDIDATES:
         if url is not None and urlsplit(url).port == own_port:
@@ -34,12 +35,12 @@ async def probe_runtimes(settings: Settings) -> BaseBackend | None:
         probe = cls(url, model, settings)
         await probe.start()
         try:
-            healthy = await probe.health()
+            found = await probe.identify()
         except Exception:
-            healthy = False
+            found = False
         finally:
             await probe.close()
-        if healthy:
+        if found:
             logger.info("auto: found %s at %s", probe.name, probe.base_url)
             return cls(probe.base_url, model, settings)
     return None

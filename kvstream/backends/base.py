@@ -78,6 +78,13 @@ class BaseBackend(abc.ABC):
     async def health(self) -> bool:
         """True when the runtime answers and can serve."""
 
+    async def identify(self) -> bool:
+        """Whether what answers at ``base_url`` is this runtime, by something only it
+        answers (``--backend auto`` must not take another KVStream, or any OpenAI server,
+        for llama-server). Called between ``start()`` and ``close()``; by default the health
+        probe."""
+        return await self.health()
+
     @abc.abstractmethod
     async def models(self) -> list[ModelInfo]:
         """The models the runtime serves."""

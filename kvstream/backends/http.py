@@ -153,6 +153,19 @@ class UpstreamSession:
             message = f"the runtime at {self.base_url} sent nothing for too long (read timeout after {elapsed:.0f}s)"
         return BackendError(message, 504, code="backend_timeout")
 
+    async def probe_json(self, path: str, timeout: float = 3.0) -> Any:
+        """GET a JSON document from the runtime itself: None for an error status, a body
+        that is not JSON, or an answer that came through a KVStream (its ``Via`` header
+        names it: a KVStream passes its runtime's routes through, so only that tells them
+        apart)."""
+        try:
+            async with self.request("GET", path, timeout=timeout) as resp:
+                if resp.status >= 400 or "kvstream" in resp.headers.get("Via", "").lower():
+                    return None
+                return loads(await resp.read())
+        except (BackendError, ValueError):
+            return None
+
     async def get_json(self, path: str, timeout: float = 5.0) -> Any:
         """GET a JSON document; raises for any non-2xx answer."""
         async with self.request("GET", path, timeout=timeout) as resp:

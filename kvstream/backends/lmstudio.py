@@ -26,6 +26,13 @@ class LMStudioBackend(OpenAICompatibleBackend):
         super().__init__(base_url, model, settings, **overrides)
         self.parallel = self.settings.backend.parallel or 4
 
+    async def identify(self) -> bool:
+        """LM Studio answers its own REST API, ``/api/v0/models``, with each model's type and
+        load state (any route answers 200 there, so the shape is what tells)."""
+        payload = await self.http.probe_json("/api/v0/models")
+        data = payload.get("data") if isinstance(payload, dict) else None
+        return isinstance(data, list) and all(isinstance(m, dict) and "state" in m and "type" in m for m in data)
+
     async def limits(self) -> RuntimeLimits:
         n_ctx = None
         try:

@@ -206,6 +206,12 @@ class OllamaBackend(BaseBackend):
             return False
         return True
 
+    async def identify(self) -> bool:
+        """Ollama answers ``/api/version`` with its version and ``/api/tags`` with its models."""
+        version = await self.http.probe_json("/api/version")
+        tags = await self.http.probe_json("/api/tags") if isinstance(version, dict) and "version" in version else None
+        return isinstance(tags, dict) and isinstance(tags.get("models"), list)
+
     async def models(self) -> list[ModelInfo]:
         payload = await self.http.get_json("/api/tags")
         models = []

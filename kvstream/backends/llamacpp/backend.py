@@ -268,6 +268,11 @@ class LlamaCppBackend(OpenAICompatibleBackend):
             return False
         return isinstance(payload, dict) and payload.get("status") == "ok"
 
+    async def identify(self) -> bool:
+        """llama-server answers ``/props`` with its slot count and build."""
+        props = await self.http.probe_json("/props")
+        return isinstance(props, dict) and "total_slots" in props and "build_info" in props
+
     async def fetch_props(self) -> dict[str, Any]:
         self.props = await self.http.get_json("/props")
         return self.props

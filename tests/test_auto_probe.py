@@ -1,0 +1,55 @@
+"""``--backend auto`` identifies each runtime by what only it answers (issue 16): a KVStream
+or a plain OpenAI server on llama-server's old port is not taken for llama-server, and an
+answer relayed by a KVStream (its ``Via`` header) never counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstream.backends import LlamaCppBackend, LMStudioBackend, OllamaBackend, OpenAICompatibleBackend
+from kvstream.backends import auto
+from tests.conftest import make_settings
+from tests.doubles import lmstudio_double, ollama_double, openai_upstream
+
+KINDS = {"ollama": OllamaBackend, "llamacpp": LlamaCppBackend, "lmstudio": LMStudioBackend}
+
+
+async def identified(url: str) -> set[str]:
+    """The runtimes whose probe says that ``url`` is them."""
+    found = set()
+    for name, cls in KINDS.items():
+        backend = cls(url)
+        await backend.start()
+        try:
+            if await backend.identify():
+                found.add(name)
+        finally:
+            await backend.close()
+    return found
+
+
+@pytest.mark.parametrize(
+    "factory, expected",
+    [(ollama_double, {"ollama"}), (lmstudio_double, {"lmstudio"}), (openai_upstream, set())],
+    ids=["ollama", "lmstudio", "plain-openai-server"],
+)
+async def test_each_double_is_identified_as_itself_only(start_upstream, factory, expected):
+    url, _ = await start_upstream(factory=factory)
+    assert await identified(url) == expected
+
+
+async def test_real_llama_server_is_identified_and_a_kvstream_in_front_of_it_is_not(llama_server, start_proxy, http):
+    assert await identified(llama_server.url) == {"llamacpp"}
+    proxy = await start_proxy(OpenAICompatibleBackend(llama_server.url))
+    async with http.get(proxy.url + "/props") as resp:  # the runtime's /props, passed through
+        assert resp.status == 200 and "total_slots" in await resp.json()
+        assert "kvstream" in resp.headers["Via"]
+    assert await identified(proxy.url) == set()
+
+
+async def test_auto_skips_a_kvstream_on_llama_servers_old_port(start_upstream, start_proxy, monkeypatch):
+    url, _ = await start_upstream(factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url))  # a KVStream in front of Ollama
+    monkeypatch.setattr(auto, "CANDIDATES", [(LlamaCppBackend, proxy.url), (OllamaBackend, proxy.url), (OllamaBackend, url)])
+    found = await auto.probe_runtimes(make_settings())
+    assert isinstance(found, OllamaBackend) and found.base_url == url
