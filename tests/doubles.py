@@ -319,14 +319,25 @@ async def _delegate(inner: web.Application, request: web.Request) -> web.StreamR
 
 # --------------------------------------------------------------------- Foundry Local
 def foundry_double(script: Script, recorder: Recorder) -> web.Application:
-    """Foundry Local: /openai/status, /foundry/list, /openai/models, the /v1/models envelope,
-    and OpenAI chat that only knows model ids, not aliases."""
+    """Foundry Local as a fresh service finds it: /openai/status, the /foundry/list catalog
+    (GPU and CPU variants of one alias), /openai/models (what this machine downloaded: the
+    CPU variant), nothing loaded (/openai/loadedmodels, and /v1/models's envelope lists only
+    loaded models), /openai/load/{id} (refused for a model not downloaded), and a chat that
+    refuses a model it has not loaded and knows model ids, not aliases."""
     model_id = "Phi-4-mini-instruct-generic-cpu"
     inner = openai_upstream(script, recorder, model_id)
     catalog = [
         {"name": "Phi-4-mini-instruct-generic-gpu", "alias": "phi-4-mini", "runtime": {"deviceType": "GPU", "executionProvider": "CUDAExecutionProvider"}},
         {"name": model_id, "alias": "phi-4-mini", "runtime": {"deviceType": "CPU", "executionProvider": "CPUExecutionProvider"}},
     ]
+    downloaded = payload("foundry/openai_models_response.json")
+    loaded: list[str] = []
+
+    def not_found(name: object) -> web.Response:
+        return web.json_response(
+            {"error": {"message": f"No OpenAIService provider found for modelName {name}", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}},
+            status=400,
+        )
 
     async def status(request: web.Request) -> web.Response:
         body = payload("foundry/openai_status_response.json")
@@ -336,27 +347,38 @@ def foundry_double(script: Script, recorder: Recorder) -> web.Application:
     async def foundry_list(request: web.Request) -> web.Response:
         return web.json_response(catalog)
 
+    async def openai_models(request: web.Request) -> web.Response:
+        return web.json_response(downloaded)
+
+    async def loaded_models(request: web.Request) -> web.Response:
+        return web.json_response(loaded)
+
+    async def load(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in downloaded:
+            return not_found(name)
+        recorder.bodies.append({"load": name, "query": dict(request.query)})
+        if name not in loaded:
+            loaded.append(name)
+        return web.json_response({})
+
     async def v1_models(request: web.Request) -> web.Response:
         body = payload("foundry/v1_models_response_empty.json")
-        body["data"] = [{"id": model_id, "object": "model", "owned_by": "Microsoft"}]
+        body["data"] = [{"id": name, "object": "model", "owned_by": "Microsoft"} for name in loaded]
         return web.json_response(body)
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        if body.get("model") not in (model_id, "Phi-4-mini-instruct-generic-gpu"):
-            return web.json_response(
-                {"error": {"message": f"No OpenAIService provider found for modelName {body.get('model')}", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}},
-                status=400,
-            )
+        if body.get("model") not in loaded:
+            return not_found(body.get("model"))
         return await _delegate(inner, request)
 
     app = web.Application()
     app.router.add_get("/openai/status", status)
     app.router.add_get("/foundry/list", foundry_list)
-    async def openai_models(request: web.Request) -> web.Response:
-        return web.json_response(payload("foundry/openai_models_response.json"))
-
     app.router.add_get("/openai/models", openai_models)
+    app.router.add_get("/openai/loadedmodels", loaded_models)
+    app.router.add_get("/openai/load/{name}", load)
     app.router.add_get("/v1/models", v1_models)
     app.router.add_post("/v1/chat/completions", chat)
     return app

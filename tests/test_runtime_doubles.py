@@ -12,6 +12,7 @@ import pytest
 
 from kvstream.backends import FoundryBackend, LMStudioBackend, OllamaBackend
 from kvstream.backends.foundry import parse_status_output, resolve_alias
+from tests.conftest import free_port
 from tests.doubles import PROTOCOLS, Script, foundry_double, lmstudio_double, ollama_double
 
 pytestmark = pytest.mark.timeout(60)
@@ -129,7 +130,7 @@ def test_foundry_status_output_parsing():
     assert parse_status_output(blocks[-1]) == "http://127.0.0.1:52364"  # CLI 0.10.2 `server status`
 
 
-def test_foundry_alias_resolution_prefers_gpu_over_cpu_and_exact_ids():
+def test_foundry_alias_resolution_prefers_gpu_over_cpu_among_downloaded_variants_and_exact_ids():
     catalog = [
         {"name": "Phi-4-mini-instruct-generic-cpu", "alias": "phi-4-mini", "runtime": {"deviceType": "CPU"}},
         {"name": "Phi-4-mini-instruct-generic-gpu", "alias": "phi-4-mini", "runtime": {"deviceType": "GPU"}},
@@ -140,6 +141,8 @@ def test_foundry_alias_resolution_prefers_gpu_over_cpu_and_exact_ids():
     assert resolve_alias("PHI-4-MINI-INSTRUCT-GENERIC-CPU", catalog) == "Phi-4-mini-instruct-generic-cpu"
     assert resolve_alias("qwen", catalog) == "qwen:3"
     assert resolve_alias("unknown", catalog) is None
+    # Among the variants this machine downloaded, when it has any.
+    assert resolve_alias("phi-4-mini", catalog, ["Phi-4-mini-instruct-generic-cpu"]) == "Phi-4-mini-instruct-generic-cpu"
 
 
 async def test_foundry_discovered_through_its_cli(start_upstream, start_proxy, tmp_path, monkeypatch):
@@ -155,7 +158,41 @@ async def test_foundry_discovered_through_its_cli(start_upstream, start_proxy, t
     assert proxy.engine.scheduler.config.max_batch_size == 1  # Foundry serves one at a time
     out = await client(proxy).chat.completions.create(model="phi-4-mini", messages=[{"role": "user", "content": "hi"}])
     assert out.choices[0].message.content == "Hello, world!"
-    assert recorder.bodies[0]["model"] == "Phi-4-mini-instruct-generic-gpu"  # the alias became an id
+    # The alias became the variant this machine has (the catalog's GPU one is not
+    # downloaded), loaded before first use (a fresh service has nothing loaded).
+    assert recorder.bodies[0] == {"load": "Phi-4-mini-instruct-generic-cpu", "query": {"ttl": "600"}}
+    assert recorder.bodies[1]["model"] == "Phi-4-mini-instruct-generic-cpu"
+    again = await client(proxy).chat.completions.create(model="phi-4-mini", messages=[{"role": "user", "content": "hi"}])
+    assert again.choices[0].message.content == "Hello, world!" and len(recorder.bodies) == 3  # loaded once
+    # KVStream resolves names against what the machine can serve (downloaded ids and their
+    # aliases); the service's own /v1/models, passed through as it answers, lists what is loaded.
+    ids = [m.id for m in await proxy.engine.models()]
+    assert "phi-4-mini" in ids and "Phi-4-mini-instruct-generic-cpu" in ids
+    assert [m.id for m in (await client(proxy).models.list()).data] == ["Phi-4-mini-instruct-generic-cpu"]
+
+
+async def test_foundry_restarted_on_a_new_port_is_found_again_on_the_next_request(start_upstream, start_proxy, tmp_path, monkeypatch):
+    """Foundry binds a new port each time its service starts: a request that cannot connect
+    asks the CLI again and is retried there once (nothing had been sent)."""
+    first, _ = await start_upstream(Script(), factory=foundry_double)
+    moved, recorder = await start_upstream(Script(), factory=foundry_double)
+    cli = tmp_path / "foundry"
+    where = tmp_path / "port"
+    where.write_text(first.rsplit(":", 1)[1])
+    cli.write_text(f"#!/bin/sh\n[ \"$1\" = server ] || exit 1\nprintf 'Web URLs http://127.0.0.1:%s\\n' $(cat {where})\n")
+    cli.chmod(cli.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    proxy = await start_proxy(FoundryBackend(None, "phi-4-mini"))
+    assert proxy.engine.backend.base_url == first
+    # The service restarts elsewhere; its old port now refuses connections.
+    where.write_text(moved.rsplit(":", 1)[1])
+    backend = proxy.engine.backend
+    await backend.close()
+    backend.base_url = f"http://127.0.0.1:{free_port()}"
+    await backend.start()
+    out = await client(proxy).chat.completions.create(model="phi-4-mini", messages=[{"role": "user", "content": "hi"}])
+    assert out.choices[0].message.content == "Hello, world!"
+    assert proxy.engine.backend.base_url == moved and recorder.bodies[-1]["model"] == "Phi-4-mini-instruct-generic-cpu"
 
 
 async def test_foundry_not_running_is_a_clear_503(start_proxy, tmp_path, monkeypatch):

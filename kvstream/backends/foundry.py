@@ -16,13 +16,15 @@ import re
 from typing import Any
 
 from kvstream.config import Settings
-from kvstream.types import BackendError, BackendUnavailable, GenerateRequest, RuntimeLimits
-from kvstream.backends.http import UpstreamSession
+from kvstream.types import BackendError, BackendUnavailable, GenerateRequest, ModelInfo, RuntimeLimits
+from kvstream.backends.http import UpstreamSession, raise_for_upstream_status
 from kvstream.backends.openai_compat import OpenAICompatibleBackend
 
 logger = logging.getLogger(__name__)
 
 _URL = re.compile(r"https?://(?:[a-zA-Z0-9.-]+|\d{1,3}(?:\.\d{1,3}){3}):\d+")
+# How long Foundry keeps a model KVStream loaded once idle (the SDK's default).
+LOAD_TTL_S = 600
 # The SDK's preference among variants of one alias: NPU, GPU, then CPU.
 _DEVICE_ORDER = ("npu", "gpu", "cpu")
 
@@ -55,9 +57,11 @@ async def discover_url(timeout: float = 10.0) -> str | None:
     return None
 
 
-def resolve_alias(name: str, catalog: list[dict[str, Any]]) -> str | None:
+def resolve_alias(name: str, catalog: list[dict[str, Any]], downloaded: list[str] | None = None) -> str | None:
     """A model id for ``name``: an exact id, the highest ``id:version``, or an alias's best
-    variant (NPU before GPU before CPU), as the Foundry SDK resolves them."""
+    variant (NPU before GPU before CPU), as the Foundry SDK resolves them; among the variants
+    this machine has downloaded when it has any (``/openai/models``): the catalog lists GPU
+    variants that a CPU-only machine has not got and cannot load."""
     lowered = name.lower()
     for entry in catalog:
         if str(entry.get("name", "")).lower() == lowered:
@@ -66,6 +70,8 @@ def resolve_alias(name: str, catalog: list[dict[str, Any]]) -> str | None:
     if versions:
         return max(versions, key=lambda e: int(str(e["name"]).rsplit(":", 1)[1] or 0))["name"]
     variants = [e for e in catalog if str(e.get("alias", "")).lower() == lowered]
+    have = {d.lower() for d in downloaded or ()}
+    variants = [e for e in variants if str(e.get("name", "")).lower() in have] or variants
 
     def rank(entry: dict[str, Any]) -> int:
         device = str((entry.get("runtime") or {}).get("deviceType", "")).lower()
@@ -87,6 +93,7 @@ class FoundryBackend(OpenAICompatibleBackend):
         super().__init__(base_url, model, settings, **overrides)
         self._explicit_url = bool(base_url)
         self._model_ids: dict[str, str] = {}
+        self._loaded: set[str] = set()  # loaded by us since the service was (re)discovered
 
     async def start(self) -> None:
         if not self.base_url:
@@ -105,6 +112,7 @@ class FoundryBackend(OpenAICompatibleBackend):
         logger.info("foundry: service moved to %s", url)
         old = self.session
         self.base_url = url
+        self._loaded.clear()  # a restarted service has nothing loaded
         await super().start()
         if old is not None:
             await old.close()
@@ -126,15 +134,46 @@ class FoundryBackend(OpenAICompatibleBackend):
         return isinstance(payload, dict) and "Endpoints" in payload
 
     async def model_id(self, name: str | None) -> str | None:
+        """The model id for ``name`` (an alias resolves to a downloaded variant), loaded into
+        the service before first use: a fresh service has nothing loaded, and its chat
+        refuses a model it has not loaded."""
         if not name:
             return None
         if name not in self._model_ids:
-            try:
-                catalog = await self.http.get_json("/foundry/list")
-            except BackendError:
-                catalog = []
-            self._model_ids[name] = resolve_alias(name, catalog if isinstance(catalog, list) else []) or name
-        return self._model_ids[name]
+            catalog = await self._json_list("/foundry/list")
+            self._model_ids[name] = resolve_alias(name, catalog, await self._json_list("/openai/models")) or name
+        model = self._model_ids[name]
+        if model not in self._loaded:
+            loaded = await self._json_list("/openai/loadedmodels")
+            if model not in loaded:
+                logger.info("foundry: loading %s", model)
+                async with self.http.request("GET", f"/openai/load/{model}?ttl={LOAD_TTL_S}") as resp:
+                    await raise_for_upstream_status(resp)
+            self._loaded.add(model)
+        return model
+
+    async def _json_list(self, path: str) -> list[Any]:
+        """A list the service answers; [] when it answers anything else (an older service
+        without the route). A service that cannot be reached raises BackendUnavailable."""
+        try:
+            payload = await self.http.get_json(path)
+        except BackendUnavailable:
+            raise
+        except BackendError:
+            return []
+        return payload if isinstance(payload, list) else []
+
+    async def models(self) -> list[ModelInfo]:
+        """What this machine can serve: its downloaded models (``/openai/models``) and their
+        aliases; ``/v1/models`` lists only what is loaded, which on a fresh service is nothing."""
+        downloaded = await self._json_list("/openai/models")
+        if not downloaded:
+            return await super().models()
+        aliases = {
+            str(e["alias"]) for e in await self._json_list("/foundry/list")
+            if isinstance(e, dict) and e.get("alias") and e.get("name") in downloaded
+        }
+        return [ModelInfo(id=str(name), owned_by="foundry") for name in [*downloaded, *sorted(aliases)]]
 
     def build_body(self, request: GenerateRequest) -> dict[str, Any]:
         body = super().build_body(request)
@@ -143,10 +182,20 @@ class FoundryBackend(OpenAICompatibleBackend):
         return body
 
     async def generate(self, request: GenerateRequest):  # type: ignore[override]
-        await self.model_id(request.model or self.model)
-        async with contextlib.aclosing(super().generate(request)) as tokens:
-            async for token in tokens:
-                yield token
+        """Generate; when the service cannot be reached before anything was sent, it may
+        have restarted on a new port: ask the CLI again and retry once."""
+        started = False
+        for attempt in (1, 2):
+            try:
+                await self.model_id(request.model or self.model)
+                async with contextlib.aclosing(super().generate(request)) as tokens:
+                    async for token in tokens:
+                        started = True
+                        yield token
+                return
+            except BackendUnavailable:
+                if started or attempt == 2 or not await self._rediscover():
+                    raise
 
     async def limits(self) -> RuntimeLimits:
         return RuntimeLimits(parallel=1)
