@@ -216,3 +216,21 @@ async def test_ollama_settings_reach_the_runtime(start_upstream, start_proxy):
     assert recorder.bodies[0]["options"]["num_ctx"] == 8192 and recorder.bodies[0]["keep_alive"] == "-1"
     assert proxy.engine.scheduler.config.max_batch_size == 3
     assert proxy.engine.limits.n_ctx_total == 3 * 8192
+
+
+async def test_lmstudio_found_where_its_cli_says_when_no_url_is_given(start_upstream, start_proxy, tmp_path, monkeypatch):
+    """LM Studio keeps the port it was last started on (`lms server start --port N`)."""
+    url, _ = await start_upstream(Script(), factory=lmstudio_double)
+    port = url.rsplit(":", 1)[1]
+    cli = tmp_path / "lms"
+    cli.write_text(f"#!/bin/sh\n[ \"$1 $2 $3\" = 'server status --json' ] || exit 1\nprintf '{{ \"running\": true, \"port\": {port} }}\\n'\n")
+    cli.chmod(cli.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    proxy = await start_proxy(LMStudioBackend())
+    assert proxy.engine.backend.base_url == url
+    out = await client(proxy).chat.completions.create(model="meta-llama-3.1-8b-instruct", messages=[{"role": "user", "content": "hi"}])
+    assert out.choices[0].message.content
+    explicit = LMStudioBackend("http://127.0.0.1:1234")
+    await explicit.start()
+    assert explicit.base_url == "http://127.0.0.1:1234"  # an explicit URL is never second-guessed
+    await explicit.close()

@@ -19,7 +19,7 @@ CANDIDATES: list[tuple[type[BaseBackend], str | None]] = [
     (OllamaBackend, "http://127.0.0.1:11434"),
     (LlamaCppBackend, "http://127.0.0.1:9931"),
     (LlamaCppBackend, "http://127.0.0.1:8080"),
-    (LMStudioBackend, "http://127.0.0.1:1234"),
+    (LMStudioBackend, None),  # its default port, or where `lms server status` says
     (FoundryBackend, None),  # discovered through the foundry CLI
 ]
 
@@ -35,7 +35,8 @@ async def probe_runtimes(settings: Settings) -> BaseBackend | None:
         probe = cls(url, model, settings)
         await probe.start()
         try:
-            found = await probe.identify()
+            # A discovered URL (Foundry's, LM Studio's CLI) may be KVStream's own port too.
+            found = urlsplit(probe.base_url).port != own_port and await probe.identify()
         except Exception:
             found = False
         finally:

@@ -2,16 +2,47 @@
 
 Quirks (protocols.md section 4): unknown routes answer 200, so health is probed on
 /v1/models; /api/v0/models tells which model is loaded and its context length; "Max
-Concurrent Predictions" defaults to 4 and is not reported, so it is a backend option.
+Concurrent Predictions" defaults to 4 and is not reported, so it is a backend option. The
+server keeps the last port it was started with (``lms server start --port N``): without an
+explicit URL, KVStream asks ``lms server status --json --quiet`` where it is.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 from typing import Any
 
 from kvstream.config import Settings
 from kvstream.types import BackendError, RuntimeLimits
 from kvstream.backends.openai_compat import OpenAICompatibleBackend
+
+
+logger = logging.getLogger(__name__)
+
+
+async def discover_port(timeout: float = 10.0) -> int | None:
+    """The port LM Studio's server runs on, from its CLI; None when the CLI is missing, the
+    server is not running, or the answer is not what ``lms`` prints."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "lms", "server", "status", "--json", "--quiet", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+        )
+    except (FileNotFoundError, PermissionError):
+        return None
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return None
+    try:
+        status = json.loads(out)
+    except ValueError:
+        return None
+    port = status.get("port") if isinstance(status, dict) and status.get("running") is True else None
+    return port if isinstance(port, int) and 0 < port < 65536 else None
 
 
 class LMStudioBackend(OpenAICompatibleBackend):
@@ -25,6 +56,15 @@ class LMStudioBackend(OpenAICompatibleBackend):
     ) -> None:
         super().__init__(base_url, model, settings, **overrides)
         self.parallel = self.settings.backend.parallel or 4
+        self._explicit_url = bool(base_url)
+
+    async def start(self) -> None:
+        if not self._explicit_url:
+            port = await discover_port()
+            if port is not None and f"http://127.0.0.1:{port}" != self.base_url:
+                self.base_url = f"http://127.0.0.1:{port}"
+                logger.info("lmstudio: `lms server status` says the server is at %s", self.base_url)
+        await super().start()
 
     async def identify(self) -> bool:
         """LM Studio answers its own REST API, ``/api/v0/models``, with each model's type and
