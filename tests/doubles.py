@@ -52,6 +52,7 @@ class Script:
     extra: dict[str, Any] = field(default_factory=dict)
     logprobs: bool = False
     models_hang_after: int | None = None  # /v1/models never answers after this many calls
+    load_duration_s: list[float] = field(default_factory=list)  # Ollama: load_duration of the next answers
 
 
 @dataclass
@@ -265,6 +266,8 @@ def ollama_double(script: Script, recorder: Recorder, models: list[str] | None =
             else:
                 final["response"] = ""
             final.update(prompt_eval_count=script.prompt_tokens, eval_count=len(script.tokens), total_duration=4883583458, eval_duration=4535599000)
+            if script.load_duration_s:
+                final["load_duration"] = int(script.load_duration_s.pop(0) * 1e9)
             await resp.write(json.dumps(final).encode() + b"\n")
             recorder.completed += 1
             return resp

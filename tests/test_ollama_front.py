@@ -197,3 +197,35 @@ async def test_ollama_front_routes_are_counted(start_upstream, start_proxy, http
         text = await resp.text()
     assert 'kvstream_requests_total{code="200",route="ollama_chat"} 1.0' in text
     assert 'kvstream_requests_total{code="400",route="ollama_generate"} 1.0' in text
+
+
+async def test_after_ollama_reloads_its_model_the_hottest_prefixes_are_prefilled_again(start_upstream, start_proxy, http):
+    """Issue 16: a load_duration of seconds means Ollama's caches are empty; KVStream then
+    re-prefills the hottest system prompts (one token each, low priority), not the one the
+    reloading request is computing anyway."""
+    script = Script()
+    url, recorder = await start_upstream(script, factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url))
+    hot, warm, cold = ("You are the billing assistant. " * 20, "You are the travel assistant. " * 20, "You are brief. " * 2)
+
+    async def chat(system: str) -> None:
+        body = {"model": "llama3.2:latest", "messages": [{"role": "system", "content": system}, {"role": "user", "content": "q"}]}
+        async with http.post(proxy.v1 + "/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+
+    for system in (hot, hot, hot, warm, warm, cold, cold, cold):
+        await chat(system)
+    sent = len(recorder.bodies)
+    script.load_duration_s = [3.2]  # the next answer: Ollama had to load the model first
+    await chat(warm)
+    for _ in range(100):
+        if proxy.engine.stats.rewarmed_prefixes == 1:
+            break
+        await asyncio.sleep(0.02)
+    rewarms = recorder.bodies[sent + 1:]
+    # Only `hot` (warm is the reloading request's own; cold is too short to be worth it).
+    assert [b["messages"] for b in rewarms] == [[{"role": "system", "content": hot}]]
+    assert rewarms[0]["options"]["num_predict"] == 1
+    async with http.get(proxy.url + "/status") as resp:
+        cache = (await resp.json())["prefix_cache"]
+    assert cache["runtime_reloads"] == 1 and cache["rewarmed_prefixes"] == 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -62,6 +62,16 @@ class BaseBackend(abc.ABC):
                 "the backend URL carries credentials and backend.api_key is set: only one "
                 "Authorization header can go upstream, so keep one of them"
             )
+
+    # Set by the engine: called when the runtime lost its caches (see runtime_reloaded).
+    on_reload: Callable[[str, GenerateRequest | None], None] | None = None
+
+    def runtime_reloaded(self, why: str, request: GenerateRequest | None = None) -> None:
+        """Report that the runtime restarted or reloaded its model, so its prompt caches are
+        empty (``request``: the one that found out, which computes its own prefix anyway);
+        the engine re-prefills the hottest prefixes."""
+        if self.on_reload is not None:
+            self.on_reload(why, request)
 
     async def start(self) -> None:
         """Open sessions and discover the runtime. Must not fail if the runtime is down."""

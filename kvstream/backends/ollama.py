@@ -17,6 +17,10 @@ from kvstream.backends.base import BaseBackend
 from kvstream.types import BackendError, GenerateRequest, ModelInfo, RuntimeLimits, Token, Usage
 from kvstream.backends.http import EventReader, UpstreamSession, decode_ndjson_line, raise_for_upstream_status
 
+# A load_duration above this means Ollama (re)loaded the model for this request, so its
+# prompt caches started empty (a model already loaded reports a few milliseconds).
+RELOAD_S = 0.25
+
 # OpenAI fields with an Ollama option of another name.
 _OPTION_FIELDS = {
     "max_tokens": "num_predict",
@@ -191,6 +195,10 @@ class OllamaBackend(BaseBackend):
                             reason = "stop"
                         if tool_calls and reason == "stop":
                             reason = "tool_calls"
+                        load = obj.get("load_duration")
+                        load_s = load / 1e9 if isinstance(load, (int, float)) else 0.0
+                        if load_s > RELOAD_S:
+                            self.runtime_reloaded(f"Ollama loaded {request.model} ({load_s:.1f}s)", request)
                         usage = None
                         if "prompt_eval_count" in obj or "eval_count" in obj:
                             # Ollama omits zero metrics (omitempty): absent means 0.

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstream.backends.base import BaseBackend
 from kvstream.config import Settings
+from kvstream.engine.hot import HotPrefixes
 from kvstream.engine.estimate import CHARS_PER_TOKEN, estimate_tokens, flatten_messages
 from kvstream.engine.runners import Runner, runner_for
 from kvstream.kv.hashing import tenant_root
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 # Worst-case output assumed for admission when a request sets no max_tokens and the model's
 # context is unknown.
 FALLBACK_MAX_TOKENS = 2048
+# Hot prefixes re-prefilled after the runtime lost its caches.
+REWARM_PREFIXES = 4
 # How long the runtime's model list is reused before asking again.
 MODELS_TTL_S = 5.0
 
@@ -68,6 +71,9 @@ class EngineStats:
     # and the prompt tokens of those same requests: the verified hit ratio.
     runtime_cached_tokens: int = 0
     runtime_reported_prompt_tokens: int = 0
+    # Runtime restarts/reloads KVStream learnt of, and hot prefixes it re-prefilled after.
+    runtime_reloads: int = 0
+    rewarmed_prefixes: int = 0
     # Sum of |estimated - reported| prompt tokens for runtimes that cannot tokenize.
     estimate_error: int = 0
     estimated_prompts: int = 0
@@ -245,6 +251,9 @@ class KVStreamEngine:
         self._models: list[ModelInfo] = []
         self._models_at = 0.0
         self._models_refresh: asyncio.Future[list[ModelInfo]] | None = None
+        self.hot = HotPrefixes()
+        self._rewarm: asyncio.Task[None] | None = None
+        backend.on_reload = self.runtime_reloaded
 
     # ----------------------------------------------------------------- setup
     def attach_metrics(self, metrics: Metrics) -> None:
@@ -299,6 +308,10 @@ class KVStreamEngine:
         return healthy
 
     async def close(self) -> None:
+        if self._rewarm is not None and not self._rewarm.done():
+            self._rewarm.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._rewarm
         for gen in list(self._generations.values()):
             gen.close("cancelled")
         if self._models_refresh is not None and not self._models_refresh.done():
@@ -359,6 +372,7 @@ class KVStreamEngine:
     ) -> Generation:
         """Count the prompt and queue the request. Raises NeverFits or QueueFull at once."""
         self.stats.requests_total += 1
+        self.hot.observe(request)
         prompt_ids, exact = await self.prompt_tokens(request)
         if exact:
             request.control.prompt_token_ids = prompt_ids  # for slot routing and KV inject
@@ -465,6 +479,28 @@ class KVStreamEngine:
             "elapsed_ms": round((time.monotonic() - started) * 1000, 1),
         }
 
+    def runtime_reloaded(self, why: str, request: GenerateRequest | None = None) -> None:
+        """The runtime lost its prompt caches (restart, model reload): re-prefill the hottest
+        prefixes in the background, at low priority, before they are asked for. The prefix
+        of ``request`` (the one that found out) is being computed by it already."""
+        self.stats.runtime_reloads += 1
+        if self._rewarm is not None and not self._rewarm.done():
+            return
+        skip = HotPrefixes.prefix_of(request) if request is not None else None
+        todo = [r for r in self.hot.top(REWARM_PREFIXES) if r.messages != skip]
+        logger.info("%s: its caches are empty; re-prefilling the %d hottest prefixes", why, len(todo))
+        if todo:
+            self._rewarm = asyncio.get_running_loop().create_task(self._rewarm_prefixes(todo))
+
+    async def _rewarm_prefixes(self, requests: list[GenerateRequest]) -> None:
+        for request in requests:
+            try:
+                await self.warm(request)
+            except (SchedulerError, BackendError) as exc:
+                logger.warning("re-prefilling a hot prefix failed: %s", exc)
+                return  # the runtime is not ready: the requests themselves will compute them
+            self.stats.rewarmed_prefixes += 1
+
     # ------------------------------------------------------------- snapshot
     def snapshot(self) -> dict[str, Any]:
         """The JSON body of /status."""
@@ -509,6 +545,9 @@ class KVStreamEngine:
                 # What the runtime itself reported it reused (verified).
                 "runtime_cached_tokens": self.stats.runtime_cached_tokens,
                 "runtime_prompt_tokens": self.stats.runtime_reported_prompt_tokens,
+                "hot_prefixes": len(self.hot),
+                "runtime_reloads": self.stats.runtime_reloads,
+                "rewarmed_prefixes": self.stats.rewarmed_prefixes,
             },
             "requests": {
                 "total": self.stats.requests_total,

@@ -141,6 +141,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         if self.runtime is not None and self.runtime.restarts != self._runtime_restarts:
             self._runtime_restarts = self.runtime.restarts
             inject.reset()  # the managed server restarted: its slots and caches are empty
+            self.runtime_reloaded("the managed llama-server restarted", request)
         route = await inject.prepare(prompt, root=tenant_root(request.cache_salt))
         body = self.build_body(request)
         if route.pin:
