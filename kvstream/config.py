@@ -42,6 +42,7 @@ class BackendSettings(_Section):
     parallel: int | None = Field(None, ge=1, description="requests the runtime runs at once when it does not report it (Ollama: OLLAMA_NUM_PARALLEL, default 1; LM Studio: 4)")
     num_ctx: int | None = Field(None, ge=256, description="Ollama: context per request (options.num_ctx), kept constant to avoid reloads")
     keep_alive: str | None = Field(None, description="Ollama: keep_alive sent with every request (e.g. 10m, -1)")
+    exact_tokens: bool = Field(True, description="Ollama: count prompt tokens with the model's own tokenizer and chat template, rebuilt from /api/show (needs transformers: pip install 'kvstream[hf]'); otherwise estimated")
     managed_slots: int = Field(2, ge=1, description="slots (-np) of a llama-server KVStream starts itself")
     managed_ctx: int = Field(4096, ge=256, description="total context (-c) of a llama-server KVStream starts itself")
     slot_save_path: Path | None = Field(None, description="llama.cpp: the server's --slot-save-path, where KVStream keeps slot files")

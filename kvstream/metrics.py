@@ -174,6 +174,10 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("kvstream_generation_tokens", "Generated tokens of finished requests.", value=stats.generation_tokens)
         yield CounterMetricFamily("kvstream_prefix_cache_query_tokens", "Prompt tokens looked up in KVStream's prefix index (an inference for remote runtimes; see kvstream_kv_estimated).", value=stats.prefix_query_tokens)
         yield CounterMetricFamily("kvstream_prefix_cache_hit_tokens", "Prompt tokens KVStream's prefix index found (an inference for remote runtimes; the verified figure is kvstream_runtime_cached_tokens_total).", value=stats.prefix_hit_tokens)
+        counted = CounterMetricFamily("kvstream_prompts_counted", "Prompts KVStream sized, by how: exact (the model's own tokenizer) or estimated.", labels=["how"])
+        counted.add_metric(["exact"], stats.prompts_exact)
+        counted.add_metric(["estimated"], stats.prompts_estimated)
+        yield counted
         yield CounterMetricFamily("kvstream_runtime_reloads", "Times the runtime lost its prompt caches (model reload, restart), as KVStream learnt of it.", value=stats.runtime_reloads)
         yield CounterMetricFamily("kvstream_rewarmed_prefixes", "Hot prefixes re-prefilled after a runtime reload.", value=stats.rewarmed_prefixes)
         yield CounterMetricFamily("kvstream_runtime_cached_tokens", "Prompt tokens the runtime reported reusing from its cache (usage cached_tokens, llama.cpp timings.cache_n).", value=stats.runtime_cached_tokens)

@@ -200,8 +200,11 @@ def _logprobs(tokens: list[str]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- Ollama
-def ollama_double(script: Script, recorder: Recorder, models: list[str] | None = None) -> web.Application:
-    """Ollama's native API: /api/version, /api/tags, /api/ps, /api/chat, /api/generate (NDJSON)."""
+def ollama_double(
+    script: Script, recorder: Recorder, models: list[str] | None = None, model_info: dict[str, Any] | None = None
+) -> web.Application:
+    """Ollama's native API: /api/version, /api/tags, /api/ps, /api/chat, /api/generate (NDJSON),
+    and /api/show, whose verbose form carries ``model_info`` (a GGUF's metadata) whole."""
     tags = payload("ollama/tags_response.json")
     known = models or [m["name"] for m in tags["models"]]
     chat_template = ndjson("ollama/chat_stream.ndjson")
@@ -278,6 +281,17 @@ def ollama_double(script: Script, recorder: Recorder, models: list[str] | None =
     app.router.add_get("/api/ps", ps)
     app.router.add_post("/api/chat", generate)
     app.router.add_post("/api/generate", generate)
+
+    async def show(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("model") not in known:
+            return web.json_response({"error": f'model "{body.get("model")}" not found'}, status=404)
+        info = dict(model_info or {"general.architecture": "llama"})
+        if not body.get("verbose"):  # Ollama leaves the large arrays out unless asked
+            info = {k: (None if isinstance(v, list) else v) for k, v in info.items()}
+        return web.json_response({"modelfile": "", "template": "{{ .Prompt }}", "details": {"format": "gguf"}, "model_info": info})
+
+    app.router.add_post("/api/show", show)
     return app
 
 

@@ -108,8 +108,9 @@ async def test_labels_stay_bounded_whatever_clients_send(proxied):
         await s.post(proxy.v1 + "/chat/completions", json={"model": "test-model", "messages": [{"role": "user", "content": "x"}]})
         samples = await scrape(s, proxy)
     allowed = {
-        "route": {"chat", "completions"},
-        "code": {str(c) for c in (200, 400, 401, 404, 413, 422, 429, 500, 502, 503, 504)},
+        "route": {"chat", "completions", "warm", "ollama_chat", "ollama_generate", "ollama_embed", "passthrough", "passthrough_generation"},
+        "code": {str(c) for c in (200, 400, 401, 404, 408, 413, 415, 422, 429, 500, 502, 503, 504)},
+        "how": {"exact", "estimated"},
         "kind": {"unavailable", "rejected", "timeout", "error"},
         "tier": {"gpu", "cpu"},
         "state": {"used", "free", "cached"},

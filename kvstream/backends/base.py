@@ -20,8 +20,6 @@ from kvstream.types import GenerateRequest, ModelInfo, RuntimeLimits, Token
 class Capabilities:
     """What a backend can do; the engine and scheduler adapt to it."""
 
-    # Prompt token counts are exact (the runtime tokenizes for us) rather than estimated.
-    exact_prompt_tokens: bool = False
     # A running sequence can be paused and resumed (swap/recompute), so the scheduler may
     # admit optimistically and preempt under memory pressure.
     preemptible: bool = False
@@ -101,7 +99,7 @@ class BaseBackend(abc.ABC):
 
     async def tokenize(self, request: GenerateRequest) -> list[int] | None:
         """Exact prompt token ids as the runtime will see them (chat template applied), or
-        None when the runtime cannot tell; the engine then estimates."""
+        None when the backend cannot tell (the default); the engine then estimates."""
         return None
 
     def can_resume(self, request: GenerateRequest) -> bool:

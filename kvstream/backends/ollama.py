@@ -7,7 +7,9 @@ The native routes are used rather than Ollama's /v1 layer because only they acce
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,7 +17,10 @@ from typing import Any
 from kvstream.config import Settings
 from kvstream.backends.base import BaseBackend
 from kvstream.types import BackendError, GenerateRequest, ModelInfo, RuntimeLimits, Token, Usage
+from kvstream.backends.gguf_tokenizer import GGUFTokenizer
 from kvstream.backends.http import EventReader, UpstreamSession, decode_ndjson_line, raise_for_upstream_status
+
+logger = logging.getLogger(__name__)
 
 # A load_duration above this means Ollama (re)loaded the model for this request, so its
 # prompt caches started empty (a model already loaded reports a few milliseconds).
@@ -119,13 +124,68 @@ class OllamaBackend(BaseBackend):
         self.num_ctx: int | None = config.num_ctx
         self.keep_alive: str | int | None = config.keep_alive
         self.num_parallel: int = config.parallel or 1
+        # Per model: the tokenizer rebuilt from /api/show (None: estimate), built once.
+        self._tokenizers: dict[str, asyncio.Future[GGUFTokenizer | None]] = {}
 
     async def start(self) -> None:
         self.session = self.open_session()
 
     async def close(self) -> None:
+        for pending in self._tokenizers.values():
+            pending.cancel()
+        await asyncio.gather(*self._tokenizers.values(), return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+
+    # ---------------------------------------------------------------- tokens
+    async def tokenize(self, request: GenerateRequest) -> list[int] | None:
+        """The chat's exact token ids, from the model's tokenizer and chat template (see
+        gguf_tokenizer.py); None (estimate) for completions, content parts, or a model
+        whose tokenizer cannot be rebuilt here."""
+        if not self.settings.backend.exact_tokens or not request.is_chat or not request.messages:
+            return None
+        if not all(isinstance(m.get("content"), (str, type(None))) for m in request.messages):
+            return None  # images and content parts: Ollama's template sees them differently
+        tokenizer = await self._tokenizer(request.model or self.model)
+        if tokenizer is None:
+            return None
+        return await asyncio.to_thread(tokenizer.encode_chat, request.messages)
+
+    async def _tokenizer(self, model: str | None) -> GGUFTokenizer | None:
+        if not model:
+            return None
+        pending = self._tokenizers.get(model)
+        if pending is None:
+            pending = self._tokenizers[model] = asyncio.ensure_future(self._build_tokenizer(model))
+        # Shielded: a request that leaves does not cancel the build the others wait for.
+        return await asyncio.shield(pending)
+
+    async def _build_tokenizer(self, model: str) -> GGUFTokenizer | None:
+        try:
+            show = await self.http.post_json("/api/show", {"model": model, "verbose": True}, timeout=60)
+        except BackendError:
+            self._tokenizers.pop(model, None)  # Ollama down or busy: ask again next time
+            return None
+        info = show.get("model_info") if isinstance(show, dict) else None
+        tokenizer = await asyncio.to_thread(GGUFTokenizer.build, info) if isinstance(info, dict) else None
+        logger.info("ollama: prompt tokens of %s are %s", model, "counted exactly" if tokenizer else "estimated")
+        return tokenizer
+
+    def _check_count(self, request: GenerateRequest, evaluated: int) -> None:
+        """Ollama renders chats with its own (Go) template: if it evaluated more prompt
+        tokens than KVStream counted, the two templates differ for this model, and its
+        counts go back to estimates. (Fewer is a cache hit, or a template difference the
+        other way: not told apart, so not claimed as a hit.)"""
+        counted = request.control.prompt_token_ids
+        model = request.model or self.model
+        if counted and evaluated > len(counted) and model:
+            logger.warning(
+                "ollama: %s evaluated %d prompt tokens where its tokenizer counted %d: its template "
+                "differs from the model's own; estimating its prompt sizes from now on", model, evaluated, len(counted),
+            )
+            done: asyncio.Future[GGUFTokenizer | None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            self._tokenizers[model] = done
 
     def upstream(self) -> UpstreamSession | None:
         return self.session
@@ -203,6 +263,7 @@ class OllamaBackend(BaseBackend):
                         if "prompt_eval_count" in obj or "eval_count" in obj:
                             # Ollama omits zero metrics (omitempty): absent means 0.
                             usage = Usage(int(obj.get("prompt_eval_count") or 0), int(obj.get("eval_count") or 0))
+                            self._check_count(request, usage.prompt_tokens)
                         yield Token(finish_reason=reason, usage=usage)
                         return
             raise BackendError("Ollama ended the stream without a final done:true object")

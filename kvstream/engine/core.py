@@ -74,6 +74,9 @@ class EngineStats:
     # Runtime restarts/reloads KVStream learnt of, and hot prefixes it re-prefilled after.
     runtime_reloads: int = 0
     rewarmed_prefixes: int = 0
+    # Prompts counted with the model's own tokenizer vs estimated (4 characters a token).
+    prompts_exact: int = 0
+    prompts_estimated: int = 0
     # Sum of |estimated - reported| prompt tokens for runtimes that cannot tokenize.
     estimate_error: int = 0
     estimated_prompts: int = 0
@@ -353,17 +356,17 @@ class KVStreamEngine:
         return self._models
 
     async def prompt_tokens(self, request: GenerateRequest) -> tuple[list[int], bool]:
-        """Prompt token ids and whether they are exact (from the runtime) or estimated."""
-        if self.backend.capabilities.exact_prompt_tokens:
-            try:
-                tokens = await self.backend.tokenize(request)
-            except BackendRejected:
-                raise
-            except BackendError as exc:
-                logger.debug("tokenize failed (%s); estimating", exc.message)
-                tokens = None
-            if tokens:
-                return tokens, True
+        """Prompt token ids and whether they are exact (the runtime's tokenizer, or the
+        model's own) or estimated. A backend that cannot tell answers None at once."""
+        try:
+            tokens = await self.backend.tokenize(request)
+        except BackendRejected:
+            raise
+        except BackendError as exc:
+            logger.debug("tokenize failed (%s); estimating", exc.message)
+            tokens = None
+        if tokens:
+            return tokens, True
         text = flatten_messages(request.messages) if request.is_chat else (request.prompt or "")
         return estimate_tokens(text), False
 
@@ -376,6 +379,9 @@ class KVStreamEngine:
         prompt_ids, exact = await self.prompt_tokens(request)
         if exact:
             request.control.prompt_token_ids = prompt_ids  # for slot routing and KV inject
+            self.stats.prompts_exact += 1
+        else:
+            self.stats.prompts_estimated += 1
         return self._enqueue(request, prompt_ids, exact, priority, arrived_at)
 
     def reserve(self, body_size: int, max_tokens: int | None, priority: Priority = Priority.NORMAL) -> Generation:
@@ -557,6 +563,8 @@ class KVStreamEngine:
                 "rejected": dict(self.stats.rejected),
                 "prompt_tokens": self.stats.prompt_tokens,
                 "generation_tokens": self.stats.generation_tokens,
+                # How KVStream sized each prompt: the model's own tokenizer, or an estimate.
+                "prompts_counted": {"exact": self.stats.prompts_exact, "estimated": self.stats.prompts_estimated},
             },
             "preemption": {
                 "preemptions": sched.stats.preemptions,

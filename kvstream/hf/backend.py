@@ -144,7 +144,7 @@ class HFBackend(InProcessBackend):
     """A HuggingFace causal LM run in-process by KVStream's paged model runner."""
 
     name = "hf"
-    capabilities = Capabilities(exact_prompt_tokens=True, preemptible=True)
+    capabilities = Capabilities(preemptible=True)
     serves_n = True  # n choices fork the prompt's blocks (copy-on-write)
 
     def __init__(

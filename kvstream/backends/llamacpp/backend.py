@@ -47,7 +47,6 @@ class LlamaCppBackend(OpenAICompatibleBackend):
     name = "llamacpp"
     default_url = None
     health_path = "/health"
-    capabilities = Capabilities(exact_prompt_tokens=True)
 
     def __init__(
         self, base_url: str | None = None, model: str | None = None, settings: Settings | None = None, **overrides: Any
@@ -123,7 +122,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         if store is not None:
             # Slot saving works: a running request can be paused (its slot saved to a swap
             # file) and resumed, so the scheduler may preempt for higher-priority requests.
-            self.capabilities = Capabilities(exact_prompt_tokens=True, preemptible=True)
+            self.capabilities = Capabilities(preemptible=True)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
         prompt = request.control.prompt_token_ids
