@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import time
+from datetime import datetime, timedelta, timezone
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ class Script:
     logprobs: bool = False
     models_hang_after: int | None = None  # /v1/models never answers after this many calls
     load_duration_s: list[float] = field(default_factory=list)  # Ollama: load_duration of the next answers
+    expires_in_s: float | None = None  # Ollama: /api/ps lists every model, its lease ending this far ahead
 
 
 @dataclass
@@ -218,6 +220,9 @@ def ollama_double(
 
     async def ps(request: web.Request) -> web.Response:
         body = payload("ollama/ps_response.json")
+        if script.expires_in_s is not None:
+            when = datetime.now(timezone.utc) + timedelta(seconds=script.expires_in_s)
+            body["models"] = [dict(body["models"][0], name=name, model=name, expires_at=when.isoformat()) for name in known]
         for m in body["models"]:
             m["context_length"] = 4096
         return web.json_response(body)
@@ -225,6 +230,9 @@ def ollama_double(
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         chat = request.path == "/api/chat"
+        if not chat and "prompt" not in body:  # load the model (or renew its keep_alive) only
+            recorder.bodies.append(body)
+            return web.json_response(dict(payload("ollama/generate_load_response.json"), model=body.get("model")))
         with recorder.tracking(body):
             if body.get("model") not in known:
                 return web.json_response({"error": f'model "{body.get("model")}" not found, try pulling it first'}, status=404)

@@ -229,3 +229,23 @@ async def test_after_ollama_reloads_its_model_the_hottest_prefixes_are_prefilled
     async with http.get(proxy.url + "/status") as resp:
         cache = (await resp.json())["prefix_cache"]
     assert cache["runtime_reloads"] == 1 and cache["rewarmed_prefixes"] == 1
+
+
+@pytest.mark.parametrize("expires_in_s, renewed", [(30.0, True), (600.0, False)], ids=["about-to-lapse", "long-lease"])
+async def test_ollama_keeps_the_model_loaded_while_traffic_flows(start_upstream, start_proxy, http, monkeypatch, expires_in_s, renewed):
+    """Issue 16: Ollama unloads a model (and its prompt caches) 5 minutes after its last
+    request; while traffic flows KVStream renews a lease about to lapse, and never touches a
+    longer one (OLLAMA_KEEP_ALIVE on the server)."""
+    from kvstream.backends import ollama as ollama_module
+
+    monkeypatch.setattr(ollama_module, "KEEP_ALIVE_CHECK_S", 0.05)
+    url, recorder = await start_upstream(Script(expires_in_s=expires_in_s), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url))
+    body = {"model": "llama3.2:latest", "messages": [{"role": "user", "content": "q"}]}
+    async with http.post(proxy.v1 + "/chat/completions", json=body) as resp:
+        assert resp.status == 200
+    await asyncio.sleep(0.3)
+    renewals = [b for b in recorder.bodies if "keep_alive" in b and "messages" not in b]
+    assert bool(renewals) is renewed
+    if renewed:
+        assert renewals[0] == {"model": "llama3.2:latest", "keep_alive": "5m"}

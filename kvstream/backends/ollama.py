@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
+from datetime import datetime, timezone
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +27,11 @@ logger = logging.getLogger(__name__)
 # A load_duration above this means Ollama (re)loaded the model for this request, so its
 # prompt caches started empty (a model already loaded reports a few milliseconds).
 RELOAD_S = 0.25
+# Keeping the model (and its prompt caches) loaded while traffic flows: how often the lease
+# is checked, how close to expiry it is renewed, and for how long it is.
+KEEP_ALIVE_CHECK_S = 30.0
+RENEW_WITHIN_S = 90.0
+RENEWAL = "5m"
 
 # OpenAI fields with an Ollama option of another name.
 _OPTION_FIELDS = {
@@ -126,16 +133,50 @@ class OllamaBackend(BaseBackend):
         self.num_parallel: int = config.parallel or 1
         # Per model: the tokenizer rebuilt from /api/show (None: estimate), built once.
         self._tokenizers: dict[str, asyncio.Future[GGUFTokenizer | None]] = {}
+        self._last_use: dict[str, float] = {}  # model -> when a request last used it
+        self._keeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.session = self.open_session()
+        if self.keep_alive is None:  # an operator's own keep_alive is left alone
+            self._keeper = asyncio.get_running_loop().create_task(self._keep_loaded())
 
     async def close(self) -> None:
-        for pending in self._tokenizers.values():
-            pending.cancel()
-        await asyncio.gather(*self._tokenizers.values(), return_exceptions=True)
+        tasks = [*self._tokenizers.values(), *([self._keeper] if self._keeper else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+
+    async def _keep_loaded(self) -> None:
+        """While traffic flows (a request in the last ``prefix_cache.ttl_seconds``), renew
+        the lease of each model in use shortly before Ollama would unload it (5 minutes after
+        its last request by default), so that a pause between bursts does not throw its
+        prompt caches away. Only a lease about to lapse is renewed (``/api/ps``
+        ``expires_at``), so a longer one set on the server (OLLAMA_KEEP_ALIVE) is never
+        shortened; after the window, Ollama unloads as it would."""
+        window = self.settings.prefix_cache.ttl_seconds
+        while True:
+            await asyncio.sleep(KEEP_ALIVE_CHECK_S)
+            now = time.monotonic()
+            for model in [m for m, at in self._last_use.items() if now - at > window]:
+                del self._last_use[model]
+            if not self._last_use:
+                continue
+            try:
+                loaded = await self.http.get_json("/api/ps")
+            except BackendError:
+                continue
+            for entry in loaded.get("models", []) if isinstance(loaded, dict) else []:
+                name = entry.get("name") if isinstance(entry, dict) else None
+                left = _seconds_until(entry.get("expires_at")) if name in self._last_use else None
+                if left is not None and left < RENEW_WITHIN_S:
+                    try:
+                        await self.http.post_json("/api/generate", {"model": name, "keep_alive": RENEWAL})
+                        logger.debug("ollama: renewed %s's keep_alive (%.0fs left)", name, left)
+                    except BackendError as exc:
+                        logger.debug("ollama: renewing %s's keep_alive failed: %s", name, exc.message)
 
     # ---------------------------------------------------------------- tokens
     async def tokenize(self, request: GenerateRequest) -> list[int] | None:
@@ -228,6 +269,7 @@ class OllamaBackend(BaseBackend):
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
         path, body = self.build_body(request)
+        self._last_use[body["model"]] = time.monotonic()
         async with self.http.request("POST", path, json_body=body) as resp:
             await raise_for_upstream_status(resp)
             tool_calls = 0
@@ -325,3 +367,18 @@ def _epoch(stamp: Any) -> int:
         return int(datetime.fromisoformat(head + tz.replace("Z", "+00:00")).timestamp())
     except ValueError:
         return int(time.time())
+
+
+def _seconds_until(stamp: object) -> float | None:
+    """Seconds from now to an RFC 3339 time as Ollama writes it (nanosecond fractions
+    included); None when it is not one."""
+    if not isinstance(stamp, str):
+        return None
+    text = re.sub(r"(\.\d{6})\d+", r"\1", stamp.replace("Z", "+00:00"))
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        return None
+    return (when - datetime.now(timezone.utc)).total_seconds()
