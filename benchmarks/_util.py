@@ -49,3 +49,28 @@ def cpu_seconds(pid: int) -> float:
 
 
 PYTHON = sys.executable
+
+
+async def stream_chat(session, url: str, body: dict) -> tuple[float, float] | None:
+    """POST a streaming chat to ``url`` and read it whole: (seconds to the first content
+    token, seconds to the end), or None for a non-200 answer, an error event or a
+    connection failure. The one timer every benchmark's TTFT uses."""
+    import aiohttp
+
+    start = time.perf_counter()
+    first = None
+    try:
+        async with session.post(url + "/v1/chat/completions", json=body) as resp:
+            if resp.status != 200:
+                await resp.read()
+                return None
+            async for line in resp.content:
+                if b'"error"' in line:
+                    return None
+                if first is None and line.startswith(b"data: {") and b'"content"' in line and b'"role"' not in line:
+                    first = time.perf_counter()
+    except aiohttp.ClientError:
+        return None
+    end = time.perf_counter()
+    return (first or end) - start, end - start
+

@@ -19,11 +19,11 @@ import time
 
 import aiohttp
 
-from _util import PYTHON, free_port, percentile, spawn, stop, wait_http
+from _util import PYTHON, free_port, percentile, spawn, stop, stream_chat, wait_http
 
 
 def model_path() -> str:
-    from kvstream.backends.llamacpp.runtime import embedded_model
+    from kvstream.embedded import embedded_model
 
     path = embedded_model()
     if path is None:
@@ -50,25 +50,12 @@ async def client_load(url: str, clients: int, max_tokens: int, metrics_url: str,
         body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
                 "messages": [{"role": "system", "content": "You are a helpful assistant. Be brief."},
                              {"role": "user", "content": f"Tell me one fact about the number {i}."}]}
-        start = time.perf_counter()
-        first = None
-        try:
-            async with session.post(url + "/v1/chat/completions", json=body) as resp:
-                if resp.status != 200:
-                    errors += 1
-                    await resp.read()
-                    return
-                async for line in resp.content:
-                    if first is None and line.startswith(b"data: {") and b'"content"' in line and b'"role"' not in line:
-                        first = time.perf_counter()
-                    if b'"error"' in line:
-                        errors += 1
-                        return
-        except aiohttp.ClientError:
+        timing = await stream_chat(session, url, body)
+        if timing is None:
             errors += 1
             return
-        ttfts.append((first or time.perf_counter()) - start)
-        e2es.append(time.perf_counter() - start)
+        ttfts.append(timing[0])
+        e2es.append(timing[1])
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600)) as session:
         watcher = asyncio.create_task(watch(session))

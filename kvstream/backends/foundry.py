@@ -9,7 +9,6 @@ at a time, so KVStream's queue is the only useful queue (parallel = 1).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import re
@@ -17,7 +16,7 @@ from typing import Any
 
 from kvstream.config import Settings
 from kvstream.types import BackendError, BackendUnavailable, GenerateRequest, ModelInfo, RuntimeLimits
-from kvstream.backends.http import UpstreamSession, raise_for_upstream_status
+from kvstream.backends.http import UpstreamSession, cli_output, raise_for_upstream_status
 from kvstream.backends.openai_compat import OpenAICompatibleBackend
 
 logger = logging.getLogger(__name__)
@@ -39,19 +38,8 @@ def parse_status_output(text: str) -> str | None:
 async def discover_url(timeout: float = 10.0) -> str | None:
     """Ask the foundry CLI where the service listens; None if it is not installed or not up."""
     for args in (("server", "status"), ("service", "status")):
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                "foundry", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-            )
-        except FileNotFoundError:
-            return None
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), timeout)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            continue
-        url = parse_status_output(out.decode("utf-8", "replace"))
+        out = await cli_output("foundry", *args, timeout=timeout)
+        url = parse_status_output(out) if out is not None else None
         if url:
             return url
     return None

@@ -3,6 +3,7 @@ keep-alive retry, SSE and NDJSON readers, and upstream error bodies mapped to Ba
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import urllib.parse
@@ -21,6 +22,24 @@ logger = logging.getLogger(__name__)
 # nothing reached the runtime's handler and no byte came back, so one retry is safe.
 _STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 _JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+async def cli_output(*args: str, timeout: float = 10.0) -> str | None:
+    """What a runtime's own CLI prints (``foundry server status``, ``lms server status``);
+    None when the CLI is not installed or does not answer within ``timeout``."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
+    except (FileNotFoundError, PermissionError):
+        return None
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return None
+    return out.decode("utf-8", "replace")
 
 
 def split_credentials(url: str) -> tuple[str, aiohttp.BasicAuth | None]:

@@ -9,13 +9,13 @@ explicit URL, KVStream asks ``lms server status --json --quiet`` where it is.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from typing import Any
 
 from kvstream.config import Settings
 from kvstream.types import BackendError, RuntimeLimits
+from kvstream.backends.http import cli_output
 from kvstream.backends.openai_compat import OpenAICompatibleBackend
 
 
@@ -25,17 +25,8 @@ logger = logging.getLogger(__name__)
 async def discover_port(timeout: float = 10.0) -> int | None:
     """The port LM Studio's server runs on, from its CLI; None when the CLI is missing, the
     server is not running, or the answer is not what ``lms`` prints."""
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            "lms", "server", "status", "--json", "--quiet", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-        )
-    except (FileNotFoundError, PermissionError):
-        return None
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
+    out = await cli_output("lms", "server", "status", "--json", "--quiet", timeout=timeout)
+    if out is None:
         return None
     try:
         status = json.loads(out)
