@@ -6,10 +6,10 @@ traceback. Every response, error or not, carries ``X-Request-Id``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
-import functools
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web

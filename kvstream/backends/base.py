@@ -44,6 +44,8 @@ class BaseBackend(abc.ABC):
     # Whether the backend generates n > 1 choices of one request itself (the translating
     # routes refuse n > 1 otherwise; a forwarding runtime judges n itself).
     serves_n: bool = False
+    # Set by the engine: called when the runtime lost its caches (see runtime_reloaded).
+    on_reload: Callable[[str, GenerateRequest | None], None] | None = None
 
     def __init__(
         self, base_url: str | None = None, model: str | None = None, settings: Settings | None = None, **overrides: Any
@@ -60,9 +62,6 @@ class BaseBackend(abc.ABC):
                 "the backend URL carries credentials and backend.api_key is set: only one "
                 "Authorization header can go upstream, so keep one of them"
             )
-
-    # Set by the engine: called when the runtime lost its caches (see runtime_reloaded).
-    on_reload: Callable[[str, GenerateRequest | None], None] | None = None
 
     def runtime_reloaded(self, why: str, request: GenerateRequest | None = None) -> None:
         """Report that the runtime restarted or reloaded its model, so its prompt caches are

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvstream.backends.base import BaseBackend
 from kvstream.config import Settings
-from kvstream.engine.hot import HotPrefixes
 from kvstream.engine.estimate import CHARS_PER_TOKEN, estimate_tokens, flatten_messages
+from kvstream.engine.hot import HotPrefixes
 from kvstream.engine.runners import Runner, runner_for
 from kvstream.kv.hashing import tenant_root
 from kvstream.scheduler import Priority, Scheduler, SchedulerError, Sequence

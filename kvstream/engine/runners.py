@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstream.backends.base import BaseBackend, InProcessBackend, LocalStream
-from kvstream.engine.affinity import SlotModel
 from kvstream.config import Settings
+from kvstream.engine.affinity import SlotModel
 from kvstream.kv.block_manager import UNKNOWN_TOKEN, BlockManager
 from kvstream.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
 from kvstream.types import BackendError, ResumePoint, RuntimeLimits, Token
