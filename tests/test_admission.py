@@ -144,7 +144,8 @@ async def test_lpm_sends_a_waiting_request_to_the_slot_that_holds_its_prefix(sta
     """Issue 16: one runtime slot, requests of two tenants (long shared system prompts)
     arriving interleaved: lpm runs each tenant's requests back to back, so the slot's prompt
     cache is reused; fcfs would alternate and reuse nothing."""
-    url, recorder = await start_upstream(Script(tokens=["a"], first_delay_s=0.2))
+    # The first request runs long enough for the other six to be queued behind it.
+    url, recorder = await start_upstream(Script(tokens=["a"], first_delay_s=0.5))
     proxy = await start_proxy(OpenAICompatibleBackend(url), scheduler={"max_batch_size": 1})
     assert proxy.engine.scheduler.config.policy == "lpm"
 

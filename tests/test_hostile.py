@@ -364,10 +364,10 @@ def test_a_client_that_never_reads_its_stream_loses_its_slot(tmp_path):
             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
         )
         time.sleep(0.5)  # admitted, streaming into a socket nobody reads
-        started = time.monotonic()
+        # Served: with the stalled client holding the only slot it would wait out the
+        # 20 s queue timeout and get 503.
         resp = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=30)
         assert resp.status_code == 200, resp.text
-        assert time.monotonic() - started < 20  # served, not timed out of the queue
         sock.close()
         assert "read nothing for 1s" in server.log_text()
     finally:
@@ -384,10 +384,9 @@ def test_the_request_deadline_cuts_an_upstream_that_trickles(tmp_path):
         "KVSTREAM_BACKEND__READ_TIMEOUT_S": "2",
     })
     try:
-        started = time.monotonic()
         text = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30).text
-        assert time.monotonic() - started < 10
-        assert "request deadline" in text, text[-300:]
+        assert "request deadline" in text, text[-300:]  # cut by the deadline, not run to its end
+        assert text.count("data: ") < 40  # the 40 tokens did not all arrive
         assert httpx.get(server.url + "/status", timeout=5).json()["queue"]["running"] == 0
     finally:
         stop(server.proc, up)
