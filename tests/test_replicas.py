@@ -39,7 +39,8 @@ async def two_replicas(start_upstream, scripts=(None, None)):
 
 async def test_cache_aware_sends_a_prefix_back_where_it_was_computed(start_upstream, start_proxy, http):
     urls, recorders = await two_replicas(start_upstream)
-    proxy = await start_proxy(ReplicaSet([OpenAICompatibleBackend(u) for u in urls]))
+    # Four slots each: whichever way the four prefixes hash, every one keeps a slot.
+    proxy = await start_proxy(ReplicaSet([OpenAICompatibleBackend(u, parallel=4) for u in urls]))
     first = {}
     for round_ in range(3):
         for system in TENANTS:

@@ -2,19 +2,20 @@
 
 ``ReplicaSet`` is a backend made of backends: the engine, its scheduler and the routes see
 one runtime with the replicas' slots summed; each request is sent to one replica, chosen by
-``routing.policy``:
+``routing.policy`` among those with a free slot (a request sent to a full replica would
+wait inside it, and evict what its slots hold when it runs):
 
-- ``cache_aware`` (default): the replica that already holds the longest part of the prompt
-  (KVStream remembers the block-hash chains it sent to each), unless that replica has
+- ``cache_aware`` (default): the replica whose idle slot holds the longest part of the
+  prompt (a ``SlotModel`` per replica, from what KVStream sent it), unless that replica has
   ``routing.balance_threshold`` more requests in flight than the least loaded one. A prompt
-  nobody holds goes to the replica its first block's hash picks (rendezvous hashing over the
-  replica URLs), so several KVStream instances in front of the same replicas agree without
-  sharing state. SGLang's router ``cache_aware`` policy is the model: it keeps one
-  approximate radix tree per worker from the requests it routed and balances when workers'
-  loads differ by more than an absolute and a relative threshold; here the tree is a set of
-  chained block hashes per replica, the balance rule is the absolute one, and a miss is
-  routed by hash rather than to the least loaded worker (which is what makes two instances
-  agree).
+  no idle slot holds goes to the replica its first block's hash picks (rendezvous hashing
+  over the replica URLs), so KVStream instances in front of the same idle replicas agree
+  without sharing state. SGLang's router ``cache_aware`` policy is the model: it keeps an
+  approximate radix tree per worker of every request it routed (its workers keep large
+  shared caches) and balances when workers' loads differ by more than an absolute and a
+  relative threshold. Here the runtimes this is for (llama-server, Ollama, LM Studio) cache
+  per slot, so the per-replica record is what each slot last held; the balance rule is the
+  absolute one; and a miss is routed by hash, not to the least loaded worker.
 - ``least_loaded``: fewest requests in flight per slot.
 - ``round_robin``.
 
@@ -31,14 +32,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvstream.backends.affinity import SlotModel
 from kvstream.backends.base import BaseBackend
 from kvstream.backends.http import UpstreamSession
 from kvstream.config import RoutingSettings, Settings
@@ -47,43 +49,35 @@ from kvstream.types import BackendError, BackendUnavailable, GenerateRequest, Mo
 
 logger = logging.getLogger(__name__)
 
-# Block chains remembered per replica (LRU): enough for thousands of recent prompts.
-MAX_REMEMBERED_BLOCKS = 65536
-
-
 class Replica:
-    """One runtime of the set, with what KVStream knows of it."""
+    """One runtime of the set, with what KVStream knows of it: its slots (what each idle
+    one holds: ``SlotModel``), what is in flight there, and its health."""
 
-    def __init__(self, backend: BaseBackend) -> None:
+    def __init__(self, backend: BaseBackend, block_size: int) -> None:
         self.backend = backend
         self.url = backend.base_url
-        self.slots = 1
+        self.block_size = block_size
+        self.slots = SlotModel(1, block_size, backend.name)  # sized when the runtime reports
         self.in_flight = 0
         self.requests = 0
         self.failures = 0  # connection failures in a row
         self.ejected_until = 0.0
-        self.held: OrderedDict[BlockHash, None] = OrderedDict()  # chains it computed
 
     @property
     def healthy(self) -> bool:
         return time.monotonic() >= self.ejected_until
 
+    @property
+    def has_room(self) -> bool:
+        return self.in_flight < self.slots.slots
+
     def load(self) -> float:
-        return self.in_flight / self.slots
+        return self.in_flight / self.slots.slots
 
-    def held_blocks(self, chain: list[BlockHash]) -> int:
-        """Leading blocks of ``chain`` this replica computed (chains are prefix-closed)."""
-        for index in range(len(chain) - 1, -1, -1):
-            if chain[index] in self.held:
-                return index + 1
-        return 0
-
-    def remember(self, chain: list[BlockHash]) -> None:
-        for block in chain:
-            self.held.pop(block, None)
-            self.held[block] = None
-        while len(self.held) > MAX_REMEMBERED_BLOCKS:
-            self.held.popitem(last=False)
+    def resize(self, slots: int) -> None:
+        """Model ``slots`` slots (only while nothing runs there: the model starts empty)."""
+        if slots != self.slots.slots and not self.in_flight:
+            self.slots = SlotModel(slots, self.block_size, self.backend.name)
 
 
 def rendezvous(key: bytes, replicas: list[Replica]) -> Replica:
@@ -104,7 +98,8 @@ class ReplicaSet(BaseBackend):
         self.forwards_body = first.forwards_body
         self.serves_any_model_name = first.serves_any_model_name
         self.serves_n = first.serves_n
-        self.replicas = [Replica(b) for b in replicas]
+        self.replicas = [Replica(b, self.settings.memory.block_size) for b in replicas]
+        self._keys = itertools.count()  # one per routed attempt, for the slot models
         self._salt = model_key(f"{first.name}:{first.model}")
         self._next = 0  # round robin
         self._checker: asyncio.Task[None] | None = None
@@ -164,22 +159,31 @@ class ReplicaSet(BaseBackend):
         return block_hashes(ids, self.settings.memory.block_size, self._salt, tenant_root(request.cache_salt))
 
     def choose(self, request: GenerateRequest, chain: list[BlockHash], exclude: set[str]) -> tuple[Replica | None, str]:
-        """The replica for ``request`` and why; None when every replica is ejected or tried."""
+        """The replica for ``request`` and why; None when every replica is ejected or tried.
+        Only a replica with a free slot is chosen while one has one: sent to a full replica,
+        a request would wait inside it, and evict what its slots hold when it runs."""
         live = [r for r in self.replicas if r.healthy and r.url not in exclude]
         if not live:
             return None, "none"
-        least = min(live, key=lambda r: (r.load(), r.in_flight))
+        open_ = [r for r in live if r.has_room] or live
+        least = min(open_, key=lambda r: (r.load(), r.in_flight))
         policy = self.routing.policy
         if request.session:
             pinned = rendezvous(request.session.encode(), live)
-            return (pinned, "session") if pinned.in_flight - least.in_flight <= self.routing.balance_threshold else (least, "balance")
+            if pinned.has_room and pinned.in_flight - least.in_flight <= self.routing.balance_threshold:
+                return pinned, "session"
+            return least, "balance"
         if policy == "round_robin":
             self._next += 1
-            return live[self._next % len(live)], "round_robin"
+            return open_[self._next % len(open_)], "round_robin"
         if policy == "least_loaded" or not chain:
             return least, "least_loaded"
-        best = max(live, key=lambda r: (r.held_blocks(chain), -r.load()))
-        if best.held_blocks(chain):
+        # A prefix goes where a slot holds it even if that replica is full for now: it
+        # waits there for the slot (the runtime gives a freed slot to the waiting request
+        # that shares most with it) rather than evicting another prefix elsewhere; the
+        # balance threshold bounds how far that goes.
+        best = max(live, key=lambda r: (r.slots.held_blocks(chain, busy=True), -r.load()))
+        if best.slots.held_blocks(chain, busy=True):
             route = "hit"
         else:
             best, route = rendezvous(chain[0], live), "miss"
@@ -196,8 +200,10 @@ class ReplicaSet(BaseBackend):
             if replica is None:
                 raise BackendUnavailable(f"no replica could take the request (tried {len(tried)} of {len(self.replicas)})")
             request.control.replica, request.control.route = replica.url, route
+            key = str(next(self._keys))
             replica.in_flight += 1
             replica.requests += 1
+            replica.slots.start(key, chain)
             started = False
             try:
                 async with contextlib.aclosing(replica.backend.generate(request)) as tokens:
@@ -207,7 +213,6 @@ class ReplicaSet(BaseBackend):
                             # Before the yield: the consumer closes this generator once it
                             # has the final token, so nothing after it would run.
                             self._record(replica, True)
-                            replica.remember(chain)
                         yield token
                 return
             except BackendUnavailable as exc:
@@ -218,6 +223,7 @@ class ReplicaSet(BaseBackend):
                 tried.add(replica.url)
             finally:
                 replica.in_flight -= 1
+                replica.slots.finish(key)
 
     def _live(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy] or self.replicas
@@ -250,7 +256,7 @@ class ReplicaSet(BaseBackend):
         reports = [f for f in found if isinstance(f, RuntimeLimits)]
         for replica, report in zip(self.replicas, found):
             if isinstance(report, RuntimeLimits) and report.parallel:
-                replica.slots = report.parallel
+                replica.resize(report.parallel)
         if len(reports) < len(self.replicas):
             raise BackendError("not every replica reported its limits")
         contexts = [r.n_ctx_per_request for r in reports if r.n_ctx_per_request]
@@ -258,7 +264,7 @@ class ReplicaSet(BaseBackend):
         return RuntimeLimits(
             n_ctx_total=sum(totals) if all(totals) else None,  # type: ignore[arg-type]
             n_ctx_per_request=min(contexts) if contexts else None,
-            parallel=sum(r.slots for r in self.replicas),
+            parallel=sum(r.slots.slots for r in self.replicas),
         )
 
     def upstream(self) -> UpstreamSession | None:
@@ -269,7 +275,7 @@ class ReplicaSet(BaseBackend):
         return super().describe() | {
             "routing": self.routing.policy,
             "replicas": [
-                {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "slots": r.slots,
+                {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "slots": r.slots.slots,
                  "requests": r.requests, "failures": r.failures}
                 for r in self.replicas
             ],
