@@ -44,7 +44,9 @@ async def computed(session: aiohttp.ClientSession, runtimes: list[str]) -> float
 async def run_policy(policy: str, args: argparse.Namespace, order: list[int]) -> dict:
     ports = [free_port() for _ in range(2)]
     runtimes = [f"http://127.0.0.1:{p}" for p in ports]
-    servers = [start_runtime(2, p) for p in ports]
+    # One thread each: two replicas on a 2-core machine (two threads each oversubscribe it
+    # and turn every comparison into noise).
+    servers = [start_runtime(2, p, threads=1) for p in ports]
     kv_port = free_port()
     proxy = None
     try:

@@ -2,14 +2,14 @@
 
 ``ReplicaSet`` is a backend made of backends: the engine, its scheduler and the routes see
 one runtime with the replicas' slots summed; each request is sent to one replica, chosen by
-``routing.policy`` among those with a free slot (a request sent to a full replica would
-wait inside it, and evict what its slots hold when it runs):
+``routing.policy``:
 
-- ``cache_aware`` (default): the replica whose idle slot holds the longest part of the
-  prompt (a ``SlotModel`` per replica, from what KVStream sent it), unless that replica has
+- ``cache_aware`` (default): the replica whose slots hold the longest part of the prompt (a
+  ``SlotModel`` per replica, from what KVStream sent it; a busy slot counts, since the
+  request can wait there for it rather than evict another prefix elsewhere), unless it has
   ``routing.balance_threshold`` more requests in flight than the least loaded one. A prompt
-  no idle slot holds goes to the replica its first block's hash picks (rendezvous hashing
-  over the replica URLs), so KVStream instances in front of the same idle replicas agree
+  no slot holds goes to the replica its first block's hash picks (rendezvous hashing
+  over the replica URLs), so KVStream instances in front of the same replicas agree
   without sharing state. SGLang's router ``cache_aware`` policy is the model: it keeps an
   approximate radix tree per worker of every request it routed (its workers keep large
   shared caches) and balances when workers' loads differ by more than an absolute and a
@@ -17,7 +17,7 @@ wait inside it, and evict what its slots hold when it runs):
   per slot, so the per-replica record is what each slot last held; the balance rule is the
   absolute one; and a miss is routed by hash, not to the least loaded worker.
 - ``least_loaded``: fewest requests in flight per slot.
-- ``round_robin``.
+- ``round_robin`` (among replicas with a free slot, as least_loaded).
 
 An ``X-KVStream-Session`` header pins a conversation to the replica its id hashes to.
 
