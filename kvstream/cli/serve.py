@@ -52,7 +52,12 @@ async def build_backend(settings: Settings) -> BaseBackend:
         logger.error("%s", exc.args[0])
         raise typer.Exit(2) from None
     try:
-        return cls(b.base_url, b.model, settings)
+        if len(b.replicas) > 1:
+            from kvstream.backends.replicas import ReplicaSet
+
+            logger.info("%d %s replicas, routing %s", len(b.replicas), cls.name, settings.routing.policy)
+            return ReplicaSet([cls(url, b.model, settings) for url in b.replicas], settings)
+        return cls(b.base_url or (b.replicas[0] if b.replicas else None), b.model, settings)
     except (ValueError, ConfigError) as exc:
         logger.error("config error: %s", exc)
         raise typer.Exit(2) from None

@@ -118,6 +118,16 @@ def render(snap: dict[str, Any], history: History | None = None, url: str = "") 
                   Text(f"{inject.get('restore_failures', 0)} failed", style="red" if inject.get("restore_failures") else ""),
                   f"{inject.get('saves', 0)} saves", f"{inject.get('files', 0)} files, {inject.get('bytes_on_disk', 0) / 1e6:,.0f} MB")
         parts.append(t)
+    replicas = backend.get("replicas")
+    if replicas:
+        t = Table.grid(padding=(0, 2))
+        for replica in replicas:
+            t.add_row(
+                Text("●", style="green" if replica.get("healthy") else "red"), str(replica.get("url")),
+                f"{replica.get('in_flight', 0)} / {replica.get('slots', '?')} in flight", f"{replica.get('requests', 0):,} requests",
+                Text(f"{replica.get('failures', 0)} failures", style="red" if replica.get("failures") else ""),
+            )
+        parts.append(Panel(t, title=f"replicas ({backend.get('routing')})", title_align="left"))
     if history is not None and len(history.points) > 1:
         spark = Table.grid(padding=(0, 2))
         spark.add_row("running", Text(sparkline(history.series("queue", "running")), style="cyan"))

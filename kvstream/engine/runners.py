@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvstream.backends.affinity import SlotModel
 from kvstream.backends.base import BaseBackend, InProcessBackend, LocalStream
 from kvstream.config import Settings
-from kvstream.engine.affinity import SlotModel
 from kvstream.kv.block_manager import UNKNOWN_TOKEN, BlockManager
 from kvstream.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
 from kvstream.types import BackendError, ResumePoint, RuntimeLimits, Token
@@ -133,7 +133,18 @@ class RemoteRunner(Runner):
         slots = min(self.settings.scheduler.max_batch_size, limits.parallel or self.settings.scheduler.max_batch_size)
         identity = f"{self.backend.name}:{self.backend.base_url}:{self.backend.model}"
         self.slots = SlotModel(slots, self.settings.memory.block_size, identity)
-        self._scheduler = build_scheduler(self.settings, limits, self.backend, self.slots.held_tokens)
+        self._chains: dict[str, list[bytes]] = {}  # per sequence, computed once
+        self._scheduler = build_scheduler(self.settings, limits, self.backend, self._held_tokens)
+
+    def _chain(self, seq: Sequence) -> list[bytes]:
+        chain = self._chains.get(seq.seq_id)
+        if chain is None:
+            chain = self._chains[seq.seq_id] = self.slots.chain(seq.prompt_token_ids, seq.cache_root)
+        return chain
+
+    def _held_tokens(self, seq: Sequence) -> int:
+        """lpm's measure: prompt tokens of ``seq`` that an idle runtime slot holds."""
+        return self.slots.held_blocks(self._chain(seq)) * self.slots.block_size
 
     @property
     def scheduler(self) -> Scheduler:
@@ -188,7 +199,8 @@ class RemoteRunner(Runner):
 
     def release(self, gen: Generation) -> None:
         self._scheduler.finish(gen.seq)
-        self.slots.finish(gen.seq)
+        self.slots.finish(gen.seq.seq_id)
+        self._chains.pop(gen.seq.seq_id, None)
         leg = self._legs.pop(gen.seq.seq_id, None)
         if leg is not None and leg.paused is not None:  # gone while paused: drop its saved state
             self.backend.forget(gen.request)
@@ -203,7 +215,7 @@ class RemoteRunner(Runner):
             leg = self._legs.get(seq.seq_id)
             if leg is None:
                 continue
-            self.slots.start(seq)
+            self.slots.start(seq.seq_id, self._chain(seq))
             if not leg.gen.ticket.done():
                 leg.gen.admit()
             elif leg.paused is not None and not leg.paused.done():
@@ -217,7 +229,7 @@ class RemoteRunner(Runner):
             leg = self._legs.get(seq.seq_id)
             if leg is None or (leg.paused is not None and not leg.paused.done()):
                 continue
-            self.slots.finish(seq)
+            self.slots.finish(seq.seq_id)
             leg.paused = asyncio.get_running_loop().create_future()
             control = leg.gen.request.control
             control.preempted = True

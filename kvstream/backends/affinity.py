@@ -1,0 +1,80 @@
+"""What a runtime's slots hold, inferred from what KVStream sent them.
+
+llama-server, Ollama's runner and LM Studio's llama.cpp engine keep one prompt cache per
+slot and put a new request in the idle slot whose cached prompt shares the longest prefix
+with it (llama-server: above ``--slot-prompt-similarity``, else the least recently used
+idle slot). None of them chooses *which* waiting request runs next, nor, with several
+replicas, *where*: KVStream does both (``scheduler.policy: lpm``, ``routing.policy:
+cache_aware``), and this model tells it, for a prompt, how many of its blocks some idle slot
+already holds.
+
+Prompts are compared as chains of block hashes (``kv.hashing``: equal hashes, equal
+prefixes). The model is an inference, not a readout: a request KVStream did not send
+(another client of the runtime) or a runtime restart makes it wrong until the slots are
+rewritten. The runtime's own report of what it reused (``cached_tokens``) is the verified
+figure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstream.kv.hashing import BlockHash, block_hashes, model_key
+
+
+def common_blocks(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
+    """Leading blocks two chains share (equal chained hashes mean equal prefixes)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class SlotModel:
+    """``slots`` runtime slots: each idle one holds the block chain of the last prompt that
+    ran in it (most recently used last); busy ones the prompt running there, by key."""
+
+    def __init__(self, slots: int, block_size: int, identity: str) -> None:
+        self.slots = slots
+        self.block_size = block_size
+        self.salt = model_key(identity)
+        self.idle: list[list[BlockHash]] = [[] for _ in range(slots)]
+        self.busy: dict[str, list[BlockHash]] = {}
+
+    def chain(self, token_ids: Sequence[int], root: bytes | None = None) -> list[BlockHash]:
+        """The block chain of a prompt (``root``: its tenant's, when tenants are isolated)."""
+        return block_hashes(token_ids, self.block_size, self.salt, root)
+
+    def held_blocks(self, chain: Sequence[BlockHash], busy: bool = False) -> int:
+        """Leading blocks of ``chain`` that the best idle slot already holds (``busy``: or a
+        slot running now, which will hold them when it frees)."""
+        if not chain:
+            return 0
+        held = [*self.idle, *self.busy.values()] if busy else self.idle
+        return max((common_blocks(chain, h) for h in held), default=0)
+
+    @property
+    def free(self) -> int:
+        """Slots with nothing running."""
+        return max(0, self.slots - len(self.busy))
+
+    def start(self, key: str, chain: list[BlockHash]) -> None:
+        """The prompt ``chain`` was sent: it lands in the idle slot sharing the longest
+        prefix with it, else the least recently used one (as llama-server chooses)."""
+        if self.idle:
+            best = max(range(len(self.idle)), key=lambda i: (common_blocks(chain, self.idle[i]), -i))
+            if common_blocks(chain, self.idle[best]) == 0:
+                best = 0  # no match: the least recently used slot
+            self.idle.pop(best)
+        self.busy[key] = chain
+
+    def finish(self, key: str) -> None:
+        """The request ``key`` left its slot (finished, failed or paused); the slot keeps
+        its prompt."""
+        chain = self.busy.pop(key, None)
+        if chain is not None:
+            self.idle.append(chain)
+            if len(self.idle) + len(self.busy) > self.slots:
+                self.idle.pop(0)  # more in flight than modelled slots: forget the oldest
