@@ -73,16 +73,16 @@ class RequestControl:
     """
 
     __slots__ = (
-        "prompt_token_ids", "estimated_ids", "preempted", "save_state", "resume", "cached_tokens", "saved_state",
+        "prompt_token_ids", "prefix_chain", "preempted", "save_state", "resume", "cached_tokens", "saved_state",
         "replica", "route",
         "_interrupt",
     )
 
     def __init__(self) -> None:
         self.prompt_token_ids: list[int] | None = None
-        # The engine's stand-in ids when the prompt could not be tokenized (estimates: for
-        # matching prefixes, never for the runtime).
-        self.estimated_ids: list[int] | None = None
+        # The prompt's chained block hashes (exact or estimated ids), as the runner's model
+        # of the runtime's slots computed them: what replica routing matches prefixes on.
+        self.prefix_chain: list[bytes] | None = None
         self.preempted = False
         self.save_state = True
         self.resume: ResumePoint | None = None

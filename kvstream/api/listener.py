@@ -42,8 +42,8 @@ def connection_cap(configured: int | None) -> int:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
-        except (ValueError, OSError):
-            pass
+        except (ValueError, OSError) as exc:  # not allowed here: the cap follows the soft limit
+            logger.debug("could not raise the open-file limit to %d (%s)", target, exc)
     room = soft - FD_RESERVE if soft >= 4 * FD_RESERVE else soft * 3 // 4
     return min(configured or DEFAULT_MAX_CONNECTIONS, room)
 

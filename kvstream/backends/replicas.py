@@ -153,9 +153,11 @@ class ReplicaSet(BaseBackend):
 
     # -------------------------------------------------------------- routing
     def chain(self, request: GenerateRequest) -> list[BlockHash]:
-        """The prompt's chained block hashes: on exact ids when the engine has them, on its
-        stand-in ids otherwise (equal text, equal chain: enough to match prefixes)."""
-        ids = request.control.prompt_token_ids or request.control.estimated_ids or []
+        """The prompt's chained block hashes: the runner's (computed once at admission, on
+        exact or estimated ids), else from the exact ids when a caller has them."""
+        if request.control.prefix_chain is not None:
+            return request.control.prefix_chain
+        ids = request.control.prompt_token_ids or []
         return block_hashes(ids, self.settings.memory.block_size, self._salt, tenant_root(request.cache_salt))
 
     def choose(self, request: GenerateRequest, chain: list[BlockHash], exclude: set[str]) -> tuple[Replica | None, str]:

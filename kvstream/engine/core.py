@@ -381,7 +381,6 @@ class KVStreamEngine:
             request.control.prompt_token_ids = prompt_ids  # for slot routing and KV inject
             self.stats.prompts_exact += 1
         else:
-            request.control.estimated_ids = prompt_ids  # prefix matching only (replica routing)
             self.stats.prompts_estimated += 1
         return self._enqueue(request, prompt_ids, exact, priority, arrived_at)
 

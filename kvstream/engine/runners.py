@@ -131,8 +131,9 @@ class RemoteRunner(Runner):
     def _build(self, limits: RuntimeLimits) -> None:
         """The scheduler, and the model of the runtime's slots its lpm policy orders by."""
         slots = min(self.settings.scheduler.max_batch_size, limits.parallel or self.settings.scheduler.max_batch_size)
-        identity = f"{self.backend.name}:{self.backend.base_url}:{self.backend.model}"
-        self.slots = SlotModel(slots, self.settings.memory.block_size, identity)
+        # No URL in the identity: chains are shared with replica routing, which must hash a
+        # prompt alike in every KVStream in front of the same replicas.
+        self.slots = SlotModel(slots, self.settings.memory.block_size, f"{self.backend.name}:{self.backend.model}")
         self._chains: dict[str, list[bytes]] = {}  # per sequence, computed once
         self._scheduler = build_scheduler(self.settings, limits, self.backend, self._held_tokens)
 
@@ -215,7 +216,9 @@ class RemoteRunner(Runner):
             leg = self._legs.get(seq.seq_id)
             if leg is None:
                 continue
-            self.slots.start(seq.seq_id, self._chain(seq))
+            chain = self._chain(seq)
+            self.slots.start(seq.seq_id, chain)
+            leg.gen.request.control.prefix_chain = chain
             if not leg.gen.ticket.done():
                 leg.gen.admit()
             elif leg.paused is not None and not leg.paused.done():
