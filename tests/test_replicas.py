@@ -178,3 +178,12 @@ async def test_repeating_backend_url_builds_a_replica_set(start_upstream):
     assert backend.describe()["routing"] == "round_robin"
     env = load_settings(environ={"KVSTREAM_BACKEND__REPLICAS": ",".join(urls)})  # the environment's list form
     assert env.settings.backend.replicas == urls
+
+
+async def test_with_every_replica_gone_the_answer_is_a_clear_503(start_proxy, http):
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    proxy = await start_proxy(ReplicaSet([OpenAICompatibleBackend(u) for u in dead]))
+    async with http.post(proxy.v1 + "/chat/completions", json=chat(TENANTS[0])) as resp:
+        body = await resp.json()
+    assert resp.status == 503 and "Retry-After" in resp.headers
+    assert "replica" in body["error"]["message"] or "cannot connect" in body["error"]["message"]

@@ -234,3 +234,29 @@ async def test_lmstudio_found_where_its_cli_says_when_no_url_is_given(start_upst
     await explicit.start()
     assert explicit.base_url == "http://127.0.0.1:1234"  # an explicit URL is never second-guessed
     await explicit.close()
+
+
+async def test_foundry_model_not_downloaded_is_a_clear_client_error(start_upstream, start_proxy, tmp_path, monkeypatch):
+    """An id this machine has not downloaded (the catalog's GPU variant): KVStream resolves
+    names against what the machine has, so the client gets a 404 naming what it can use,
+    and nothing is loaded or sent."""
+    url, recorder = await start_upstream(Script(), factory=foundry_double)
+    proxy = await start_proxy(FoundryBackend(url, "phi-4-mini"))
+    with pytest.raises(openai.APIStatusError) as err:
+        await client(proxy).chat.completions.create(
+            model="Phi-4-mini-instruct-generic-gpu", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert err.value.status_code == 404 and "Phi-4-mini-instruct-generic-cpu" in err.value.message
+    assert recorder.bodies == []  # neither a load nor a chat was sent
+
+
+@pytest.mark.parametrize("output", ['{ "running": false, "port": 4321 }', "lms: command failed", ""], ids=["stopped", "garbage", "silent"])
+async def test_lmstudio_keeps_its_default_url_when_the_cli_says_nothing_useful(tmp_path, monkeypatch, output):
+    cli = tmp_path / "lms"
+    cli.write_text(f"#!/bin/sh\nprintf '%s\\n' '{output}'\n")
+    cli.chmod(cli.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    backend = LMStudioBackend()
+    await backend.start()
+    assert backend.base_url == "http://127.0.0.1:1234"
+    await backend.close()
