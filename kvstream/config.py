@@ -49,7 +49,7 @@ class _Section(BaseModel):
 
 
 class BackendSettings(_Section):
-    type: str = Field("auto", description="ollama | llamacpp | lmstudio | foundry | openai | hf | auto, or a plugin name")
+    type: str = Field("auto", description="ollama | llamacpp | lmstudio | foundry | openai | vllm | sglang | hf | auto, or a plugin name")
     base_url: str | None = Field(None, description="the runtime's URL; each backend has its own default")
     replicas: list[str] = Field(default_factory=list, description="several runtimes of this type (their URLs; --backend-url repeated fills it): KVStream routes each request to one of them (see routing)")
     model: str | None = Field(None, description="the model to serve; default: the runtime's first model")
@@ -61,6 +61,7 @@ class BackendSettings(_Section):
     num_ctx: int | None = Field(None, ge=256, description="Ollama: context per request (options.num_ctx), kept constant to avoid reloads")
     keep_alive: str | None = Field(None, description="Ollama: keep_alive sent with every request (e.g. 10m, -1)")
     exact_tokens: bool = Field(True, description="Ollama: count prompt tokens with the model's own tokenizer and chat template, rebuilt from /api/show (needs transformers: pip install 'kvstream[hf]'); otherwise estimated")
+    metrics_interval_s: float = Field(1.0, gt=0, description="vllm, sglang: how often their Prometheus /metrics are read (running, waiting, KV usage), which gate admission and drive routing")
     managed_slots: int = Field(2, ge=1, description="slots (-np) of a llama-server KVStream starts itself")
     managed_ctx: int = Field(4096, ge=256, description="total context (-c) of a llama-server KVStream starts itself")
     slot_save_path: Path | None = Field(None, description="llama.cpp: the server's --slot-save-path, where KVStream keeps slot files")
@@ -77,6 +78,18 @@ class BackendSettings(_Section):
     @classmethod
     def _split_replicas(cls, value: Any) -> Any:
         return split_list(value)
+
+
+class UpstreamEntry(_Section):
+    """One upstream of a mixed fleet (``backends:``): its own type, URL, model, capacity
+    and routing weight; everything else comes from the ``backend`` section."""
+
+    type: str = Field(description="ollama | llamacpp | lmstudio | foundry | openai | vllm | sglang, or a plugin name")
+    url: str | None = Field(None, description="its URL; default: the type's own")
+    model: str | None = Field(None, description="the model it serves; default: its first")
+    weight: float = Field(1.0, gt=0, description="its share of traffic relative to the others (round_robin, least_loaded, and where new prefixes go)")
+    parallel: int | None = Field(None, ge=1, description="requests it runs at once, when it does not report it")
+    api_key: SecretStr | None = Field(None, description="a key sent to it, if it needs one")
 
 
 class MemorySettings(_Section):
@@ -165,6 +178,17 @@ class Settings(BaseSettings):
     attention: AttentionSettings = Field(default_factory=AttentionSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
+    backends: list[UpstreamEntry] = Field(default_factory=list, description="several upstreams of any mix of types, each request routed to one (see routing); replaces backend.type/base_url/replicas")
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _backends_json(cls, value: Any) -> Any:
+        if isinstance(value, str):  # KVSTREAM_BACKENDS: the list as JSON
+            try:
+                return json.loads(value)
+            except ValueError:
+                raise ValueError("KVSTREAM_BACKENDS must be a JSON list of {type, url, ...} objects") from None
+        return value
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, **_sources):  # type: ignore[override]
@@ -201,9 +225,12 @@ class Settings(BaseSettings):
         return keys
 
 
+# The keyed sections; ``backends`` (a list, not a section of keys) is handled apart.
+LIST_SETTINGS = ("backends",)
 SECTIONS: dict[str, type[BaseModel]] = {
     name: field.annotation  # type: ignore[misc]
     for name, field in Settings.model_fields.items()
+    if name not in LIST_SETTINGS
 }
 
 
@@ -244,6 +271,10 @@ def yaml_layer(path: Path) -> dict[str, dict[str, Any]]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections")
     for section, values in data.items():
+        if section in LIST_SETTINGS:
+            if values is not None and not isinstance(values, list):
+                raise ConfigError(f"{path}: '{section}' must be a list")
+            continue
         if section not in SECTIONS:
             raise ConfigError(f"{path}: unknown section '{section}'")
         if values is None:
@@ -294,12 +325,21 @@ def load_settings(
         unknown = set(yaml_values.get(section, {})) - set(model.model_fields)
         if unknown:
             raise ConfigError(f"{path}: unknown setting {section}.{sorted(unknown)[0]}")
+    for name in LIST_SETTINGS:
+        variable = ENV_PREFIX + name.upper()
+        if variable in environ:
+            merged[name], sources[name] = environ[variable], variable
+        elif yaml_values.get(name) is not None:
+            merged[name], sources[name] = yaml_values[name], str(path)
+        else:
+            sources[name] = "default"
     try:
         settings = Settings(**merged)
     except ValidationError as exc:
         error = exc.errors()[0]
-        key = ".".join(str(p) for p in error["loc"][:2])
-        where = sources.get(key, "?")
+        loc = [str(p) for p in error["loc"]]
+        key = f"{loc[0]}[{loc[1]}]" + (f".{loc[2]}" if len(loc) > 2 else "") if loc[0] in LIST_SETTINGS and len(loc) > 1 else ".".join(loc[:2])
+        where = sources.get(loc[0] if loc[0] in LIST_SETTINGS else key, "?")
         raise ConfigError(f"invalid setting {key} (from {where}): {error['msg']}") from None
     return LoadedSettings(settings=settings, sources=sources)
 
@@ -317,6 +357,9 @@ def describe(loaded: LoadedSettings) -> list[tuple[str, str, str]]:
     """Rows of (key, value, source) for display; secrets are masked."""
     rows = []
     data = loaded.settings.model_dump()
+    for i, entry in enumerate(data.pop("backends")):
+        shown = " ".join(f"{k}={redact_url(v) if k == 'url' and v else v}" for k, v in entry.items() if k != "api_key" and v is not None)
+        rows.append((f"backends[{i}]", shown + (" api_key=(set, hidden)" if entry["api_key"] else ""), loaded.sources["backends"]))
     for section, values in data.items():
         for key, value in values.items():
             if key in ("api_keys", "api_key"):

@@ -220,3 +220,17 @@ class RuntimeLimits:
     n_ctx_total: int | None = None  # tokens of KV across all slots
     n_ctx_per_request: int | None = None  # the longest single sequence
     parallel: int | None = None  # requests the runtime runs at once
+
+
+@dataclass
+class UpstreamLoad:
+    """What a serving engine (vLLM, SGLang) reports of its own load in its Prometheus
+    metrics: requests it runs and queues, how full its KV cache is, how often its prefix
+    cache hits, and how many tokens of KV it has. None where the engine did not say."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float | None = None  # 0..1
+    prefix_hit_rate: float | None = None  # 0..1, over the last reading interval when known
+    kv_capacity_tokens: int | None = None
+    read_at: float = 0.0  # time.monotonic() of the reading

@@ -407,3 +407,54 @@ def foundry_double(script: Script, recorder: Recorder) -> web.Application:
     app.router.add_get("/v1/models", v1_models)
     app.router.add_post("/v1/chat/completions", chat)
     return app
+
+
+# ------------------------------------------------------------ vLLM / SGLang (metered)
+METRICS = Path(__file__).parent / "fixtures" / "metrics"
+# The samples of each engine's scrape that carry running, waiting and KV usage.
+ENGINE_GAUGES = {
+    "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
+    "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"),
+}
+
+
+@dataclass
+class EngineLoad:
+    """What a metered double's /metrics says: its own requests in flight plus
+    ``others_running`` (other clients'), ``waiting`` queued, ``kv_usage``."""
+
+    engine: str = "vllm"
+    others_running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.05
+    garbage: bool = False  # /metrics answers an HTML page instead
+    scrapes: int = 0
+
+
+def set_sample(text: str, name: str, value: float) -> str:
+    """``text`` with every series of sample ``name`` set to ``value``."""
+    import re
+
+    pattern = re.compile(rf"^({re.escape(name)}(?:\{{[^}}]*\}})?) \S+$", re.MULTILINE)
+    return pattern.sub(lambda m: f"{m.group(1)} {float(value)!r}", text)
+
+
+def metered_upstream(script: Script, recorder: Recorder, load: EngineLoad | None = None, model_id: str = "test-model") -> web.Application:
+    """An OpenAI-compatible double that also serves vLLM's or SGLang's /metrics (the
+    fixture scrape, its load gauges rewritten from ``load`` and the requests in flight)."""
+    load = load or EngineLoad()
+    app = openai_upstream(script, recorder, model_id)
+
+    async def metrics(request: web.Request) -> web.Response:
+        load.scrapes += 1
+        if load.garbage:
+            return web.Response(text="<html><body>metrics are off</body></html>", content_type="text/html")
+        text = (METRICS / f"{load.engine}.prom").read_text()
+        running, waiting, usage = ENGINE_GAUGES[load.engine]
+        text = set_sample(text, running, recorder.in_flight + load.others_running)
+        text = set_sample(text, waiting, load.waiting)
+        text = set_sample(text, usage, load.kv_usage)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -98,11 +98,14 @@ def test_repo_kvstream_yaml_lists_every_key_with_its_default():
     data = yaml.safe_load((REPO / "kvstream.yaml").read_text())
     defaults = Settings().model_dump(mode="json")
     for section, values in defaults.items():
+        if isinstance(values, list):  # backends: an empty list by default, entries shown in comments
+            assert data[section] == values, section
+            continue
         assert set(data[section]) == set(values), section
         for key, value in values.items():
             assert data[section][key] == value, f"{section}.{key}"
     text = (REPO / "kvstream.yaml").read_text()
     for section, values in defaults.items():
-        for key in values:
+        for key in values if isinstance(values, dict) else ():
             line = next(line for line in text.splitlines() if line.startswith(f"  {key}:"))
             assert "#" in line, f"{section}.{key} has no comment"

@@ -43,6 +43,9 @@ BUILTIN: dict[str, str] = {
     "lmstudio": "kvstream.backends.lmstudio:LMStudioBackend",
     "foundry": "kvstream.backends.foundry:FoundryBackend",
     "openai": "kvstream.backends.openai_compat:OpenAICompatibleBackend",
+    # OpenAI-compatible engines whose Prometheus metrics drive admission and routing.
+    "vllm": "kvstream.backends.vllm:VLLMBackend",
+    "sglang": "kvstream.backends.sglang:SGLangBackend",
     # The in-process engine: its module imports torch only when a model is loaded.
     "hf": "kvstream.hf.backend:HFBackend",
 }

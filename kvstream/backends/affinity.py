@@ -17,6 +17,7 @@ figure.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvstream.kv.hashing import BlockHash, block_hashes, model_key
@@ -78,3 +79,41 @@ class SlotModel:
             self.idle.append(chain)
             if len(self.idle) + len(self.busy) > self.slots:
                 self.idle.pop(0)  # more in flight than modelled slots: forget the oldest
+
+
+class SharedCacheModel:
+    """A runtime with one prefix cache over its whole KV pool (vLLM, SGLang): the blocks
+    of every prompt KVStream sent it, least recently used first out once more than
+    ``capacity_blocks`` are held (the engine's own capacity when it reports it). Like
+    SGLang's router's approximate tree per worker, but flat: chained hashes already name
+    whole prefixes, so the longest held prefix is the longest run of the chain present."""
+
+    def __init__(self, slots: int, block_size: int, identity: str, capacity_blocks: int = 65536) -> None:
+        self.slots = slots  # requests it runs at once, as far as KVStream admits
+        self.block_size = block_size
+        self.salt = model_key(identity)
+        self.capacity_blocks = capacity_blocks
+        self.blocks: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def chain(self, token_ids: Sequence[int], root: bytes | None = None) -> list[BlockHash]:
+        return block_hashes(token_ids, self.block_size, self.salt, root)
+
+    def held_blocks(self, chain: Sequence[BlockHash], busy: bool = False) -> int:
+        """Leading blocks of ``chain`` the cache holds (running or not: it is one cache)."""
+        n = 0
+        for block in chain:
+            if block not in self.blocks:
+                break
+            n += 1
+        return n
+
+    def start(self, key: str, chain: list[BlockHash]) -> None:
+        """The prompt ``chain`` was sent: its blocks are now the most recently used."""
+        for block in chain:
+            self.blocks[block] = None
+            self.blocks.move_to_end(block)
+        while len(self.blocks) > self.capacity_blocks:
+            self.blocks.popitem(last=False)
+
+    def finish(self, key: str) -> None:
+        """Nothing to do: the blocks stay cached when the request leaves."""

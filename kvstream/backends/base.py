@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from kvstream.backends.http import UpstreamSession, split_credentials
 from kvstream.config import ConfigError, Settings
 from kvstream.scheduler import Scheduler, Sequence
-from kvstream.types import GenerateRequest, ModelInfo, RuntimeLimits, Token
+from kvstream.types import GenerateRequest, ModelInfo, RuntimeLimits, Token, UpstreamLoad
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,14 @@ class BaseBackend(abc.ABC):
     # Whether the backend generates n > 1 choices of one request itself (the translating
     # routes refuse n > 1 otherwise; a forwarding runtime judges n itself).
     serves_n: bool = False
+    # How the runtime keeps prompt caches, for replica routing's model of it: "slots" (one
+    # prompt per slot: llama-server, Ollama, LM Studio) or "shared" (one prefix cache over
+    # the whole KV pool: vLLM, SGLang).
+    cache_model: str = "slots"
     # Set by the engine: called when the runtime lost its caches (see runtime_reloaded).
     on_reload: Callable[[str, GenerateRequest | None], None] | None = None
+    # Set by the engine: called when a runtime that was saturated may take requests again.
+    on_capacity: Callable[[], None] | None = None
 
     def __init__(
         self, base_url: str | None = None, model: str | None = None, settings: Settings | None = None, **overrides: Any
@@ -114,6 +120,23 @@ class BaseBackend(abc.ABC):
         """The runtime's memory and parallelism, as far as it reports them; by default
         only ``backend.parallel``, the slot count the operator says the runtime has."""
         return RuntimeLimits(parallel=self.settings.backend.parallel)
+
+    def restorable_tokens(self, request: GenerateRequest) -> int:
+        """Leading prompt tokens this runtime could load from saved state instead of
+        computing them (llama.cpp slot files, shared by replicas using one directory); 0
+        by default. Replica routing counts them as a partial hit."""
+        return 0
+
+    def load_report(self) -> UpstreamLoad | None:
+        """The runtime's own latest report of its load (vLLM, SGLang metrics), or None
+        when it reports none or the report is stale."""
+        return None
+
+    def saturated(self) -> bool:
+        """Whether the runtime says it has no room now (it queues requests itself): the
+        engine then holds new requests in its own queue, where they are ordered and can
+        time out, until ``on_capacity`` is called. False by default."""
+        return False
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for /status (no secrets)."""

@@ -191,6 +191,16 @@ class UpstreamSession:
             await raise_for_upstream_status(resp)
             return await read_json(resp)
 
+    async def get_text(self, path: str, timeout: float = 5.0, max_bytes: int = 8 * 1024 * 1024) -> str:
+        """GET a text document (a Prometheus scrape) of at most ``max_bytes``; raises for any
+        non-2xx answer or a larger one."""
+        async with self.request("GET", path, timeout=timeout) as resp:
+            await raise_for_upstream_status(resp)
+            raw = await resp.content.read(max_bytes + 1)
+            if len(raw) > max_bytes:
+                raise BackendError(f"the runtime's {path} is larger than {max_bytes} bytes")
+            return raw.decode("utf-8", "replace")
+
     async def post_json(self, path: str, body: Any, timeout: float | None = None) -> Any:
         async with self.request("POST", path, json_body=body, timeout=timeout) as resp:
             await raise_for_upstream_status(resp)

@@ -1,25 +1,34 @@
-"""Several runtimes of one type behind one KVStream (``backend.replicas``).
+"""Several runtimes behind one KVStream: replicas of one type (``backend.replicas``,
+``--backend-url`` repeated) or a mixed fleet (``backends:``, each entry with its own type,
+model, capacity and weight).
 
 ``ReplicaSet`` is a backend made of backends: the engine, its scheduler and the routes see
-one runtime with the replicas' slots summed; each request is sent to one replica, chosen by
-``routing.policy``:
+one runtime with the replicas' slots summed; each request is sent to one replica that
+serves its model (the ones that list it), chosen by ``routing.policy``:
 
-- ``cache_aware`` (default): the replica whose slots hold the longest part of the prompt (a
-  ``SlotModel`` per replica, from what KVStream sent it; a busy slot counts, since the
-  request can wait there for it rather than evict another prefix elsewhere), unless it has
-  ``routing.balance_threshold`` more requests in flight than the least loaded one. A prompt
-  no slot holds goes to the replica its first block's hash picks (rendezvous hashing
-  over the replica URLs), so KVStream instances in front of the same replicas agree
-  without sharing state. SGLang's router ``cache_aware`` policy is the model: it keeps an
-  approximate radix tree per worker of every request it routed (its workers keep large
-  shared caches) and balances when workers' loads differ by more than an absolute and a
-  relative threshold. Here the runtimes this is for (llama-server, Ollama, LM Studio) cache
-  per slot, so the per-replica record is what each slot last held; the balance rule is the
-  absolute one; and a miss is routed by hash, not to the least loaded worker.
-- ``least_loaded``: fewest requests in flight per slot.
-- ``round_robin`` (among replicas with a free slot, as least_loaded).
+- ``cache_aware`` (default): the replica that holds the longest part of the prompt, by a
+  model of its cache built from what KVStream sent it: per slot for llama-server, Ollama
+  and LM Studio (``SlotModel``; a busy slot counts, since the request can wait there for
+  it rather than evict another prefix elsewhere), one shared prefix cache for vLLM and
+  SGLang (``SharedCacheModel``). Next best, a replica that can restore the prefix from a
+  saved llama.cpp slot file (route ``restore``: a partial hit, read rather than computed).
+  Either is overruled when that replica has ``routing.balance_threshold`` more requests
+  than the least loaded one. A prompt nobody holds goes to the replica its first block's
+  hash picks (weighted rendezvous hashing over the replica URLs), so KVStream instances in
+  front of the same replicas agree without sharing state. SGLang's router ``cache_aware``
+  policy is the model: it keeps an approximate radix tree per worker of every request it
+  routed and balances when workers' loads differ by more than an absolute and a relative
+  threshold. Here slot-cached runtimes are modelled per slot (what each slot last held,
+  which is what they keep); the balance rule is the absolute one; and a miss is routed by
+  hash, not to the least loaded worker (several KVStreams agree, and a prefix's second
+  request finds the first's cache).
+- ``least_loaded``: lowest load, in requests per slot per unit of weight.
+- ``round_robin``: smooth weighted round robin among replicas with room.
 
-An ``X-KVStream-Session`` header pins a conversation to the replica its id hashes to.
+Load is KVStream's own count of requests in flight on a replica, or, for an engine that
+reports its own (vLLM, SGLang: ``backends.metered``), its running + waiting count, which
+includes other clients' requests. An ``X-KVStream-Session`` header pins a conversation to
+the replica its id hashes to.
 
 Health: a replica that fails to connect ``routing.eject_after`` times in a row (requests or
 the periodic probe) is ejected for ``routing.cooldown_s``, then probed again. A request is
@@ -34,13 +43,14 @@ import contextlib
 import hashlib
 import itertools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvstream.backends.affinity import SlotModel
+from kvstream.backends.affinity import SharedCacheModel, SlotModel
 from kvstream.backends.base import BaseBackend
 from kvstream.backends.http import UpstreamSession
 from kvstream.config import RoutingSettings, Settings
@@ -50,61 +60,95 @@ from kvstream.types import BackendError, BackendUnavailable, GenerateRequest, Mo
 logger = logging.getLogger(__name__)
 
 class Replica:
-    """One runtime of the set, with what KVStream knows of it: its slots (what each idle
-    one holds: ``SlotModel``), what is in flight there, and its health."""
+    """One runtime of the set, with what KVStream knows of it: its capacity, what its cache
+    holds (a model of its slots, or of its one shared prefix cache), its load (what is in
+    flight through KVStream, or the engine's own report), the models it lists, its health."""
 
-    def __init__(self, backend: BaseBackend, block_size: int) -> None:
+    def __init__(self, backend: BaseBackend, block_size: int, weight: float = 1.0) -> None:
         self.backend = backend
         self.url = backend.base_url
+        self.weight = weight
         self.block_size = block_size
-        self.slots = SlotModel(1, block_size, backend.name)  # sized when the runtime reports
+        self.capacity = 1  # requests it runs at once; sized when the runtime reports
+        self.cache: SlotModel | SharedCacheModel = self._cache_for(1, None)
         self.in_flight = 0
         self.requests = 0
         self.failures = 0  # connection failures in a row
         self.ejected_until = 0.0
+        self.model_ids: set[str] | None = None  # what it lists, once known
+        self.credit = 0.0  # smooth weighted round robin
+
+    def _cache_for(self, slots: int, kv_tokens: int | None) -> SlotModel | SharedCacheModel:
+        identity = f"{self.backend.name}:{self.backend.model}"
+        if self.backend.cache_model == "shared":
+            return SharedCacheModel(slots, self.block_size, identity, max(1, (kv_tokens or 65536 * self.block_size) // self.block_size))
+        return SlotModel(slots, self.block_size, identity)
 
     @property
     def healthy(self) -> bool:
         return time.monotonic() >= self.ejected_until
 
+    def pressure(self) -> int:
+        """Requests on it: KVStream's own in flight, or, when the runtime reports its load,
+        its running + waiting count (other clients' requests included)."""
+        report = self.backend.load_report()
+        return self.in_flight if report is None else max(self.in_flight, report.running + report.waiting)
+
     @property
     def has_room(self) -> bool:
-        return self.in_flight < self.slots.slots
+        return self.pressure() < self.capacity and not self.backend.saturated()
 
     def load(self) -> float:
-        return self.in_flight / self.slots.slots
+        """Pressure per slot, per unit of weight: what least_loaded and balance compare."""
+        return self.pressure() / self.capacity / self.weight
 
-    def resize(self, slots: int) -> None:
-        """Model ``slots`` slots (only while nothing runs there: the model starts empty)."""
-        if slots != self.slots.slots and not self.in_flight:
-            self.slots = SlotModel(slots, self.block_size, self.backend.name)
+    def resize(self, limits: RuntimeLimits, default_slots: int) -> None:
+        """Size it from the runtime's report (only while nothing runs there: the cache model
+        starts empty)."""
+        slots = limits.parallel or default_slots
+        if slots != self.capacity and not self.in_flight:
+            self.capacity = slots
+            self.cache = self._cache_for(slots, limits.n_ctx_total)
 
 
 def rendezvous(key: bytes, replicas: list[Replica]) -> Replica:
-    """The replica ``key`` hashes to, highest random weight: the same answer in every
-    process for the same URLs, and only 1/n of keys move when a replica is added."""
-    return max(replicas, key=lambda r: hashlib.blake2b(key + r.url.encode(), digest_size=8).digest())
+    """The replica ``key`` hashes to, highest random weight (weighted: a replica of weight
+    2 wins twice as many keys): the same answer in every process for the same URLs and
+    weights, and only the keys of a replica added or removed move."""
+
+    def score(replica: Replica) -> float:
+        digest = hashlib.blake2b(key + replica.url.encode(), digest_size=8).digest()
+        uniform = (int.from_bytes(digest, "big") + 1) / (2**64 + 1)  # in (0, 1)
+        return -replica.weight / math.log(uniform)
+
+    return max(replicas, key=score)
 
 
 class ReplicaSet(BaseBackend):
-    """Backends of one type, each request routed to one of them (see the module doc)."""
+    """Backends, each request routed to one of them (see the module doc). They may be of
+    different types (``backends:``), each serving its own models."""
 
-    def __init__(self, replicas: list[BaseBackend], settings: Settings | None = None) -> None:
+    def __init__(self, replicas: list[BaseBackend], settings: Settings | None = None, weights: list[float] | None = None) -> None:
         if not replicas:
             raise ValueError("a replica set needs at least one replica")
         first = replicas[0]
         super().__init__(first.base_url, first.model, settings or first.settings)
-        self.name = first.name
-        self.forwards_body = first.forwards_body
-        self.serves_any_model_name = first.serves_any_model_name
-        self.serves_n = first.serves_n
-        self.replicas = [Replica(b, self.settings.memory.block_size) for b in replicas]
-        self._keys = itertools.count()  # one per routed attempt, for the slot models
+        kinds = sorted({b.name for b in replicas})
+        self.name = kinds[0] if len(kinds) == 1 else "mixed"
+        self.kinds = kinds
+        # A request is built for every replica the set may choose: the set forwards bodies
+        # only if every replica speaks the client's protocol, and so on.
+        self.forwards_body = all(b.forwards_body for b in replicas)
+        self.serves_any_model_name = all(b.serves_any_model_name for b in replicas)
+        self.serves_n = all(b.serves_n for b in replicas)
+        weights = weights or [1.0] * len(replicas)
+        self.replicas = [Replica(b, self.settings.memory.block_size, w) for b, w in zip(replicas, weights)]
+        self._keys = itertools.count()  # one per routed attempt, for the cache models
         self._salt = model_key(f"{first.name}:{first.model}")
-        self._next = 0  # round robin
         self._checker: asyncio.Task[None] | None = None
         for replica in self.replicas:
             replica.backend.on_reload = self._forward_reload
+            replica.backend.on_capacity = self._forward_capacity
 
     @property
     def routing(self) -> RoutingSettings:
@@ -113,9 +157,14 @@ class ReplicaSet(BaseBackend):
     def _forward_reload(self, why: str, request: GenerateRequest | None) -> None:
         self.runtime_reloaded(why, request)
 
+    def _forward_capacity(self) -> None:
+        if self.on_capacity is not None:
+            self.on_capacity()
+
     # ------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         await asyncio.gather(*(r.backend.start() for r in self.replicas))
+        await asyncio.gather(*(self._list_models(r) for r in self.replicas))
         self._checker = asyncio.get_running_loop().create_task(self._check_health())
 
     async def close(self) -> None:
@@ -125,6 +174,15 @@ class ReplicaSet(BaseBackend):
                 await self._checker
         await asyncio.gather(*(r.backend.close() for r in self.replicas), return_exceptions=True)
 
+    async def _list_models(self, replica: Replica) -> list[ModelInfo]:
+        """The replica's models, remembered for routing by model; [] if it cannot tell."""
+        try:
+            found = await replica.backend.models()
+        except BackendError:
+            return []
+        replica.model_ids = {m.id for m in found}
+        return found
+
     async def _check_health(self) -> None:
         while True:
             await asyncio.sleep(self.routing.health_interval_s)
@@ -133,6 +191,8 @@ class ReplicaSet(BaseBackend):
                     continue
                 try:
                     ok = await replica.backend.health()
+                    if ok and replica.model_ids is None:
+                        await self._list_models(replica)
                 except Exception:  # a probe must never take the set down
                     ok = False
                 self._record(replica, ok)
@@ -160,36 +220,58 @@ class ReplicaSet(BaseBackend):
         ids = request.control.prompt_token_ids or []
         return block_hashes(ids, self.settings.memory.block_size, self._salt, tenant_root(request.cache_salt))
 
+    @staticmethod
+    def serving(model: str | None, replicas: list[Replica]) -> list[Replica]:
+        """Those of ``replicas`` that serve ``model``: the ones that list it or whose list
+        is not known yet (a replica down at start; the health check reads it once it is
+        up); else those that serve any name; else all (a replica answers for the name)."""
+        if model is None:
+            return replicas
+        listing = [r for r in replicas if r.model_ids is None or model in r.model_ids]
+        return listing or [r for r in replicas if r.backend.serves_any_model_name] or replicas
+
+    def _weighted_next(self, replicas: list[Replica]) -> Replica:
+        """Smooth weighted round robin (nginx's): every replica gains its weight in credit,
+        the richest is chosen and pays the total; weights 2:1 give A B A, A B A, ..."""
+        for replica in replicas:
+            replica.credit += replica.weight
+        chosen = max(replicas, key=lambda r: r.credit)
+        chosen.credit -= sum(r.weight for r in replicas)
+        return chosen
+
     def choose(self, request: GenerateRequest, chain: list[BlockHash], exclude: set[str]) -> tuple[Replica | None, str]:
         """The replica for ``request`` and why; None when every replica is ejected or tried.
-        Only a replica with a free slot is chosen while one has one: sent to a full replica,
-        a request would wait inside it, and evict what its slots hold when it runs."""
-        live = [r for r in self.replicas if r.healthy and r.url not in exclude]
+        Only a replica with room is chosen while one has some: sent to a full replica, a
+        request waits inside it, and evicts what its slots hold when it runs."""
+        live = self.serving(request.model, [r for r in self.replicas if r.healthy and r.url not in exclude])
         if not live:
             return None, "none"
         open_ = [r for r in live if r.has_room] or live
-        least = min(open_, key=lambda r: (r.load(), r.in_flight))
-        policy = self.routing.policy
+        least = min(open_, key=lambda r: (r.load(), r.pressure()))
+        threshold = self.routing.balance_threshold
         if request.session:
             pinned = rendezvous(request.session.encode(), live)
-            if pinned.has_room and pinned.in_flight - least.in_flight <= self.routing.balance_threshold:
+            if pinned.has_room and pinned.pressure() - least.pressure() <= threshold:
                 return pinned, "session"
             return least, "balance"
+        policy = self.routing.policy
         if policy == "round_robin":
-            self._next += 1
-            return open_[self._next % len(open_)], "round_robin"
+            return self._weighted_next(open_), "round_robin"
         if policy == "least_loaded" or not chain:
             return least, "least_loaded"
         # A prefix goes where a slot holds it even if that replica is full for now: it
         # waits there for the slot (the runtime gives a freed slot to the waiting request
         # that shares most with it) rather than evicting another prefix elsewhere; the
-        # balance threshold bounds how far that goes.
-        best = max(live, key=lambda r: (r.slots.held_blocks(chain, busy=True), -r.load()))
-        if best.slots.held_blocks(chain, busy=True):
+        # balance threshold bounds how far that goes. Next best: a replica that can
+        # restore the prefix from a saved slot file (a partial hit: read, not computed).
+        best = max(live, key=lambda r: (r.cache.held_blocks(chain, busy=True), -r.load()))
+        if best.cache.held_blocks(chain, busy=True):
             route = "hit"
+        elif restorers := [r for r in open_ if r.backend.restorable_tokens(request)]:
+            best, route = min(restorers, key=lambda r: (r.load(), r.pressure())), "restore"
         else:
             best, route = rendezvous(chain[0], live), "miss"
-        if best.in_flight - least.in_flight > self.routing.balance_threshold:
+        if best.pressure() - least.pressure() > threshold:
             return least, "balance"
         return best, route
 
@@ -205,7 +287,7 @@ class ReplicaSet(BaseBackend):
             key = str(next(self._keys))
             replica.in_flight += 1
             replica.requests += 1
-            replica.slots.start(key, chain)
+            replica.cache.start(key, chain)
             started = False
             try:
                 async with contextlib.aclosing(replica.backend.generate(request)) as tokens:
@@ -225,13 +307,23 @@ class ReplicaSet(BaseBackend):
                 tried.add(replica.url)
             finally:
                 replica.in_flight -= 1
-                replica.slots.finish(key)
+                replica.cache.finish(key)
 
     def _live(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy] or self.replicas
 
     async def tokenize(self, request: GenerateRequest) -> list[int] | None:
-        return await self._live()[0].backend.tokenize(request)
+        """Exact ids from a replica that serves the request's model, when every such
+        replica is of one type (one tokenizer and template); a mixed group estimates."""
+        group = self.serving(request.model, self._live())
+        if len({r.backend.name for r in group}) != 1:
+            return None
+        return await group[0].backend.tokenize(request)
+
+    def saturated(self) -> bool:
+        """Every live replica says it queues requests itself."""
+        live = [r for r in self.replicas if r.healthy]
+        return bool(live) and all(r.backend.saturated() for r in live)
 
     async def health(self) -> bool:
         results = await asyncio.gather(*(r.backend.health() for r in self.replicas), return_exceptions=True)
@@ -244,10 +336,13 @@ class ReplicaSet(BaseBackend):
         errors = []
         for replica in self._live():
             try:
-                for info in await replica.backend.models():
-                    seen.setdefault(info.id, info)
+                found = await replica.backend.models()
             except BackendError as exc:
                 errors.append(exc)
+                continue
+            replica.model_ids = {m.id for m in found}
+            for info in found:
+                seen.setdefault(info.id, info)
         if not seen and errors:
             raise errors[0]
         return list(seen.values())
@@ -257,8 +352,8 @@ class ReplicaSet(BaseBackend):
         found = await asyncio.gather(*(r.backend.limits() for r in self.replicas), return_exceptions=True)
         reports = [f for f in found if isinstance(f, RuntimeLimits)]
         for replica, report in zip(self.replicas, found):
-            if isinstance(report, RuntimeLimits) and report.parallel:
-                replica.resize(report.parallel)
+            if isinstance(report, RuntimeLimits):
+                replica.resize(report, self.settings.scheduler.max_batch_size)
         if len(reports) < len(self.replicas):
             raise BackendError("not every replica reported its limits")
         contexts = [r.n_ctx_per_request for r in reports if r.n_ctx_per_request]
@@ -266,22 +361,26 @@ class ReplicaSet(BaseBackend):
         return RuntimeLimits(
             n_ctx_total=sum(totals) if all(totals) else None,  # type: ignore[arg-type]
             n_ctx_per_request=min(contexts) if contexts else None,
-            parallel=sum(r.slots.slots for r in self.replicas),
+            parallel=sum(r.capacity for r in self.replicas),
         )
 
     def upstream(self) -> UpstreamSession | None:
-        """Routes passed through unchanged go to the first live replica."""
-        return self._live()[0].backend.upstream()
+        """Routes passed through unchanged (llama-server's /completion, /infill, /props...)
+        go to the least loaded live replica: they carry no prefix KVStream tracks."""
+        return min(self._live(), key=lambda r: (r.load(), r.pressure())).backend.upstream()
 
     def describe(self) -> dict[str, Any]:
-        return super().describe() | {
-            "routing": self.routing.policy,
-            "replicas": [
-                {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "slots": r.slots.slots,
-                 "requests": r.requests, "failures": r.failures}
-                for r in self.replicas
-            ],
-        }
+        replicas = []
+        for r in self.replicas:
+            entry = {"url": r.url, "type": r.backend.name, "healthy": r.healthy, "in_flight": r.in_flight,
+                     "slots": r.capacity, "weight": r.weight, "requests": r.requests, "failures": r.failures}
+            if r.model_ids is not None and len(self.kinds) > 1:
+                entry["models"] = sorted(r.model_ids)
+            engine = r.backend.describe().get("engine")
+            if engine is not None:  # what a vLLM / SGLang replica reports of its own load
+                entry["engine"] = engine
+            replicas.append(entry)
+        return super().describe() | {"routing": self.routing.policy, "replicas": replicas}
 
     def metric_families(self) -> Iterator[Any]:
         up = GaugeMetricFamily("kvstream_replica_up", "1 while a replica takes traffic, 0 while ejected.", labels=["backend"])

@@ -25,9 +25,37 @@ def hf_available() -> bool:
     return bool(importlib.util.find_spec("torch") and importlib.util.find_spec("transformers") and embedded_model())
 
 
+def build_fleet(settings: Settings) -> BaseBackend:
+    """The ``backends:`` list: one backend per entry, of its own type, routed among."""
+    from kvstream.backends.replicas import ReplicaSet
+
+    members = []
+    for i, entry in enumerate(settings.backends):
+        try:
+            cls = get_backend_class(entry.type)
+        except KeyError as exc:
+            raise ConfigError(f"backends[{i}]: {exc.args[0]}") from None
+        if cls.name == "hf":
+            raise ConfigError(f"backends[{i}]: the in-process engine cannot be one of several upstreams")
+        own = {"parallel": entry.parallel} if entry.parallel else {}
+        if entry.api_key is not None:
+            own["api_key"] = entry.api_key
+        members.append(cls(entry.url, entry.model, settings.with_overrides(**own)))
+    if len(members) == 1:
+        return members[0]
+    logger.info("%d upstreams (%s), routing %s", len(members), ", ".join(e.type for e in settings.backends), settings.routing.policy)
+    return ReplicaSet(members, settings, [e.weight for e in settings.backends])
+
+
 async def build_backend(settings: Settings) -> BaseBackend:
     """The configured backend; for ``auto`` the first local runtime that answers."""
     b = settings.backend
+    if settings.backends:
+        try:
+            return build_fleet(settings)
+        except (ValueError, ConfigError) as exc:
+            logger.error("config error: %s", exc)
+            raise typer.Exit(2) from None
     if b.type == "auto":
         found = await probe_runtimes(settings)
         if found is not None:

@@ -122,10 +122,17 @@ def render(snap: dict[str, Any], history: History | None = None, url: str = "") 
     if replicas:
         t = Table.grid(padding=(0, 2))
         for replica in replicas:
+            engine = replica.get("engine") or {}
+            if "running" in engine:  # a vLLM / SGLang replica's own report
+                usage = engine.get("kv_usage")
+                told = f"engine {engine['running']} running, {engine.get('waiting', 0)} waiting" + (f", KV {usage:.0%}" if usage is not None else "")
+            else:
+                told = engine.get("metrics", "")
             t.add_row(
-                Text("●", style="green" if replica.get("healthy") else "red"), str(replica.get("url")),
-                f"{replica.get('in_flight', 0)} / {replica.get('slots', '?')} in flight", f"{replica.get('requests', 0):,} requests",
-                Text(f"{replica.get('failures', 0)} failures", style="red" if replica.get("failures") else ""),
+                Text("●", style="green" if replica.get("healthy") else "red"), f"{replica.get('type', '')} {replica.get('url')}",
+                f"{replica.get('in_flight', 0)} / {replica.get('slots', '?')} in flight",
+                f"w {replica.get('weight', 1):g}", f"{replica.get('requests', 0):,} requests",
+                Text(f"{replica.get('failures', 0)} failures", style="red" if replica.get("failures") else ""), told,
             )
         parts.append(Panel(t, title=f"replicas ({backend.get('routing')})", title_align="left"))
     if history is not None and len(history.points) > 1:

@@ -127,6 +127,7 @@ class RemoteRunner(Runner):
         self.settings = settings
         self._legs: dict[str, _Leg] = {}
         self._build(RuntimeLimits())
+        backend.on_capacity = self._kick
 
     def _build(self, limits: RuntimeLimits) -> None:
         """The scheduler, and the model of the runtime's slots its lpm policy orders by."""
@@ -209,7 +210,11 @@ class RemoteRunner(Runner):
 
     # ------------------------------------------------------------- scheduling
     def _kick(self) -> None:
-        """Run one scheduling pass; start whom it admitted, resume whom it brought back."""
+        """Run one scheduling pass; start whom it admitted, resume whom it brought back.
+        Nothing is admitted while the runtime says it queues requests itself (and one of
+        ours runs there, so an exit will kick again): they wait here, in order."""
+        if self.backend.saturated() and self._scheduler.running:
+            return
         out = self._scheduler.schedule()
         self._pause(out.preempted)
         for seq in out.admitted + out.resumed:

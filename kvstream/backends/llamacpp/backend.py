@@ -289,6 +289,16 @@ class LlamaCppBackend(OpenAICompatibleBackend):
             parallel=slots,
         )
 
+    def restorable_tokens(self, request: GenerateRequest) -> int:
+        """Tokens of the prompt a saved slot file holds (at least ``inject_min_tokens``,
+        the shortest prefix hard inject restores), found by the request's exact ids."""
+        inject, ids = self.inject, request.control.prompt_token_ids
+        if inject is None or not inject.enabled or inject.store is None or not ids:
+            return 0
+        store = inject.store
+        found = store.longest(store.prefix_hashes(ids[:-1], tenant_root(request.cache_salt)))
+        return found[1] if found and found[1] >= inject.min_tokens else 0
+
     async def tokenize(self, request: GenerateRequest) -> list[int] | None:
         """The exact prompt tokens: the model's own chat template, then its tokenizer, the way
         llama-server itself prepares the prompt (special tokens added and parsed). A chat
