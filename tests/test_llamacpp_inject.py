@@ -159,3 +159,25 @@ async def test_inject_metrics_move(server, start_proxy, tmp_path):
     assert samples[("kvstream_hard_inject_saves_total", ())] == 1
     assert samples[("kvstream_hard_inject_restored_tokens_total", ())] >= 300
     assert samples[("kvstream_hard_inject_disk_bytes", ())] > 0
+
+
+async def test_a_request_waits_for_the_busy_slot_running_its_prefix(server, start_proxy, tmp_path):
+    """Two requests with one long prefix at once on a 2-slot server: the second waits for
+    the slot the first is computing the prefix in, and reuses it, instead of computing it
+    again in the idle slot (and evicting what that slot held)."""
+    import asyncio
+
+    srv = server(slot_saving=False, extra=["--cache-ram", "0"])
+    proxy, backend, client, model = await proxy_for(start_proxy, srv, tmp_path)
+    other = [{"role": "user", "content": "An unrelated question about the weather in Lisbon? " * 10}]
+    await client.chat.completions.create(model=model, messages=other, max_tokens=2, temperature=0)
+    backend.inject.prefill_tps = 10.0  # as on a slow machine: waiting beats recomputing
+    first = asyncio.ensure_future(
+        client.chat.completions.create(model=model, messages=ask("When do you open?"), max_tokens=48, temperature=0)
+    )
+    while not any(slot.busy for slot in backend.inject.table.slots):  # the first is running
+        await asyncio.sleep(0.005)
+    second = await chat(client, model, "Do you deliver?")
+    assert (await first).usage.prompt_tokens_details.cached_tokens < 100
+    assert second.usage.prompt_tokens_details.cached_tokens > 200  # reused from the first's slot
+    assert backend.inject.stats.slot_waits >= 1

@@ -62,3 +62,22 @@ def test_a_tenants_saved_prefix_is_found_only_under_its_root(tmp_path):
     assert store.longest(store.prefix_hashes(prompt, alice)) == (name, 8)
     assert store.longest(store.prefix_hashes(prompt, bob)) is None
     assert store.longest(store.prefix_hashes(prompt)) is None
+
+
+async def test_a_busy_slot_running_a_longer_prefix_is_worth_waiting_for():
+    import asyncio
+
+    from kvstream.backends.llamacpp.slots import SlotTable
+
+    table = SlotTable(2)
+    running, _ = table.acquire([1, 2, 3, 4, 5, 6])
+    assert table.holder([1, 2, 3, 4, 9]) == (running, 4)  # the idle slot shares nothing
+    assert table.holder([7, 8]) is None
+    waiter = asyncio.ensure_future(table.wait_for(running, 5.0))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    table.release(running, [1, 2, 3, 4, 5, 6, 10])
+    await asyncio.wait_for(waiter, 1.0)
+    slot, shared = table.acquire([1, 2, 3, 4, 9])
+    assert slot is running and shared == 4
+    await asyncio.wait_for(table.wait_for(slot, 0.05), 1.0)  # bounded: returns busy after the timeout

@@ -121,6 +121,12 @@ class BaseBackend(abc.ABC):
         only ``backend.parallel``, the slot count the operator says the runtime has."""
         return RuntimeLimits(parallel=self.settings.backend.parallel)
 
+    def held_blocks(self, chain: list[bytes]) -> int | None:
+        """Leading blocks of the prompt ``chain`` (``kv.hashing`` chained hashes) that the
+        runtime holds where it could run now, by the backend's own model of it; None when
+        it keeps none (the engine's model of the runtime's slots answers instead)."""
+        return None
+
     def restorable_tokens(self, request: GenerateRequest) -> int:
         """Leading prompt tokens this runtime could load from saved state instead of
         computing them (llama.cpp slot files, shared by replicas using one directory); 0

@@ -14,8 +14,9 @@ serves its model (the ones that list it), chosen by ``routing.policy``:
   saved llama.cpp slot file (route ``restore``: a partial hit, read rather than computed).
   Either is overruled when that replica has ``routing.balance_threshold`` more requests
   than the least loaded one. A prompt nobody holds goes to the replica its first block's
-  hash picks (weighted rendezvous hashing over the replica URLs), so KVStream instances in
-  front of the same replicas agree without sharing state. SGLang's router ``cache_aware``
+  hash picks among those with a free slot (weighted rendezvous hashing over the replica
+  URLs), so KVStream instances in front of the same replicas agree without sharing state
+  while the replicas have room. SGLang's router ``cache_aware``
   policy is the model: it keeps an approximate radix tree per worker of every request it
   routed and balances when workers' loads differ by more than an absolute and a relative
   threshold. Here slot-cached runtimes are modelled per slot (what each slot last held,
@@ -270,7 +271,9 @@ class ReplicaSet(BaseBackend):
         elif restorers := [r for r in open_ if r.backend.restorable_tokens(request)]:
             best, route = min(restorers, key=lambda r: (r.load(), r.pressure())), "restore"
         else:
-            best, route = rendezvous(chain[0], live), "miss"
+            # Among replicas with a free slot: every KVStream agrees while all have one; a
+            # full replica would make the new prefix wait or evict one it holds.
+            best, route = rendezvous(chain[0], open_), "miss"
         if best.pressure() - least.pressure() > threshold:
             return least, "balance"
         return best, route
@@ -319,6 +322,13 @@ class ReplicaSet(BaseBackend):
         if len({r.backend.name for r in group}) != 1:
             return None
         return await group[0].backend.tokenize(request)
+
+    def held_blocks(self, chain: list[BlockHash]) -> int:
+        """What lpm orders by, from the per-replica models routing uses (one pooled model
+        of all the slots could say a prefix is held where routing knows it was evicted):
+        the most any live replica with room holds of ``chain`` in an idle slot."""
+        ready = [r for r in self.replicas if r.healthy and r.has_room]
+        return max((r.cache.held_blocks(chain) for r in ready), default=0)
 
     def saturated(self) -> bool:
         """Every live replica says it queues requests itself."""

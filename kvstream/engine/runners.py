@@ -145,8 +145,11 @@ class RemoteRunner(Runner):
         return chain
 
     def _held_tokens(self, seq: Sequence) -> int:
-        """lpm's measure: prompt tokens of ``seq`` that an idle runtime slot holds."""
-        return self.slots.held_blocks(self._chain(seq)) * self.slots.block_size
+        """lpm's measure: prompt tokens of ``seq`` that an idle runtime slot holds (by the
+        backend's own model where it keeps one: several replicas)."""
+        chain = self._chain(seq)
+        held = self.backend.held_blocks(chain)
+        return (self.slots.held_blocks(chain) if held is None else held) * self.slots.block_size
 
     @property
     def scheduler(self) -> Scheduler:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -146,10 +147,13 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         if route.pin:
             body["id_slot"] = route.slot.id
         prefilled, cached = False, None
+        sent = time.monotonic()
         try:
             async with contextlib.aclosing(self.stream(request, body)) as tokens:
                 async for token in tokens:
                     # Once a token came back, the runtime holds the whole prompt's KV.
+                    if not prefilled:
+                        route.first_token_s = time.monotonic() - sent
                     prefilled = True
                     if token.finish_reason is not None:
                         cached = request.control.cached_tokens

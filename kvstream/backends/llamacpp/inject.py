@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 RESTORE_SLACK_TOKENS = 16
 # Longest a request waits for one of KVStream's slots to be free before sending anyway.
 SLOT_WAIT_S = 30.0
+# Prompt tokens per second llama-server is assumed to prefill until it was measured (short
+# waits for a busy slot until then: see HardInject.prepare).
+DEFAULT_PREFILL_TPS = 1000.0
 # Block hashes remembered as computed by the running runtime (a bounded LRU).
 MAX_SEEN_BLOCKS = 200_000
 
@@ -37,6 +40,7 @@ class Route:
     hashes: list[str]
     restored: int = 0
     expect_runtime_cache: int = 0
+    first_token_s: float | None = None  # from sending the request to its first token
     # Send the request to this slot (id_slot). Off when the runtime's own prompt cache is
     # expected to serve the prefix: llama-server then picks the slot itself, from what its
     # slots really hold (another client may have changed them behind KVStream's back).
@@ -76,6 +80,7 @@ class HardInject:
         self.trust_runtime_cache = True
         self._runtime_cache_misses = 0
         self._max_task_seen = -1
+        self.prefill_tps = DEFAULT_PREFILL_TPS  # measured: prompt tokens computed per second
 
     async def _post(self, path: str, body: dict | None = None) -> tuple[int, dict]:
         async with self.http.request("POST", path, json_body=body or {}, timeout=120) as resp:
@@ -151,6 +156,13 @@ class HardInject:
         tenant's chain root; only its own saved prefixes are found, and what it saves is
         found only by it."""
         await self._sync_with_runtime()
+        held = self.table.holder(prompt) if swap_file is None else None
+        if held is not None and held[1] >= self.min_tokens:
+            # A busy slot is running (so will hold) a longer prefix of this prompt than any
+            # idle slot: wait for it, at most as long as computing the difference would take
+            # (then take an idle slot and compute it), rather than evict another prefix.
+            self.stats.slot_waits += 1
+            await self.table.wait_for(held[0], min(SLOT_WAIT_S, held[1] / self.prefill_tps))
         await self.table.wait_idle(SLOT_WAIT_S)
         slot, shared = self.table.acquire(prompt)
         route = Route(slot, prompt, self.store.prefix_hashes(prompt, root) if self.store is not None else [])
@@ -214,6 +226,11 @@ class HardInject:
                     self._runtime_cache_misses = 0
             if completed:
                 self._remember_seen(route.hashes)
+                computed = len(prompt) - (cached or 0)
+                if route.first_token_s and computed >= self.min_tokens:
+                    rate = computed / route.first_token_s
+                    self.prefill_tps = 0.7 * self.prefill_tps + 0.3 * rate if self.stats.prefill_samples else rate
+                    self.stats.prefill_samples += 1
             if completed and self.enabled and self.store is not None and len(prompt) >= self.min_tokens:
                 found = self.store.longest(route.hashes)
                 if (found[1] if found else 0) + self.save_min_new_tokens <= len(prompt):
@@ -313,6 +330,8 @@ class HardInject:
             "affinity_hits": s.affinity_hits,
             "swap_outs": s.swap_outs,
             "swap_ins": s.swap_ins,
+            "slot_waits": s.slot_waits,
+            "prefill_tokens_per_s": round(self.prefill_tps, 1),
         }
 
 
@@ -333,5 +352,6 @@ def inject_metric_families(inject: HardInject) -> Iterator[Any]:
     yield CounterMetricFamily("kvstream_hard_inject_saved_bytes", "Bytes of KV state written to disk.", value=s.saved_bytes)
     yield CounterMetricFamily("kvstream_hard_inject_evicted_files", "Slot files deleted for the byte budget.", value=s.evicted_files)
     yield CounterMetricFamily("kvstream_slot_affinity_hits", "Requests routed to a slot already holding their prefix.", value=s.affinity_hits)
+    yield CounterMetricFamily("kvstream_slot_waits", "Requests that waited for the busy slot running their prefix rather than evict another.", value=s.slot_waits)
     store = inject.store
     yield GaugeMetricFamily("kvstream_hard_inject_disk_bytes", "Bytes of slot files on disk.", value=store.total_bytes if store is not None else 0)

@@ -48,6 +48,7 @@ class SlotState:
     busy: bool = False
     tokens: list[int] = field(default_factory=list)
     last_used: float = 0.0
+    running: list[int] = field(default_factory=list)  # the prompt running there while busy
 
 
 @dataclass
@@ -65,6 +66,8 @@ class InjectStats:
     affinity_hits: int = 0  # requests routed to a slot that already held their prefix
     swap_outs: int = 0  # preempted requests whose slot state was saved
     swap_ins: int = 0  # resumed requests whose saved state was restored
+    slot_waits: int = 0  # requests that waited for the busy slot running their prefix
+    prefill_samples: int = 0  # requests whose prefill speed was measured
 
 
 class SlotFileStore:
@@ -233,6 +236,26 @@ class SlotTable:
             except TimeoutError:
                 return  # someone else shares the runtime: fall back to queueing inside it
 
+    def holder(self, prompt: Sequence[int]) -> tuple[SlotState, int] | None:
+        """The busy slot whose running prompt shares the most with ``prompt``, and how many
+        more tokens that is than the best idle slot shares; None when no busy slot beats
+        every idle one (nothing to wait for)."""
+        idle_best = max((common_prefix(s.tokens, prompt) for s in self.slots if not s.busy), default=0)
+        busy = [(common_prefix(s.running, prompt), s) for s in self.slots if s.busy]
+        if not busy:
+            return None
+        shared, slot = max(busy, key=lambda pair: pair[0])
+        return (slot, shared - idle_best) if shared > idle_best else None
+
+    async def wait_for(self, slot: SlotState, timeout: float) -> None:
+        """Wait (up to ``timeout``) until ``slot`` is idle."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while slot.busy and loop.time() < deadline:
+            self._released.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._released.wait(), max(0.0, deadline - loop.time()))
+
     def acquire(self, prompt: Sequence[int]) -> tuple[SlotState, int]:
         """The idle slot sharing the longest prefix with ``prompt`` (least recently used
         among equals), marked busy, and the length of that shared prefix."""
@@ -243,12 +266,14 @@ class SlotTable:
             idle = list(self.slots)
         best = max(idle, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
         best.busy = True
+        best.running = list(prompt)
         return best, common_prefix(best.tokens, prompt)
 
     def release(self, slot: SlotState, tokens: list[int] | None) -> None:
         """Mark idle; ``tokens`` is what it holds now (None: unknown, so assume nothing)."""
         slot.busy = False
         slot.tokens = tokens or []
+        slot.running = []
         slot.last_used = time.monotonic()
         self._released.set()
 
