@@ -137,6 +137,14 @@ class AttentionSettings(_Section):
     backend: Literal["auto", "sdpa", "eager"] = Field("auto", description="hf: attention kernel over the paged pool; auto = sdpa (torch's fused kernels), eager = plain matmul-softmax (the reference)")
 
 
+class AWQSettings(_Section):
+    streaming: bool = Field(False, description="hf, an AWQ checkpoint: keep only embeddings, norms, head and the first/last K decoder layers resident, and stage the other layers' packed weights from the memory-mapped checkpoint before each forward")
+    mode: Literal["full_resident", "partial_resident", "ffn_only_stream", "full_stream"] = Field("partial_resident", description="what streams: partial_resident = layers outside the first/last K whole; ffn_only_stream = only their MLP; full_stream = every layer; full_resident = none")
+    keep_first_k: int = Field(2, ge=0, description="decoder layers at the start kept resident")
+    keep_last_k: int = Field(2, ge=0, description="decoder layers at the end kept resident")
+    staging_slots: int = Field(2, ge=1, description="preallocated slots streamed layers are staged into (slots - 1 layers are prefetched ahead)")
+
+
 class RoutingSettings(_Section):
     policy: Literal["cache_aware", "least_loaded", "round_robin"] = Field("cache_aware", description="with several replicas: cache_aware = the replica that holds the longest part of the prompt, unless it is loaded balance_threshold requests beyond the least loaded; a prefix nobody holds goes where its hash says (the same in every KVStream); least_loaded; round_robin")
     balance_threshold: int = Field(2, ge=0, description="cache_aware: in-flight requests a replica may have beyond the least loaded one and still get a hit")
@@ -176,6 +184,7 @@ class Settings(BaseSettings):
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     prefix_cache: PrefixCacheSettings = Field(default_factory=PrefixCacheSettings)
     attention: AttentionSettings = Field(default_factory=AttentionSettings)
+    awq: AWQSettings = Field(default_factory=AWQSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
     backends: list[UpstreamEntry] = Field(default_factory=list, description="several upstreams of any mix of types, each request routed to one (see routing); replaces backend.type/base_url/replicas")

@@ -18,6 +18,8 @@ from kvstream.config import ConfigError, LoadedSettings, describe, load_settings
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="KVStream: a KV-aware proxy for local LLM runtimes.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect the configuration.")
 app.add_typer(config_app, name="config")
+awq_app = typer.Typer(no_args_is_help=True, help="AWQ 4-bit checkpoints for the in-process engine.")
+app.add_typer(awq_app, name="awq")
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML config file (default: ./kvstream.yaml)")]
 
@@ -52,6 +54,11 @@ def serve(
     reuse: Annotated[Optional[str], typer.Option(help="hf: exact | blend (also reuse moved chunks, approximately)")] = None,
     blend_ratio: Annotated[Optional[float], typer.Option(help="hf: share of moved tokens the blend repair recomputes (default 0.15)")] = None,
     warm: Annotated[Optional[list[str]], typer.Option(help="a system prompt to prefill at start (repeatable)")] = None,
+    awq_streaming: Annotated[Optional[bool], typer.Option("--awq-streaming", help="hf, an AWQ folder as --model: stream decoder layers from the checkpoint")] = None,
+    streaming_mode: Annotated[Optional[str], typer.Option(help="with --awq-streaming: partial_resident | ffn_only_stream | full_stream | full_resident")] = None,
+    keep_first_k: Annotated[Optional[int], typer.Option(help="with --awq-streaming: first decoder layers kept resident (default 2)")] = None,
+    keep_last_k: Annotated[Optional[int], typer.Option(help="with --awq-streaming: last decoder layers kept resident (default 2)")] = None,
+    staging_slots: Annotated[Optional[int], typer.Option(help="with --awq-streaming: staging slots (default 2)")] = None,
     config: ConfigOpt = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
@@ -66,6 +73,7 @@ def serve(
         },
         "server": {"host": host, "port": port},
         "routing": {"policy": routing},
+        "awq": {"streaming": awq_streaming, "mode": streaming_mode, "keep_first_k": keep_first_k, "keep_last_k": keep_last_k, "staging_slots": staging_slots},
         "scheduler": {"max_batch_size": max_batch_size},
         "prefix_cache": {"warm": warm or None, "reuse": reuse, "blend_ratio": blend_ratio},
         "memory": {
@@ -166,6 +174,23 @@ def bench(
     urls = [url] + ([compare] if compare else [])
     extra = {"ignore_eos": True} if ignore_eos else {}
     raise typer.Exit(run_bench(urls, model, api_key, workload, load, stream, warmup, timeout, json_file, plot_file, extra))
+
+
+@awq_app.command("quantize")
+def awq_quantize(
+    out: Annotated[Path, typer.Option(help="folder to write the AWQ checkpoint to")],
+    model: Annotated[Optional[str], typer.Option(help="an HF model folder (default: the embedded SmolLM2)")] = None,
+    group_size: Annotated[Optional[int], typer.Option(help="input channels per scale: 32, 64 or 128 (default: the largest that divides every projection)")] = None,
+    calibration: Annotated[Optional[Path], typer.Option(help="a text file to calibrate on (default: Python's standard library documentation)")] = None,
+    method: Annotated[str, typer.Option(help="awq (activation-aware scale search) | rtn (round to nearest only)")] = "awq",
+    samples: Annotated[int, typer.Option(help="calibration chunks of 256 tokens")] = 32,
+    evaluate: Annotated[bool, typer.Option("--eval", help="print perplexity on held-out text: the original model and the checkpoint")] = False,
+) -> None:
+    """Make an AWQ checkpoint (AutoAWQ's GEMM layout) from an HF model."""
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvstream.cli.awq import quantize
+
+    raise typer.Exit(quantize(out, model, group_size, calibration, method, samples, evaluate))
 
 
 @app.command()

@@ -72,6 +72,19 @@ def runner_metric_families(runner: ModelRunner) -> Iterator[Any]:
         yield tier_bytes
 
 
+def weights_metric_families(weights: dict[str, Any]) -> Iterator[Any]:
+    """The model weights' bytes: resident, streamed per forward, staged so far."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    yield GaugeMetricFamily("kvstream_weights_resident_bytes", "Bytes of model weights held in memory (staging slots excluded).", value=weights["resident_bytes"])
+    if "streamed_bytes" in weights:
+        yield GaugeMetricFamily("kvstream_weights_streamed_bytes", "Packed weight bytes staged from the checkpoint on every forward.", value=weights["streamed_bytes"])
+    if "staged_bytes_total" in weights:
+        yield GaugeMetricFamily("kvstream_weights_staging_bytes", "Bytes of the staging slots streamed layers are copied into.", value=weights["staging_bytes"])
+        yield CounterMetricFamily("kvstream_weights_staged_bytes", "Packed weight bytes copied into staging slots.", value=weights["staged_bytes_total"])
+        yield CounterMetricFamily("kvstream_weights_stall_seconds", "Time forwards waited for a layer's weights to be staged.", value=weights["stall_seconds_total"])
+
+
 class HFStream:
     """One request in the model runner, seen from the event loop (a ``LocalStream``).
 
@@ -164,6 +177,7 @@ class HFBackend(InProcessBackend):
             raise ValueError(problem)
         self.preloaded = preloaded
         self.runner: Any = None  # ModelRunner once started
+        self.loaded: LoadedModel | None = None
         self.model_name: str | None = None
         self._start_lock = asyncio.Lock()
         self._error: str | None = None
@@ -191,7 +205,14 @@ class HFBackend(InProcessBackend):
         prefix, attention = self.settings.prefix_cache, self.settings.attention
         if backend.threads:
             torch.set_num_threads(backend.threads)
-        loaded = self.preloaded or load_model(self.model, backend.gguf_file, memory.dtype, backend.device)
+        awq = self.settings.awq
+        streaming = None
+        if awq.streaming:
+            from kvstream.hf.awq.streaming import StreamingConfig
+
+            streaming = StreamingConfig(awq.mode, awq.keep_first_k, awq.keep_last_k, awq.staging_slots)
+        loaded = self.preloaded or load_model(self.model, backend.gguf_file, memory.dtype, backend.device, streaming)
+        self.loaded = loaded
         self.model_name = loaded.name
         context = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 0) or None
         num_blocks = memory.num_gpu_blocks
@@ -263,11 +284,15 @@ class HFBackend(InProcessBackend):
                 "prefill_tokens": runner.counters.prefill_tokens,
                 "decode_tokens": runner.counters.decode_tokens,
             }
+        if self.loaded is not None:
+            info["weights"] = self.loaded.weights_snapshot()
         return info
 
     def metric_families(self) -> Iterator[Any]:
         if self.runner is not None:
             yield from runner_metric_families(self.runner)
+        if self.loaded is not None:
+            yield from weights_metric_families(self.loaded.weights_snapshot())
 
     # ------------------------------------------------------------ requests
     async def tokenize(self, request: GenerateRequest) -> list[int] | None:

@@ -16,11 +16,15 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvstream.embedded import embedded_model
+
+if TYPE_CHECKING:
+    from kvstream.hf.awq.model import WeightsReport
+    from kvstream.hf.awq.streaming import StreamingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,14 @@ class LoadedModel:
     tokenizer: Any
     name: str  # what /v1/models shows
     identity: str  # salts the prefix-cache hashes: same identity, same KV
+    weights: WeightsReport | None = None  # AWQ checkpoints: what is resident, what streams
+
+    def weights_snapshot(self) -> dict[str, Any]:
+        """For /status: the weights' format and bytes (dense: every parameter resident)."""
+        if self.weights is not None:
+            return self.weights.snapshot()
+        seen = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}
+        return {"format": "dense", "resident_bytes": sum(t.numel() * t.element_size() for t in seen.values())}
 
 
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool = True) -> list[int]:
@@ -106,11 +118,24 @@ def converted_folder(gguf_dir: Path, gguf_name: str) -> Path:
 
 
 def load_model(
-    model: str | None = None, gguf_file: str | None = None, dtype: str = "auto", device: str = "auto"
+    model: str | None = None,
+    gguf_file: str | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    streaming: StreamingConfig | None = None,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer for the engine (see the module docstring)."""
+    """Load a causal LM and its tokenizer for the engine (see the module docstring). A
+    folder whose config says AWQ is loaded packed (``kvstream.hf.awq``), its layers streamed
+    per ``streaming`` (None: every layer resident)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from kvstream.hf.awq.checkpoint import awq_settings
+
+    awq = awq_settings(Path(model)) if model and Path(model).is_dir() else None
+    if streaming is not None and streaming.mode != "full_resident" and awq is None:
+        raise ValueError(f"layer streaming needs an AWQ checkpoint folder (make one: kvstream awq quantize); {model or 'the embedded model'} is not one")
+    if awq is not None:
+        return _load_awq(Path(model), dtype, device, streaming)  # type: ignore[arg-type]
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     source, gguf = _split_gguf(model, gguf_file)
@@ -131,3 +156,22 @@ def load_model(
     loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype).to(torch_device).eval()
     identity = f"hf:{name}:{torch_dtype}:{getattr(loaded.config, '_name_or_path', '')}"
     return LoadedModel(loaded, tokenizer, str(name), identity)
+
+
+def _load_awq(folder: Path, dtype: str, device: str, streaming: StreamingConfig | None) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    from kvstream.hf.awq.model import load_awq_model
+
+    torch_device = pick_device(device)
+    if torch_device.type != "cpu":
+        raise ValueError("AWQ checkpoints run on the CPU only for now (their CUDA path is not written): use --device cpu")
+    torch_dtype = pick_dtype(dtype, torch_device)
+    model, report = load_awq_model(folder, torch_dtype, streaming)
+    mode = report.mode if report.streamer is not None else "resident"
+    logger.info("loaded AWQ %s (%s, group %d, kernel %s): %.0f MiB resident, %.0f MiB streamed per forward",
+                folder, mode, report.group_size, report.kernel.name if report.kernel else "-",
+                report.resident_bytes / 2**20, report.streamed_bytes / 2**20)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    identity = f"hf:awq:{folder.resolve()}:{torch_dtype}"
+    return LoadedModel(model, tokenizer, str(folder), identity, report)

@@ -1,0 +1,152 @@
+"""``AWQLinear``: a linear layer that computes from AWQ-packed weights.
+
+Two kernels, chosen once per process by ``probe_kernel`` (correct on a real shape, then the
+faster one; never assumed from what imports):
+
+- ``dequant``: pure torch. Output columns are dequantized a bounded chunk at a time (never
+  more than ``CHUNK_BYTES`` of floats) in the packed, interleaved column order, multiplied,
+  and the product's columns put back in order: cheaper than reordering the weights;
+- ``int4mm``: torch's CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``) on weights
+  repacked to its layout at load. On the machines measured here it was slower than
+  ``dequant`` (see ``probe_kernel``), so it is only taken where it wins.
+
+The packed tensors are plain attributes, not parameters: layer streaming swaps them for
+staging-slot views before each forward (``streaming``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvstream.hf.awq.format import AWQ_REVERSE_ORDER, BITS, PACK, PackedLinear, dequantize, unpack
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 16 * 1024 * 1024  # most bytes of dequantized weight alive at once, per layer
+PACKED_NAMES = ("qweight", "qzeros", "scales")
+
+
+def logical_order(out_features: int) -> torch.Tensor:
+    """Index that takes a product in packed (interleaved) column order to column order."""
+    base = torch.arange(0, out_features, PACK).repeat_interleave(PACK)
+    return base + torch.tensor(AWQ_REVERSE_ORDER).repeat(out_features // PACK)
+
+
+class AWQLinear(torch.nn.Module):
+    """``y = x @ W.T + b`` with ``W`` held as AWQ GEMM tensors (``qweight``, ``qzeros``,
+    ``scales``); ``dtype`` is the activations' (the engine's) precision."""
+
+    kernel = "dequant"
+
+    def __init__(self, packed: PackedLinear, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.group_size = packed.group_size
+        self.dtype = dtype
+        self.bias = None if packed.bias is None else torch.nn.Parameter(packed.bias.to(dtype), requires_grad=False)
+        self.order = logical_order(self.out_features)
+        self.load(packed.qweight, packed.qzeros, packed.scales)
+
+    def load(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> None:
+        """Point the layer at these packed tensors (resident, mapped, or a staging slot)."""
+        self.qweight, self.qzeros, self.scales = qweight, qzeros, scales
+        self._derived: tuple[torch.Tensor, ...] | None = None
+
+    def packed(self) -> PackedLinear:
+        return PackedLinear(self.qweight, self.qzeros, self.scales, self.group_size, self.bias)
+
+    def packed_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.qzeros, self.scales))
+
+    def _zeros_and_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per group: zero x scale and scale, in the packed column order (small: groups x out;
+        recomputed whenever the packed tensors change)."""
+        if self._derived is None:
+            shifts = torch.arange(0, 32, BITS, dtype=torch.int32)
+            zeros = (torch.bitwise_right_shift(self.qzeros.unsqueeze(-1), shifts) & 0xF).reshape(self.qzeros.shape[0], -1)
+            scales = self.scales.to(self.dtype)[:, self.order.argsort()]  # packed order
+            self._derived = (zeros.to(self.dtype) * scales, scales)
+        return self._derived  # type: ignore[return-value]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "int4mm":
+            y = int4mm(self, x)
+        else:
+            y = self._dequant_matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        zs, scales = self._zeros_and_scales()
+        groups = self.in_features // self.group_size
+        flat = x.reshape(-1, self.in_features).to(self.dtype)
+        out = torch.empty(flat.shape[0], self.out_features, dtype=self.dtype)
+        shifts = torch.arange(0, 32, BITS, dtype=torch.int32)
+        step = max(PACK, CHUNK_BYTES // (4 * self.in_features) // PACK * PACK)
+        for start in range(0, self.out_features, step):
+            stop = min(self.out_features, start + step)
+            packed = self.qweight[:, start // PACK : stop // PACK]
+            q = (torch.bitwise_right_shift(packed.unsqueeze(-1), shifts) & 0xF).to(self.dtype)
+            w = q.view(groups, self.group_size, stop - start)
+            w = w.mul_(scales[:, start:stop].unsqueeze(1)).sub_(zs[:, start:stop].unsqueeze(1))
+            torch.matmul(flat, w.view(self.in_features, stop - start), out=out[:, start:stop])
+        return out[:, self.order].reshape(*x.shape[:-1], self.out_features)
+
+
+# ------------------------------------------------------------------ torch's CPU int4 kernel
+def int4_layout(layer: AWQLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's weights repacked for ``_weight_int4pack_mm_for_cpu``: its int4 layout of
+    ``W`` [out, in], and per group (scale, offset) with ``w = (q - 8) * scale + offset``."""
+    q = unpack(layer.qweight).T.contiguous()  # [out, in], values 0..15
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    zeros, scales = unpack(layer.qzeros).float(), layer.scales.float()
+    return packed, torch.stack([scales, (8 - zeros) * scales], dim=-1).contiguous()
+
+
+def int4mm(layer: AWQLinear, x: torch.Tensor) -> torch.Tensor:
+    cached = getattr(layer, "_int4", None)
+    if cached is None or cached[0] is not layer.qweight:
+        cached = (layer.qweight, *int4_layout(layer))
+        layer._int4 = cached  # type: ignore[attr-defined]
+    flat = x.reshape(-1, layer.in_features).float()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, cached[1], layer.group_size, cached[2])
+    return y.to(layer.dtype).reshape(*x.shape[:-1], layer.out_features)
+
+
+@dataclass
+class KernelChoice:
+    name: str
+    why: str
+
+
+def probe_kernel(in_features: int, out_features: int, group_size: int, dtype: torch.dtype, rows: int = 8) -> KernelChoice:
+    """Check each kernel against the reference dequantization on this shape, and time the
+    ones that are right; the fastest wins. Probed on CPU only (no CUDA kernel here yet)."""
+    from kvstream.hf.awq.format import quantize_rtn
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    layer = AWQLinear(quantize_rtn(weight, group_size), dtype)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    reference = x.float() @ dequantize(layer.packed())
+    timings: dict[str, float] = {}
+    for name in ("dequant", "int4mm"):
+        layer.kernel = name
+        try:
+            y = layer(x).float()
+        except (RuntimeError, AttributeError, NotImplementedError) as exc:  # not on this build
+            logger.debug("awq kernel %s unavailable: %s", name, exc)
+            continue
+        if not torch.allclose(y, reference, rtol=1e-2, atol=1e-2 * reference.abs().max().item()):
+            logger.warning("awq kernel %s gives wrong results on this machine; not used", name)
+            continue
+        start = time.perf_counter()
+        for _ in range(3):
+            layer(x)
+        timings[name] = (time.perf_counter() - start) / 3
+    best = min(timings, key=timings.__getitem__)
+    others = ", ".join(f"{n} {timings[n] / timings[best]:.1f}x slower" for n in timings if n != best)
+    return KernelChoice(best, others or "the only kernel that ran")

@@ -1,0 +1,182 @@
+"""Building a transformers model from an AWQ checkpoint, resident or streamed.
+
+The model is built on the meta device (no memory), every ``nn.Linear`` the checkpoint has
+packed tensors for is replaced by an ``AWQLinear`` over them, and every other tensor
+(embeddings, norms, head, biases) is assigned from the checkpoint. Projections of streamed
+layers keep memory-mapped tensors (``LayerStreamer`` stages them per forward); all others
+are copied into memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstream.hf.awq.checkpoint import CheckpointError, SafetensorsIndex, awq_settings
+from kvstream.hf.awq.format import PackedLinear
+from kvstream.hf.awq.linear import AWQLinear, KernelChoice, probe_kernel
+from kvstream.hf.awq.streaming import LayerStreamer, StreamingConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WeightsReport:
+    """What /status says about the model's weights."""
+
+    format: str  # "awq" or "dense"
+    kernel: KernelChoice | None = None
+    group_size: int | None = None
+    resident_bytes: int = 0
+    streamed_bytes: int = 0  # packed bytes staged from the checkpoint on every forward
+    mode: str = "full_resident"
+    keep_first_k: int = 0
+    keep_last_k: int = 0
+    streamer: LayerStreamer | None = None
+    tokens: int = 0  # tokens through forwards, for bytes staged per token
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def snapshot(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": self.format, "resident_bytes": self.resident_bytes}
+        if self.format == "awq":
+            out |= {"group_size": self.group_size, "kernel": self.kernel.name if self.kernel else None,
+                    "kernel_why": self.kernel.why if self.kernel else None, "mode": self.mode,
+                    "streamed_bytes": self.streamed_bytes}
+        if self.streamer is not None:
+            s = self.streamer
+            out |= {
+                "keep_first_k": self.keep_first_k, "keep_last_k": self.keep_last_k,
+                "staging_slots": len(s.slots), "staging_bytes": s.slot_bytes,
+                "staged_bytes_total": s.staged_bytes, "staged_bytes_per_forward": s.bytes_per_forward,
+                "bytes_staged_per_token": round(s.staged_bytes / self.tokens) if self.tokens else None,
+                "stall_seconds_total": round(s.stall_s, 3),
+            }
+        return out
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's list of decoder layers (the ModuleList as long as the layer count)."""
+    count = model.config.num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return module
+    raise CheckpointError("cannot find the model's decoder layers")
+
+
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def load_awq_model(folder: Path, dtype: torch.dtype, streaming: StreamingConfig | None = None) -> tuple[torch.nn.Module, WeightsReport]:
+    """The AWQ checkpoint in ``folder`` as a transformers model on CPU, and its report.
+    Raises CheckpointError naming the file or key that is wrong."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    quant = awq_settings(folder)
+    if quant is None:
+        raise CheckpointError(f"{folder}: config.json has no AWQ quantization_config (quant_method 'awq')")
+    group_size = int(quant["group_size"])
+    config = AutoConfig.from_pretrained(folder)
+    del config.quantization_config  # built here, not by transformers' quantizers
+    index = SafetensorsIndex(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    layers = decoder_layers(model)
+    streaming = streaming or StreamingConfig(mode="full_resident")
+    try:
+        streaming.check(len(layers))
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+
+    kernel: KernelChoice | None = None
+    plan: dict[int, list[tuple[str, AWQLinear]]] = {}
+    names = {id(m): n for n, m in model.named_modules()}
+    for layer_index, layer in enumerate(layers):
+        streamed_parts = streaming.streamed_parts(layer_index, len(layers))
+        for relative, module in list(layer.named_modules()):
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            name = f"{names[id(layer)]}.{relative}"
+            if f"{name}.qweight" not in index:
+                raise CheckpointError(f"{folder}: tensor {name}.qweight is not in the checkpoint")
+            streamed = any(relative == p or relative.startswith(p + ".") or p == "" for p in streamed_parts)
+            take = index.mapped if streamed else index.load
+            packed = PackedLinear(
+                qweight=take(f"{name}.qweight"), qzeros=take(f"{name}.qzeros"), scales=take(f"{name}.scales"),
+                group_size=group_size, bias=index.load(f"{name}.bias") if f"{name}.bias" in index else None,
+            )
+            expected = (module.in_features, module.out_features // 8)
+            if tuple(packed.qweight.shape) != expected:
+                raise CheckpointError(f"{folder}: {name}.qweight has shape {tuple(packed.qweight.shape)}, expected {expected}")
+            quantized = AWQLinear(packed, dtype)
+            if kernel is None:
+                kernel = probe_kernel(module.in_features, module.out_features, group_size, dtype)
+                logger.info("awq kernel: %s (%s)", kernel.name, kernel.why)
+            quantized.kernel = kernel.name
+            parent_name, _, child = relative.rpartition(".")
+            setattr(layer.get_submodule(parent_name) if parent_name else layer, child, quantized)
+            if streamed:
+                plan.setdefault(layer_index, []).append((relative, quantized))
+
+    # Everything that is not a packed projection: assigned from the checkpoint.
+    state = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if not tensor.is_meta:
+            continue
+        if name in index:
+            state[name] = index.load(name).to(dtype) if index.refs[name].dtype.is_floating_point else index.load(name)
+    model.load_state_dict(state, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    _rebuild_computed_buffers(model)
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        raise CheckpointError(f"{folder}: tensor {missing[0]} is not in the checkpoint")
+    model.eval()
+
+    resident = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    streamed_ids = set()
+    for layer_index, layer in enumerate(layers):
+        for module in layer.modules():
+            if isinstance(module, AWQLinear):
+                packed_tensors = [module.qweight, module.qzeros, module.scales]
+                if layer_index in plan and any(module is m for _, m in plan[layer_index]):
+                    streamed_ids.update(id(t) for t in packed_tensors)
+                else:
+                    resident.update({id(t): t for t in packed_tensors})
+    report = WeightsReport(
+        format="awq", kernel=kernel, group_size=group_size, mode=streaming.mode,
+        resident_bytes=tensor_bytes(list(resident.values())),
+        keep_first_k=streaming.keep_first_k, keep_last_k=streaming.keep_last_k,
+    )
+    if plan:
+        streamer = LayerStreamer(layers, plan, streaming.staging_slots)
+        report.streamer, report.streamed_bytes = streamer, streamer.bytes_per_forward
+
+        def count_tokens(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if isinstance(ids, torch.Tensor):
+                report.tokens += ids.numel()
+
+        model.register_forward_pre_hook(count_tokens, with_kwargs=True)
+    return model, report
+
+
+def _rebuild_computed_buffers(model: torch.nn.Module) -> None:
+    """Buffers a model computes at construction (rotary inverse frequencies) are not in
+    checkpoints: rebuild the modules that own them, now on CPU."""
+    for name, module in list(model.named_modules()):
+        own = [b for b in module.buffers(recurse=False) if b.is_meta]
+        if not own or not name:
+            continue
+        try:
+            with torch.device("cpu"):
+                rebuilt = type(module)(config=model.config)
+        except TypeError as exc:
+            raise CheckpointError(f"cannot rebuild {name} ({type(module).__name__}) outside the checkpoint: {exc}") from None
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, rebuilt)

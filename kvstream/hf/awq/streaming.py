@@ -1,0 +1,160 @@
+"""Layer streaming: run a model whose packed weights do not all stay in memory.
+
+Embeddings, norms, the LM head and the first/last ``keep_first_k`` / ``keep_last_k``
+decoder layers stay resident. The other layers' packed tensors (``qweight``, ``qzeros``,
+``scales``) stay memory-mapped from the checkpoint and are copied into one of
+``staging_slots`` preallocated slots just before their layer runs; the copy for the next
+streamed layers runs on a background thread while the current one computes (torch's copy
+releases the GIL), so a forward waits on disk or page cache only where compute is shorter
+than the copy. The layer's ``AWQLinear`` modules are pointed at the slot, then the slot is
+reused ``staging_slots`` layers later.
+
+Modes (``StreamingConfig.mode``):
+
+- ``full_resident``: nothing streamed (the reference for the others);
+- ``partial_resident``: layers outside the first/last K streamed whole;
+- ``ffn_only_stream``: outside the first/last K, only the MLP projections streamed
+  (attention stays resident: the MLP is about two thirds of a layer's bytes);
+- ``full_stream``: every decoder layer streamed, K ignored.
+
+CPU only for now: the CUDA path (pinned host memory, a copy stream) is not written.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvstream.hf.awq.linear import AWQLinear
+
+Mode = Literal["full_resident", "partial_resident", "ffn_only_stream", "full_stream"]
+MODES: tuple[str, ...] = ("full_resident", "partial_resident", "ffn_only_stream", "full_stream")
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    """Which layers' weights are streamed, and through how many staging slots."""
+
+    mode: Mode = "partial_resident"
+    keep_first_k: int = 2
+    keep_last_k: int = 2
+    staging_slots: int = 2
+
+    def check(self, num_layers: int) -> None:
+        """Raise ValueError naming the setting the model cannot take."""
+        if self.mode not in MODES:
+            raise ValueError(f"streaming mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.keep_first_k < 0 or self.keep_last_k < 0:
+            raise ValueError("keep_first_k and keep_last_k must be >= 0")
+        if self.mode != "full_stream" and self.keep_first_k + self.keep_last_k > num_layers:
+            raise ValueError(
+                f"keep_first_k {self.keep_first_k} + keep_last_k {self.keep_last_k} is more than the model's {num_layers} layers"
+            )
+        if self.staging_slots < 1:
+            raise ValueError("staging_slots must be >= 1")
+
+    def streamed_parts(self, layer: int, num_layers: int) -> tuple[str, ...]:
+        """Submodule names of ``layer`` whose projections are streamed ("" = all of it)."""
+        if self.mode == "full_resident":
+            return ()
+        if self.mode == "full_stream":
+            return ("",)
+        if layer < self.keep_first_k or layer >= num_layers - self.keep_last_k:
+            return ()
+        return ("mlp",) if self.mode == "ffn_only_stream" else ("",)
+
+
+class LayerStreamer:
+    """Stages the packed weights of streamed layers into slots, one layer ahead per spare
+    slot, from forward pre-hooks on the decoder layers."""
+
+    def __init__(self, layers: torch.nn.ModuleList, plan: dict[int, list[tuple[str, AWQLinear]]], slots: int) -> None:
+        self.layers = layers
+        self.plan = plan  # layer index -> its streamed (relative name, module), sources mapped
+        self.order = sorted(plan)
+        self.position = {layer: i for i, layer in enumerate(self.order)}
+        self.sources = {layer: [(name, m.packed()) for name, m in plan[layer]] for layer in self.order}
+        first = self.sources[self.order[0]] if self.order else []
+        self.slots = [
+            {name: tuple(torch.empty_like(t) for t in (p.qweight, p.qzeros, p.scales)) for name, p in first}
+            for _ in range(slots)
+        ]
+        for layer in self.order:  # every streamed layer fits the same slots
+            shapes = {name: tuple(t.shape for t in (p.qweight, p.qzeros, p.scales)) for name, p in self.sources[layer]}
+            expected = {name: tuple(t.shape for t in bufs) for name, bufs in self.slots[0].items()}
+            if shapes != expected:
+                raise ValueError(f"decoder layer {layer} has other projection shapes than layer {self.order[0]}: it cannot be streamed")
+        self.bytes_per_forward = sum(p.nbytes() - (p.bias.numel() * p.bias.element_size() if p.bias is not None else 0)
+                                     for layer in self.order for _, p in self.sources[layer])
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstream-stage")
+        self._pending: dict[int, tuple[Future[int], int]] = {}  # layer -> (copy, slot)
+        self._bound: dict[int, int] = {}  # layer -> slot it computes from now
+        self._next_slot = 0
+        self._lock = threading.Lock()
+        self.staged_bytes = 0
+        self.stall_s = 0.0  # time forwards waited for a copy
+        self._hooks = [layers[layer].register_forward_pre_hook(self._make_hook(layer)) for layer in self.order]
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for slot in self.slots for bufs in slot.values() for t in bufs)
+
+    def _stage(self, layer: int, slot: int) -> int:
+        staged = 0
+        for name, packed in self.sources[layer]:
+            for target, source in zip(self.slots[slot][name], (packed.qweight, packed.qzeros, packed.scales)):
+                target.copy_(source)
+                staged += source.numel() * source.element_size()
+        with self._lock:
+            self.staged_bytes += staged
+        return staged
+
+    def _make_hook(self, layer: int):
+        def hook(module: torch.nn.Module, args: object) -> None:
+            self.before(layer)
+
+        return hook
+
+    def before(self, layer: int) -> None:
+        """Layer ``layer`` is about to run: its weights in a slot, the next ones on the way."""
+        import time
+
+        pending = self._pending.pop(layer, None)
+        if pending is None:
+            self.drain()  # an unplanned order (a partial forward): start the ring afresh
+            slot = self._next_slot
+            self._next_slot = (slot + 1) % len(self.slots)
+            self._stage(layer, slot)
+        else:
+            future, slot = pending
+            started = time.perf_counter()
+            future.result()
+            self.stall_s += time.perf_counter() - started
+        for name, module in self.plan[layer]:
+            module.load(*self.slots[slot][name])
+        self._bound[layer] = slot
+        # Prefetch into the slots no running layer uses: up to (slots - 1) layers ahead.
+        position = self.position[layer]
+        for ahead in range(1, len(self.slots)):
+            upcoming = self.order[(position + ahead) % len(self.order)]
+            if upcoming in self._pending or upcoming == layer:
+                continue
+            target = (slot + ahead) % len(self.slots)
+            self._pending[upcoming] = (self._pool.submit(self._stage, upcoming, target), target)
+            self._next_slot = (target + 1) % len(self.slots)
+
+    def drain(self) -> None:
+        """Wait for every copy in flight and forget it."""
+        for future, _ in self._pending.values():
+            future.result()
+        self._pending.clear()
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self.drain()
+        self._pool.shutdown(wait=True)
