@@ -71,11 +71,12 @@ def tensor_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def load_awq_model(folder: Path, dtype: torch.dtype, streaming: StreamingConfig | None = None) -> tuple[torch.nn.Module, WeightsReport]:
+def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingConfig | None = None) -> tuple[torch.nn.Module, WeightsReport]:
     """The AWQ checkpoint in ``folder`` as a transformers model on CPU, and its report.
     Raises CheckpointError naming the file or key that is wrong."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    folder = Path(folder)
     quant = awq_settings(folder)
     if quant is None:
         raise CheckpointError(f"{folder}: config.json has no AWQ quantization_config (quant_method 'awq')")
@@ -138,7 +139,9 @@ def load_awq_model(folder: Path, dtype: torch.dtype, streaming: StreamingConfig 
         raise CheckpointError(f"{folder}: tensor {missing[0]} is not in the checkpoint")
     model.eval()
 
-    resident = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    # Weights: parameters and persistent buffers (not what the model computes, like
+    # rotary frequencies), each shared tensor once (tied embeddings).
+    resident = {id(t): t for t in model.state_dict(keep_vars=True).values()}
     streamed_ids = set()
     for layer_index, layer in enumerate(layers):
         for module in layer.modules():

@@ -22,6 +22,7 @@ CPU only for now: the CUDA path (pinned host memory, a copy stream) is not writt
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -104,11 +105,15 @@ class LayerStreamer:
         return sum(t.numel() * t.element_size() for slot in self.slots for bufs in slot.values() for t in bufs)
 
     def _stage(self, layer: int, slot: int) -> int:
+        # A plain memmove, not torch's copy: it allocates nothing and starts no OpenMP team
+        # on this thread (which cost ~200 MB of per-thread heap arenas, measured), and ctypes
+        # releases the GIL around it, so it overlaps the layer computing on the engine thread.
         staged = 0
         for name, packed in self.sources[layer]:
             for target, source in zip(self.slots[slot][name], (packed.qweight, packed.qzeros, packed.scales)):
-                target.copy_(source)
-                staged += source.numel() * source.element_size()
+                nbytes = source.numel() * source.element_size()
+                ctypes.memmove(target.data_ptr(), source.data_ptr(), nbytes)
+                staged += nbytes
         with self._lock:
             self.staged_bytes += staged
         return staged
