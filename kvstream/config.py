@@ -143,6 +143,7 @@ class AWQSettings(_Section):
     keep_first_k: int = Field(2, ge=0, description="decoder layers at the start kept resident")
     keep_last_k: int = Field(2, ge=0, description="decoder layers at the end kept resident")
     staging_slots: int = Field(2, ge=1, description="preallocated slots streamed layers are staged into (slots - 1 layers are prefetched ahead)")
+    drop_page_cache: bool = Field(False, description="drop each streamed layer's checkpoint pages once staged, so that the page cache does not hold the model (every forward reads streamed layers from disk)")
 
 
 class RoutingSettings(_Section):

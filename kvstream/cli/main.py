@@ -59,6 +59,7 @@ def serve(
     keep_first_k: Annotated[Optional[int], typer.Option(help="with --awq-streaming: first decoder layers kept resident (default 2)")] = None,
     keep_last_k: Annotated[Optional[int], typer.Option(help="with --awq-streaming: last decoder layers kept resident (default 2)")] = None,
     staging_slots: Annotated[Optional[int], typer.Option(help="with --awq-streaming: staging slots (default 2)")] = None,
+    drop_page_cache: Annotated[Optional[bool], typer.Option("--drop-page-cache", help="with --awq-streaming: drop streamed layers' checkpoint pages once staged")] = None,
     config: ConfigOpt = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
@@ -73,7 +74,7 @@ def serve(
         },
         "server": {"host": host, "port": port},
         "routing": {"policy": routing},
-        "awq": {"streaming": awq_streaming, "mode": streaming_mode, "keep_first_k": keep_first_k, "keep_last_k": keep_last_k, "staging_slots": staging_slots},
+        "awq": {"streaming": awq_streaming, "mode": streaming_mode, "keep_first_k": keep_first_k, "keep_last_k": keep_last_k, "staging_slots": staging_slots, "drop_page_cache": drop_page_cache},
         "scheduler": {"max_batch_size": max_batch_size},
         "prefix_cache": {"warm": warm or None, "reuse": reuse, "blend_ratio": blend_ratio},
         "memory": {

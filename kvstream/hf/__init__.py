@@ -6,7 +6,8 @@ model over a paged KV pool.
   over them, registered with transformers;
 - ``kv_store.py`` / ``kv_quant.py`` / ``blend.py``: spill tiers, KIVI quantization, blend reuse;
 - ``backend.py``: ``HFBackend``, the runner behind the proxy's API (``--backend hf``);
-- ``library.py``: ``HFEngine``, the same engine as a Python library.
+- ``library.py``: ``HFEngine``, the same engine as a Python library;
+- ``awq/``: AWQ 4-bit checkpoints (making, loading, layer streaming).
 
 torch and transformers are optional (``pip install 'kvstream[hf]'``): importing this package
 does not import them; the names below load their modules on first use.
@@ -21,6 +22,7 @@ _LAZY = {
     "HFBackend": "kvstream.hf.backend",
     "HFEngine": "kvstream.hf.library",
     "GenerationResult": "kvstream.hf.library",
+    "StreamingConfig": "kvstream.hf.awq.streaming",
 }
 
 

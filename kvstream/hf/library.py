@@ -31,6 +31,7 @@ from kvstream.config import default
 from kvstream.hf.blend import BlendParams
 from kvstream.hf.model_runner import RunnerConfig, ModelRunner, TokenEvent
 from kvstream.hf.kv_cache import auto_num_blocks
+from kvstream.hf.awq.streaming import StreamingConfig
 from kvstream.hf.loader import LoadedModel, chat_token_ids, load_model
 from kvstream.hf.sampling import SamplingParams
 from kvstream.scheduler import Sequence
@@ -94,14 +95,17 @@ class HFEngine:
         host_cache_bytes: int = default("memory", "host_cache_bytes"),
         disk_cache_dir: str | None = None,
         disk_cache_bytes: int = default("memory", "disk_cache_bytes"),
+        streaming: StreamingConfig | None = None,
     ) -> HFEngine:
         """Load ``model`` (default: the embedded SmolLM2). ``chunk_size`` is the KV block
         size in tokens, the granularity of reuse; ``max_cache_bytes`` bounds the KV pool
         (default 1 GiB on CPU, 40% of free memory on CUDA). Blocks the pool reclaims spill to
         ``host_cache_bytes`` of RAM, then to ``disk_cache_dir`` (kept across restarts; call
         ``close()``), stored KIVI-quantized when ``kv_cache_bits`` is 8 or 4.
-        ``recompute_strategy``: none (exact reuse only), selective or cacheblend (see above)."""
-        loaded = load_model(model, gguf_file, dtype, device)
+        ``recompute_strategy``: none (exact reuse only), selective or cacheblend (see above).
+        ``model`` may be an AWQ checkpoint folder (``kvstream awq quantize``); ``streaming``
+        then keeps only some of its layers resident (``kvstream.hf.awq.streaming``)."""
+        loaded = load_model(model, gguf_file, dtype, device, streaming)
         blocks = auto_num_blocks(loaded.model, chunk_size, max_cache_bytes)
         config = RunnerConfig(
             block_size=chunk_size, num_blocks=blocks, num_cpu_blocks=0, max_num_seqs=max_batch_size,

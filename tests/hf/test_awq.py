@@ -124,8 +124,9 @@ def resident(rtn_folder):
 @pytest.mark.parametrize(
     "config",
     [StreamingConfig("partial_resident", 2, 2, 2), StreamingConfig("partial_resident", 0, 0, 1),
-     StreamingConfig("ffn_only_stream", 2, 2, 2), StreamingConfig("full_stream", 0, 0, 3)],
-    ids=["partial-k2", "partial-k0-one-slot", "ffn-only", "full-stream-3-slots"],
+     StreamingConfig("ffn_only_stream", 2, 2, 2), StreamingConfig("full_stream", 0, 0, 3),
+     StreamingConfig("partial_resident", 2, 2, 2, drop_page_cache=True)],
+    ids=["partial-k2", "partial-k0-one-slot", "ffn-only", "full-stream-3-slots", "pages-dropped"],
 )
 def test_streamed_and_resident_give_identical_logits(rtn_folder, resident, config):
     ids, expected, _ = resident

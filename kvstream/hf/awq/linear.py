@@ -52,10 +52,29 @@ class AWQLinear(torch.nn.Module):
         self.order = logical_order(self.out_features)
         self.load(packed.qweight, packed.qzeros, packed.scales)
 
-    def load(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> None:
-        """Point the layer at these packed tensors (resident, mapped, or a staging slot)."""
+    def load(
+        self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, derived: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """Point the layer at these packed tensors (resident, mapped, or a staging slot);
+        ``derived``: their ``derive`` output when the caller computed it already."""
         self.qweight, self.qzeros, self.scales = qweight, qzeros, scales
-        self._derived: tuple[torch.Tensor, ...] | None = None
+        self._derived: tuple[torch.Tensor, torch.Tensor] | None = derived
+        self.packed_order = self.order.argsort()
+
+    def derive(self, into: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per group: zero x scale and scale, in the packed column order (groups x out). With
+        ``into`` (buffers from ``derive_buffers``), computed there without allocating: a
+        staging slot's, so that streamed layers do not churn the heap every forward."""
+        groups = self.qzeros.shape[0]
+        if into is None:
+            into = derive_buffers(groups, self.out_features, self.dtype)
+        zs, scales, nibbles, half = into
+        torch.bitwise_right_shift(self.qzeros.unsqueeze(-1), SHIFTS, out=nibbles.view(groups, -1, PACK))
+        nibbles.bitwise_and_(0xF)
+        torch.index_select(self.scales, 1, self.packed_order, out=half)
+        scales.copy_(half)
+        zs.copy_(nibbles).mul_(scales)
+        return zs, scales
 
     def packed(self) -> PackedLinear:
         return PackedLinear(self.qweight, self.qzeros, self.scales, self.group_size, self.bias)
@@ -64,13 +83,9 @@ class AWQLinear(torch.nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.qzeros, self.scales))
 
     def _zeros_and_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per group: zero x scale and scale, in the packed column order (small: groups x out;
-        recomputed whenever the packed tensors change)."""
         if self._derived is None:
-            zeros = (torch.bitwise_right_shift(self.qzeros.unsqueeze(-1), SHIFTS) & 0xF).reshape(self.qzeros.shape[0], -1)
-            scales = self.scales.to(self.dtype)[:, self.order.argsort()]  # packed order
-            self._derived = (zeros.to(self.dtype) * scales, scales)
-        return self._derived  # type: ignore[return-value]
+            self._derived = self.derive()
+        return self._derived
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "int4mm":
@@ -101,6 +116,12 @@ class AWQLinear(torch.nn.Module):
 
 
 SHIFTS = torch.arange(0, 32, BITS, dtype=torch.int32)
+
+
+def derive_buffers(groups: int, out_features: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Buffers for ``AWQLinear.derive``: zero x scale, scale, and two scratch tensors."""
+    return (torch.empty(groups, out_features, dtype=dtype), torch.empty(groups, out_features, dtype=dtype),
+            torch.empty(groups, out_features, dtype=torch.int32), torch.empty(groups, out_features, dtype=torch.float16))
 _workspaces = threading.local()
 
 

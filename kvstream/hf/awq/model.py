@@ -157,7 +157,15 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
         keep_first_k=streaming.keep_first_k, keep_last_k=streaming.keep_last_k,
     )
     if plan:
-        streamer = LayerStreamer(layers, plan, streaming.staging_slots)
+        ranges = None
+        if streaming.drop_page_cache:
+            ranges = {
+                layer: [(str(ref.file), ref.start, ref.end)
+                        for relative, _ in plan[layer]
+                        for ref in (index.refs[f"{names[id(layers[layer])]}.{relative}.{part}"] for part in ("qweight", "qzeros", "scales"))]
+                for layer in plan
+            }
+        streamer = LayerStreamer(layers, plan, streaming.staging_slots, ranges)
         report.streamer, report.streamed_bytes = streamer, streamer.bytes_per_forward
 
         def count_tokens(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

@@ -17,12 +17,19 @@ Modes (``StreamingConfig.mode``):
   (attention stays resident: the MLP is about two thirds of a layer's bytes);
 - ``full_stream``: every decoder layer streamed, K ignored.
 
+With ``drop_page_cache``, each layer's checkpoint pages are dropped once staged (unmapped
+from this process, then evicted from the kernel's page cache), so every forward reads the
+streamed layers from disk: what happens anyway when the weights are larger than memory, made
+explicit so that the page cache does not evict other things to hold them, and so that the
+disk-bound case can be measured on a machine with memory to spare.
+
 CPU only for now: the CUDA path (pinned host memory, a copy stream) is not written.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +37,7 @@ from typing import Literal
 
 import torch
 
-from kvstream.hf.awq.linear import AWQLinear
+from kvstream.hf.awq.linear import AWQLinear, derive_buffers
 
 Mode = Literal["full_resident", "partial_resident", "ffn_only_stream", "full_stream"]
 MODES: tuple[str, ...] = ("full_resident", "partial_resident", "ffn_only_stream", "full_stream")
@@ -44,6 +51,7 @@ class StreamingConfig:
     keep_first_k: int = 2
     keep_last_k: int = 2
     staging_slots: int = 2
+    drop_page_cache: bool = False
 
     def check(self, num_layers: int) -> None:
         """Raise ValueError naming the setting the model cannot take."""
@@ -73,8 +81,18 @@ class LayerStreamer:
     """Stages the packed weights of streamed layers into slots, one layer ahead per spare
     slot, from forward pre-hooks on the decoder layers."""
 
-    def __init__(self, layers: torch.nn.ModuleList, plan: dict[int, list[tuple[str, AWQLinear]]], slots: int) -> None:
+    def __init__(
+        self,
+        layers: torch.nn.ModuleList,
+        plan: dict[int, list[tuple[str, AWQLinear]]],
+        slots: int,
+        file_ranges: dict[int, list[tuple[str, int, int]]] | None = None,
+    ) -> None:
+        """``file_ranges``: per streamed layer, the (file, start, end) byte ranges its packed
+        tensors occupy in the checkpoint, whose pages are dropped once staged; None keeps them."""
         self.layers = layers
+        self.file_ranges = file_ranges
+        self._fds: dict[str, int] = {}
         self.plan = plan  # layer index -> its streamed (relative name, module), sources mapped
         self.order = sorted(plan)
         self.position = {layer: i for i, layer in enumerate(self.order)}
@@ -84,9 +102,16 @@ class LayerStreamer:
             {name: tuple(torch.empty_like(t) for t in (p.qweight, p.qzeros, p.scales)) for name, p in first}
             for _ in range(slots)
         ]
+        # Per slot, per projection: its zeros x scales and scales in kernel order, computed
+        # by the stager into these buffers (allocating them per forward fragmented the heap).
+        modules = dict(plan[self.order[0]]) if self.order else {}
+        self.derived = [
+            {name: derive_buffers(p.qzeros.shape[0], p.out_features, modules[name].dtype) for name, p in first}
+            for _ in range(slots)
+        ]
         for layer in self.order:  # every streamed layer fits the same slots
             shapes = {name: tuple(t.shape for t in (p.qweight, p.qzeros, p.scales)) for name, p in self.sources[layer]}
-            expected = {name: tuple(t.shape for t in bufs) for name, bufs in self.slots[0].items()}
+            expected = {name: tuple(t.shape for t in bufs[:3]) for name, bufs in self.slots[0].items()}
             if shapes != expected:
                 raise ValueError(f"decoder layer {layer} has other projection shapes than layer {self.order[0]}: it cannot be streamed")
         self.bytes_per_forward = sum(p.nbytes() - (p.bias.numel() * p.bias.element_size() if p.bias is not None else 0)
@@ -109,11 +134,23 @@ class LayerStreamer:
         # on this thread (which cost ~200 MB of per-thread heap arenas, measured), and ctypes
         # releases the GIL around it, so it overlaps the layer computing on the engine thread.
         staged = 0
+        modules = dict(self.plan[layer])
         for name, packed in self.sources[layer]:
             for target, source in zip(self.slots[slot][name], (packed.qweight, packed.qzeros, packed.scales)):
                 nbytes = source.numel() * source.element_size()
                 ctypes.memmove(target.data_ptr(), source.data_ptr(), nbytes)
                 staged += nbytes
+                if self.file_ranges is not None:
+                    unmap_pages(source)
+            staged_module = modules[name]
+            qweight, qzeros, scales = self.slots[slot][name]
+            StagedView(staged_module, qzeros, scales).derive(self.derived[slot][name])
+        if self.file_ranges is not None:
+            for path, start, end in self.file_ranges[layer]:
+                fd = self._fds.get(path)
+                if fd is None:
+                    fd = self._fds[path] = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
         with self._lock:
             self.staged_bytes += staged
         return staged
@@ -140,7 +177,7 @@ class LayerStreamer:
             future.result()
             self.stall_s += time.perf_counter() - started
         for name, module in self.plan[layer]:
-            module.load(*self.slots[slot][name])
+            module.load(*self.slots[slot][name], derived=self.derived[slot][name][:2])
         self._bound[layer] = slot
         # Prefetch into the slots no running layer uses: up to (slots - 1) layers ahead.
         position = self.position[layer]
@@ -163,3 +200,31 @@ class LayerStreamer:
             hook.remove()
         self.drain()
         self._pool.shutdown(wait=True)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class StagedView:
+    """What ``AWQLinear.derive`` reads, for a slot's tensors: the stager computes a layer's
+    derived buffers without pointing the live module at a slot it may not run from yet."""
+
+    def __init__(self, module: AWQLinear, qzeros: torch.Tensor, scales: torch.Tensor) -> None:
+        self.qzeros, self.scales = qzeros, scales
+        self.out_features, self.dtype, self.packed_order = module.out_features, module.dtype, module.packed_order
+
+    derive = AWQLinear.derive
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MADV_DONTNEED = 4
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def unmap_pages(tensor: torch.Tensor) -> None:
+    """Drop this process's pages of a memory-mapped tensor (whole pages inside it only; they
+    are read back from the file on the next touch). The page cache may still hold them."""
+    start = -(-tensor.data_ptr() // PAGE) * PAGE
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // PAGE * PAGE
+    if end > start:
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
