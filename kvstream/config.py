@@ -113,14 +113,34 @@ class MemorySettings(_Section):
         return value
 
 
+# A remote runtime batches on its own; more in flight than this by default only queues there.
+REMOTE_BATCH_SIZE = 8
+
+
 class SchedulerSettings(_Section):
-    max_batch_size: int = Field(8, ge=1, description="most requests in flight to the runtime at once")
+    max_batch_size: int | Literal["auto"] = Field(
+        "auto",
+        description="most requests in flight at once; auto = 8 in front of a runtime (never more than its slots), "
+        "in-process sized from the KV pool (one sequence per 1,024 pool tokens, 8 to 256)",
+    )
     preemption_policy: Literal["swap", "recompute"] = Field("swap", description="how a preempted sequence is paused")
     policy: Literal["auto", "fcfs", "sjf", "lpm"] = Field("auto", description="queue order: fcfs = arrival; sjf = shortest job first (with aging); lpm = longest prefix the runtime already holds first (with aging); auto = lpm in front of a runtime with a per-slot prompt cache (every remote backend), fcfs in-process")
     lpm_max_overtakes: int = Field(8, ge=0, description="lpm: times a waiting request may be passed over for a better prefix match before it goes first")
     max_queue_size: int = Field(256, ge=0, description="waiting requests beyond this get 429 + Retry-After")
     queue_timeout_s: float | None = Field(None, gt=0, description="a request waiting longer for a slot gets 503 + Retry-After; none = no deadline (a request waits as long as its client does, as it would at the runtime; a client sets its own with the X-KVStream-Deadline-Ms header)")
     max_num_batched_tokens: int = Field(2048, ge=16, description="hf: most tokens in one forward pass; longer prompts are prefilled in chunks")
+
+    @field_validator("max_batch_size")
+    @classmethod
+    def _positive_batch(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be a positive number of requests or 'auto'")
+        return value
+
+    def remote_batch_size(self) -> int:
+        """``max_batch_size`` in front of a remote runtime ("auto": REMOTE_BATCH_SIZE; the
+        runtime's own slot count caps it where it reports one)."""
+        return REMOTE_BATCH_SIZE if self.max_batch_size == "auto" else self.max_batch_size
 
 
 class PrefixCacheSettings(_Section):

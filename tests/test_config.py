@@ -109,3 +109,15 @@ def test_repo_kvstream_yaml_lists_every_key_with_its_default():
         for key in values if isinstance(values, dict) else ():
             line = next(line for line in text.splitlines() if line.startswith(f"  {key}:"))
             assert "#" in line, f"{section}.{key} has no comment"
+
+
+def test_max_batch_size_is_auto_by_default_and_takes_a_number(tmp_path):
+    """auto means 8 in front of a runtime (the in-process engine sizes its own from the pool);
+    a number is taken as it is, zero is refused naming the key."""
+    assert Settings().scheduler.max_batch_size == "auto" and Settings().scheduler.remote_batch_size() == 8
+    loaded = load_settings({}, environ={"KVSTREAM_SCHEDULER__MAX_BATCH_SIZE": "12"}, cwd=tmp_path)
+    assert loaded.settings.scheduler.remote_batch_size() == 12
+    (tmp_path / "kvstream.yaml").write_text("scheduler:\n  max_batch_size: auto\n")
+    assert load_settings({}, environ={}, cwd=tmp_path).settings.scheduler.max_batch_size == "auto"
+    with pytest.raises(ConfigError, match="scheduler.max_batch_size"):
+        load_settings({"scheduler": {"max_batch_size": 0}}, environ={}, cwd=tmp_path)

@@ -363,7 +363,7 @@ class ReplicaSet(BaseBackend):
         reports = [f for f in found if isinstance(f, RuntimeLimits)]
         for replica, report in zip(self.replicas, found):
             if isinstance(report, RuntimeLimits):
-                replica.resize(report, self.settings.scheduler.max_batch_size)
+                replica.resize(report, self.settings.scheduler.remote_batch_size())
         if len(reports) < len(self.replicas):
             raise BackendError("not every replica reported its limits")
         contexts = [r.n_ctx_per_request for r in reports if r.n_ctx_per_request]

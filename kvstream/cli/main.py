@@ -44,7 +44,7 @@ def serve(
     slot_save_path: Annotated[Optional[Path], typer.Option(help="llamacpp: the server's slot directory (enables hard KV inject)")] = None,
     host: Annotated[Optional[str], typer.Option(help="address to bind (default 127.0.0.1)")] = None,
     port: Annotated[Optional[int], typer.Option(help="port to listen on (default 8080)")] = None,
-    max_batch_size: Annotated[Optional[int], typer.Option(help="most requests in flight upstream")] = None,
+    max_batch_size: Annotated[Optional[int], typer.Option(help="most requests in flight at once (default auto: 8 in front of a runtime, hf: sized from the KV pool)")] = None,
     num_gpu_blocks: Annotated[Optional[str], typer.Option(help="KV blocks in the pool, or auto")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="tokens per KV block: 8, 16 or 32")] = None,
     max_cache_bytes: Annotated[Optional[int], typer.Option(help="hf: bytes of the device KV pool (the prefix cache's budget)")] = None,

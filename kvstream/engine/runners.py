@@ -43,7 +43,7 @@ def build_scheduler(
         num_blocks = max(1, (limits.n_ctx_total or FALLBACK_POOL_TOKENS) // memory.block_size)
     else:
         num_blocks = memory.num_gpu_blocks
-    max_batch = sched.max_batch_size
+    max_batch = sched.remote_batch_size()
     if limits.parallel:
         # More in flight than the runtime has slots only queues inside the runtime, where
         # nobody can see or order it.
@@ -131,7 +131,8 @@ class RemoteRunner(Runner):
 
     def _build(self, limits: RuntimeLimits) -> None:
         """The scheduler, and the model of the runtime's slots its lpm policy orders by."""
-        slots = min(self.settings.scheduler.max_batch_size, limits.parallel or self.settings.scheduler.max_batch_size)
+        batch = self.settings.scheduler.remote_batch_size()
+        slots = min(batch, limits.parallel or batch)
         # No URL in the identity: chains are shared with replica routing, which must hash a
         # prompt alike in every KVStream in front of the same replicas.
         self.slots = SlotModel(slots, self.settings.memory.block_size, f"{self.backend.name}:{self.backend.model}")

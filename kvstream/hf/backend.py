@@ -242,7 +242,7 @@ class HFBackend(InProcessBackend):
         logger.info(
             "hf engine: %s on %s, KV pool %d blocks x %d tokens (%.0f MiB), host swap %d blocks, batch %d",
             loaded.name, runner.device, config.num_blocks, config.block_size,
-            runner.cache.device_bytes / 2**20, config.num_cpu_blocks, config.max_num_seqs,
+            runner.cache.device_bytes / 2**20, config.num_cpu_blocks, runner.config.max_num_seqs,
         )
         return runner
 

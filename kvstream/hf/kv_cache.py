@@ -201,6 +201,19 @@ class SwapStore:
         return take(self.k_codes, self.k_min, self.k_scale), take(self.v_codes, self.v_min, self.v_scale)
 
 
+AUTO_BATCH_POOL_TOKENS = 1024  # pool tokens per sequence the auto batch size allows for
+AUTO_BATCH_RANGE = (8, 256)
+
+
+def auto_batch_size(num_blocks: int, block_size: int) -> int:
+    """Sequences run at once when the setting is "auto": as many as the pool holds at
+    AUTO_BATCH_POOL_TOKENS each, within AUTO_BATCH_RANGE. A decode step costs little more
+    for a wider batch (the weights are read once per step whatever its width), so width is
+    throughput; sequences that outgrow the pool are preempted, which the scheduler handles."""
+    low, high = AUTO_BATCH_RANGE
+    return max(low, min(high, num_blocks * block_size // AUTO_BATCH_POOL_TOKENS))
+
+
 def auto_num_blocks(model: torch.nn.Module, block_size: int, budget_bytes: int | None = None) -> int:
     """Device blocks for ``model`` within ``budget_bytes`` (default: 1 GiB on CPU, 40% of
     the free memory on CUDA)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -88,7 +88,7 @@ class HFEngine:
         device: str = "auto",
         dtype: str = "auto",
         gguf_file: str | None = None,
-        max_batch_size: int = default("scheduler", "max_batch_size"),
+        max_batch_size: int | Literal["auto"] = default("scheduler", "max_batch_size"),
         recompute_strategy: str = "none",
         blend_ratio: float = default("prefix_cache", "blend_ratio"),
         kv_cache_bits: int | None = None,

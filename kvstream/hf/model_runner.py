@@ -24,8 +24,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 import torch
 
@@ -35,7 +35,7 @@ from kvstream.hf import blend as blend_module
 from kvstream.hf.attention import AttentionPlan, scattered_plan
 from kvstream.hf.blend import BlendParams
 from kvstream.hf.detokenize import IncrementalDetokenizer
-from kvstream.hf.kv_cache import KVShape, PagedKVCache
+from kvstream.hf.kv_cache import KVShape, PagedKVCache, auto_batch_size
 from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
 from kvstream.hf.sampling import SamplingParams, sample
 from kvstream.hf.block_manager import ReuseBlockManager
@@ -60,7 +60,7 @@ class RunnerConfig:
     block_size: int = default("memory", "block_size")
     num_blocks: int = 1024  # config's "auto" is resolved by the caller (kv_cache.auto_num_blocks)
     num_cpu_blocks: int = default("memory", "num_cpu_blocks")
-    max_num_seqs: int = default("scheduler", "max_batch_size")
+    max_num_seqs: int | Literal["auto"] = default("scheduler", "max_batch_size")  # "auto": kv_cache.auto_batch_size
     # Tokens in one forward pass (decodes count one each); long prompts are prefilled in
     # chunks of at most this, interleaved with running decodes.
     max_num_batched_tokens: int = default("scheduler", "max_num_batched_tokens")
@@ -140,6 +140,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, config: RunnerConfig) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
+        if config.max_num_seqs == "auto":
+            config = replace(config, max_num_seqs=auto_batch_size(config.num_blocks, config.block_size))
         self.config = config
         self.device = next(model.parameters()).device
         self.kv_shape = KVShape.of(model.config)

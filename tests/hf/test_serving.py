@@ -175,6 +175,26 @@ async def test_hf_settings_size_the_engine(smollm2):
         await backend.close()
 
 
+async def test_the_default_batch_is_sized_from_the_pool(smollm2):
+    """max_batch_size "auto" (the default): one sequence per 1,024 pool tokens, 8 to 256, so
+    that 16 concurrent chats on the default pool run in one wave, not two."""
+    from kvstream.hf.kv_cache import auto_batch_size
+    from tests.conftest import make_settings
+
+    assert (auto_batch_size(100, 8), auto_batch_size(2048, 16), auto_batch_size(10**6, 16)) == (8, 32, 256)
+    for blocks, expected in ((2048, 32), (100, 8)):
+        settings = make_settings(memory={"block_size": 16, "num_gpu_blocks": blocks})
+        assert settings.scheduler.max_batch_size == "auto"
+        backend = HFBackend(None, None, settings, preloaded=LoadedModel(smollm2[0], smollm2[2], "smollm2", "hf:test"))
+        await backend.start()
+        try:
+            assert backend.runner.config.max_num_seqs == expected
+            assert backend.runner.scheduler.config.max_batch_size == expected
+            assert (await backend.limits()).parallel == expected
+        finally:
+            await backend.close()
+
+
 async def test_the_engine_failing_mid_stream_ends_that_stream_with_an_error_and_serves_the_next(hf_proxy, oa, monkeypatch):
     from kvstream.hf import compat
 
