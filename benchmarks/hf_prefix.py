@@ -1,5 +1,6 @@
 """Prefix reuse in the in-process engine: TTFT for a long shared prefix plus a short question,
-cold vs warm, against the physical limit of reuse, same model, same run.
+cold vs warm, against transformers reusing the same prefix through its own DynamicCache,
+same model, same run.
 
     python benchmarks/hf_prefix.py [--prefix-tokens 2000] [--question-tokens 30] [--repeats 5]
 
@@ -8,12 +9,15 @@ cold vs warm, against the physical limit of reuse, same model, same run.
   blocks in its cache and computes only the rest (the question plus the tail of the prefix
   that does not fill a whole block);
 * plain: transformers' own forward over the whole prompt (what no reuse costs);
-* limit: plain transformers on a model that already holds the prefix's KV in a DynamicCache,
-  prefilling the question alone (the least any reuse can cost).
+* DynamicCache: plain transformers holding the prefix's KV in a DynamicCache (computed
+  beforehand, untimed), prefilling the question alone: transformers' own way to reuse a
+  prefix, the baseline for warm. It is not a floor: it attends through the cache's
+  concatenated tensors, and the engine's warm path can beat it.
 
 TTFT is measured from handing the request to the engine to its first sampled token,
 everything included (hashing, lookup, block allocation, the forward pass, sampling).
-Medians over --repeats questions. Target: warm within 1.3x of the limit. Prints peak RSS.
+Medians over --repeats questions. Target: warm within 1.3x of the DynamicCache baseline.
+Prints peak RSS.
 """
 
 from __future__ import annotations
@@ -106,17 +110,17 @@ def main() -> None:
     hits_before = engine.counters.cached_tokens
     warm = [engine_ttft(engine, shared + q) for q in questions[1:]]
     reused = (engine.counters.cached_tokens - hits_before) / len(warm)
-    limit = [suffix_only(plain, shared, q) for q in questions[1:]]
+    dynamic = [suffix_only(plain, shared, q) for q in questions[1:]]
     plain_cold = [full_prefill(plain, shared + q) for q in questions[1:3]]
 
-    c, w, lim, pc = (statistics.median(x) * 1000 for x in (cold, warm, limit, plain_cold))
+    c, w, dyn, pc = (statistics.median(x) * 1000 for x in (cold, warm, dynamic, plain_cold))
     print(f"SmolLM2-135M fp32 on CPU, {torch.get_num_threads()} threads; prefix {args.prefix_tokens} + question "
           f"{args.question_tokens} tokens, block size {args.block_size}, median of {args.repeats}")
     print(f"  plain transformers full prefill     {pc:9.1f} ms")
     print(f"  cold TTFT (full prefill)            {c:9.1f} ms   {c / pc:.2f}x plain")
     print(f"  warm TTFT (prefix from the cache)   {w:9.1f} ms   {reused:.0f} tokens reused per request")
-    print(f"  limit: suffix-only prefill          {lim:9.1f} ms")
-    print(f"  warm / limit {w / lim:.2f}x (target <= 1.3x); cold / warm {c / w:.1f}x")
+    print(f"  transformers, prefix in a DynamicCache, question alone {dyn:9.1f} ms")
+    print(f"  warm / DynamicCache {w / dyn:.2f}x (target <= 1.3x); cold / warm {c / w:.1f}x")
     print(f"  peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB (two model copies loaded)")
 
 
