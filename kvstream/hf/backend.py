@@ -232,7 +232,7 @@ class HFBackend(InProcessBackend):
             max_queue_size=sched.max_queue_size,
             max_model_len=context,
             model_identity=loaded.identity,
-            attention="eager" if attention.backend == "eager" else "sdpa",
+            attention=attention.backend,
             kv_cache_bits=memory.kv_cache_bits,
             host_cache_bytes=memory.host_cache_bytes,
             disk_cache_dir=str(memory.disk_cache_dir) if memory.disk_cache_dir else None,
@@ -283,6 +283,8 @@ class HFBackend(InProcessBackend):
                 "forward_tokens": runner.counters.forward_tokens,
                 "prefill_tokens": runner.counters.prefill_tokens,
                 "decode_tokens": runner.counters.decode_tokens,
+                "attention_backend": runner.attention.name,
+                "attention_backend_why": runner.attention.why_not,  # why each faster tier is not running
             }
         if self.loaded is not None:
             info["weights"] = self.loaded.weights_snapshot()

@@ -33,6 +33,7 @@ from kvstream.config import default
 from kvstream.hf import compat
 from kvstream.hf import blend as blend_module
 from kvstream.hf.attention import AttentionPlan, scattered_plan
+from kvstream.hf.attention_tiers import choose_tier
 from kvstream.hf.blend import BlendParams
 from kvstream.hf.detokenize import IncrementalDetokenizer
 from kvstream.hf.kv_cache import KVShape, PagedKVCache, auto_batch_size
@@ -72,7 +73,7 @@ class RunnerConfig:
     max_queue_size: int = default("scheduler", "max_queue_size")
     max_model_len: int | None = None
     model_identity: str = "hf"
-    attention: str = "sdpa"  # sdpa | eager (see attention.py)
+    attention: str = "auto"  # auto | sdpa | eager: the tier, probed at start (attention_tiers.py)
     # Spill tiers for cached blocks the pool reclaims (kv_store.py): host RAM within
     # host_cache_bytes (0: none), then disk_cache_dir within disk_cache_bytes (None: none).
     # kv_cache_bits 8 or 4 stores spilled and swapped blocks KIVI-quantized (None: model
@@ -140,12 +141,14 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, config: RunnerConfig) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
-        if config.max_num_seqs == "auto":
-            config = replace(config, max_num_seqs=auto_batch_size(config.num_blocks, config.block_size))
-        self.config = config
         self.device = next(model.parameters()).device
         self.kv_shape = KVShape.of(model.config)
         self.kv_dtype = next(model.parameters()).dtype
+        self.attention = choose_tier(config.attention, model.config.num_attention_heads, self.kv_shape, self.kv_dtype, self.device)
+        config = replace(config, attention=self.attention.name)
+        if config.max_num_seqs == "auto":
+            config = replace(config, max_num_seqs=auto_batch_size(config.num_blocks, config.block_size))
+        self.config = config
         self.cache = PagedKVCache(
             self.kv_shape, config.num_blocks, config.block_size, config.num_cpu_blocks, self.kv_dtype, self.device,
             swap_bits=config.kv_cache_bits,
