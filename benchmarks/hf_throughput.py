@@ -8,8 +8,10 @@ and each is decoded greedily for up to --new-tokens tokens. KVStream runs them w
 max_num_seqs=c; transformers' continuous batching gets the same c requests and
 max_requests_per_batch=c; the baseline runs them one after another with model.generate.
 Throughput is output tokens (as each system really produced them) per wall-clock second.
-Prints the ratios to the sequential baseline and peak RSS. Target: >= 3x sequential at c=16
-and ahead of generate_batch.
+Prints the ratios to the sequential baseline and peak RSS, and, against this machine's
+measured matmul peak (a large fp32 ``torch.mm`` in the same run), the share of the roofline
+each system's forward FLOPs reach (2 FLOP per non-embedding parameter per computed token,
+prefill and decode; attention's own FLOPs left out, so the share is a lower bound).
 """
 
 from __future__ import annotations
@@ -40,6 +42,23 @@ def workload(tokenizer, n: int) -> list[list[int]]:
         messages = [{"role": "user", "content": f"{filler}\nWrite a long, detailed story about {TOPICS[i % len(TOPICS)]}."}]
         prompts.append(chat_token_ids(tokenizer, messages))
     return prompts
+
+
+def matmul_peak(threads: int) -> float:
+    """FLOP/s of a large fp32 matmul on this machine: the compute roofline."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    for _ in range(2):
+        a @ b
+    start, repeats = time.perf_counter(), 8
+    for _ in range(repeats):
+        a @ b
+    return 2 * 2048**3 * repeats / (time.perf_counter() - start)
+
+
+def forward_flops_per_token(model) -> float:
+    """2 FLOP per parameter that multiplies (the embedding table only looks rows up)."""
+    embedding = model.get_input_embeddings().weight
+    return 2.0 * sum(p.numel() for p in model.parameters() if p is not embedding)
 
 
 def rss_mb() -> float:
@@ -103,7 +122,10 @@ def main() -> None:
     if not args.skip_generate_batch:
         run_generate_batch(plain, tokenizer, warm, 4)
 
-    print(f"{'c':>3} {'system':<28} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs sequential':>14}")
+    peak = matmul_peak(torch.get_num_threads())
+    per_token = forward_flops_per_token(plain)
+    print(f"matmul peak (2048^3 fp32 torch.mm) {peak / 1e9:.0f} GFLOP/s; {per_token / 1e6:.0f} MFLOP per computed token")
+    print(f"{'c':>3} {'system':<28} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs sequential':>14} {'of roofline':>12}")
     for c in args.concurrency:
         prompts = workload(tokenizer, c)
         rows = [("sequential model.generate", run_sequential(plain, tokenizer, prompts, args.new_tokens))]
@@ -111,9 +133,11 @@ def main() -> None:
             rows.append(("transformers generate_batch", run_generate_batch(plain, tokenizer, prompts, args.new_tokens)))
         rows.append(("kvstream paged engine", run_kvstream(engine_model, tokenizer, prompts, args.new_tokens)))
         base = rows[0][1][1] / rows[0][1][0]
+        computed = sum(len(p) for p in prompts)  # every system prefills each prompt once...
         for name, (seconds, tokens) in rows:
             rate = tokens / seconds
-            print(f"{c:>3} {name:<28} {tokens:>7} {seconds:>8.2f} {rate:>8.1f} {rate / base:>13.2f}x")
+            share = (computed + tokens) * per_token / seconds / peak  # ...and computes each output token once
+            print(f"{c:>3} {name:<28} {tokens:>7} {seconds:>8.2f} {rate:>8.1f} {rate / base:>13.2f}x {share:>11.1%}")
     print(f"peak RSS {rss_mb():.0f} MB (two model copies loaded)")
 
 
