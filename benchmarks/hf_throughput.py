@@ -44,7 +44,7 @@ def workload(tokenizer, n: int) -> list[list[int]]:
     return prompts
 
 
-def matmul_peak(threads: int) -> float:
+def matmul_peak() -> float:
     """FLOP/s of a large fp32 matmul on this machine: the compute roofline."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     for _ in range(2):
@@ -122,7 +122,7 @@ def main() -> None:
     if not args.skip_generate_batch:
         run_generate_batch(plain, tokenizer, warm, 4)
 
-    peak = matmul_peak(torch.get_num_threads())
+    peak = matmul_peak()
     per_token = forward_flops_per_token(plain)
     print(f"matmul peak (2048^3 fp32 torch.mm) {peak / 1e9:.0f} GFLOP/s; {per_token / 1e6:.0f} MFLOP per computed token")
     print(f"{'c':>3} {'system':<28} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs sequential':>14} {'of roofline':>12}")
