@@ -22,19 +22,7 @@ import sys
 import time
 
 from _util import PYTHON, free_port, spawn, stop, wait_http
-from hf_throughput import workload, run_sequential
-
-TOPIC_TAIL = "Write a long, detailed story about"
-
-
-def chats(tokenizer, c: int) -> list[list[dict]]:
-    """The messages behind ``workload(tokenizer, c)``, recovered from its chat template ids."""
-    out = []
-    for ids in workload(tokenizer, c):
-        text = tokenizer.decode(ids)
-        user = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
-        out.append([{"role": "user", "content": user}])
-    return out
+from hf_throughput import chats, run_sequential, workload
 
 
 async def run_clients(url: str, conversations: list[list[dict]], new_tokens: int) -> tuple[float, int]:
@@ -85,9 +73,9 @@ def main() -> None:
     for name, extra in servers.items():
         proc, url = serve(extra)
         try:
-            asyncio.run(run_clients(url, chats(tokenizer, 2), 4))  # warm the server's kernels
+            asyncio.run(run_clients(url, chats(2), 4))  # warm the server's kernels
             for c in args.concurrency:
-                results[(name, c)] = asyncio.run(run_clients(url, chats(tokenizer, c), args.new_tokens))
+                results[(name, c)] = asyncio.run(run_clients(url, chats(c), args.new_tokens))
         finally:
             stop(proc)
     print(f"SmolLM2-135M fp32 on CPU, {torch.get_num_threads()} threads, up to {args.new_tokens} new tokens, greedy")

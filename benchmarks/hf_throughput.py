@@ -35,13 +35,18 @@ TOPICS = ["the ocean", "a lighthouse keeper", "how bridges are built", "the hist
           "volcanoes", "a chess tournament", "the first day of school"]
 
 
-def workload(tokenizer, n: int) -> list[list[int]]:
-    prompts = []
+def chats(n: int) -> list[list[dict]]:
+    """n single-message chats whose prompts run from about 40 to 400 tokens."""
+    out = []
     for i in range(n):
         filler = " ".join(["Some background for context."] * (5 + (i * 37) % 60))
-        messages = [{"role": "user", "content": f"{filler}\nWrite a long, detailed story about {TOPICS[i % len(TOPICS)]}."}]
-        prompts.append(chat_token_ids(tokenizer, messages))
-    return prompts
+        out.append([{"role": "user", "content": f"{filler}\nWrite a long, detailed story about {TOPICS[i % len(TOPICS)]}."}])
+    return out
+
+
+def workload(tokenizer, n: int) -> list[list[int]]:
+    """The token ids of ``chats(n)`` through the model's chat template."""
+    return [chat_token_ids(tokenizer, messages) for messages in chats(n)]
 
 
 def matmul_peak() -> float:

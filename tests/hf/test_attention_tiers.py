@@ -59,3 +59,20 @@ async def test_status_names_the_running_tier(smollm2):
             assert expected == "sdpa" or why["sdpa"] == "attention.backend asks for eager"
         finally:
             await backend.close()
+
+
+async def test_a_named_tier_that_fails_its_probe_stops_the_engine_at_start(smollm2, monkeypatch):
+    """attention.backend sdpa, asked for by name, is not silently replaced: the engine does
+    not start, and the error says why."""
+    from kvstream.hf.backend import HFBackend
+    from tests.conftest import make_settings
+
+    real = attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda plan, *a: real(plan, *a) * (1 if plan.kernel == "eager" else 2))
+    settings = make_settings(memory={"num_gpu_blocks": 64}, attention={"backend": "sdpa"})
+    backend = HFBackend(None, None, settings, preloaded=LoadedModel(smollm2[0], smollm2[2], "smollm2", "hf:test"))
+    with pytest.raises(RuntimeError, match="hf backend: attention backend sdpa: differs from eager") as caught:
+        await backend.start()
+    assert isinstance(caught.value.__cause__, AttentionTierError)
+    assert backend.runner is None
+    await backend.close()
