@@ -11,6 +11,10 @@ compute Q, K, V and rotary embeddings; for each layer transformers then calls
    a chunk's queries sit at the *end* of its keys, which SDPA's ``is_causal`` gets wrong
    when they differ in length) and once for all decodes together (padded, masked).
 
+Under the ``flex`` tier the decodes skip step 2: flex.py's kernel reads their K/V in place
+through a BlockMask made from their block tables (the copy in step 2 is what grows with
+context). Prefill chunks still gather: on CPU the fused SDPA kernel is faster for them.
+
 The index tensors are built once per step in ``AttentionPlan`` and reused by every layer, so
 the Python work per layer is a fixed handful of tensor ops plus one SDPA per prefill chunk.
 """
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvstream.hf import flex
 from kvstream.hf.kv_cache import PagedKVCache
 
 
@@ -44,16 +49,21 @@ class AttentionPlan:
 
     cache: PagedKVCache
     write_slots: torch.Tensor  # [T] slot of every token in the packed row
-    kernel: str = "sdpa"  # "sdpa" (torch's fused kernels) | "eager" (plain matmul-softmax, the reference)
+    # "flex" (decodes read the pool in place, flex.py; prefill chunks as sdpa) | "sdpa" (torch's
+    # fused kernels over gathered K/V) | "eager" (plain matmul-softmax, the reference)
+    kernel: str = "sdpa"
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_rows: torch.Tensor | None = None  # [B] positions in the packed row
     decode_slots: torch.Tensor | None = None  # [B, L] context slots, padded
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool, None when no padding
+    decode_block_mask: flex.BlockMask | None = None  # flex: the decodes' blocks, read in place
 
     @classmethod
-    def build(cls, cache: PagedKVCache, seqs: list[tuple[list[int], int, int]], kernel: str = "sdpa") -> AttentionPlan:
+    def build(
+        cls, cache: PagedKVCache, seqs: list[tuple[list[int], int, int]], kernel: str = "sdpa", query_heads: int = 0
+    ) -> AttentionPlan:
         """``seqs``: per sequence (block ids, tokens already in the pool, new tokens this step),
-        in packed-row order."""
+        in packed-row order. ``query_heads``: the model's, needed by the flex kernel."""
         device = cache.device
         bs = cache.block_size
         offsets = torch.arange(bs, device=device)
@@ -61,15 +71,18 @@ class AttentionPlan:
         prefills: list[PrefillChunk] = []
         decode_rows: list[int] = []
         decode_ctx: list[torch.Tensor] = []
+        decode_tables: list[list[int]] = []
         row = 0
         for block_ids, computed, new in seqs:
             total = computed + new
-            blocks = torch.tensor(block_ids[: -(-total // bs)], dtype=torch.long, device=device)
+            table = block_ids[: -(-total // bs)]
+            blocks = torch.tensor(table, dtype=torch.long, device=device)
             slots = (blocks[:, None] * bs + offsets).reshape(-1)[:total]
             writes.append(slots[computed:])
             if new == 1:
                 decode_rows.append(row)
                 decode_ctx.append(slots)
+                decode_tables.append(table)
             else:
                 mask = None
                 if computed:
@@ -78,7 +91,12 @@ class AttentionPlan:
                 prefills.append(PrefillChunk(row, row + new, slots, mask))
             row += new
         plan = cls(cache, torch.cat(writes), kernel, prefills)
-        if decode_rows:
+        if decode_rows and kernel == "flex":
+            plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+            lengths = [len(s) for s in decode_ctx]
+            sizes = (query_heads, cache.shape.num_kv_heads, cache.shape.head_dim, bs)
+            plan.decode_block_mask = flex.decode_mask(decode_tables, lengths, bs, cache.num_blocks, device, sizes)
+        elif decode_rows:
             longest = max(len(s) for s in decode_ctx)
             padded = torch.zeros(len(decode_ctx), longest, dtype=torch.long, device=device)
             lengths = torch.tensor([len(s) for s in decode_ctx], device=device)
@@ -134,6 +152,7 @@ def eager_attention(
 
 
 def _attend(plan: AttentionPlan, q, k, v, mask, causal: bool, scale: float | None, gqa: bool) -> torch.Tensor:
+    """One gathered attention: the reference kernel under eager, torch's SDPA otherwise."""
     if plan.kernel == "eager":
         return eager_attention(q, k, v, mask, causal, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
@@ -170,7 +189,12 @@ def paged_attention(
         # 4D on purpose: with 3D inputs the CPU kernel falls back to the math path (6x slower).
         o = _attend(plan, q[None, :, chunk.start : chunk.end], k[None], v[None], chunk.mask, chunk.mask is None, scaling, gqa)
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
-    if plan.decode_rows is not None:
+    if plan.decode_block_mask is not None:
+        # Contiguous: the compiled kernel guards on strides (flex.py compiles it on one layout).
+        qd = q[:, plan.decode_rows].transpose(0, 1).unsqueeze(2).contiguous()  # [B, H_q, 1, D]
+        o = flex.flex_paged(qd, k_pool, v_pool, plan.decode_block_mask, scaling)
+        out[plan.decode_rows] = o[:, :, 0, :]
+    elif plan.decode_rows is not None:
         qd = q[:, plan.decode_rows].transpose(0, 1).unsqueeze(2)  # [B, H_q, 1, D]
         k = _gather(k_pool, plan.decode_slots, q.dtype)  # [B, H_kv, L, D]
         v = _gather(v_pool, plan.decode_slots, q.dtype)

@@ -3,15 +3,16 @@
 Tiers, fastest first:
 
 - ``flash``: FlashAttention kernels reading the paged pool on CUDA: not built yet;
-- ``flex``: torch's ``flex_attention`` reading the pool in place through the block tables:
-  not built yet;
+- ``flex``: decodes through torch's ``flex_attention``, compiled, reading the pool in place
+  through the block tables (flex.py); prefill chunks as ``sdpa``. Runs where torch.compile
+  works (on CPU: a C++ compiler);
 - ``sdpa``: each sequence's context gathered out of the pool, then torch's fused
   scaled-dot-product attention (``attention.py``);
 - ``eager``: plain matmul-softmax in fp32, the reference every other tier is checked against.
 
 ``choose_tier`` runs each built candidate and ``eager`` through ``paged_attention`` on a
-small pool with the model's own geometry (query heads, KV heads, head dim, dtype, device)
-and a packed row that holds every case a step can: a prefill chunk after cached tokens, a
+small pool with the model's own geometry (query heads, KV heads, head dim, dtype, device,
+block size) and a packed row that holds every case a step can: a prefill chunk after cached tokens, a
 whole-prompt prefill and decodes, with contexts that are not a multiple of the block size.
 The first candidate that agrees to the dtype's tolerance runs; ``/status`` shows it as
 ``attention_backend`` and why each faster tier was not taken (``attention_backend_why``).
@@ -19,6 +20,7 @@ The first candidate that agrees to the dtype's tolerance runs; ``/status`` shows
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -27,17 +29,19 @@ import torch
 from kvstream.hf.attention import AttentionPlan, paged_attention
 from kvstream.hf.kv_cache import KVShape, PagedKVCache
 
+logger = logging.getLogger(__name__)
+
 TIERS = ("flash", "flex", "sdpa", "eager")
-NOT_BUILT = {
-    "flash": "not built yet (FlashAttention over the paged pool, CUDA)",
-    "flex": "not built yet (flex_attention reading the pool in place)",
-}
+NOT_BUILT = {"flash": "not built yet (FlashAttention over the paged pool, CUDA)"}
 # Largest absolute difference from eager a tier may show on the probe, per dtype.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
-PROBE_BLOCK = 4
-# (tokens already in the pool, new tokens this step) per probe sequence: a chunk after a
-# cached head, a whole prompt, and decodes at contexts of odd lengths.
-PROBE_ROWS = ((7, 5), (0, 6), (9, 1), (14, 1), (2, 1))
+
+
+def probe_rows(block_size: int) -> tuple[tuple[int, int], ...]:
+    """(tokens already in the pool, new tokens this step) per probe sequence: a chunk after
+    a cached head, a whole prompt, and decodes whose contexts end mid-block, exactly at a
+    block's end, and inside the first block."""
+    return ((block_size + 3, 5), (0, 6), (2 * block_size + 1, 1), (block_size - 1, 1), (2, 1))
 
 
 class AttentionTierError(ValueError):
@@ -52,17 +56,21 @@ class TierChoice:
     why_not: dict[str, str] = field(default_factory=dict)
 
 
-def _probe_error(kernel: str, num_heads: int, shape: KVShape, dtype: torch.dtype, device: torch.device) -> float:
+def _probe_error(
+    kernel: str, num_heads: int, shape: KVShape, dtype: torch.dtype, device: torch.device, block_size: int
+) -> float:
     """Largest absolute difference between ``kernel`` and eager on one packed probe step."""
     generator = torch.Generator().manual_seed(0)
-    blocks_per_seq = -(-max(c + n for c, n in PROBE_ROWS) // PROBE_BLOCK)
+    rows = probe_rows(block_size)
+    blocks_per_seq = -(-max(c + n for c, n in rows) // block_size)
     cache = PagedKVCache(
-        KVShape(1, shape.num_kv_heads, shape.head_dim), blocks_per_seq * len(PROBE_ROWS), PROBE_BLOCK, 0, dtype, device
+        KVShape(1, shape.num_kv_heads, shape.head_dim), blocks_per_seq * len(rows), block_size, 0, dtype, device
     )
     cache.k.copy_(torch.randn(cache.k.shape, generator=generator).to(dtype))  # the cached heads
     cache.v.copy_(torch.randn(cache.v.shape, generator=generator).to(dtype))
-    seqs = [(list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), cached, new) for i, (cached, new) in enumerate(PROBE_ROWS)]
-    tokens = sum(new for _, new in PROBE_ROWS)
+    # Tables in reverse block order, so that no kernel can pass by reading slots in sequence.
+    seqs = [(list(range((i + 1) * blocks_per_seq - 1, i * blocks_per_seq - 1, -1)), cached, new) for i, (cached, new) in enumerate(rows)]
+    tokens = sum(new for _, new in rows)
 
     def rand(heads: int) -> torch.Tensor:
         return torch.randn(1, heads, tokens, shape.head_dim, generator=generator).to(dtype).to(device)
@@ -71,15 +79,19 @@ def _probe_error(kernel: str, num_heads: int, shape: KVShape, dtype: torch.dtype
     layer = SimpleNamespace(layer_idx=0)
     scale = shape.head_dim**-0.5
     outputs = []
-    for name in (kernel, "eager"):  # both write the same new K/V, then read them back
-        plan = AttentionPlan.build(cache, seqs, name)
-        outputs.append(paged_attention(layer, query, key, value, None, scale, kvstream_plan=plan)[0].float())
+    with torch.inference_mode():  # as the engine runs it (a compiled kernel guards on it)
+        for name in (kernel, "eager"):  # both write the same new K/V, then read them back
+            plan = AttentionPlan.build(cache, seqs, name, num_heads)
+            outputs.append(paged_attention(layer, query, key, value, None, scale, kvstream_plan=plan)[0].float())
     return float((outputs[0] - outputs[1]).abs().max())
 
 
-def choose_tier(requested: str, num_heads: int, shape: KVShape, dtype: torch.dtype, device: torch.device) -> TierChoice:
+def choose_tier(
+    requested: str, num_heads: int, shape: KVShape, dtype: torch.dtype, device: torch.device, block_size: int = 16
+) -> TierChoice:
     """The tier to run for ``requested`` (``auto`` or a tier name). Raises AttentionTierError
-    when a named tier is not built or disagrees with eager here."""
+    when a named tier is not built, fails to run here (flex without a working torch.compile)
+    or disagrees with eager."""
     if requested != "auto" and requested not in TIERS:
         raise AttentionTierError(f"attention backend {requested!r} is not one of auto, {', '.join(TIERS)}")
     candidates = TIERS if requested == "auto" else (requested,)
@@ -94,10 +106,16 @@ def choose_tier(requested: str, num_heads: int, shape: KVShape, dtype: torch.dty
         elif name == "eager":
             return TierChoice("eager", why_not)
         else:
-            error = _probe_error(name, num_heads, shape, dtype, device)
-            if error <= tolerance:
-                return TierChoice(name, why_not)
-            why_not[name] = f"differs from eager by {error:.2g} on the probe (tolerance {tolerance:g})"
+            try:
+                error = _probe_error(name, num_heads, shape, dtype, device, block_size)
+            except Exception as exc:  # noqa: BLE001 - e.g. torch.compile without a C++ compiler
+                first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+                why_not[name] = f"failed on the probe: {type(exc).__name__}: {first_line}"
+                logger.warning("attention tier %s unavailable: %s", name, why_not[name])
+            else:
+                if error <= tolerance:
+                    return TierChoice(name, why_not)
+                why_not[name] = f"differs from eager by {error:.2g} on the probe (tolerance {tolerance:g})"
         if requested != "auto":
             raise AttentionTierError(f"attention backend {name}: {why_not[name]}")
     raise AssertionError("eager is always a candidate of auto")  # pragma: no cover

@@ -32,8 +32,9 @@ import torch
 from kvstream.config import default
 from kvstream.hf import compat
 from kvstream.hf import blend as blend_module
+from kvstream.hf import flex
 from kvstream.hf.attention import AttentionPlan, scattered_plan
-from kvstream.hf.attention_tiers import choose_tier
+from kvstream.hf.attention_tiers import TierChoice, choose_tier
 from kvstream.hf.blend import BlendParams
 from kvstream.hf.detokenize import IncrementalDetokenizer
 from kvstream.hf.kv_cache import KVShape, PagedKVCache, auto_batch_size
@@ -73,7 +74,7 @@ class RunnerConfig:
     max_queue_size: int = default("scheduler", "max_queue_size")
     max_model_len: int | None = None
     model_identity: str = "hf"
-    attention: str = "auto"  # auto | sdpa | eager: the tier, probed at start (attention_tiers.py)
+    attention: str = "auto"  # auto | flex | sdpa | eager: the tier, probed at start (attention_tiers.py)
     # Spill tiers for cached blocks the pool reclaims (kv_store.py): host RAM within
     # host_cache_bytes (0: none), then disk_cache_dir within disk_cache_bytes (None: none).
     # kv_cache_bits 8 or 4 stores spilled and swapped blocks KIVI-quantized (None: model
@@ -144,7 +145,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.kv_shape = KVShape.of(model.config)
         self.kv_dtype = next(model.parameters()).dtype
-        self.attention = choose_tier(config.attention, model.config.num_attention_heads, self.kv_shape, self.kv_dtype, self.device)
+        self.attention = choose_tier(
+            config.attention, model.config.num_attention_heads, self.kv_shape, self.kv_dtype, self.device, config.block_size
+        )
         config = replace(config, attention=self.attention.name)
         if config.max_num_seqs == "auto":
             config = replace(config, max_num_seqs=auto_batch_size(config.num_blocks, config.block_size))
@@ -153,6 +156,9 @@ class ModelRunner:
             self.kv_shape, config.num_blocks, config.block_size, config.num_cpu_blocks, self.kv_dtype, self.device,
             swap_bits=config.kv_cache_bits,
         )
+        if self.attention.name == "flex":  # compile for this pool now, not in the first request
+            shape = self.kv_shape
+            flex.warm_up(model.config.num_attention_heads, shape.num_kv_heads, shape.head_dim, self.kv_dtype, self.device, config.block_size)
         self.store = self._build_store()
         bm = ReuseBlockManager(
             config.num_blocks,
@@ -504,15 +510,18 @@ class ModelRunner:
                 sampled.append(req)
         device = self.device
         started = time.perf_counter()
-        plan = AttentionPlan.build(self.cache, plan_seqs, self.config.attention)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
-        logits = compat.forward_logits(
-            self.model,
-            torch.tensor([ids], dtype=torch.long, device=device),
-            torch.tensor([positions], dtype=torch.long, device=device),
-            plan,
-            rows,
-        )
+        id_row = torch.tensor([ids], dtype=torch.long, device=device)
+        position_row = torch.tensor([positions], dtype=torch.long, device=device)
+        try:
+            plan = AttentionPlan.build(self.cache, plan_seqs, self.config.attention, self.model.config.num_attention_heads)
+            logits = compat.forward_logits(self.model, id_row, position_row, plan, rows)
+        except flex.FlexKernelError as exc:
+            # A shape the start-up probe did not cover failed to compile. The K/V written
+            # before the failure are rewritten identically, so the step reruns as sdpa.
+            self._leave_flex(exc)
+            plan = AttentionPlan.build(self.cache, plan_seqs, self.config.attention, self.model.config.num_attention_heads)
+            logits = compat.forward_logits(self.model, id_row, position_row, plan, rows)
         counters = self.counters
         counters.steps += 1
         counters.forward_tokens += len(ids)
@@ -543,6 +552,13 @@ class ModelRunner:
             self._emit(req, token)
             if first is not None:
                 req.events[-1].logits = first  # the event _emit just queued
+
+    def _leave_flex(self, exc: Exception) -> None:
+        """Run the sdpa tier from now on, and say why in /status."""
+        logger.warning("flex attention failed at run time, falling back to sdpa: %s", exc)
+        why_not = {**self.attention.why_not, "flex": f"failed at run time: {exc}"}
+        self.attention = TierChoice("sdpa", why_not)
+        self.config = replace(self.config, attention="sdpa")
 
     def _fork(self, req: RunnerRequest) -> list[RunnerRequest]:
         """The request's other n - 1 choices: tables sharing all of its blocks, the same

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstream.hf import attention
+from kvstream.hf import attention, flex
 from kvstream.hf.attention_tiers import AttentionTierError, choose_tier
 from kvstream.hf.kv_cache import KVShape
 from kvstream.hf.loader import LoadedModel
@@ -14,11 +14,26 @@ from kvstream.hf.loader import LoadedModel
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 8, 128), (4, 1, 64)])
-def test_auto_takes_sdpa_where_it_agrees_with_eager(heads, kv_heads, head_dim):
-    choice = choose_tier("auto", heads, KVShape(2, kv_heads, head_dim), torch.float32, CPU)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(9, 3, 64, 16), (8, 8, 128, 4), (4, 1, 64, 8)])
+def test_auto_takes_flex_where_it_compiles_and_agrees_with_eager(heads, kv_heads, head_dim, block_size):
+    """The probe is a packed step (a chunk after cached tokens, a whole prompt, decodes ending
+    mid-block, at a block's end and in the first block) over tables in reverse block order,
+    so agreement here means the in-place reads follow the block tables."""
+    choice = choose_tier("auto", heads, KVShape(2, kv_heads, head_dim), torch.float32, CPU, block_size)
+    assert choice.name == "flex", choice.why_not
+    assert set(choice.why_not) == {"flash"} and "not built" in choice.why_not["flash"]
+
+
+def test_a_flex_kernel_that_cannot_compile_falls_back_to_sdpa_with_the_reason(monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("CppCompileError: C++ compile error\nno g++ here")
+
+    monkeypatch.setattr(flex, "_compiled", lambda geometry: no_compiler)
+    choice = choose_tier("auto", 9, KVShape(1, 3, 64), torch.float32, CPU)
     assert choice.name == "sdpa"
-    assert set(choice.why_not) == {"flash", "flex"} and all("not built" in why for why in choice.why_not.values())
+    assert choice.why_not["flex"] == "failed on the probe: FlexKernelError: RuntimeError: CppCompileError: C++ compile error"
+    with pytest.raises(AttentionTierError, match="attention backend flex: failed on the probe"):
+        choose_tier("flex", 9, KVShape(1, 3, 64), torch.float32, CPU)
 
 
 def test_a_kernel_that_disagrees_with_eager_is_not_taken(monkeypatch):
@@ -36,8 +51,8 @@ def test_a_kernel_that_disagrees_with_eager_is_not_taken(monkeypatch):
 
 
 def test_named_tiers_that_are_not_built_are_refused():
-    with pytest.raises(AttentionTierError, match="flex: not built yet"):
-        choose_tier("flex", 9, KVShape(1, 3, 64), torch.float32, CPU)
+    with pytest.raises(AttentionTierError, match="flash: not built yet"):
+        choose_tier("flash", 9, KVShape(1, 3, 64), torch.float32, CPU)
     with pytest.raises(AttentionTierError, match="not one of"):
         choose_tier("fast", 9, KVShape(1, 3, 64), torch.float32, CPU)
     assert choose_tier("eager", 9, KVShape(1, 3, 64), torch.float32, CPU).name == "eager"
@@ -47,7 +62,7 @@ async def test_status_names_the_running_tier(smollm2):
     from kvstream.hf.backend import HFBackend
     from tests.conftest import make_settings
 
-    for requested, expected in (("auto", "sdpa"), ("eager", "eager")):
+    for requested, expected in (("auto", "flex"), ("sdpa", "sdpa"), ("eager", "eager")):
         settings = make_settings(memory={"num_gpu_blocks": 64}, attention={"backend": requested})
         backend = HFBackend(None, None, settings, preloaded=LoadedModel(smollm2[0], smollm2[2], "smollm2", "hf:test"))
         await backend.start()
@@ -55,8 +70,9 @@ async def test_status_names_the_running_tier(smollm2):
             info = backend.describe()
             assert info["attention_backend"] == expected == backend.runner.config.attention
             why = info["attention_backend_why"]
-            assert set(why) == ({"flash", "flex"} if expected == "sdpa" else {"flash", "flex", "sdpa"})
-            assert expected == "sdpa" or why["sdpa"] == "attention.backend asks for eager"
+            faster = {"flex": {"flash"}, "sdpa": {"flash", "flex"}, "eager": {"flash", "flex", "sdpa"}}
+            assert set(why) == faster[expected]
+            assert expected == "flex" or why["flex"] == f"attention.backend asks for {expected}"
         finally:
             await backend.close()
 
@@ -76,3 +92,26 @@ async def test_a_named_tier_that_fails_its_probe_stops_the_engine_at_start(smoll
     assert isinstance(caught.value.__cause__, AttentionTierError)
     assert backend.runner is None
     await backend.close()
+
+
+async def test_a_flex_failure_at_run_time_moves_the_engine_to_sdpa_without_losing_the_request(smollm2, monkeypatch):
+    """A decode shape the start-up compile did not cover failing to compile is not an outage:
+    the step reruns as sdpa, the tokens are the same, and /status says what happened."""
+    from kvstream.hf.model_runner import ModelRunner, RunnerConfig
+    from kvstream.hf.sampling import SamplingParams
+
+    model, reference, tokenizer = smollm2
+    prompt = tokenizer("The capital of France is")["input_ids"]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    engine = ModelRunner(model, tokenizer, RunnerConfig(block_size=16, num_blocks=64, num_cpu_blocks=0))
+    assert engine.attention.name == "flex"
+    expected = ModelRunner(model, tokenizer, RunnerConfig(block_size=16, num_blocks=64, num_cpu_blocks=0, attention="eager"))
+    expected = expected.generate_sync([prompt], params)
+
+    def fails(*args):
+        raise flex.FlexKernelError("InductorError: CppCompileError: C++ compile error")
+
+    monkeypatch.setattr(flex, "flex_paged", fails)
+    assert engine.generate_sync([prompt], params) == expected
+    assert engine.attention.name == engine.config.attention == "sdpa"
+    assert engine.attention.why_not["flex"] == "failed at run time: InductorError: CppCompileError: C++ compile error"
