@@ -11,9 +11,10 @@ compute Q, K, V and rotary embeddings; for each layer transformers then calls
    a chunk's queries sit at the *end* of its keys, which SDPA's ``is_causal`` gets wrong
    when they differ in length) and once for all decodes together (padded, masked).
 
-Under the ``flex`` tier the decodes skip step 2: flex.py's kernel reads their K/V in place
-through a BlockMask made from their block tables (the copy in step 2 is what grows with
-context). Prefill chunks still gather: on CPU the fused SDPA kernel is faster for them.
+Under the ``flex`` tier the decodes skip step 2 once they hold enough context together
+(flex.IN_PLACE_MIN_CONTEXT): flex.py's kernel reads their K/V in place through a BlockMask
+made from their block tables (the copy in step 2 is what grows with context). Prefill
+chunks still gather (flex.py says why).
 
 The index tensors are built once per step in ``AttentionPlan`` and reused by every layer, so
 the Python work per layer is a fixed handful of tensor ops plus one SDPA per prefill chunk.
@@ -60,10 +61,13 @@ class AttentionPlan:
 
     @classmethod
     def build(
-        cls, cache: PagedKVCache, seqs: list[tuple[list[int], int, int]], kernel: str = "sdpa", query_heads: int = 0
+        cls, cache: PagedKVCache, seqs: list[tuple[list[int], int, int]], kernel: str = "sdpa", query_heads: int = 0,
+        in_place_from: int = 0,
     ) -> AttentionPlan:
         """``seqs``: per sequence (block ids, tokens already in the pool, new tokens this step),
-        in packed-row order. ``query_heads``: the model's, needed by the flex kernel."""
+        in packed-row order. Under ``flex`` the decodes read the pool in place when they hold
+        at least ``in_place_from`` tokens of context together (the engine passes
+        flex.IN_PLACE_MIN_CONTEXT), and gather below that. ``query_heads``: the model's."""
         device = cache.device
         bs = cache.block_size
         offsets = torch.arange(bs, device=device)
@@ -91,11 +95,12 @@ class AttentionPlan:
                 prefills.append(PrefillChunk(row, row + new, slots, mask))
             row += new
         plan = cls(cache, torch.cat(writes), kernel, prefills)
-        if decode_rows and kernel == "flex":
+        lengths = [len(s) for s in decode_ctx]
+        if decode_rows and kernel == "flex" and sum(lengths) >= in_place_from:
             plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            lengths = [len(s) for s in decode_ctx]
-            sizes = (query_heads, cache.shape.num_kv_heads, cache.shape.head_dim, bs)
-            plan.decode_block_mask = flex.decode_mask(decode_tables, lengths, bs, cache.num_blocks, device, sizes)
+            kv_heads = cache.shape.num_kv_heads
+            sizes = (query_heads, kv_heads, query_heads // kv_heads, cache.shape.head_dim, bs)
+            plan.decode_block_mask = flex.decode_mask(decode_tables, lengths, bs, cache.num_blocks, device, sizes, query_heads // kv_heads)
         elif decode_rows:
             longest = max(len(s) for s in decode_ctx)
             padded = torch.zeros(len(decode_ctx), longest, dtype=torch.long, device=device)

@@ -514,14 +514,12 @@ class ModelRunner:
         id_row = torch.tensor([ids], dtype=torch.long, device=device)
         position_row = torch.tensor([positions], dtype=torch.long, device=device)
         try:
-            plan = AttentionPlan.build(self.cache, plan_seqs, self.config.attention, self.model.config.num_attention_heads)
-            logits = compat.forward_logits(self.model, id_row, position_row, plan, rows)
+            logits = compat.forward_logits(self.model, id_row, position_row, self._plan(plan_seqs), rows)
         except flex.FlexKernelError as exc:
             # A shape the start-up probe did not cover failed to compile. The K/V written
             # before the failure are rewritten identically, so the step reruns as sdpa.
             self._leave_flex(exc)
-            plan = AttentionPlan.build(self.cache, plan_seqs, self.config.attention, self.model.config.num_attention_heads)
-            logits = compat.forward_logits(self.model, id_row, position_row, plan, rows)
+            logits = compat.forward_logits(self.model, id_row, position_row, self._plan(plan_seqs), rows)
         counters = self.counters
         counters.steps += 1
         counters.forward_tokens += len(ids)
@@ -552,6 +550,10 @@ class ModelRunner:
             self._emit(req, token)
             if first is not None:
                 req.events[-1].logits = first  # the event _emit just queued
+
+    def _plan(self, plan_seqs: list[tuple[list[int], int, int]]) -> AttentionPlan:
+        heads = self.model.config.num_attention_heads
+        return AttentionPlan.build(self.cache, plan_seqs, self.config.attention, heads, flex.IN_PLACE_MIN_CONTEXT)
 
     def _leave_flex(self, exc: Exception) -> None:
         """Run the sdpa tier from now on, and say why in /status."""

@@ -111,6 +111,7 @@ async def test_a_flex_failure_at_run_time_moves_the_engine_to_sdpa_without_losin
     def fails(*args):
         raise flex.FlexKernelError("InductorError: CppCompileError: C++ compile error")
 
+    monkeypatch.setattr(flex, "IN_PLACE_MIN_CONTEXT", 0)  # read in place at this short context
     monkeypatch.setattr(flex, "flex_paged", fails)
     assert engine.generate_sync([prompt], params) == expected
     assert engine.attention.name == engine.config.attention == "sdpa"

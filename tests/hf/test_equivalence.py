@@ -15,6 +15,16 @@ torch = require_import("torch")
 from kvstream.hf.model_runner import RunnerConfig, ModelRunner  # noqa: E402
 from kvstream.hf.sampling import SamplingParams  # noqa: E402
 
+@pytest.fixture(autouse=True)
+def in_place_at_every_context(monkeypatch):
+    """auto runs flex here: make it read the pool in place at every step, not only past
+    IN_PLACE_MIN_CONTEXT tokens of decode context (which these prompts never reach), so
+    that every test below checks the in-place reads; the sdpa tier test checks the gather."""
+    from kvstream.hf import flex
+
+    monkeypatch.setattr(flex, "IN_PLACE_MIN_CONTEXT", 0)
+
+
 NEW_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
 
@@ -107,8 +117,8 @@ def test_on_cuda_the_engine_matches_generate(prompts, golden):
 
 @pytest.mark.parametrize("tier", ["flex", "sdpa", "eager"])
 def test_each_attention_tier_gives_the_same_tokens(smollm2, prompts, golden, tier):
-    """The tests above run auto (flex where torch.compile works); each tier by name here,
-    with chunked prefills mixed into decode steps."""
+    """The tests above run auto (flex where torch.compile works, reading in place); each tier
+    by name here, with chunked prefills mixed into decode steps."""
     engine = make_engine(smollm2, attention=tier, max_num_batched_tokens=64)
     assert engine.attention.name == tier
     assert engine.generate_sync(prompts[:8], GREEDY) == golden[:8]
