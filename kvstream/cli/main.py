@@ -185,7 +185,7 @@ def awq_quantize(
     model: Annotated[Optional[str], typer.Option(help="an HF model folder (default: the embedded SmolLM2)")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="input channels per scale: 32, 64 or 128 (default: the largest that divides every projection)")] = None,
     calibration: Annotated[Optional[Path], typer.Option(help="a text file to calibrate on (default: Python's standard library documentation)")] = None,
-    method: Annotated[str, typer.Option(help="awq (activation-aware scale search) | rtn (round to nearest only)")] = "awq",
+    method: Annotated[str, typer.Option(help="awq (activation-aware scale and clipping search) | rtn (round to nearest only)")] = "awq",
     samples: Annotated[int, typer.Option(help="calibration chunks of 256 tokens")] = 32,
     evaluate: Annotated[bool, typer.Option("--eval", help="print perplexity on held-out text: the original model and the checkpoint")] = False,
 ) -> None:

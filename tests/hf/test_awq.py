@@ -52,6 +52,13 @@ def test_pack_round_trips_and_dequantize_matches_an_elementwise_reference():
     assert torch.equal(dequantize(layer, columns=slice(8, 16)), expected[:, 8:16])
 
 
+def test_fake_quantize_is_exactly_the_packed_round_trip():
+    from kvstream.hf.awq.format import dequantize, fake_quantize, quantize_rtn
+
+    weight = torch.randn(24, 256) * 0.05
+    assert torch.equal(fake_quantize(weight, 64), dequantize(quantize_rtn(weight, 64)).T)
+
+
 def test_shapes_the_layout_cannot_take_are_refused():
     with pytest.raises(ValueError, match="group size 100"):
         quantize_rtn(torch.randn(8, 200), 100)
@@ -83,6 +90,29 @@ def test_each_kernel_matches_the_reference_matmul(kernel, monkeypatch):
 def test_the_kernel_probe_picks_a_correct_kernel_and_says_why():
     choice = awq_linear.probe_kernel(128, 64, 64, torch.float32)
     assert choice.name in ("dequant", "int4mm") and choice.why
+
+
+def test_clipping_search_clips_heavy_tailed_groups_and_never_loses_on_its_calibration_rows():
+    """A heavy-tailed group spends its 16 levels on its few large values; the search clips
+    groups where that cuts the error of the group's share of the outputs, and no group's
+    share is worse than unclipped on the calibration rows (1.0 is a candidate ratio)."""
+    from kvstream.hf.awq.format import dequantize, quantize_rtn
+    from kvstream.hf.awq.quantize import search_clip
+
+    torch.manual_seed(0)
+    weight = torch.distributions.StudentT(2.0).sample((16, 128)) * 0.02  # heavy tails, as trained weights have
+    x = torch.randn(256, 128)
+
+    def share_errors(w: torch.Tensor) -> torch.Tensor:  # [rows, groups]
+        delta = dequantize(quantize_rtn(w, 64)).T - weight  # the quantized (clipped) error
+        return torch.einsum("tng,ong->ton", x.view(-1, 2, 64), delta.view(16, 2, 64)).pow(2).mean(0)
+
+    clipped = search_clip(x, weight, 64)
+    changed = (clipped != weight).view(16, 2, 64).any(-1)  # [rows, groups] clipped
+    assert changed.sum() >= 8, "the search clipped (almost) nothing"
+    after, before = share_errors(clipped), share_errors(weight)
+    assert (after <= before * (1 + 1e-5)).all()
+    assert (after[changed] < before[changed]).all()
 
 
 # ------------------------------------------------------------------ checkpoints of SmolLM2

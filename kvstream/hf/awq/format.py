@@ -75,9 +75,9 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return nibbles[:, :, order].reshape(packed.shape[0], -1)
 
 
-def quantize_rtn(weight: torch.Tensor, group_size: int) -> PackedLinear:
-    """Round-to-nearest asymmetric 4-bit quantization of ``weight`` [out, in] per group of
-    ``group_size`` input channels (AutoAWQ's zero-point scheme)."""
+def _rtn_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [groups, group, out], zero points [groups, out], fp16 scales [groups, out]) of
+    round-to-nearest asymmetric 4-bit quantization (AutoAWQ's zero-point scheme)."""
     out_features, in_features = weight.shape
     check_shape(out_features, in_features, group_size)
     groups = weight.detach().float().T.reshape(in_features // group_size, group_size, out_features)
@@ -86,6 +86,22 @@ def quantize_rtn(weight: torch.Tensor, group_size: int) -> PackedLinear:
     s = scales.float()
     zeros = (-torch.round(low / s)).clamp(0, 15)
     q = (torch.round(groups / s.unsqueeze(1)) + zeros.unsqueeze(1)).clamp(0, 15)
+    return q, zeros, scales
+
+
+def fake_quantize(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``weight`` [out, in] as ``dequantize(quantize_rtn(weight))`` gives it back, transposed
+    to [out, in], without packing: what the quantizer's searches score candidates with."""
+    q, zeros, scales = _rtn_codes(weight, group_size)
+    values = (q - zeros.unsqueeze(1)) * scales.float().unsqueeze(1)  # [groups, group, out]
+    return values.reshape(weight.shape[1], weight.shape[0]).T
+
+
+def quantize_rtn(weight: torch.Tensor, group_size: int) -> PackedLinear:
+    """Round-to-nearest asymmetric 4-bit quantization of ``weight`` [out, in] per group of
+    ``group_size`` input channels (AutoAWQ's zero-point scheme)."""
+    out_features, in_features = weight.shape
+    q, zeros, scales = _rtn_codes(weight, group_size)
     return PackedLinear(
         qweight=pack(q.reshape(in_features, out_features)),
         qzeros=pack(zeros),

@@ -9,10 +9,15 @@ best reproduce the original outputs on calibration activations, multiplies the w
 output rows) by ``s``, which leaves the fp model's function unchanged. Then every
 projection is quantized round-to-nearest with a zero point per group (``format``).
 
+Then, as AutoAWQ does after scaling, a clipping range is searched per group of every
+projection but q and k (whose errors pass through the softmax): the group's largest weight
+magnitude shrunk by a ratio from 1.0 down to 0.55, the ratio whose quantized group best
+reproduces the group's share of the outputs on the (re-captured, scaled) calibration inputs.
+An outlier weight no longer stretches its whole group's 16 levels.
+
 Layers are processed one at a time on calibration inputs captured at the first layer; each
-layer's inputs are the previous original layer's outputs (AutoAWQ's order). AutoAWQ also
-searches a clipping range per group and scores scales on the whole attention/MLP block;
-this scores them on the projections' own outputs and does not clip.
+layer's inputs are the previous original layer's outputs (AutoAWQ's order). AutoAWQ scores
+scales on the whole attention/MLP block; this scores them on the projections' own outputs.
 """
 
 from __future__ import annotations
@@ -28,13 +33,16 @@ import torch
 from safetensors.torch import save_file
 
 from kvstream.hf.awq.checkpoint import awq_config
-from kvstream.hf.awq.format import SUPPORTED_GROUP_SIZES, dequantize, quantize_rtn
+from kvstream.hf.awq.format import SUPPORTED_GROUP_SIZES, fake_quantize, quantize_rtn
 from kvstream.hf.awq.model import decoder_layers
 
 logger = logging.getLogger(__name__)
 
 GRID = 20  # alphas tried: 0, 1/20, ..., 19/20
 SEARCH_TOKENS = 2048  # calibration rows each candidate scale is scored on (all of them set mean|x|)
+CLIP_TOKENS = 512  # calibration rows each clipping ratio is scored on (AutoAWQ's n_sample_token)
+CLIP_RATIOS = tuple(1 - step / 20 for step in range(10))  # 1.0, 0.95, ..., 0.55 (AutoAWQ: grid 20, max shrink 0.5)
+NOT_CLIPPED = ("q_proj", "k_proj")  # their errors reach the output through the softmax
 
 
 class _Captured(Exception):
@@ -120,13 +128,59 @@ def _search_scale(x: torch.Tensor, linears: list[torch.nn.Linear], group_size: i
         s = s / (s.max() * s.min()).sqrt()
         error = 0.0
         for lin, original in zip(linears, originals):
-            w = dequantize(quantize_rtn(lin.weight.float() * s, group_size)).T / s  # [out, in]
+            w = fake_quantize(lin.weight.float() * s, group_size) / s  # [out, in]
             error += (x @ w.T - original).pow(2).mean().item()
         if step == 0:
             base_error = error
         if error < best_error:
             best, best_error = s, error
     return best, best_error, base_error
+
+
+@torch.no_grad()
+def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``weight`` [out, in] with each group's values clipped to the ratio of its largest
+    magnitude that minimises the error of the group's quantized share of the outputs on
+    ``x`` [tokens, in] (ratio 1.0, no clipping, is a candidate: never worse on ``x``)."""
+    w = weight.detach().float()
+    out_features, in_features = w.shape
+    groups = in_features // group_size
+    if len(x) > CLIP_TOKENS:
+        x = x[torch.linspace(0, len(x) - 1, CLIP_TOKENS).long()]
+    xg = x.float().reshape(-1, groups, group_size)  # [tokens, groups, group]
+    wg = w.reshape(out_features, groups, group_size)
+    original = torch.einsum("tng,ong->ton", xg, wg)  # each group's share of each output
+    peak = wg.abs().amax(dim=-1, keepdim=True)  # [out, groups, 1]
+    best_error = torch.full((out_features, groups), math.inf)
+    best_limit = peak.clone()
+    for ratio in CLIP_RATIOS:
+        limit = peak * ratio
+        clipped = wg.clamp(-limit, limit)
+        quantized = fake_quantize(clipped.reshape(out_features, in_features), group_size)
+        error = (torch.einsum("tng,ong->ton", xg, quantized.reshape(out_features, groups, group_size)) - original).pow(2).mean(0)
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best_limit = torch.where(better.unsqueeze(-1), limit, best_limit)
+    return wg.clamp(-best_limit, best_limit).reshape(out_features, in_features).to(weight.dtype)
+
+
+def _layer_inputs(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Each projection's input [tokens, in] in one forward of ``layer``, and its output."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def record(name: str):
+        def hook(module, args, output) -> None:  # returns None: the output is kept
+            seen[name] = args[0].reshape(-1, args[0].shape[-1])
+
+        return hook
+
+    hooks = [m.register_forward_hook(record(rel)) for rel, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        output = layer(hidden, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen, output[0] if isinstance(output, tuple) else output
 
 
 @torch.no_grad()
@@ -160,19 +214,7 @@ def quantize_model(
     for index, layer in enumerate(layers):
         if activation_aware:
             hidden, kwargs = inputs["hidden"], dict(inputs["kwargs"])  # type: ignore[arg-type]
-            seen: dict[str, torch.Tensor] = {}
-
-            def record(name: str):
-                def hook(module, args, output) -> None:  # returns None: the output is kept
-                    seen[name] = args[0].reshape(-1, args[0].shape[-1])
-
-                return hook
-
-            hooks = [m.register_forward_hook(record(rel)) for rel, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
-            output = layer(hidden, **kwargs)
-            for h in hooks:
-                h.remove()
-            inputs["hidden"] = output[0] if isinstance(output, tuple) else output
+            seen, inputs["hidden"] = _layer_inputs(layer, hidden, kwargs)
             for feeder, members, captured in _groups(layer):
                 linears = [layer.get_submodule(m) for m in members]
                 s, error, base = _search_scale(seen[captured], linears, group_size)
@@ -185,6 +227,11 @@ def quantize_model(
                         feeder.bias.div_(s.to(feeder.bias.dtype))
                 else:  # an RMSNorm: its weight
                     feeder.weight.div_(s.to(feeder.weight.dtype))
+            # The scaled projections' inputs (the feeders now divide by s), for clipping.
+            scaled_inputs, _ = _layer_inputs(layer, hidden, dict(kwargs))
+            for name, module in layer.named_modules():
+                if isinstance(module, torch.nn.Linear) and not name.endswith(NOT_CLIPPED):
+                    module.weight.copy_(search_clip(scaled_inputs[name], module.weight, group_size))
         if progress is not None:
             progress(f"layer {index + 1}/{len(layers)}")
     if gains:
