@@ -9,7 +9,7 @@ best reproduce the original outputs on calibration activations, multiplies the w
 output rows) by ``s``, which leaves the fp model's function unchanged. Then every
 projection is quantized round-to-nearest with a zero point per group (``format``).
 
-Then, as AutoAWQ does after scaling, a clipping range is searched per group of every
+Between the two, as AutoAWQ does, a clipping range is searched per group of every
 projection but q and k (whose errors pass through the softmax): the group's largest weight
 magnitude shrunk by a ratio from 1.0 down to 0.55, the ratio whose quantized group best
 reproduces the group's share of the outputs on the (re-captured, scaled) calibration inputs.
@@ -141,7 +141,8 @@ def _search_scale(x: torch.Tensor, linears: list[torch.nn.Linear], group_size: i
 def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> torch.Tensor:
     """``weight`` [out, in] with each group's values clipped to the ratio of its largest
     magnitude that minimises the error of the group's quantized share of the outputs on
-    ``x`` [tokens, in] (ratio 1.0, no clipping, is a candidate: never worse on ``x``)."""
+    ``x`` [tokens, in] (ratio 1.0, no clipping, is a candidate: no group's share does worse
+    on ``x``; a whole output row can, by the cross terms between its groups)."""
     w = weight.detach().float()
     out_features, in_features = w.shape
     groups = in_features // group_size
