@@ -13,12 +13,15 @@ def loads(data: bytes | str) -> Any:
     """Parse JSON. What orjson refuses and the stdlib takes (NaN, integers past 64 bits) is
     parsed by the stdlib, whose exception (with its message) is what invalid input raises.
 
-    Raises ValueError for anything that is not JSON KVStream can carry on: nesting too deep
-    for the stdlib (orjson stops at 1,024 levels) and lone surrogates (``"\\ud800"``), which
-    no UTF-8 body can hold."""
+    Raises ValueError for anything that is not JSON KVStream can carry on: nesting deeper
+    than orjson's 1,024 levels (whatever ``sys.getrecursionlimit()`` is: torch.compile, for
+    one, raises it in the same process, and the stdlib's depth limit follows it) and lone
+    surrogates (``"\\ud800"``), which no UTF-8 body can hold."""
     try:
         return orjson.loads(data)
-    except orjson.JSONDecodeError:
+    except orjson.JSONDecodeError as exc:
+        if str(exc).startswith("depth limit exceeded"):
+            raise ValueError("nested too deeply (more than 1,024 levels)") from None
         return _stdlib_loads(data)
 
 

@@ -123,3 +123,25 @@ def test_dumps_takes_what_orjson_refuses():
     from kvstream.jsonfast import dumps
 
     assert json.loads(dumps({"seed": 2**70, "text": "é"})) == {"seed": 2**70, "text": "é"}
+
+
+def test_nesting_past_1024_levels_is_refused_whatever_the_recursion_limit():
+    """The stdlib's depth limit follows sys.getrecursionlimit(), which torch.compile raises in
+    the process (the in-process engine compiles its attention kernel): the rule must not."""
+    import sys
+
+    import pytest
+
+    from kvstream.jsonfast import loads
+
+    deep = b'{"x": ' + b"[" * 1100 + b"]" * 1100 + b"}"
+    limit = sys.getrecursionlimit()
+    try:
+        for raised in (limit, 100_000):
+            sys.setrecursionlimit(raised)
+            with pytest.raises(ValueError, match="nested too deeply"):
+                loads(deep)
+    finally:
+        sys.setrecursionlimit(limit)
+    shallow = loads(b'{"x": ' + b"[" * 1000 + b"]" * 1000 + b"}")
+    assert isinstance(shallow["x"], list)
