@@ -97,6 +97,8 @@ class AttentionPlan:
         plan = cls(cache, torch.cat(writes), kernel, prefills)
         lengths = [len(s) for s in decode_ctx]
         if decode_rows and kernel == "flex" and sum(lengths) >= in_place_from:
+            if query_heads <= 0:
+                raise ValueError("the flex kernel needs the model's query_heads")
             plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
             kv_heads = cache.shape.num_kv_heads
             sizes = (query_heads, kv_heads, query_heads // kv_heads, cache.shape.head_dim, bs)

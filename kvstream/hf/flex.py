@@ -3,8 +3,8 @@
 The ``sdpa`` tier copies every sequence's K/V out of the pool (``index_select``) in every
 layer at every step before attending; at long contexts that copy costs more than the
 attention itself. Here the whole pool of one layer is the key/value tensor
-(``[B, H_kv, slots, D]`` over the pool's own storage: no copy) and a ``BlockMask`` tells the kernel which
-pool blocks each query row visits, straight from the sequence's block table:
+(``[B, H_kv, slots, D]`` over the pool's own storage: no copy) and a ``BlockMask`` tells the
+kernel which pool blocks each query row visits, straight from the sequence's block table:
 
 * a query's *full* blocks (every slot at or before its position) are visited without
   evaluating any mask;
@@ -14,18 +14,18 @@ pool blocks each query row visits, straight from the sequence's block table:
 The kernel is compiled once per model geometry per process (``torch.compile`` with dynamic
 shapes, so every batch width, context length and pool size reuses it; compiling takes
 seconds, the engine does it at start, and inductor's on-disk cache makes later processes
-faster). On CPU inductor needs a C++
-compiler: the tier probe (attention_tiers.py) then fails to compile it and falls back to
-``sdpa``, reporting why.
+faster). On CPU inductor needs a C++ compiler: without one the tier probe
+(attention_tiers.py) fails to compile it and falls back to ``sdpa``, reporting why.
 
 Decodes (one query per sequence) run as one batch against the pool broadcast over B, with
 the query heads of each KV head folded into the query length (``flex_paged``);
 ``decode_mask`` builds their mask. The kernel's call costs more than a gather at short
 contexts, so the engine reads in place only when a step's decodes hold at least
-``IN_PLACE_MIN_CONTEXT`` tokens of context, and gathers below that (``attention.py``). Prefill chunks are not read in place:
-torch 2.13's CPU flex template failed to compile the chunk layout (``[1, H_q, T, D]``, a
-mask per block of queries) when it was tried, so chunks gather as the ``sdpa`` tier does.
-A chunk's gather is paid once for all its queries; a decode's, for one.
+``IN_PLACE_MIN_CONTEXT`` tokens of context, and gathers below that (``attention.py``).
+Prefill chunks are not read in place: torch 2.13's CPU flex template failed to compile the
+chunk layout (``[1, H_q, T, D]``, a mask per block of queries) when it was tried, so chunks
+gather as the ``sdpa`` tier does. A chunk's gather is paid once for all its queries; a
+decode's, for one.
 """
 
 from __future__ import annotations

@@ -116,3 +116,13 @@ async def test_a_flex_failure_at_run_time_moves_the_engine_to_sdpa_without_losin
     assert engine.generate_sync([prompt], params) == expected
     assert engine.attention.name == engine.config.attention == "sdpa"
     assert engine.attention.why_not["flex"] == "failed at run time: InductorError: CppCompileError: C++ compile error"
+
+
+def test_a_flex_plan_without_the_query_heads_is_refused():
+    from kvstream.hf.attention import AttentionPlan
+    from kvstream.hf.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(KVShape(1, 3, 64), 8, 16, 0, torch.float32, CPU)
+    with pytest.raises(ValueError, match="query_heads"):
+        AttentionPlan.build(cache, [([0, 1], 20, 1)], "flex")
+    assert AttentionPlan.build(cache, [([0, 1], 20, 1)], "flex", 9).decode_block_mask is not None

@@ -12,7 +12,7 @@ projection is quantized round-to-nearest with a zero point per group (``format``
 Between the two, as AutoAWQ does, a clipping range is searched per group of every
 projection but q and k (whose errors pass through the softmax): the group's largest weight
 magnitude shrunk by a ratio from 1.0 down to 0.55, the ratio whose quantized group best
-reproduces the group's share of the outputs on the (re-captured, scaled) calibration inputs.
+reproduces the group's share of the outputs on the scaled calibration inputs.
 An outlier weight no longer stretches its whole group's 16 levels.
 
 Layers are processed one at a time on calibration inputs captured at the first layer; each
@@ -216,9 +216,11 @@ def quantize_model(
         if activation_aware:
             hidden, kwargs = inputs["hidden"], dict(inputs["kwargs"])  # type: ignore[arg-type]
             seen, inputs["hidden"] = _layer_inputs(layer, hidden, kwargs)
+            divided: dict[str, torch.Tensor] = {}  # projection -> the scale its input is now divided by
             for feeder, members, captured in _groups(layer):
                 linears = [layer.get_submodule(m) for m in members]
                 s, error, base = _search_scale(seen[captured], linears, group_size)
+                divided.update(dict.fromkeys(members, s))
                 gains.append(base / error if error else 1.0)
                 for lin in linears:
                     lin.weight.mul_(s.to(lin.weight.dtype))
@@ -228,11 +230,12 @@ def quantize_model(
                         feeder.bias.div_(s.to(feeder.bias.dtype))
                 else:  # an RMSNorm: its weight
                     feeder.weight.div_(s.to(feeder.weight.dtype))
-            # The scaled projections' inputs (the feeders now divide by s), for clipping.
-            scaled_inputs, _ = _layer_inputs(layer, hidden, dict(kwargs))
+            # Clipping scores the scaled projections on their scaled inputs: the feeder of each
+            # group now divides its output by s, so a member's input is what it was over s.
             for name, module in layer.named_modules():
                 if isinstance(module, torch.nn.Linear) and not name.endswith(NOT_CLIPPED):
-                    module.weight.copy_(search_clip(scaled_inputs[name], module.weight, group_size))
+                    x = seen[name].float() / divided[name] if name in divided else seen[name]
+                    module.weight.copy_(search_clip(x, module.weight, group_size))
         if progress is not None:
             progress(f"layer {index + 1}/{len(layers)}")
     if gains:
