@@ -190,7 +190,11 @@ async def test_a_shared_cache_engine_keeps_every_prefix_it_was_sent(start_upstre
     backend = ReplicaSet([VLLMBackend(u, parallel=1, **FAST) for u in urls])
     proxy = await start_proxy(backend)
     first = {p: (await post(http, proxy, chat(p, "q0")))["X-KVStream-Backend"] for p in PREFIXES}
-    assert set(first.values()) == set(urls)
+    # Where each prefix goes is the rendezvous hash of the replicas' URLs, whose ports are
+    # random: any split is fine (all eight on one replica is a 1-in-128 draw), as long as
+    # some replica was sent more prefixes than its one slot, which eight over two always is.
+    assert set(first.values()) <= set(urls)
+    assert max(list(first.values()).count(u) for u in urls) > 1
     again = [await post(http, proxy, chat(p, "q1")) for p in PREFIXES]
     assert [h["X-KVStream-Route"] for h in again] == ["hit"] * len(PREFIXES)
     assert [h["X-KVStream-Backend"] for h in again] == [first[p] for p in PREFIXES]
