@@ -16,6 +16,7 @@ staging-slot views before each forward (``streaming``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -162,9 +163,14 @@ class KernelChoice:
     why: str
 
 
+@functools.cache
 def probe_kernel(in_features: int, out_features: int, group_size: int, dtype: torch.dtype, rows: int = 8) -> KernelChoice:
     """Check each kernel against the reference dequantization on this shape, and time the
-    ones that are right; the fastest wins. Probed on CPU only (no CUDA kernel here yet)."""
+    ones that are right; the fastest wins. Probed on CPU only (no CUDA kernel here yet).
+
+    Once per process and shape: the choice is a timing, and a second probe on a loaded
+    machine could pick the other kernel, whose sums round differently (two loads of one
+    checkpoint, streamed and resident, then disagreed in the last bits of their logits)."""
     from kvstream.hf.awq.format import quantize_rtn
 
     generator = torch.Generator().manual_seed(0)
