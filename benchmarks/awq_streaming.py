@@ -64,7 +64,7 @@ weights = engine.loaded.weights_snapshot()
 print(json.dumps({'ttft_ms': one.ttft_ms, 'decode_tps_1': decode1, 'decode_tps_8': decode8,
                   'resident_bytes': weights['resident_bytes'], 'peak_rss': status('VmHWM'), 'peak_anon': peak['anon'],
                   'bytes_per_forward': weights.get('staged_bytes_per_forward', 0),
-                  'stall_s': weights.get('stall_seconds_total', 0.0)}))
+                  'stall_s': weights.get('stall_seconds_total', 0.0), 'kernel': weights.get('kernel') or '-'}))
 """
 
 
@@ -184,7 +184,7 @@ def main() -> None:
         results[label] = {"copy_bandwidth": warm, "disk_bandwidth": cold, "rows": rows}
         print(f"\n{label}: bandwidth from the mapped checkpoint: page cache {warm / 1e9:.2f} GB/s, disk {cold / 1e9:.2f} GB/s")
         print(f"{'run':<22} {'TTFT':>8} {'tok/s b1':>9} {'tok/s b8':>9} {'resident':>9} {'peak RSS':>9} {'peak anon':>9} "
-              f"{'staged/tok b1':>13} {'limit b1':>9} {'of limit b1':>11} {'of limit b8':>11}")
+              f"{'staged/tok b1':>13} {'limit b1':>9} {'of limit b1':>11} {'of limit b8':>11} {'kernel':>8}")
         resident_run = rows["awq resident"]["resident_bytes"]
         for name, row in rows.items():
             staged = row["bytes_per_forward"]
@@ -194,7 +194,7 @@ def main() -> None:
             row["limit_tps_1"] = limit
             print(f"{name:<22} {row['ttft_ms']:>6.0f}ms {row['decode_tps_1']:>9.2f} {row['decode_tps_8']:>9.2f} "
                   f"{row['resident_bytes'] / 2**20:>7.0f}MB {row['peak_rss'] / 2**20:>7.0f}MB {row['peak_anon'] / 2**20:>7.0f}MB "
-                  f"{staged / 2**20:>11.1f}MB {'-' if limit is None else f'{limit:.1f}':>9} {share1:>11} {share8:>11}")
+                  f"{staged / 2**20:>11.1f}MB {'-' if limit is None else f'{limit:.1f}':>9} {share1:>11} {share8:>11} {row['kernel']:>8}")
         k2 = rows["awq streamed K=2"]["resident_bytes"] / resident_run
         print(f"resident bytes, streamed K=2 / AWQ resident: {k2:.2f}x (target < 0.5x)")
     print(json.dumps(results))

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import require_import
+from tests.conftest import REQUIRE_REAL, require_import
 
 torch = require_import("torch")
 
@@ -87,9 +87,58 @@ def test_each_kernel_matches_the_reference_matmul(kernel, monkeypatch):
     assert torch.allclose(y, reference, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_the_native_kernel_matches_the_reference_and_a_row_ignores_its_batch(group_size):
+    """Decode rows (up to native.MAX_ROWS) through the compiled kernel, more through dequant;
+    a row's output is bit-identical alone and batched (its sums run in a fixed order)."""
+    from kvstream.hf.awq import native
+
+    module, why = native.load()
+    if module is None:
+        if REQUIRE_REAL:
+            pytest.fail(f"the native AWQ kernel did not build: {why}")
+        pytest.skip(f"the native AWQ kernel did not build here: {why}")
+    generator = torch.Generator().manual_seed(5)
+    packed = quantize_rtn(torch.randn(320, 256, generator=generator), group_size)
+    layer = AWQLinear(packed)
+    layer.kernel = "native"
+    weight = dequantize(packed)
+    x = torch.randn(native.MAX_ROWS + 3, 256, generator=generator)
+    for rows in (1, 3, native.MAX_ROWS, native.MAX_ROWS + 1):
+        y = layer(x[:rows])
+        assert torch.allclose(y, x[:rows] @ weight, atol=1e-4, rtol=1e-4), rows
+    alone = layer(x[:1])
+    assert torch.equal(layer(x[: native.MAX_ROWS])[:1], alone) and torch.equal(layer(x[:3])[:1], alone)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        native.gemv(x[:1, :128], layer.qweight, *reversed(layer.derive()), group_size)
+
+
+def test_without_a_compiler_the_probe_keeps_the_torch_kernels_and_says_why(monkeypatch, caplog):
+    import torch.utils.cpp_extension as cpp_extension
+
+    from kvstream.hf.awq import native
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    native.load.cache_clear()
+    awq_linear.probe_kernel.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="kvstream.hf.awq.native"):
+            assert native.load() == (None, "RuntimeError: Ninja is required to load C++ extensions")
+            choice = awq_linear.probe_kernel(128, 64, 64, torch.float32)
+        assert choice.name in ("dequant", "int4mm")
+        assert [r.getMessage() for r in caplog.records] == [
+            "awq native kernel not built (RuntimeError: Ninja is required to load C++ extensions); using the pure-torch kernels"]
+    finally:
+        native.load.cache_clear()
+        awq_linear.probe_kernel.cache_clear()
+
+
 def test_the_kernel_probe_picks_a_correct_kernel_and_says_why():
     choice = awq_linear.probe_kernel(128, 64, 64, torch.float32)
-    assert choice.name in ("dequant", "int4mm") and choice.why
+    assert choice.name in ("dequant", "int4mm", "native") and choice.why
     assert awq_linear.probe_kernel(128, 64, 64, torch.float32) is choice  # not re-timed per load
 
 

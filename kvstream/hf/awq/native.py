@@ -1,0 +1,55 @@
+"""The native AWQ kernel (``awq_gemv.cpp``): int4 x float for a few rows, read straight from
+the packed weights, compiled here on first use with torch's extension builder.
+
+It exists because decoding reads each weight once per step: the pure-torch ``dequant``
+kernel writes and rereads a float copy of every weight (several passes over 8 bytes per
+weight for the 0.5 it reads), so a decode step spent ~7x longer in an AWQ projection than
+in the fp32 one. This kernel reads the packed words once (AVX2 + FMA where the CPU has them,
+plain C++ otherwise). Above ``MAX_ROWS`` rows (prefill chunks, large batches) it loses to
+dequantize + BLAS, which ``AWQLinear`` then uses.
+
+Compiling needs a C++ compiler and ninja (the ``hf`` extra installs ninja); where either is
+missing ``load`` says why and the probe keeps the pure-torch kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("awq_gemv.cpp")
+MAX_ROWS = 8  # measured crossover with dequantize + BLAS on SmolLM2's projections (README)
+
+
+@functools.cache
+def load() -> tuple[ModuleType | None, str]:
+    """The compiled kernel and how it was built, or None and why not. Built once per machine
+    (torch keeps it under ~/.cache/torch_extensions), named per instruction set so that a
+    cache shared by two kinds of CPU never hands one the other's build."""
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
+    vector = capability in ("AVX2", "AVX512")
+    flags = ["-O3", *(["-mavx2", "-mfma"] if vector else [])]
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        module = build(f"kvstream_awq_gemv_{capability.lower()}", [str(SOURCE)], extra_cflags=flags, verbose=False)
+    except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja surfaces as many types
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        logger.warning("awq native kernel not built (%s); using the pure-torch kernels", why)
+        return None, why
+    return module, "AVX2 + FMA" if vector else "scalar C++"
+
+
+def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[rows, in]`` float32 times the packed weights -> ``[rows, out]`` in the packed
+    (interleaved) column order; ``scales`` / ``zs`` as ``AWQLinear.derive`` gives them."""
+    module, why = load()
+    if module is None:
+        raise RuntimeError(f"the native AWQ kernel is not available: {why}")
+    return module.awq_gemv(x, qweight, scales, zs, group_size)
