@@ -107,6 +107,7 @@ def test_the_native_kernel_matches_the_reference_and_a_row_ignores_its_batch(gro
     for rows in (1, 3, native.MAX_ROWS, native.MAX_ROWS + 1):
         y = layer(x[:rows])
         assert torch.allclose(y, x[:rows] @ weight, atol=1e-4, rtol=1e-4), rows
+    assert native.gemv(x[:0], layer.qweight, *reversed(layer.derive()), group_size).shape == (0, 320)
     alone = layer(x[:1])
     assert torch.equal(layer(x[: native.MAX_ROWS])[:1], alone) and torch.equal(layer(x[:3])[:1], alone)
     with pytest.raises(RuntimeError, match="shape mismatch"):

@@ -29,6 +29,7 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor sca
     const int64_t groups = in / group_size;
     TORCH_CHECK(scales.size(0) == groups && scales.size(1) == out && zs.sizes() == scales.sizes(), "scales shape mismatch");
     auto y = torch::zeros({rows, out}, x.options());
+    if (rows == 0) return y;
     auto xsum = x.view({rows, groups, group_size}).sum(-1).contiguous();  // [rows, groups]
     const float* xp = x.data_ptr<float>();
     const int32_t* qp = qweight.data_ptr<int32_t>();
