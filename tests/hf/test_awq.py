@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -135,6 +136,49 @@ def test_without_a_compiler_the_probe_keeps_the_torch_kernels_and_says_why(monke
     finally:
         native.load.cache_clear()
         awq_linear.probe_kernel.cache_clear()
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_build_waited_for(tmp_path, monkeypatch, caplog):
+    """torch's builder waits, without a timeout, while its ``lock`` file exists: one left by a
+    build killed midway would hang every later start. KVStream builds under an flock (which
+    dies with its process) and clears such a leftover; a live build is waited for."""
+    import fcntl
+    import threading
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    from kvstream.hf.awq import native
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = native.build_directory(f"kvstream_awq_gemv_{torch.backends.cpu.get_cpu_capability().lower()}")
+    assert folder.is_relative_to(tmp_path)
+    folder.mkdir(parents=True)
+    (folder / "lock").touch()  # what a killed build leaves
+    calls = []
+
+    def builder(name, sources, build_directory, **kwargs):
+        calls.append((build_directory, (Path(build_directory) / "lock").exists()))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(cpp_extension, "load", builder)
+    holder = open(folder / "kvstream.flock", "a")  # another process building now
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    native.load.cache_clear()
+    result = []
+    try:
+        with caplog.at_level("WARNING", logger="kvstream.hf.awq.native"):
+            waiting = threading.Thread(target=lambda: result.append(native.load()))
+            waiting.start()
+            waiting.join(0.5)
+            assert waiting.is_alive() and calls == []  # waits for the live build
+            fcntl.flock(holder, fcntl.LOCK_UN)
+            waiting.join(10)
+    finally:
+        holder.close()
+        native.load.cache_clear()
+    assert result == [(None, "RuntimeError: stop here")]
+    assert calls == [(str(folder), False)]  # the leftover was gone before torch's builder ran
+    assert "left by a build that did not finish" in caplog.text
 
 
 def test_the_kernel_probe_picks_a_correct_kernel_and_says_why():

@@ -14,12 +14,21 @@ missing ``load`` says why and the probe keeps the pure-torch kernels.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows: builds are not guarded (torch's own lock file only)
+    fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +39,54 @@ SOURCE = Path(__file__).with_name("awq_gemv.cpp")
 MAX_ROWS = 8
 
 
+def build_directory(name: str) -> Path:
+    """Where the kernel is built and cached: ``$TORCH_EXTENSIONS_DIR`` or
+    ``~/.cache/torch_extensions``, per Python and torch version (the build links against
+    both), one folder per build name."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    abi = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}".replace("+", "_")
+    return Path(root) / abi / name
+
+
+@contextlib.contextmanager
+def exclusive(directory: Path) -> Iterator[None]:
+    """Hold ``directory`` against other KVStream processes building there, and clear what a
+    killed build left. torch's builder marks a build with a ``lock`` file that the builder
+    removes when done and waits, without a timeout, while one exists: a build killed midway
+    (Ctrl-C during the first ``serve``) would hang every later start. An ``flock`` dies with
+    its process, so once it is held no live build of ours is running and a ``lock`` file
+    there is a leftover."""
+    if fcntl is None:
+        yield
+        return
+    with open(directory / "kvstream.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process builds
+        try:
+            leftover = directory / "lock"
+            if leftover.exists():
+                logger.warning("removing %s, left by a build that did not finish", leftover)
+                leftover.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load() -> tuple[ModuleType | None, str]:
     """The compiled kernel and how it was built, or None and why not. Built once per machine
-    (torch keeps it under ~/.cache/torch_extensions), named per instruction set so that a
-    cache shared by two kinds of CPU never hands one the other's build."""
+    (kept in ``build_directory``), named per instruction set so that a cache shared by two
+    kinds of CPU never hands one the other's build."""
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
     vector = capability in ("AVX2", "AVX512")
     flags = ["-O3", *(["-mavx2", "-mfma"] if vector else [])]
+    name = f"kvstream_awq_gemv_{capability.lower()}"
     try:
         from torch.utils.cpp_extension import load as build
 
-        module = build(f"kvstream_awq_gemv_{capability.lower()}", [str(SOURCE)], extra_cflags=flags, verbose=False)
+        directory = build_directory(name)
+        directory.mkdir(parents=True, exist_ok=True)
+        with exclusive(directory):
+            module = build(name, [str(SOURCE)], extra_cflags=flags, build_directory=str(directory), verbose=False)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja surfaces as many types
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         logger.warning("awq native kernel not built (%s); using the pure-torch kernels", why)
