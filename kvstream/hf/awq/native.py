@@ -85,6 +85,8 @@ def load() -> tuple[ModuleType | None, str]:
 
         directory = build_directory(name)
         directory.mkdir(parents=True, exist_ok=True)
+        if not any(directory.glob("*.so")):
+            logger.info("building the native AWQ kernel in %s (once per machine, ~40 s here)", directory)
         with exclusive(directory):
             module = build(name, [str(SOURCE)], extra_cflags=flags, build_directory=str(directory), verbose=False)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja surfaces as many types
