@@ -108,11 +108,14 @@ def test_the_native_kernel_matches_the_reference_and_a_row_ignores_its_batch(gro
     for rows in (1, 3, native.MAX_ROWS, native.MAX_ROWS + 1):
         y = layer(x[:rows])
         assert torch.allclose(y, x[:rows] @ weight, atol=1e-4, rtol=1e-4), rows
-    assert native.gemv(x[:0], layer.qweight, *reversed(layer.derive()), group_size).shape == (0, 320)
+    tensors = (layer.qweight, layer.qzeros, layer.scales, layer.packed_order)
+    assert native.gemv(x[:0], *tensors, group_size).shape == (0, 320)
     alone = layer(x[:1])
     assert torch.equal(layer(x[: native.MAX_ROWS])[:1], alone) and torch.equal(layer(x[:3])[:1], alone)
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        native.gemv(x[:1, :128], layer.qweight, *reversed(layer.derive()), group_size)
+        native.gemv(x[:1, :128], *tensors, group_size)
+    with pytest.raises(RuntimeError, match="float16"):
+        native.gemv(x[:1], layer.qweight, layer.qzeros, layer.scales.float(), layer.packed_order, group_size)
 
 
 def test_without_a_compiler_the_probe_keeps_the_torch_kernels_and_says_why(monkeypatch, caplog):

@@ -1,12 +1,15 @@
-// AWQ GEMM-layout int4 matmul for a few rows (decode): y = x @ W, W = q * scale - zero * scale,
-// read straight from the packed weights, never dequantized into memory.
+// AWQ GEMM-layout int4 matmul for a few rows (decode): y = x @ W, W = (q - zero) * scale,
+// read straight from the checkpoint's tensors, never dequantized into memory.
 //
-// Layout (see format.py): qweight [in, out/8] int32, nibble n of word j is packed column
-// 8j + n; scales and zs (zero x scale) [groups, out] float, in that packed column order. The
-// output is in packed column order too (the caller reorders it, as the dequant kernel does).
+// Layout (see format.py): qweight [in, out/8] int32 and qzeros [groups, out/8] int32, nibble n
+// of word j holding packed column 8j + n; scales [groups, out] float16 in column order.
+// ``logical`` maps a packed column to its column (AWQ interleaves them); the output is in
+// column order.
 //
 // Per group, the sum over the group's inputs of x_i * q_i is accumulated first and scaled
-// once: y[m, o] = sum_g scale[g, o] * sum_{i in g} x[m, i] q[i, o] - zs[g, o] * sum_{i in g} x[m, i].
+// once: y[m, c] = sum_g scale[g, c] * (sum_{i in g} x[m, i] q[i, c] - zero[g, c] * sum_{i in g} x[m, i]).
+// Zero points and scales are read from their packed tensors as each group is finished, so
+// nothing has to be derived from them beforehand (layer streaming stages the raw tensors).
 // Each output's sums run in a fixed order whatever the row count or thread split, so a row's
 // result does not depend on what it is batched with.
 #include <torch/extension.h>
@@ -17,24 +20,30 @@
 #include <immintrin.h>
 #endif
 
-torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zs, int64_t group_size) {
-    TORCH_CHECK(x.dtype() == torch::kFloat32 && scales.dtype() == torch::kFloat32 && zs.dtype() == torch::kFloat32, "float32 only");
-    TORCH_CHECK(qweight.dtype() == torch::kInt32, "qweight must be int32");
+torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qzeros, torch::Tensor scales,
+                       torch::Tensor logical, int64_t group_size) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32, "x must be float32");
+    TORCH_CHECK(qweight.dtype() == torch::kInt32 && qzeros.dtype() == torch::kInt32, "qweight and qzeros must be int32");
+    TORCH_CHECK(scales.dtype() == torch::kFloat16, "scales must be float16");
+    TORCH_CHECK(logical.dtype() == torch::kInt64, "logical must be int64");
     x = x.contiguous();
     qweight = qweight.contiguous();
+    qzeros = qzeros.contiguous();
     scales = scales.contiguous();
-    zs = zs.contiguous();
+    logical = logical.contiguous();
     const int64_t rows = x.size(0), in = qweight.size(0), words = qweight.size(1), out = words * 8;
-    TORCH_CHECK(x.size(1) == in && in % group_size == 0, "shape mismatch");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == in && group_size > 0 && in % group_size == 0, "shape mismatch");
     const int64_t groups = in / group_size;
-    TORCH_CHECK(scales.size(0) == groups && scales.size(1) == out && zs.sizes() == scales.sizes(), "scales shape mismatch");
+    TORCH_CHECK(qzeros.size(0) == groups && qzeros.size(1) == words && scales.size(0) == groups && scales.size(1) == out
+                && logical.numel() == out, "qzeros / scales / logical shape mismatch");
     auto y = torch::zeros({rows, out}, x.options());
     if (rows == 0) return y;
     auto xsum = x.view({rows, groups, group_size}).sum(-1).contiguous();  // [rows, groups]
     const float* xp = x.data_ptr<float>();
     const int32_t* qp = qweight.data_ptr<int32_t>();
-    const float* sp = scales.data_ptr<float>();
-    const float* zp = zs.data_ptr<float>();
+    const int32_t* zp = qzeros.data_ptr<int32_t>();
+    const at::Half* sp = scales.data_ptr<at::Half>();
+    const int64_t* lp = logical.data_ptr<int64_t>();
     const float* xs = xsum.data_ptr<float>();
     float* yp = y.data_ptr<float>();
 
@@ -73,13 +82,12 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor sca
                 }
 #endif
             }
-            for (int64_t m = 0; m < rows; ++m) {
-                const float total = xs[m * groups + g];
-                const float* am = acc.data() + m * width;
-                float* ym = yp + m * out + begin * 8;
-                const float* sg = sp + g * out + begin * 8;
-                const float* zg = zp + g * out + begin * 8;
-                for (int64_t o = 0; o < width; ++o) ym[o] += am[o] * sg[o] - zg[o] * total;
+            for (int64_t o = 0; o < width; ++o) {
+                const int64_t packed = begin * 8 + o, column = lp[packed];
+                const float scale = static_cast<float>(sp[g * out + column]);
+                const float zero = static_cast<float>((static_cast<uint32_t>(zp[g * words + packed / 8]) >> (4 * (packed % 8))) & 0xF);
+                for (int64_t m = 0; m < rows; ++m)
+                    yp[m * out + column] += (acc[m * width + o] - zero * xs[m * groups + g]) * scale;
             }
         }
       }
@@ -88,5 +96,5 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor sca
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("awq_gemv", &awq_gemv, "AWQ int4 matmul for a few rows, in packed column order");
+    m.def("awq_gemv", &awq_gemv, "AWQ int4 matmul for a few rows, from the checkpoint's tensors");
 }

@@ -4,7 +4,8 @@ Three kernels, chosen once per process by ``probe_kernel`` (correct on a real sh
 fastest; never assumed from what imports or compiles):
 
 - ``native``: ``native.py``'s compiled kernel for up to ``native.MAX_ROWS`` rows (decode
-  steps), reading the packed words without materializing weights; more rows take ``dequant``;
+  steps), reading the checkpoint's tensors as they are (nothing derived, no weight
+  materialized); more rows take ``dequant``;
 - ``dequant``: pure torch. Output columns are dequantized a bounded chunk at a time (never
   more than ``CHUNK_BYTES`` of floats) in the packed, interleaved column order, multiplied,
   and the product's columns put back in order: cheaper than reordering the weights;
@@ -54,16 +55,18 @@ class AWQLinear(torch.nn.Module):
         self.dtype = dtype
         self.bias = None if packed.bias is None else torch.nn.Parameter(packed.bias.to(dtype), requires_grad=False)
         self.order = logical_order(self.out_features)
+        self.packed_order = self.order.argsort()  # fixed by the shape: not recomputed per load()
         self.load(packed.qweight, packed.qzeros, packed.scales)
 
     def load(
-        self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, derived: tuple[torch.Tensor, torch.Tensor] | None = None
+        self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, derive_into: tuple[torch.Tensor, ...] | None = None
     ) -> None:
         """Point the layer at these packed tensors (resident, mapped, or a staging slot);
-        ``derived``: their ``derive`` output when the caller computed it already."""
+        ``derive_into``: ``derive_buffers`` to compute ``derive`` into, when the dequant
+        kernel needs it (a staging slot's, so that streamed layers do not churn the heap)."""
         self.qweight, self.qzeros, self.scales = qweight, qzeros, scales
-        self._derived: tuple[torch.Tensor, torch.Tensor] | None = derived
-        self.packed_order = self.order.argsort()
+        self._derived: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._derive_into = derive_into
 
     def derive(self, into: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per group: zero x scale and scale, in the packed column order (groups x out). With
@@ -88,16 +91,16 @@ class AWQLinear(torch.nn.Module):
 
     def _zeros_and_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._derived is None:
-            self._derived = self.derive()
+            self._derived = self.derive(self._derive_into)
         return self._derived
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "int4mm":
             y = int4mm(self, x)
         elif self.kernel == "native" and x.numel() <= native.MAX_ROWS * self.in_features and self.dtype == torch.float32:
-            zs, scales = self._zeros_and_scales()
-            flat = x.reshape(-1, self.in_features).to(self.dtype)
-            y = native.gemv(flat, self.qweight, scales, zs, self.group_size)[:, self.order].reshape(*x.shape[:-1], -1)
+            flat = x.reshape(-1, self.in_features)
+            y = native.gemv(flat, self.qweight, self.qzeros, self.scales, self.packed_order, self.group_size)
+            y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             y = self._dequant_matmul(x)
         return y if self.bias is None else y + self.bias
@@ -202,7 +205,10 @@ def probe_kernel(in_features: int, out_features: int, group_size: int, dtype: to
         if not torch.allclose(y, reference, rtol=1e-2, atol=1e-2 * reference.abs().max().item()):
             logger.warning("awq kernel %s gives wrong results on this machine; not used", name)
             continue
-        timings[name] = min(_timed(layer, x) for _ in range(5))  # the best of five: a shared machine's noise only adds
+        # A decode step's one row and a batch's ``rows``, each the best of five (a shared
+        # machine's noise only adds): timed at ``rows`` alone, the kernels are close enough
+        # for noise to pick the one that is 4-7x slower on the single row decoding runs.
+        timings[name] = sum(min(_timed(layer, shape) for _ in range(5)) for shape in (x[:1], x))
     best = min(timings, key=timings.__getitem__)
     others = ", ".join(f"{n} {timings[n] / timings[best]:.1f}x slower" for n in timings if n != best)
     return KernelChoice(best, others or "the only kernel that ran")

@@ -96,10 +96,12 @@ def load() -> tuple[ModuleType | None, str]:
     return module, "AVX2 + FMA" if vector else "scalar C++"
 
 
-def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``[rows, in]`` float32 times the packed weights -> ``[rows, out]`` in the packed
-    (interleaved) column order; ``scales`` / ``zs`` as ``AWQLinear.derive`` gives them."""
+def gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, logical: torch.Tensor,
+         group_size: int) -> torch.Tensor:
+    """``[rows, in]`` float32 times the weights of a checkpoint's ``qweight`` / ``qzeros`` /
+    ``scales`` -> ``[rows, out]`` in column order; ``logical[p]`` is the column of packed
+    column ``p`` (``AWQLinear.packed_order``)."""
     module, why = load()
     if module is None:
         raise RuntimeError(f"the native AWQ kernel is not available: {why}")
-    return module.awq_gemv(x, qweight, scales, zs, group_size)
+    return module.awq_gemv(x, qweight, qzeros, scales, logical, group_size)

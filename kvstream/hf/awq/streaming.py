@@ -102,8 +102,10 @@ class LayerStreamer:
             {name: tuple(torch.empty_like(t) for t in (p.qweight, p.qzeros, p.scales)) for name, p in first}
             for _ in range(slots)
         ]
-        # Per slot, per projection: its zeros x scales and scales in kernel order, computed
-        # by the stager into these buffers (allocating them per forward fragmented the heap).
+        # Per slot, per projection: buffers for its zeros x scales and scales in the dequant
+        # kernel's order, computed there when that kernel runs (allocating them per forward
+        # fragmented the heap). The stager does not compute them: its torch calls hold the
+        # GIL, and the engine thread waiting for it made a streamed forward 2x a resident one.
         modules = dict(plan[self.order[0]]) if self.order else {}
         self.derived = [
             {name: derive_buffers(p.qzeros.shape[0], p.out_features, modules[name].dtype) for name, p in first}
@@ -134,7 +136,6 @@ class LayerStreamer:
         # on this thread (which cost ~200 MB of per-thread heap arenas, measured), and ctypes
         # releases the GIL around it, so it overlaps the layer computing on the engine thread.
         staged = 0
-        modules = dict(self.plan[layer])
         for name, packed in self.sources[layer]:
             for target, source in zip(self.slots[slot][name], (packed.qweight, packed.qzeros, packed.scales)):
                 nbytes = source.numel() * source.element_size()
@@ -142,9 +143,6 @@ class LayerStreamer:
                 staged += nbytes
                 if self.file_ranges is not None:
                     unmap_pages(source)
-            staged_module = modules[name]
-            qweight, qzeros, scales = self.slots[slot][name]
-            StagedView(staged_module, qzeros, scales).derive(self.derived[slot][name])
         if self.file_ranges is not None:
             for path, start, end in self.file_ranges[layer]:
                 fd = self._fds.get(path)
@@ -177,7 +175,7 @@ class LayerStreamer:
             future.result()
             self.stall_s += time.perf_counter() - started
         for name, module in self.plan[layer]:
-            module.load(*self.slots[slot][name], derived=self.derived[slot][name][:2])
+            module.load(*self.slots[slot][name], derive_into=self.derived[slot][name])
         self._bound[layer] = slot
         # Prefetch into the slots no running layer uses: up to (slots - 1) layers ahead.
         position = self.position[layer]
@@ -203,17 +201,6 @@ class LayerStreamer:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-
-class StagedView:
-    """What ``AWQLinear.derive`` reads, for a slot's tensors: the stager computes a layer's
-    derived buffers without pointing the live module at a slot it may not run from yet."""
-
-    def __init__(self, module: AWQLinear, qzeros: torch.Tensor, scales: torch.Tensor) -> None:
-        self.qzeros, self.scales = qzeros, scales
-        self.out_features, self.dtype, self.packed_order = module.out_features, module.dtype, module.packed_order
-
-    derive = AWQLinear.derive
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
