@@ -4,9 +4,9 @@ Embeddings, norms, the LM head and the first/last ``keep_first_k`` / ``keep_last
 decoder layers stay resident. The other layers' packed tensors (``qweight``, ``qzeros``,
 ``scales``) stay memory-mapped from the checkpoint and are copied into one of
 ``staging_slots`` preallocated slots just before their layer runs; the copy for the next
-streamed layers runs on a background thread while the current one computes (torch's copy
-releases the GIL), so a forward waits on disk or page cache only where compute is shorter
-than the copy. The layer's ``AWQLinear`` modules are pointed at the slot, then the slot is
+streamed layers runs on a background thread while the current one computes (a memmove that
+releases the GIL; the stager runs no torch code, whose calls would hold it), so a forward
+waits on disk or page cache only where compute is shorter than the copy. The layer's ``AWQLinear`` modules are pointed at the slot, then the slot is
 reused ``staging_slots`` layers later.
 
 Modes (``StreamingConfig.mode``):
