@@ -141,6 +141,18 @@ def test_without_a_compiler_the_probe_keeps_the_torch_kernels_and_says_why(monke
         awq_linear.probe_kernel.cache_clear()
 
 
+def test_ninja_from_the_pip_package_is_found_without_an_activated_venv(monkeypatch, tmp_path):
+    import shutil
+
+    ninja = pytest.importorskip("ninja")  # the hf and test extras install it
+    from kvstream.hf.awq import native
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH, as when .venv/bin/kvstream runs unactivated
+    assert shutil.which("ninja") is None
+    assert native.put_ninja_on_path()
+    assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
+
+
 def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_build_waited_for(tmp_path, monkeypatch, caplog):
     """torch's builder waits, without a timeout, while its ``lock`` file exists: one left by a
     build killed midway would hang every later start. KVStream builds under an flock (which

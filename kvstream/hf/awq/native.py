@@ -18,6 +18,7 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,6 +72,20 @@ def exclusive(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def put_ninja_on_path() -> bool:
+    """Whether ``ninja`` (which torch's builder runs by name) is on PATH, after adding the
+    pip package's binary folder when it was not: a venv's ``kvstream`` started by its full
+    path, without activating the venv, has the package installed but not on PATH."""
+    if shutil.which("ninja"):
+        return True
+    try:
+        import ninja
+    except ImportError:
+        return False
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return shutil.which("ninja") is not None
+
+
 @functools.cache
 def load() -> tuple[ModuleType | None, str]:
     """The compiled kernel and how it was built, or None and why not. Built once per machine
@@ -83,6 +98,7 @@ def load() -> tuple[ModuleType | None, str]:
     try:
         from torch.utils.cpp_extension import load as build
 
+        put_ninja_on_path()
         directory = build_directory(name)
         directory.mkdir(parents=True, exist_ok=True)
         if not any(directory.glob("*.so")):
