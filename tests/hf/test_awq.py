@@ -376,6 +376,14 @@ def drop_a_tensor(folder):
     save_file(state, folder / "model.safetensors")
 
 
+def bf16_scales(folder):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    state["model.layers.3.mlp.up_proj.scales"] = state["model.layers.3.mlp.up_proj.scales"].bfloat16()
+    save_file(state, folder / "model.safetensors")
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -384,8 +392,9 @@ def drop_a_tensor(folder):
         (set_quant(version="gemv"), "version gemv (only gemm)"),
         (missing_shard, "shard model-00002-of-00002.safetensors"),
         (drop_a_tensor, "model.layers.3.self_attn.k_proj.scales"),
+        (bf16_scales, "model.layers.3.mlp.up_proj.scales is torch.bfloat16, expected torch.float16"),
     ],
-    ids=["group-size", "bits", "version", "missing-shard", "missing-tensor"],
+    ids=["group-size", "bits", "version", "missing-shard", "missing-tensor", "scales-dtype"],
 )
 def test_a_bad_checkpoint_is_one_clear_error_naming_what(rtn_folder, tmp_path, edit, message):
     folder = broken_copy(rtn_folder, tmp_path, edit)

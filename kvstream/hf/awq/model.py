@@ -110,6 +110,9 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
                 qweight=take(f"{name}.qweight"), qzeros=take(f"{name}.qzeros"), scales=take(f"{name}.scales"),
                 group_size=group_size, bias=index.load(f"{name}.bias") if f"{name}.bias" in index else None,
             )
+            for part, dtype_wanted in (("qweight", torch.int32), ("qzeros", torch.int32), ("scales", torch.float16)):
+                if getattr(packed, part).dtype != dtype_wanted:  # the kernels read these types only
+                    raise CheckpointError(f"{folder}: {name}.{part} is {getattr(packed, part).dtype}, expected {dtype_wanted}")
             expected = (module.in_features, module.out_features // 8)
             if tuple(packed.qweight.shape) != expected:
                 raise CheckpointError(f"{folder}: {name}.qweight has shape {tuple(packed.qweight.shape)}, expected {expected}")

@@ -6,8 +6,9 @@ decoder layers stay resident. The other layers' packed tensors (``qweight``, ``q
 ``staging_slots`` preallocated slots just before their layer runs; the copy for the next
 streamed layers runs on a background thread while the current one computes (a memmove that
 releases the GIL; the stager runs no torch code, whose calls would hold it), so a forward
-waits on disk or page cache only where compute is shorter than the copy. The layer's ``AWQLinear`` modules are pointed at the slot, then the slot is
-reused ``staging_slots`` layers later.
+waits on disk or page cache only where compute is shorter than the copy. The layer's
+``AWQLinear`` modules are pointed at the slot, then the slot is reused ``staging_slots``
+layers later.
 
 Modes (``StreamingConfig.mode``):
 
