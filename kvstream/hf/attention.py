@@ -11,10 +11,11 @@ compute Q, K, V and rotary embeddings; for each layer transformers then calls
    a chunk's queries sit at the *end* of its keys, which SDPA's ``is_causal`` gets wrong
    when they differ in length) and once for all decodes together (padded, masked).
 
-Under the ``flex`` tier the decodes skip step 2 once they hold enough context together
-(flex.IN_PLACE_MIN_CONTEXT): flex.py's kernel reads their K/V in place through a BlockMask
-made from their block tables (the copy in step 2 is what grows with context). Prefill
-chunks still gather (flex.py says why).
+Under the ``native`` tier the decodes skip step 2: a C++ kernel (native_attention.py) reads
+their K/V in place through their block tables. Under ``flex`` they skip it once they hold
+enough context together (flex.IN_PLACE_MIN_CONTEXT): flex.py's compiled kernel reads the
+pool through a BlockMask made from the tables. The copy in step 2 is what grows with
+context. Prefill chunks gather under every tier (flex.py and native_attention.py say why).
 
 The index tensors are built once per step in ``AttentionPlan`` and reused by every layer, so
 the Python work per layer is a fixed handful of tensor ops plus one SDPA per prefill chunk.
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvstream.hf import flex
+from kvstream.hf import flex, native_attention
 from kvstream.hf.kv_cache import PagedKVCache
 
 
@@ -50,14 +51,17 @@ class AttentionPlan:
 
     cache: PagedKVCache
     write_slots: torch.Tensor  # [T] slot of every token in the packed row
-    # "flex" (decodes read the pool in place, flex.py; prefill chunks as sdpa) | "sdpa" (torch's
-    # fused kernels over gathered K/V) | "eager" (plain matmul-softmax, the reference)
+    # "native" (decodes read the pool in place, native_attention.py; prefill chunks as sdpa) |
+    # "flex" (the same through compiled flex_attention, flex.py) | "sdpa" (torch's fused
+    # kernels over gathered K/V) | "eager" (plain matmul-softmax, the reference)
     kernel: str = "sdpa"
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_rows: torch.Tensor | None = None  # [B] positions in the packed row
     decode_slots: torch.Tensor | None = None  # [B, L] context slots, padded
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool, None when no padding
     decode_block_mask: flex.BlockMask | None = None  # flex: the decodes' blocks, read in place
+    decode_tables: torch.Tensor | None = None  # native: [B, W] int32 block ids, padded
+    decode_lengths: torch.Tensor | None = None  # native: [B] int32 context lengths
 
     @classmethod
     def build(
@@ -96,7 +100,13 @@ class AttentionPlan:
             row += new
         plan = cls(cache, torch.cat(writes), kernel, prefills)
         lengths = [len(s) for s in decode_ctx]
-        if decode_rows and kernel == "flex" and sum(lengths) >= in_place_from:
+        if decode_rows and kernel == "native":
+            plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+            plan.decode_tables = torch.zeros(len(decode_tables), max(map(len, decode_tables)), dtype=torch.int32)
+            for i, table in enumerate(decode_tables):
+                plan.decode_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            plan.decode_lengths = torch.tensor(lengths, dtype=torch.int32)
+        elif decode_rows and kernel == "flex" and sum(lengths) >= in_place_from:
             if query_heads <= 0:
                 raise ValueError("the flex kernel needs the model's query_heads")
             plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
@@ -196,7 +206,11 @@ def paged_attention(
         # 4D on purpose: with 3D inputs the CPU kernel falls back to the math path (6x slower).
         o = _attend(plan, q[None, :, chunk.start : chunk.end], k[None], v[None], chunk.mask, chunk.mask is None, scaling, gqa)
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
-    if plan.decode_block_mask is not None:
+    if plan.decode_tables is not None:
+        qd = q[:, plan.decode_rows].transpose(0, 1)  # [B, H_q, D]
+        o = native_attention.paged_decode(qd, k_pool, v_pool, plan.decode_tables, plan.decode_lengths, plan.cache.block_size, scaling)
+        out[plan.decode_rows] = o.to(out.dtype)
+    elif plan.decode_block_mask is not None:
         # Contiguous: the compiled kernel guards on strides (flex.py compiles it on one layout).
         qd = q[:, plan.decode_rows].transpose(0, 1).unsqueeze(2).contiguous()  # [B, H_q, 1, D]
         o = flex.flex_paged(qd, k_pool, v_pool, plan.decode_block_mask, scaling)

@@ -3,6 +3,9 @@
 Tiers, fastest first:
 
 - ``flash``: FlashAttention kernels reading the paged pool on CUDA: not built yet;
+- ``native``: decodes through a C++ kernel that reads the pool in place through the block
+  tables (native_attention.py), compiled on first use; prefill chunks as ``sdpa``. CPU and
+  float32 only (needs a C++ compiler and ninja);
 - ``flex``: decodes through torch's ``flex_attention``, compiled, reading the pool in place
   through the block tables (flex.py); prefill chunks as ``sdpa``. Runs where torch.compile
   works (on CPU: a C++ compiler);
@@ -31,7 +34,7 @@ from kvstream.hf.kv_cache import KVShape, PagedKVCache
 
 logger = logging.getLogger(__name__)
 
-TIERS = ("flash", "flex", "sdpa", "eager")
+TIERS = ("flash", "native", "flex", "sdpa", "eager")
 NOT_BUILT = {"flash": "not built yet (FlashAttention over the paged pool, CUDA)"}
 # Largest absolute difference from eager a tier may show on the probe, per dtype.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
@@ -42,6 +45,15 @@ def probe_rows(block_size: int) -> tuple[tuple[int, int], ...]:
     a cached head, a whole prompt, and decodes whose contexts end mid-block, exactly at a
     block's end, and inside the first block."""
     return ((block_size + 3, 5), (0, 6), (2 * block_size + 1, 1), (block_size - 1, 1), (2, 1))
+
+
+def unsupported(name: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why tier ``name`` cannot take this dtype or device, before building or probing it."""
+    if name == "native" and device.type != "cpu":
+        return "CPU only (a C++ kernel)"
+    if name == "native" and dtype != torch.float32:
+        return f"float32 only, the model runs {str(dtype).removeprefix('torch.')}"
+    return None
 
 
 class AttentionTierError(ValueError):
@@ -103,6 +115,8 @@ def choose_tier(
     for name in candidates:
         if name in NOT_BUILT:
             why_not[name] = NOT_BUILT[name]
+        elif unsupported(name, dtype, device):
+            why_not[name] = unsupported(name, dtype, device)
         elif name == "eager":
             return TierChoice("eager", why_not)
         else:

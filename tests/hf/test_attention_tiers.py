@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstream.hf import attention, flex
+from kvstream.hf import attention, flex, native_attention
 from kvstream.hf.attention_tiers import AttentionTierError, choose_tier
 from kvstream.hf.kv_cache import KVShape
 from kvstream.hf.loader import LoadedModel
@@ -15,25 +15,38 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(9, 3, 64, 16), (8, 8, 128, 4), (4, 1, 64, 8)])
-def test_auto_takes_flex_where_it_compiles_and_agrees_with_eager(heads, kv_heads, head_dim, block_size):
+def test_auto_takes_native_where_it_builds_and_flex_agrees_too(heads, kv_heads, head_dim, block_size):
     """The probe is a packed step (a chunk after cached tokens, a whole prompt, decodes ending
     mid-block, at a block's end and in the first block) over tables in reverse block order,
     so agreement here means the in-place reads follow the block tables."""
     choice = choose_tier("auto", heads, KVShape(2, kv_heads, head_dim), torch.float32, CPU, block_size)
-    assert choice.name == "flex", choice.why_not
+    assert choice.name == "native", choice.why_not
     assert set(choice.why_not) == {"flash"} and "not built" in choice.why_not["flash"]
+    assert choose_tier("flex", heads, KVShape(2, kv_heads, head_dim), torch.float32, CPU, block_size).name == "flex"
 
 
-def test_a_flex_kernel_that_cannot_compile_falls_back_to_sdpa_with_the_reason(monkeypatch):
+def test_without_a_compiler_auto_falls_back_to_sdpa_with_the_reasons(monkeypatch):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("CppCompileError: C++ compile error\nno g++ here")
 
     monkeypatch.setattr(flex, "_compiled", lambda geometry: no_compiler)
+    monkeypatch.setattr(native_attention, "load", lambda: (None, "RuntimeError: Ninja is required to load C++ extensions"))
     choice = choose_tier("auto", 9, KVShape(1, 3, 64), torch.float32, CPU)
     assert choice.name == "sdpa"
+    assert choice.why_not["native"] == ("failed on the probe: NativeKernelUnavailable: the native attention kernel is not "
+                                        "available: RuntimeError: Ninja is required to load C++ extensions")
     assert choice.why_not["flex"] == "failed on the probe: FlexKernelError: RuntimeError: CppCompileError: C++ compile error"
     with pytest.raises(AttentionTierError, match="attention backend flex: failed on the probe"):
         choose_tier("flex", 9, KVShape(1, 3, 64), torch.float32, CPU)
+    with pytest.raises(AttentionTierError, match="attention backend native: failed on the probe"):
+        choose_tier("native", 9, KVShape(1, 3, 64), torch.float32, CPU)
+
+
+def test_native_is_skipped_for_dtypes_and_devices_it_does_not_take():
+    choice = choose_tier("auto", 9, KVShape(1, 3, 64), torch.bfloat16, CPU)
+    assert choice.name == "flex" and choice.why_not["native"] == "float32 only, the model runs bfloat16"
+    with pytest.raises(AttentionTierError, match="native: CPU only"):
+        choose_tier("native", 9, KVShape(1, 3, 64), torch.float32, torch.device("meta"))
 
 
 def test_a_kernel_that_disagrees_with_eager_is_not_taken(monkeypatch):
@@ -62,7 +75,7 @@ async def test_status_names_the_running_tier(smollm2):
     from kvstream.hf.backend import HFBackend
     from tests.conftest import make_settings
 
-    for requested, expected in (("auto", "flex"), ("sdpa", "sdpa"), ("eager", "eager")):
+    for requested, expected in (("auto", "native"), ("flex", "flex"), ("sdpa", "sdpa"), ("eager", "eager")):
         settings = make_settings(memory={"num_gpu_blocks": 64}, attention={"backend": requested})
         backend = HFBackend(None, None, settings, preloaded=LoadedModel(smollm2[0], smollm2[2], "smollm2", "hf:test"))
         await backend.start()
@@ -70,9 +83,10 @@ async def test_status_names_the_running_tier(smollm2):
             info = backend.describe()
             assert info["attention_backend"] == expected == backend.runner.config.attention
             why = info["attention_backend_why"]
-            faster = {"flex": {"flash"}, "sdpa": {"flash", "flex"}, "eager": {"flash", "flex", "sdpa"}}
+            faster = {"native": {"flash"}, "flex": {"flash", "native"}, "sdpa": {"flash", "native", "flex"},
+                      "eager": {"flash", "native", "flex", "sdpa"}}
             assert set(why) == faster[expected]
-            assert expected == "flex" or why["flex"] == f"attention.backend asks for {expected}"
+            assert expected == "native" or why["native"] == f"attention.backend asks for {expected}"
         finally:
             await backend.close()
 
@@ -103,7 +117,7 @@ async def test_a_flex_failure_at_run_time_moves_the_engine_to_sdpa_without_losin
     model, reference, tokenizer = smollm2
     prompt = tokenizer("The capital of France is")["input_ids"]
     params = SamplingParams(max_tokens=8, temperature=0)
-    engine = ModelRunner(model, tokenizer, RunnerConfig(block_size=16, num_blocks=64, num_cpu_blocks=0))
+    engine = ModelRunner(model, tokenizer, RunnerConfig(block_size=16, num_blocks=64, num_cpu_blocks=0, attention="flex"))
     assert engine.attention.name == "flex"
     expected = ModelRunner(model, tokenizer, RunnerConfig(block_size=16, num_blocks=64, num_cpu_blocks=0, attention="eager"))
     expected = expected.generate_sync([prompt], params)

@@ -130,12 +130,12 @@ def test_without_a_compiler_the_probe_keeps_the_torch_kernels_and_says_why(monke
     native.load.cache_clear()
     awq_linear.probe_kernel.cache_clear()
     try:
-        with caplog.at_level("WARNING", logger="kvstream.hf.awq.native"):
+        with caplog.at_level("WARNING", logger="kvstream.hf.native_build"):
             assert native.load() == (None, "RuntimeError: Ninja is required to load C++ extensions")
             choice = awq_linear.probe_kernel(128, 64, 64, torch.float32)
         assert choice.name in ("dequant", "int4mm")
         assert [r.getMessage() for r in caplog.records] == [
-            "awq native kernel not built (RuntimeError: Ninja is required to load C++ extensions); using the pure-torch kernels"]
+            "awq_gemv.cpp not built (RuntimeError: Ninja is required to load C++ extensions); using the pure-torch path"]
     finally:
         native.load.cache_clear()
         awq_linear.probe_kernel.cache_clear()
@@ -145,11 +145,11 @@ def test_ninja_from_the_pip_package_is_found_without_an_activated_venv(monkeypat
     import shutil
 
     ninja = pytest.importorskip("ninja")  # the hf and test extras install it
-    from kvstream.hf.awq import native
+    from kvstream.hf import native_build
 
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH, as when .venv/bin/kvstream runs unactivated
     assert shutil.which("ninja") is None
-    assert native.put_ninja_on_path()
+    assert native_build.put_ninja_on_path()
     assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
 
 
@@ -162,10 +162,11 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_build_waited_
 
     import torch.utils.cpp_extension as cpp_extension
 
+    from kvstream.hf import native_build
     from kvstream.hf.awq import native
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    folder = native.build_directory(f"kvstream_awq_gemv_{torch.backends.cpu.get_cpu_capability().lower()}")
+    folder = native_build.build_directory(f"kvstream_awq_gemv_{torch.backends.cpu.get_cpu_capability().lower()}")
     assert folder.is_relative_to(tmp_path)
     folder.mkdir(parents=True)
     (folder / "lock").touch()  # what a killed build leaves
@@ -181,7 +182,7 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_build_waited_
     native.load.cache_clear()
     result = []
     try:
-        with caplog.at_level("WARNING", logger="kvstream.hf.awq.native"):
+        with caplog.at_level("WARNING", logger="kvstream.hf.native_build"):
             waiting = threading.Thread(target=lambda: result.append(native.load()))
             waiting.start()
             waiting.join(0.5)

@@ -17,9 +17,10 @@ from kvstream.hf.sampling import SamplingParams  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def in_place_at_every_context(monkeypatch):
-    """auto runs flex here: make it read the pool in place at every step, not only past
-    IN_PLACE_MIN_CONTEXT tokens of decode context (which these prompts never reach), so
-    that every test below checks the in-place reads; the sdpa tier test checks the gather."""
+    """auto runs native here (it reads the pool in place at every step); flex, asked for by
+    name below, is made to read in place at every step too, not only past
+    IN_PLACE_MIN_CONTEXT tokens of decode context (which these prompts never reach); the
+    sdpa tier test checks the gather."""
     from kvstream.hf import flex
 
     monkeypatch.setattr(flex, "IN_PLACE_MIN_CONTEXT", 0)
@@ -115,9 +116,9 @@ def test_on_cuda_the_engine_matches_generate(prompts, golden):
     assert engine.is_idle()
 
 
-@pytest.mark.parametrize("tier", ["flex", "sdpa", "eager"])
+@pytest.mark.parametrize("tier", ["native", "flex", "sdpa", "eager"])
 def test_each_attention_tier_gives_the_same_tokens(smollm2, prompts, golden, tier):
-    """The tests above run auto (flex where torch.compile works, reading in place); each tier
+    """The tests above run auto (native where the C++ kernel builds, reading in place); each tier
     by name here, with chunked prefills mixed into decode steps."""
     engine = make_engine(smollm2, attention=tier, max_num_batched_tokens=64)
     assert engine.attention.name == tier

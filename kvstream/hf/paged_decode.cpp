@@ -1,0 +1,229 @@
+// Decode attention on CPU that reads K/V in place from one layer of the paged pool.
+//
+// Every decode query (one new token per sequence) attends to its whole context, whose slot
+// j is table[j / block_size] * block_size + j % block_size in the pool. The ``sdpa`` tier
+// copies each context out of the pool (index_select), then pads and masks it for SDPA; here
+// each (sequence, KV head) pair walks its block table once for the scores and once for the
+// values for each query head sharing that KV head (GQA), the group's rows staying in cache.
+//
+// Per (sequence, KV head): scores s = (q . k_j) * scale for j < length, p = softmax(s) in
+// float32 (max subtracted), out = sum_j p_j v_j, with AVX2 + FMA where built for it: eight
+// keys' dot products reduced together, a vector exp, the output row held in registers while
+// the values stream past. Each pair's sums run in a fixed order, so a
+// sequence's result does not depend on what it is batched with or on the thread split.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVSTREAM_AVX2 1
+#endif
+
+namespace {
+
+#ifdef KVSTREAM_AVX2
+// Sums each of 8 vectors: lane i of the result is the sum of v[i]'s lanes.
+inline __m256 sum8(const __m256* v) {
+    const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+    // ab holds keys 0-3 in its 128-bit halves' lanes as (lo half, hi half); fold the halves.
+    const __m256 lo = _mm256_permute2f128_ps(ab, cd, 0x20), hi = _mm256_permute2f128_ps(ab, cd, 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+
+// exp(x) for 8 lanes (Cephes' range reduction and polynomial, ~1 ulp; x <= 0 here).
+inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+#endif
+
+constexpr int64_t kTile = 32;  // keys (and values) per tile: 32 x 64 floats = 8 KB
+
+// scores[j] = (query . key_j) * scale for j < len; key j starts at keys + rows[j].
+void score(const float* query, const float* keys, const int64_t* rows, int64_t len, int64_t dim, float scale, float* scores) {
+    int64_t j = 0;
+#ifdef KVSTREAM_AVX2
+    if (dim % 8 == 0) {
+        for (; j + 8 <= len; j += 8) {  // eight keys at a time, one horizontal sum for all
+            const float* key[8];
+            for (int k = 0; k < 8; ++k) key[k] = keys + rows[j + k];
+            __m256 acc[8];
+            for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < dim; d += 8) {
+                const __m256 q = _mm256_loadu_ps(query + d);
+                for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(q, _mm256_loadu_ps(key[k] + d), acc[k]);
+            }
+            _mm256_storeu_ps(scores + j, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
+        }
+    }
+#endif
+    for (; j < len; ++j) {
+        const float* key = keys + rows[j];
+        float sum = 0.f;
+        for (int64_t d = 0; d < dim; ++d) sum += query[d] * key[d];
+        scores[j] = sum * scale;
+    }
+}
+
+// scores[j] = exp(scores[j] - max) for j < len; returns their sum.
+float softmax_numerators(float* scores, int64_t len) {
+    const float peak = *std::max_element(scores, scores + len);
+    float total = 0.f;
+    int64_t j = 0;
+#ifdef KVSTREAM_AVX2
+    __m256 sums = _mm256_setzero_ps();
+    for (; j + 8 <= len; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(peak)));
+        _mm256_storeu_ps(scores + j, e);
+        sums = _mm256_add_ps(sums, e);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, sums);
+    for (float lane : lanes) total += lane;
+#endif
+    for (; j < len; ++j) {
+        scores[j] = std::exp(scores[j] - peak);
+        total += scores[j];
+    }
+    return total;
+}
+
+#ifdef KVSTREAM_AVX2
+// out[0, 8 * NV) += sum_j weights[j] * value_j[0, 8 * NV), accumulated in registers.
+template <int NV>
+void weigh_chunk(const float* weights, const float* values, const int64_t* rows, int64_t len, float* out) {
+    __m256 acc[NV];
+    for (int c = 0; c < NV; ++c) acc[c] = _mm256_loadu_ps(out + 8 * c);
+    for (int64_t j = 0; j < len; ++j) {
+        const float* value = values + rows[j];
+        const __m256 w = _mm256_set1_ps(weights[j]);
+        for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+#endif
+
+// out[d] += sum_j weights[j] * value_j[d] for d < dim; value j starts at values + rows[j].
+void weigh(const float* weights, const float* values, const int64_t* rows, int64_t len, int64_t dim, float* out) {
+#ifdef KVSTREAM_AVX2
+    if (dim % 8 == 0) {
+        for (int64_t d = 0; d < dim; d += 64) {  // 64 floats (8 registers) per pass over the values
+            const float* v = values + d;
+            switch (std::min<int64_t>(8, (dim - d) / 8)) {
+                case 8: weigh_chunk<8>(weights, v, rows, len, out + d); break;
+                case 7: weigh_chunk<7>(weights, v, rows, len, out + d); break;
+                case 6: weigh_chunk<6>(weights, v, rows, len, out + d); break;
+                case 5: weigh_chunk<5>(weights, v, rows, len, out + d); break;
+                case 4: weigh_chunk<4>(weights, v, rows, len, out + d); break;
+                case 3: weigh_chunk<3>(weights, v, rows, len, out + d); break;
+                case 2: weigh_chunk<2>(weights, v, rows, len, out + d); break;
+                default: weigh_chunk<1>(weights, v, rows, len, out + d); break;
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < len; ++j) {
+        const float* value = values + rows[j];
+        for (int64_t d = 0; d < dim; ++d) out[d] += weights[j] * value[d];
+    }
+}
+
+}  // namespace
+
+// q [B, H_q, D] float32; k_pool / v_pool [slots, H_kv, D] float32 (D contiguous; the pool's
+// layer view); tables [B, W] int32 block ids; lengths [B] int32 context lengths (the new
+// token included, already written to the pool). Returns [B, H_q, D].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor tables,
+                           torch::Tensor lengths, int64_t block_size, double scale) {
+    TORCH_CHECK(q.dtype() == torch::kFloat32 && k_pool.dtype() == torch::kFloat32 && v_pool.dtype() == torch::kFloat32,
+                "paged_decode reads float32 only");
+    TORCH_CHECK(tables.dtype() == torch::kInt32 && lengths.dtype() == torch::kInt32, "tables and lengths must be int32");
+    TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3 && tables.dim() == 2 && lengths.dim() == 1,
+                "expected q [B, H_q, D], pools [slots, H_kv, D], tables [B, W], lengths [B]");
+    TORCH_CHECK(!q.is_cuda() && !k_pool.is_cuda() && !v_pool.is_cuda(), "paged_decode runs on CPU tensors");
+    TORCH_CHECK(k_pool.sizes() == v_pool.sizes() && k_pool.stride(2) == 1 && v_pool.stride(2) == 1
+                && k_pool.strides() == v_pool.strides(), "K and V pools must have one layout with D contiguous");
+    q = q.contiguous();
+    tables = tables.contiguous();
+    lengths = lengths.contiguous();
+    const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+    const int64_t slots = k_pool.size(0), kv_heads = k_pool.size(1), width = tables.size(1);
+    TORCH_CHECK(k_pool.size(2) == dim && kv_heads > 0 && heads % kv_heads == 0, "head counts or head dim mismatch");
+    TORCH_CHECK(tables.size(0) == batch && lengths.size(0) == batch && block_size > 0, "batch or block size mismatch");
+    const int32_t* table = tables.data_ptr<int32_t>();
+    const int32_t* length = lengths.data_ptr<int32_t>();
+    // Checked before any read: a wrong plan is an error here, never a read out of the pool.
+    for (int64_t b = 0; b < batch; ++b) {
+        TORCH_CHECK(length[b] >= 1 && length[b] <= width * block_size, "context length out of range for its table");
+        for (int64_t i = 0; i < (length[b] + block_size - 1) / block_size; ++i) {
+            const int64_t block = table[b * width + i];
+            TORCH_CHECK(block >= 0 && (block + 1) * block_size <= slots, "block id outside the pool");
+        }
+    }
+    const int64_t group = heads / kv_heads;
+    const int64_t slot_stride = k_pool.stride(0), head_stride = k_pool.stride(1);
+    const float* qs = q.data_ptr<float>();
+    const float* ks = k_pool.data_ptr<float>();
+    const float* vs = v_pool.data_ptr<float>();
+    auto out = torch::empty({batch, heads, dim}, q.options());
+    float* os = out.data_ptr<float>();
+    const float softmax_scale = static_cast<float>(scale);
+
+    // One unit per (sequence, KV head); grain 1, so two threads share even a batch of one
+    // sequence. A unit lists where each of its context's rows lies once (walking the block
+    // table), then each query head of the group scores the keys and weighs the values.
+    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t first, int64_t last) {
+        std::vector<float> scores, total(group);
+        std::vector<int64_t> rows;
+        for (int64_t unit = first; unit < last; ++unit) {
+            const int64_t b = unit / kv_heads, h = unit % kv_heads, len = length[b];
+            const int32_t* blocks = table + b * width;
+            rows.resize(len);
+            for (int64_t j = 0, i = 0; j < len; ++i) {
+                const int64_t start = static_cast<int64_t>(blocks[i]) * block_size;
+                for (int64_t offset = 0; offset < block_size && j < len; ++offset, ++j)
+                    rows[j] = (start + offset) * slot_stride + h * head_stride;
+            }
+            // Tiles of keys and values small enough to stay in L1 while every query head of
+            // the group uses them: the K and V rows come from memory once per unit.
+            scores.resize(group * len);
+            const float* query = qs + (b * heads + h * group) * dim;  // the group's heads, consecutive
+            float* out_rows = os + (b * heads + h * group) * dim;
+            for (int64_t t = 0; t < len; t += kTile) {
+                const int64_t n = std::min(kTile, len - t);
+                for (int64_t g = 0; g < group; ++g)
+                    score(query + g * dim, ks, rows.data() + t, n, dim, softmax_scale, scores.data() + g * len + t);
+            }
+            for (int64_t g = 0; g < group; ++g) total[g] = softmax_numerators(scores.data() + g * len, len);
+            std::fill(out_rows, out_rows + group * dim, 0.f);
+            for (int64_t t = 0; t < len; t += kTile) {
+                const int64_t n = std::min(kTile, len - t);
+                for (int64_t g = 0; g < group; ++g)
+                    weigh(scores.data() + g * len + t, vs, rows.data() + t, n, dim, out_rows + g * dim);
+            }
+            for (int64_t g = 0; g < group; ++g)
+                for (int64_t d = 0; d < dim; ++d) out_rows[g * dim + d] /= total[g];
+        }
+    });
+    return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("paged_decode", &paged_decode, "decode attention reading K/V in place from a paged pool (CPU, float32)");
+}

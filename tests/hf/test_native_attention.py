@@ -1,0 +1,100 @@
+"""The native tier's decode kernel (paged_decode.cpp) against the reference, read through
+block tables in any order, on the shapes models have: head dims 64/96/128, GQA and plain
+multi-head, contexts that end anywhere in a block."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import REQUIRE_REAL, require_import
+
+torch = require_import("torch")
+
+from kvstream.hf import native_attention  # noqa: E402
+from kvstream.hf.attention import eager_attention  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    module, why = native_attention.load()
+    if module is None:
+        if REQUIRE_REAL:
+            pytest.fail(f"the native attention kernel did not build: {why}")
+        pytest.skip(f"the native attention kernel did not build here: {why}")
+
+
+def make_case(heads, kv_heads, dim, block_size, lengths, seed=0):
+    """A pool holding each sequence's context in shuffled blocks, their tables and queries."""
+    generator = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(per_seq) + 3  # some blocks no table names
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = torch.zeros(len(lengths), max(per_seq), dtype=torch.int32)
+    taken = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = torch.tensor(order[taken : taken + n], dtype=torch.int32)
+        taken += n
+    k_pool = torch.randn(num_blocks * block_size, kv_heads, dim, generator=generator)
+    v_pool = torch.randn(num_blocks * block_size, kv_heads, dim, generator=generator)
+    q = torch.randn(len(lengths), heads, dim, generator=generator)
+    return q, k_pool, v_pool, tables, torch.tensor(lengths, dtype=torch.int32)
+
+
+def reference(q, k_pool, v_pool, tables, lengths, block_size, scale):
+    """Each sequence's context gathered slot by slot, then the eager kernel."""
+    outs = []
+    for b, n in enumerate(lengths.tolist()):
+        slots = [int(tables[b, j // block_size]) * block_size + j % block_size for j in range(n)]
+        k = k_pool[slots].transpose(0, 1)[None]  # [1, H_kv, L, D]
+        v = v_pool[slots].transpose(0, 1)[None]
+        outs.append(eager_attention(q[b][None, :, None], k, v, None, False, scale)[0, :, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (8, 8, 128, 4), (4, 1, 64, 8), (6, 2, 96, 16), (2, 1, 20, 5)])
+def test_the_kernel_matches_eager_through_shuffled_tables(heads, kv_heads, dim, block_size):
+    """Lengths from 1 to past several tiles (32 keys), ending mid-block and at a block's end;
+    head dim 20 takes the plain C++ path the AVX2 one skips (not a multiple of 8)."""
+    lengths = [1, 7, 8, block_size, block_size + 1, 33, 70, 3 * block_size]
+    q, k_pool, v_pool, tables, lens = make_case(heads, kv_heads, dim, block_size, lengths)
+    for scale in (None, 0.05):
+        out = native_attention.paged_decode(q, k_pool, v_pool, tables, lens, block_size, scale)
+        expected = reference(q, k_pool, v_pool, tables, lens, block_size, scale if scale is not None else dim**-0.5)
+        assert out.shape == (len(lengths), heads, dim)
+        assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5), (out - expected).abs().max()
+
+
+def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch():
+    q, k_pool, v_pool, tables, lens = make_case(9, 3, 64, 16, [50, 3, 200, 17], seed=1)
+    batched = native_attention.paged_decode(q, k_pool, v_pool, tables, lens, 16, None)
+    for b in range(4):
+        alone = native_attention.paged_decode(q[b : b + 1], k_pool, v_pool, tables[b : b + 1], lens[b : b + 1], 16, None)
+        assert torch.equal(alone[0], batched[b])
+
+
+def test_the_pool_layer_views_the_engine_passes_are_read_in_place():
+    """The engine hands one layer of the [layers, slots, H_kv, D] pool: a view at an offset."""
+    q, k_pool, v_pool, tables, lens = make_case(9, 3, 64, 16, [40, 9])
+    k_all, v_all = torch.stack([torch.zeros_like(k_pool), k_pool]), torch.stack([torch.zeros_like(v_pool), v_pool])
+    out = native_attention.paged_decode(q, k_all[1], v_all[1], tables, lens, 16, None)
+    assert torch.equal(out, native_attention.paged_decode(q, k_pool, v_pool, tables, lens, 16, None))
+
+
+def test_tables_and_lengths_that_do_not_fit_the_pool_are_errors_not_reads():
+    q, k_pool, v_pool, tables, lens = make_case(9, 3, 64, 16, [20, 30])
+    slots = k_pool.shape[0]
+    cases = {
+        "block id outside the pool": (tables.masked_fill(tables == tables[1, 1], slots // 16), lens),
+        "context length out of range": (tables, torch.tensor([20, 33], dtype=torch.int32)),
+    }
+    for message, (bad_tables, bad_lens) in cases.items():
+        with pytest.raises(RuntimeError, match=message):
+            native_attention.paged_decode(q, k_pool, v_pool, bad_tables, bad_lens, 16, None)
+    with pytest.raises(RuntimeError, match="context length out of range"):
+        native_attention.paged_decode(q, k_pool, v_pool, tables, torch.tensor([0, 30], dtype=torch.int32), 16, None)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        native_attention.paged_decode(q.double(), k_pool.double(), v_pool.double(), tables, lens, 16, None)
+    with pytest.raises(RuntimeError, match="int32"):
+        native_attention.paged_decode(q, k_pool, v_pool, tables.long(), lens, 16, None)
+    with pytest.raises(RuntimeError, match="head counts"):
+        native_attention.paged_decode(q[:, :8], k_pool, v_pool, tables, lens, 16, None)
