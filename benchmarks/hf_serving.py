@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 import time
+import urllib.request
 
 from _util import PYTHON, free_port, spawn, stop, wait_http
 from hf_throughput import chats, run_sequential, workload
@@ -70,12 +72,15 @@ def main() -> None:
     if args.compare_batch:
         servers[f"kvstream serve --max-batch-size {args.compare_batch}"] = ["--max-batch-size", str(args.compare_batch)]
     results: dict[tuple[str, int], tuple[float, int]] = {}
+    engines: dict[str, dict] = {}  # each server's /status backend section after its runs
     for name, extra in servers.items():
         proc, url = serve(extra)
         try:
             asyncio.run(run_clients(url, chats(2), 4))  # warm the server's kernels
             for c in args.concurrency:
                 results[(name, c)] = asyncio.run(run_clients(url, chats(c), args.new_tokens))
+            with urllib.request.urlopen(url + "/status", timeout=30) as resp:
+                engines[name] = json.load(resp)["backend"]
         finally:
             stop(proc)
     print(f"SmolLM2-135M fp32 on CPU, {torch.get_num_threads()} threads, up to {args.new_tokens} new tokens, greedy")
@@ -88,6 +93,12 @@ def main() -> None:
             seconds, tokens = results[(name, c)]
             rate = tokens / seconds
             print(f"{c:>3} {name:<38} {tokens:>7} {seconds:>8.2f} {rate:>8.1f} {rate / base:>13.2f}x")
+    prompt_tokens = sum(len(p) for c in args.concurrency for p in workload(tokenizer, c)) + sum(map(len, workload(tokenizer, 2)))
+    for name, info in engines.items():
+        # The server's prefix cache is on by default: prompts sharing a head with an earlier
+        # one (these chats share their filler) prefill only the rest; the baseline has none.
+        print(f"{name}: attention tier {info['attention_backend']}; prefilled {info['prefill_tokens']} of {prompt_tokens} "
+              f"prompt tokens sent (warm-up included), the rest served by the prefix cache")
 
 
 if __name__ == "__main__":

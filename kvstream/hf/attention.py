@@ -102,9 +102,8 @@ class AttentionPlan:
         lengths = [len(s) for s in decode_ctx]
         if decode_rows and kernel == "native":
             plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            plan.decode_tables = torch.zeros(len(decode_tables), max(map(len, decode_tables)), dtype=torch.int32)
-            for i, table in enumerate(decode_tables):
-                plan.decode_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            width = max(map(len, decode_tables))
+            plan.decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32)
             plan.decode_lengths = torch.tensor(lengths, dtype=torch.int32)
         elif decode_rows and kernel == "flex" and sum(lengths) >= in_place_from:
             if query_heads <= 0:
