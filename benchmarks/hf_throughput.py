@@ -18,12 +18,12 @@ the roofline each system's forward FLOPs reach (2 FLOP per non-embedding paramet
 computed token, prefill and decode; attention's own FLOPs left out, so a lower bound).
 
 Long context: 8 sequences over one ~--long-context-tokens document, each asking its own
-question, decoding --new-tokens each. They arrive together, so each prefills the document
-itself (the prefix cache only serves a prompt admitted after the blocks it matches were
-computed) and each decodes over its own ~2,000 tokens of K/V. The decode phase alone is timed
-(from the step after every prompt has its first token to the end), per tier, in
---long-context-rounds interleaved rounds: where the sdpa tier's per-layer gather of every
-context grows, and native and flex read the pool in place.
+question, decoding --new-tokens each. They arrive together; the first computes the document
+and the others wait for it and read it from the prefix cache (scheduler.py), so all eight
+decode over the same ~2,000 tokens of K/V blocks plus their own question. The decode phase
+alone is timed (from the step after every prompt has its first token to the end), per tier,
+in --long-context-rounds interleaved rounds: where the sdpa tier's per-layer gather copies
+every sequence's context, and native and flex read the shared blocks in place.
 """
 
 from __future__ import annotations

@@ -136,6 +136,12 @@ class SchedulerConfig:
     # Cached blocks nobody has used for this long are forgotten (prefix_cache.ttl_seconds);
     # None keeps them until the pool needs the space.
     cache_ttl_s: float | None = None
+    # A waiting request whose prompt shares at least this many tokens, past what is cached,
+    # with a running one that has not computed them yet waits for them to be computed and
+    # then reads them from the prefix cache instead of computing its own copy (prompts that
+    # share a document and arrive together). Requests behind it are admitted meanwhile.
+    # 0: never wait. Only where the block manager knows what is computed (in-process).
+    wait_for_shared_prefix_tokens: int = 32
 
 
 @dataclass
@@ -294,10 +300,14 @@ class Scheduler:
             out.resumed.append(seq)
         if self.swapped and (urgent is None or urgent >= min(s.priority for s in self.swapped)):
             return out  # the preempted resume first; nobody of their class jumps ahead of them
-        while self.waiting:
-            seq = self.waiting[0]
+        position = 0  # waiting[:position] wait for a prefix another request is computing
+        while position < len(self.waiting):
+            seq = self.waiting[position]
             if self.swapped and seq.priority >= min(s.priority for s in self.swapped):
                 return out
+            if self._shares_prefix_in_flight(seq):
+                position += 1
+                continue
             # No free slot or not enough blocks: preempt a running request of a lower class
             # (preemptible backends only), or wait.
             while (
@@ -314,6 +324,7 @@ class Scheduler:
             if out.preempted:
                 # Recompute victims re-entered the queue; put them in their place behind.
                 self.waiting.sort(key=lambda s: self._order_key(s, now))
+                position = 0
             seq.num_cached_tokens = self.bm.allocate(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, seq.cache_root)
             self._reserve_growth(seq)
             self._reserve_forks(seq)
@@ -322,6 +333,12 @@ class Scheduler:
             self.running.append(seq)
             out.admitted.append(seq)
         return out
+
+    def _shares_prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether ``seq`` should wait for a running request to compute a prefix it shares."""
+        least = self.config.wait_for_shared_prefix_tokens
+        tokens = seq.prompt_token_ids + seq.output_token_ids
+        return least > 0 and self.bm.prefix_in_flight(tokens, seq.cache_root) >= least
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start ``child`` as a copy of running ``parent`` (one of its n choices): it shares

@@ -295,3 +295,48 @@ def test_lpm_admits_the_longest_held_prefix_first_and_bounds_how_often_one_is_pa
     # Two matches jump ahead of `other`, which then goes first; the other matches follow.
     assert order == [matches[0].seq_id, matches[1].seq_id, other.seq_id, matches[2].seq_id, matches[3].seq_id]
     sched.check_invariants()
+
+
+def test_a_prompt_sharing_a_prefix_being_computed_waits_for_it_and_then_hits_the_cache():
+    """In-process engines (hash_on_append off, commit reports what is computed): b shares
+    a's three-block document, arrives with it, waits until a has computed it, and is then
+    admitted with the document cached; c shares nothing and is admitted around b."""
+    clock = Clock()
+    bm = BlockManager(32, 4, 0, model_identity="t", hash_on_append=False)
+    sched = Scheduler(bm, SchedulerConfig(max_batch_size=8, wait_for_shared_prefix_tokens=4), preemptible=True, clock=clock)
+    document = list(range(100, 112))  # three blocks of 4
+    a, b = Sequence(document + [1, 2], 4, arrival=1), Sequence(document + [3, 4], 4, arrival=2)
+    c = Sequence(list(range(500, 514)), 4, arrival=3)
+    for s in (a, b, c):
+        sched.add(s)
+    assert admitted_ids(sched.schedule()) == [a.seq_id, c.seq_id]
+    assert sched.waiting == [b]
+    bm.commit(a.seq_id, 8)  # a prefill chunk: two of the three shared blocks computed
+    assert admitted_ids(sched.schedule()) == []  # one block (4 tokens) still in flight
+    bm.commit(a.seq_id, 14)
+    assert admitted_ids(sched.schedule()) == [b.seq_id]
+    assert b.num_cached_tokens == 12
+    sched.check_invariants()
+
+
+def test_without_computed_counts_or_with_waiting_off_nobody_waits_for_a_prefix():
+    document = list(range(100, 112))
+    for hash_on_append, wait in ((True, 4), (False, 0)):
+        bm = BlockManager(32, 4, 0, model_identity="t", hash_on_append=hash_on_append)
+        sched = Scheduler(bm, SchedulerConfig(max_batch_size=8, wait_for_shared_prefix_tokens=wait), preemptible=True)
+        a, b = Sequence(document + [1, 2], 4, arrival=1), Sequence(document + [3, 4], 4, arrival=2)
+        sched.add(a)
+        sched.add(b)
+        assert admitted_ids(sched.schedule()) == [a.seq_id, b.seq_id]
+
+
+def test_a_waiting_prompt_is_admitted_when_the_request_computing_its_prefix_goes_away():
+    bm = BlockManager(32, 4, 0, model_identity="t", hash_on_append=False)
+    sched = Scheduler(bm, SchedulerConfig(max_batch_size=8, wait_for_shared_prefix_tokens=4), preemptible=True)
+    document = list(range(100, 112))
+    a, b = Sequence(document + [1, 2], 4, arrival=1), Sequence(document + [3, 4], 4, arrival=2)
+    sched.add(a)
+    sched.add(b)
+    assert admitted_ids(sched.schedule()) == [a.seq_id]
+    sched.finish(a)  # aborted before computing anything
+    assert admitted_ids(sched.schedule()) == [b.seq_id] and b.num_cached_tokens == 0

@@ -125,6 +125,30 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def prefix_in_flight(self, token_ids: Sequence[int], root: BlockHash | None = None) -> int:
+        """Prompt tokens past the cached prefix that a live sequence of the same chain holds
+        in full blocks but has not computed yet (in-process engines: they become cached as
+        that sequence commits them). 0 where blocks are hashed on append (remote runtimes:
+        no computed count) or prefix caching is off."""
+        if not self.enable_prefix_cache or self.hash_on_append:
+            return 0
+        size = self.block_size
+        limit = self.reuse_limit(len(token_ids)) // size * size
+        cached = len(self.cached_prefix(token_ids, root)) * size
+        best = cached
+        for table in self.tables.values():
+            # Only tables still prefilling (their own tokens not all computed) and behind the
+            # tokens in question: few at a time, so this stays cheap with hundreds running.
+            if table.root != root or table.computed >= min(limit, len(table.token_ids) - 1):
+                continue
+            shared = 0  # full blocks this table holds with the same tokens, from the start
+            while shared < limit and table.token_ids[shared : shared + size] == token_ids[shared : shared + size]:
+                shared += size
+            shared = min(shared, len(table.token_ids) // size * size)
+            if shared > max(best, table.computed):
+                best = shared
+        return best - cached
+
     def reuse_limit(self, num_tokens: int) -> int:
         """Most prompt tokens any reuse may cover: all but the last (its logits are needed),
         capped at max_prefix_length."""

@@ -123,3 +123,25 @@ def test_each_attention_tier_gives_the_same_tokens(smollm2, prompts, golden, tie
     engine = make_engine(smollm2, attention=tier, max_num_batched_tokens=64)
     assert engine.attention.name == tier
     assert engine.generate_sync(prompts[:8], GREEDY) == golden[:8]
+
+
+def test_prompts_that_share_a_document_and_arrive_together_compute_it_once(smollm2):
+    """The second and third prompt wait while the first computes the document they share,
+    then read it from the prefix cache: the same tokens as model.generate, the document's
+    blocks computed once."""
+    _, reference, tokenizer = smollm2
+    document = tokenizer("The harbour records list every ship, its cargo, its crew and the weather. " * 8)["input_ids"]
+    prompts = [document + tokenizer(f" Question {i}: which ship sailed first?")["input_ids"] for i in range(3)]
+    expected = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            expected.append(out[0, len(ids) :].tolist())
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engine = make_engine(smollm2, max_num_batched_tokens=64)  # the document takes several chunks
+    assert engine.generate_sync(prompts, params) == expected
+    shared = len(document) // 4 * 4  # full blocks of the document (block size 4)
+    assert engine.counters.cached_tokens >= 2 * shared
+    assert engine.counters.prefill_tokens <= sum(map(len, prompts)) - 2 * shared
+    alone = make_engine(smollm2, max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert alone.generate_sync(prompts, params) == expected and alone.counters.cached_tokens == 0
