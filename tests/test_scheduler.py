@@ -340,3 +340,17 @@ def test_a_waiting_prompt_is_admitted_when_the_request_computing_its_prefix_goes
     assert admitted_ids(sched.schedule()) == [a.seq_id]
     sched.finish(a)  # aborted before computing anything
     assert admitted_ids(sched.schedule()) == [b.seq_id] and b.num_cached_tokens == 0
+
+
+def test_a_prompt_of_another_tenant_never_waits_for_a_prefix_it_could_not_share():
+    """Tenants' blocks are chained from their own salt (cache_root): the same tokens under
+    another root are not a prefix this request could read, so it does not wait for them."""
+    bm = BlockManager(32, 4, 0, model_identity="t", hash_on_append=False)
+    sched = Scheduler(bm, SchedulerConfig(max_batch_size=8, wait_for_shared_prefix_tokens=4), preemptible=True)
+    document = list(range(100, 112))
+    a, b = Sequence(document + [1, 2], 4, arrival=1), Sequence(document + [3, 4], 4, arrival=2)
+    b.cache_root = b"tenant-b"
+    sched.add(a)
+    sched.add(b)
+    assert admitted_ids(sched.schedule()) == [a.seq_id, b.seq_id]
+    assert b.num_cached_tokens == 0

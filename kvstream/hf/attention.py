@@ -76,30 +76,35 @@ class AttentionPlan:
         bs = cache.block_size
         offsets = torch.arange(bs, device=device)
         writes: list[torch.Tensor] = []
+        decode_writes: list[int] = []  # decodes' slots since the last chunk, kept in row order
         prefills: list[PrefillChunk] = []
         decode_rows: list[int] = []
-        decode_ctx: list[torch.Tensor] = []
         decode_tables: list[list[int]] = []
+        lengths: list[int] = []  # each decode's context, its new token included
         row = 0
         for block_ids, computed, new in seqs:
             total = computed + new
             table = block_ids[: -(-total // bs)]
-            blocks = torch.tensor(table, dtype=torch.long, device=device)
-            slots = (blocks[:, None] * bs + offsets).reshape(-1)[:total]
-            writes.append(slots[computed:])
-            if new == 1:
+            if new == 1:  # only its own slot here: the gather tiers list its context below
+                decode_writes.append(table[computed // bs] * bs + computed % bs)
                 decode_rows.append(row)
-                decode_ctx.append(slots)
                 decode_tables.append(table)
+                lengths.append(total)
             else:
+                if decode_writes:
+                    writes.append(torch.tensor(decode_writes, dtype=torch.long, device=device))
+                    decode_writes = []
+                slots = _context_slots(table, total, offsets)
+                writes.append(slots[computed:])
                 mask = None
                 if computed:
                     q_pos = torch.arange(computed, total, device=device)[:, None]
                     mask = torch.arange(total, device=device)[None, :] <= q_pos
                 prefills.append(PrefillChunk(row, row + new, slots, mask))
             row += new
+        if decode_writes:
+            writes.append(torch.tensor(decode_writes, dtype=torch.long, device=device))
         plan = cls(cache, torch.cat(writes), kernel, prefills)
-        lengths = [len(s) for s in decode_ctx]
         if decode_rows and kernel == "native":
             plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
             width = max(map(len, decode_tables))
@@ -113,16 +118,23 @@ class AttentionPlan:
             sizes = (query_heads, kv_heads, query_heads // kv_heads, cache.shape.head_dim, bs)
             plan.decode_block_mask = flex.decode_mask(decode_tables, lengths, bs, cache.num_blocks, device, sizes, query_heads // kv_heads)
         elif decode_rows:
-            longest = max(len(s) for s in decode_ctx)
-            padded = torch.zeros(len(decode_ctx), longest, dtype=torch.long, device=device)
-            lengths = torch.tensor([len(s) for s in decode_ctx], device=device)
-            for i, s in enumerate(decode_ctx):
-                padded[i, : len(s)] = s
+            longest = max(lengths)
+            padded = torch.zeros(len(lengths), longest, dtype=torch.long, device=device)
+            for i, (table, length) in enumerate(zip(decode_tables, lengths, strict=True)):
+                padded[i, :length] = _context_slots(table, length, offsets)
             plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
             plan.decode_slots = padded
-            if bool((lengths != longest).any()):
-                plan.decode_mask = (torch.arange(longest, device=device)[None, :] < lengths[:, None])[:, None, None, :]
+            if min(lengths) != longest:
+                context = torch.tensor(lengths, device=device)
+                plan.decode_mask = (torch.arange(longest, device=device)[None, :] < context[:, None])[:, None, None, :]
         return plan
+
+
+def _context_slots(table: list[int], total: int, offsets: torch.Tensor) -> torch.Tensor:
+    """The pool slots of a sequence's first ``total`` tokens, whose blocks are ``table``
+    (``offsets``: 0 .. block_size - 1 on the pool's device)."""
+    blocks = torch.tensor(table, dtype=torch.long, device=offsets.device)
+    return (blocks[:, None] * len(offsets) + offsets).reshape(-1)[:total]
 
 
 def scattered_plan(cache: PagedKVCache, block_ids: list[int], positions: list[int], kernel: str = "sdpa") -> AttentionPlan:
@@ -132,8 +144,7 @@ def scattered_plan(cache: PagedKVCache, block_ids: list[int], positions: list[in
     device = cache.device
     bs = cache.block_size
     total = positions[-1] + 1
-    blocks = torch.tensor(block_ids[: -(-total // bs)], dtype=torch.long, device=device)
-    slots = (blocks[:, None] * bs + torch.arange(bs, device=device)).reshape(-1)[:total]
+    slots = _context_slots(block_ids[: -(-total // bs)], total, torch.arange(bs, device=device))
     pos = torch.tensor(positions, dtype=torch.long, device=device)
     mask = torch.arange(total, device=device)[None, :] <= pos[:, None]
     return AttentionPlan(cache, slots[pos], kernel, [PrefillChunk(0, len(positions), slots, mask)])
@@ -208,7 +219,7 @@ def paged_attention(
     if plan.decode_tables is not None:
         qd = q[:, plan.decode_rows].transpose(0, 1)  # [B, H_q, D]
         o = native_attention.paged_decode(qd, k_pool, v_pool, plan.decode_tables, plan.decode_lengths, plan.cache.block_size, scaling)
-        out[plan.decode_rows] = o.to(out.dtype)
+        out[plan.decode_rows] = o
     elif plan.decode_block_mask is not None:
         # Contiguous: the compiled kernel guards on strides (flex.py compiles it on one layout).
         qd = q[:, plan.decode_rows].transpose(0, 1).unsqueeze(2).contiguous()  # [B, H_q, 1, D]

@@ -74,7 +74,7 @@ class RunnerConfig:
     max_queue_size: int = default("scheduler", "max_queue_size")
     max_model_len: int | None = None
     model_identity: str = "hf"
-    attention: str = "auto"  # auto | flex | sdpa | eager: the tier, probed at start (attention_tiers.py)
+    attention: str = "auto"  # auto | native | flex | sdpa | eager: the tier, probed at start (attention_tiers.py)
     # Spill tiers for cached blocks the pool reclaims (kv_store.py): host RAM within
     # host_cache_bytes (0: none), then disk_cache_dir within disk_cache_bytes (None: none).
     # kv_cache_bits 8 or 4 stores spilled and swapped blocks KIVI-quantized (None: model

@@ -134,13 +134,16 @@ class BlockManager:
             return 0
         size = self.block_size
         limit = self.reuse_limit(len(token_ids)) // size * size
+        # Only tables still prefilling (their own tokens not all computed) and behind the
+        # tokens in question: few at a time, so this stays cheap with hundreds running.
+        prefilling = [
+            t for t in self.tables.values() if t.root == root and t.computed < min(limit, len(t.token_ids) - 1)
+        ]
+        if not prefilling:
+            return 0
         cached = len(self.cached_prefix(token_ids, root)) * size
         best = cached
-        for table in self.tables.values():
-            # Only tables still prefilling (their own tokens not all computed) and behind the
-            # tokens in question: few at a time, so this stays cheap with hundreds running.
-            if table.root != root or table.computed >= min(limit, len(table.token_ids) - 1):
-                continue
+        for table in prefilling:
             shared = 0  # full blocks this table holds with the same tokens, from the start
             while shared < limit and table.token_ids[shared : shared + size] == token_ids[shared : shared + size]:
                 shared += size
