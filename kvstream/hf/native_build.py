@@ -1,10 +1,13 @@
 """Building the engine's C++ kernels on first use, with torch's extension builder.
 
-Two kernels are compiled this way: the AWQ int4 matmul (``awq/awq_gemv.cpp``) and the paged
-decode attention (``paged_decode.cpp``). Each is built once per machine and cached in
+Three kernels are compiled this way: the AWQ int4 matmul (``awq/awq_gemv.cpp``), the paged
+decode attention (``paged_decode.cpp``) and the float32 linear layers for decode-sized batches
+(``native_linear.cpp``). Each is built once per machine and cached in
 ``build_directory``, named per instruction set (AVX2 + FMA where torch reports AVX2 or
 AVX-512, plain C++ otherwise) so that a cache shared by two kinds of CPU never hands one the
-other's build. Compiling needs a C++ compiler and ninja (the ``hf`` extra installs ninja);
+other's build, with OpenMP (``at::parallel_for`` is inline OpenMP: without ``-fopenmp`` it runs
+on one thread, as the first two did before the flag was added; not on macOS, whose Apple clang
+has no OpenMP). Compiling needs a C++ compiler and ninja (the ``hf`` extra installs ninja);
 where either is missing ``load_extension`` returns why, and the caller keeps its pure-torch
 path.
 """
@@ -87,7 +90,10 @@ def load_extension(stem: str, source: Path) -> tuple[ModuleType | None, str]:
     warning when it cannot."""
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
     vector = capability in ("AVX2", "AVX512")
-    flags = ["-O3", *(["-mavx2", "-mfma"] if vector else [])]
+    # -fopenmp: at::parallel_for is inline OpenMP; compiled without it, a kernel runs on one
+    # thread. The extension then shares the libgomp torch already loaded (same soname).
+    openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
+    flags = ["-O3", *openmp, *(["-mavx2", "-mfma"] if vector else [])]
     name = build_name(stem)
     try:
         from torch.utils.cpp_extension import load as build
@@ -98,7 +104,8 @@ def load_extension(stem: str, source: Path) -> tuple[ModuleType | None, str]:
         if not any(directory.glob("*.so")):
             logger.info("building %s in %s (once per machine, ~40 s here)", source.name, directory)
         with exclusive(directory):
-            module = build(name, [str(source)], extra_cflags=flags, build_directory=str(directory), verbose=False)
+            module = build(
+                name, [str(source)], extra_cflags=flags, extra_ldflags=openmp, build_directory=str(directory), verbose=False)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja surfaces as many types
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         logger.warning("%s not built (%s); using the pure-torch path", source.name, why)
