@@ -97,7 +97,7 @@ def main() -> None:
     for name, info in engines.items():
         # The server's prefix cache is on by default: prompts sharing a head with an earlier
         # one (these chats share their filler) prefill only the rest; the baseline has none.
-        print(f"{name}: attention tier {info['attention_backend']}; prefilled {info['prefill_tokens']} of {prompt_tokens} "
+        print(f"{name}: attention tier {info['attention_backend']}, matmul {info['matmul_backend']}; prefilled {info['prefill_tokens']} of {prompt_tokens} "
               f"prompt tokens sent (warm-up included), the rest served by the prefix cache")
 
 

@@ -1,9 +1,10 @@
 """In-process throughput: KVStream's paged engine (per attention tier) vs sequential
 ``model.generate``, transformers' own continuous batching (``generate_batch``) and
-llama-server, same model, same run.
+llama-server, same model, same run; and the engine with torch's sgemm in the linear layers
+instead of its native kernel (native_linear.py), the first tier only.
 
     python benchmarks/hf_throughput.py [--concurrency 1 4 16] [--new-tokens 64] [--threads N]
-        [--attention-backend flex sdpa] [--long-context-tokens 2000] [--skip-llama-server]
+        [--attention-backend flex sdpa] [--long-context-tokens 2000] [--skip-llama-server] [--skip-torch-matmul]
 
 At concurrency c, c chat requests of mixed prompt lengths (40 to 400 tokens) arrive at once
 and each is decoded greedily for up to --new-tokens tokens. KVStream runs them with
@@ -82,11 +83,11 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_kvstream(model, tokenizer, prompts, new_tokens, attention: str = "auto") -> tuple[float, int]:
+def run_kvstream(model, tokenizer, prompts, new_tokens, attention: str = "auto", matmul: str = "auto") -> tuple[float, int]:
     engine = ModelRunner(
         model, tokenizer,
         RunnerConfig(block_size=16, num_blocks=2048, num_cpu_blocks=0, max_num_seqs=len(prompts), enable_prefix_caching=False,
-                     attention=attention),
+                     attention=attention, matmul=matmul),
     )
     assert attention == "auto" or engine.attention.name == attention, engine.attention
     start = time.perf_counter()  # after the engine is built: flex compiles at start
@@ -198,6 +199,7 @@ def main() -> None:
     parser.add_argument("--attention-backend", nargs="+", default=["native", "flex", "sdpa"], help="engine rows, one per tier")
     parser.add_argument("--long-context-tokens", type=int, default=2000, help="0: skip the long-context case")
     parser.add_argument("--long-context-rounds", type=int, default=2)
+    parser.add_argument("--skip-torch-matmul", action="store_true", help="no row of the first tier with F.linear for the linear layers")
     parser.add_argument("--skip-generate-batch", action="store_true")
     parser.add_argument("--skip-llama-server", action="store_true")
     args = parser.parse_args()
@@ -216,6 +218,7 @@ def main() -> None:
     warm = workload(tokenizer, 2)
     for tier in args.attention_backend:
         run_kvstream(engine_model, tokenizer, warm, 4, tier)
+    run_kvstream(engine_model, tokenizer, warm, 4, args.attention_backend[0], "torch")
     run_sequential(plain, tokenizer, warm[:1], 4)
     if not args.skip_generate_batch:
         run_generate_batch(plain, tokenizer, warm, 4)
@@ -223,7 +226,7 @@ def main() -> None:
     peak = matmul_peak()
     per_token = forward_flops_per_token(plain)
     print(f"matmul peak (2048^3 fp32 torch.mm) {peak / 1e9:.0f} GFLOP/s; {per_token / 1e6:.0f} MFLOP per computed token")
-    print(f"{'c':>3} {'system':<34} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs sequential':>14} {'of roofline':>12}")
+    print(f"{'c':>3} {'system':<47} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs sequential':>14} {'of roofline':>12}")
     for c in args.concurrency:
         prompts = workload(tokenizer, c)
         rows = [("sequential model.generate", run_sequential(plain, tokenizer, prompts, args.new_tokens))]
@@ -231,6 +234,9 @@ def main() -> None:
             rows.append(("transformers generate_batch", run_generate_batch(plain, tokenizer, prompts, args.new_tokens)))
         for tier in args.attention_backend:
             rows.append((f"kvstream engine, {tier}", run_kvstream(engine_model, tokenizer, prompts, args.new_tokens, tier)))
+        if not args.skip_torch_matmul:  # the same engine with torch's sgemm in the linear layers
+            tier = args.attention_backend[0]
+            rows.append((f"kvstream engine, {tier}, torch matmul", run_kvstream(engine_model, tokenizer, prompts, args.new_tokens, tier, "torch")))
         if not args.skip_llama_server and c in (1, 16):
             served = run_llama_server(chats(c), args.new_tokens, torch.get_num_threads())
             if served is not None:
@@ -240,7 +246,7 @@ def main() -> None:
         for name, (seconds, tokens) in rows:
             rate = tokens / seconds
             share = (computed + tokens) * per_token / seconds / peak  # ...and computes each output token once
-            print(f"{c:>3} {name:<34} {tokens:>7} {seconds:>8.2f} {rate:>8.1f} {rate / base:>13.2f}x {share:>11.1%}")
+            print(f"{c:>3} {name:<47} {tokens:>7} {seconds:>8.2f} {rate:>8.1f} {rate / base:>13.2f}x {share:>11.1%}")
     if args.long_context_tokens:
         prompts = long_context_prompts(tokenizer, args.long_context_tokens)
         print(f"\nlong context: {len(prompts)} sequences at ~{len(prompts[0])} tokens of context, decode phase only")

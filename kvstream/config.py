@@ -157,6 +157,10 @@ class AttentionSettings(_Section):
     backend: Literal["auto", "native", "flex", "sdpa", "eager"] = Field("auto", description="hf: attention kernel over the paged pool, checked against eager at start; auto = the fastest built tier that passes: native (decodes read the pool in place with a C++ kernel built on first use; CPU, float32; needs a C++ compiler and ninja), flex (decodes read the pool in place with compiled flex_attention from 4,096 tokens of decode context a step; needs torch.compile, on CPU a C++ compiler), sdpa (gather + torch's fused kernels), eager (plain matmul-softmax, the reference)")
 
 
+class MatmulSettings(_Section):
+    backend: Literal["auto", "native", "torch"] = Field("auto", description="hf: what runs the model's linear layers for batches of up to 64 rows (decode steps); auto = native where it builds and agrees with torch's at start (a C++ kernel built on first use; CPU, float32; needs a C++ compiler and ninja), torch otherwise; torch = F.linear always")
+
+
 class AWQSettings(_Section):
     streaming: bool = Field(False, description="hf, an AWQ checkpoint: keep only embeddings, norms, head and the first/last K decoder layers resident, and stage the other layers' packed weights from the memory-mapped checkpoint before each forward")
     mode: Literal["full_resident", "partial_resident", "ffn_only_stream", "full_stream"] = Field("partial_resident", description="what streams: partial_resident = layers outside the first/last K whole; ffn_only_stream = only their MLP; full_stream = every layer; full_resident = none")
@@ -205,6 +209,7 @@ class Settings(BaseSettings):
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     prefix_cache: PrefixCacheSettings = Field(default_factory=PrefixCacheSettings)
     attention: AttentionSettings = Field(default_factory=AttentionSettings)
+    matmul: MatmulSettings = Field(default_factory=MatmulSettings)
     awq: AWQSettings = Field(default_factory=AWQSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)

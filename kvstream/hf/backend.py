@@ -233,6 +233,7 @@ class HFBackend(InProcessBackend):
             max_model_len=context,
             model_identity=loaded.identity,
             attention=attention.backend,
+            matmul=self.settings.matmul.backend,
             kv_cache_bits=memory.kv_cache_bits,
             host_cache_bytes=memory.host_cache_bytes,
             disk_cache_dir=str(memory.disk_cache_dir) if memory.disk_cache_dir else None,
@@ -285,6 +286,8 @@ class HFBackend(InProcessBackend):
                 "decode_tokens": runner.counters.decode_tokens,
                 "attention_backend": runner.attention.name,
                 "attention_backend_why": runner.attention.why_not,  # why each faster tier is not running
+                "matmul_backend": runner.matmul.name,
+                "matmul_backend_why": runner.matmul.why_not,
             }
         if self.loaded is not None:
             info["weights"] = self.loaded.weights_snapshot()
