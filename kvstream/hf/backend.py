@@ -16,6 +16,9 @@ import asyncio
 import importlib.util
 import logging
 from collections.abc import AsyncIterator, Iterator
+import queue
+import threading
+from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
 
 from kvstream.backends.base import Capabilities, InProcessBackend
@@ -153,6 +156,35 @@ class HFStream:
             self._backend.runner.abort(self._seq.seq_id)
 
 
+class EngineThread(Executor):
+    """One daemon thread running what is submitted to it, in order: the HF backend's model
+    load, kernel probes and step loop (ModelRunner.start says why one thread). Not a
+    ThreadPoolExecutor, whose threads Python joins at exit: a step loop still waiting for
+    work would hang a server that exits without closing its backend."""
+
+    def __init__(self, name: str = "kvstream-hf-engine") -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._work, name=name, daemon=True).start()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._jobs.put(None)  # the thread ends after the jobs before it
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args, kwargs = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+
+
 class HFBackend(InProcessBackend):
     """A HuggingFace causal LM run in-process by KVStream's paged model runner."""
 
@@ -181,18 +213,26 @@ class HFBackend(InProcessBackend):
         self.model_name: str | None = None
         self._start_lock = asyncio.Lock()
         self._error: str | None = None
+        self._engine_thread: EngineThread | None = None  # loads the model, then runs the steps
 
     # ------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         async with self._start_lock:
             if self.runner is not None:
                 return
+            # One thread loads the model, probes the kernels and then runs every step
+            # (ModelRunner.start says why it must be the same thread).
+            self._engine_thread = EngineThread()
             try:
-                self.runner = await asyncio.to_thread(self._build)
-            except (OSError, ValueError) as exc:
-                self._error = str(exc)
-                raise RuntimeError(f"hf backend: {exc}") from exc
-            self.runner.start()
+                self.runner = await asyncio.get_running_loop().run_in_executor(self._engine_thread, self._build)
+            except BaseException as exc:
+                self._engine_thread.shutdown(wait=False)
+                self._engine_thread = None
+                if isinstance(exc, (OSError, ValueError)):
+                    self._error = str(exc)
+                    raise RuntimeError(f"hf backend: {exc}") from exc
+                raise
+            self.runner.start(self._engine_thread)
 
     def _build(self) -> ModelRunner:
         import torch
@@ -250,6 +290,9 @@ class HFBackend(InProcessBackend):
     async def close(self) -> None:
         if self.runner is not None:
             await asyncio.to_thread(self.runner.close)
+        if self._engine_thread is not None:
+            self._engine_thread.shutdown(wait=False)
+            self._engine_thread = None
 
     @property
     def scheduler(self) -> Scheduler | None:

@@ -5,9 +5,9 @@ decode attention (``paged_decode.cpp``) and the float32 linear layers for decode
 (``native_linear.cpp``). Each is built once per machine and cached in
 ``build_directory``, named per instruction set (AVX2 + FMA where torch reports AVX2 or
 AVX-512, plain C++ otherwise) so that a cache shared by two kinds of CPU never hands one the
-other's build. The kernels split their work over ``spin_pool.h``'s threads (it says why not
-OpenMP); torch's builder hashes only the ``.cpp`` for its cache, so the header's hash goes into
-the flags and a changed header rebuilds them. Compiling needs a C++ compiler and ninja (the ``hf`` extra installs ninja);
+other's build, with OpenMP (``at::parallel_for`` is inline OpenMP: without ``-fopenmp`` it runs
+on one thread, as the first two did before the flag was added; not on macOS, whose Apple clang
+has no OpenMP). Compiling needs a C++ compiler and ninja (the ``hf`` extra installs ninja);
 where either is missing ``load_extension`` returns why, and the caller keeps its pure-torch
 path.
 """
@@ -15,7 +15,6 @@ path.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import shutil
@@ -32,8 +31,6 @@ except ImportError:  # Windows: builds are not guarded (torch's own lock file on
     fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
-
-SHARED_HEADER = Path(__file__).with_name("spin_pool.h")  # included by every kernel
 
 
 def build_directory(name: str) -> Path:
@@ -93,8 +90,10 @@ def load_extension(stem: str, source: Path) -> tuple[ModuleType | None, str]:
     warning when it cannot."""
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
     vector = capability in ("AVX2", "AVX512")
-    pool = hashlib.sha256(SHARED_HEADER.read_bytes()).hexdigest()[:16]
-    flags = ["-O3", f"-DKVSTREAM_POOL_HASH={pool}", *(["-mavx2", "-mfma"] if vector else [])]
+    # -fopenmp: at::parallel_for is inline OpenMP; compiled without it, a kernel runs on one
+    # thread. The extension then shares the libgomp torch already loaded (same soname).
+    openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
+    flags = ["-O3", *openmp, *(["-mavx2", "-mfma"] if vector else [])]
     name = build_name(stem)
     try:
         from torch.utils.cpp_extension import load as build
@@ -106,7 +105,7 @@ def load_extension(stem: str, source: Path) -> tuple[ModuleType | None, str]:
             logger.info("building %s in %s (once per machine, ~40 s here)", source.name, directory)
         with exclusive(directory):
             module = build(
-                name, [str(source)], extra_cflags=flags, build_directory=str(directory), verbose=False)
+                name, [str(source)], extra_cflags=flags, extra_ldflags=openmp, build_directory=str(directory), verbose=False)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja surfaces as many types
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         logger.warning("%s not built (%s); using the pure-torch path", source.name, why)

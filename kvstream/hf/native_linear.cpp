@@ -13,11 +13,9 @@
 // partial sums over k, then a fixed reduction tree), whatever the other rows, the row count
 // or the thread split: a row's result does not depend on what it is batched with.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <algorithm>
-#include <mutex>
-#include <set>
-#include <thread>
-#include "spin_pool.h"
+#include <atomic>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVSTREAM_AVX2 1
@@ -96,7 +94,7 @@ torch::Tensor native_linear(const torch::Tensor& x, const torch::Tensor& weight)
     float* yp = y.data_ptr<float>();
     const int64_t tiles = (n_out + kWeightRows - 1) / kWeightRows;
     // Contiguous runs of weight rows per thread: each streams its own part of W once.
-    kvstream::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
             const int64_t n = t * kWeightRows, nr = std::min(kWeightRows, n_out - n);
             const float* w = wp + n * k;
@@ -116,19 +114,21 @@ torch::Tensor native_linear(const torch::Tensor& x, const torch::Tensor& weight)
     return y;
 }
 
-// How many threads kvstream::parallel_for ran ``tasks`` tasks on (the test of the pool).
+// How many threads at::parallel_for spreads ``tasks`` tasks over. at::parallel_for is inline
+// OpenMP: in an extension compiled without -fopenmp it silently runs everything on one
+// thread, which is what native_build's flags are there to prevent (tested).
 int64_t parallel_threads(int64_t tasks) {
-    std::mutex guard;
-    std::set<std::thread::id> seen;
-    kvstream::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
-        std::lock_guard<std::mutex> lock(guard);
-        seen.insert(std::this_thread::get_id());
+    std::atomic<int64_t> threads{1};
+    at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+        const int64_t mine = at::get_thread_num() + 1;
+        int64_t seen = threads.load();
+        while (mine > seen && !threads.compare_exchange_weak(seen, mine)) {}
     });
-    return static_cast<int64_t>(seen.size());
+    return threads.load();
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("native_linear", &native_linear, "x @ weight^T for a few rows of x (float32, CPU)",
           py::call_guard<py::gil_scoped_release>());  // the server's event loop runs meanwhile
-    m.def("parallel_threads", &parallel_threads, "threads kvstream::parallel_for runs tasks on");
+    m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on (1 when built without OpenMP)");
 }

@@ -12,10 +12,10 @@
 // the values stream past. Each pair's sums run in a fixed order, so a
 // sequence's result does not depend on what it is batched with or on the thread split.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
-#include "spin_pool.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVSTREAM_AVX2 1
@@ -188,7 +188,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
     // One unit per (sequence, KV head); grain 1, so two threads share even a batch of one
     // sequence. A unit lists where each of its context's rows lies once (walking the block
     // table), then each query head of the group scores the keys and weighs the values.
-    kvstream::parallel_for(0, batch * kv_heads, 1, [&](int64_t first, int64_t last) {
+    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t first, int64_t last) {
         std::vector<float> scores, total(group);
         std::vector<int64_t> rows;
         for (int64_t unit = first; unit < last; ++unit) {

@@ -118,3 +118,21 @@ def test_a_failing_forward_fails_its_requests_frees_everything_and_the_engine_go
     assert engine.is_idle()
     # The next request is served normally.
     assert engine.generate_sync([SHARED], SamplingParams(max_tokens=3, temperature=0))[0]
+
+
+def test_the_engine_thread_runs_jobs_in_order_on_one_daemon_thread_and_hands_back_errors():
+    """HFBackend's EngineThread: the model load and the step loop run on the same thread (the
+    kernels' OpenMP teams), which never holds up the interpreter's exit."""
+    import threading
+
+    from kvstream.hf.backend import EngineThread
+
+    engine = EngineThread()
+    first = engine.submit(threading.get_ident)
+    second = engine.submit(lambda: threading.current_thread().daemon)
+    assert first.result(timeout=10) == engine.submit(threading.get_ident).result(timeout=10) != threading.get_ident()
+    assert second.result(timeout=10) is True
+    with pytest.raises(ZeroDivisionError):
+        engine.submit(lambda: 1 / 0).result(timeout=10)
+    assert engine.submit(lambda: "still running").result(timeout=10) == "still running"
+    engine.shutdown()

@@ -13,9 +13,9 @@
 // Each output's sums run in a fixed order whatever the row count or thread split, so a row's
 // result does not depend on what it is batched with.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <algorithm>
 #include <vector>
-#include "../spin_pool.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -49,7 +49,7 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qze
 
     // Columns in tiles whose accumulators (rows x tile) stay within L1.
     const int64_t tile = std::max<int64_t>(1, 512 / rows);
-    kvstream::parallel_for(0, words, 16, [&](int64_t first, int64_t last) {
+    at::parallel_for(0, words, 16, [&](int64_t first, int64_t last) {
       std::vector<float> acc(rows * std::min(tile, last - first) * 8);
       for (int64_t begin = first; begin < last; begin += tile) {
         const int64_t end = std::min(last, begin + tile);
