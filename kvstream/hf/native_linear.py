@@ -2,9 +2,11 @@
 
 Why it exists: a decode step multiplies one row per running sequence by every weight matrix,
 and BLAS's sgemm is tuned for large blocks. Measured on SmolLM2-135M's projections with the
-weights coming from memory (as in a forward), 2 threads: 1.3-1.6x faster than ``F.linear`` at
-1 row, 1.4-2.4x at 8-16 rows, 1.0-1.6x at 64 rows (``benchmarks/native_linear.py``). Past
-``MAX_ROWS`` rows (prefill chunks) ``F.linear`` runs, as before.
+weights coming from memory (as in a forward), 2 threads: 1.3-2.0x faster than ``F.linear`` at
+1 row, 1.4-3.2x at 8-16 rows, 0.95-1.7x at 64 rows across runs (``benchmarks/native_linear.py``).
+Past ``MAX_ROWS`` rows (prefill chunks) ``F.linear`` runs, as before. Its threads are
+OpenMP's, as torch's are: see ``ModelRunner.start`` for why one thread should load and step
+the model.
 
 ``install`` switches a model's ``nn.Linear`` modules (float32, on CPU) to ``NativeLinear``
 in place: the same module objects and parameters (no copy), only the class changes, so tied
