@@ -218,7 +218,8 @@ def main() -> None:
     warm = workload(tokenizer, 2)
     for tier in args.attention_backend:
         run_kvstream(engine_model, tokenizer, warm, 4, tier)
-    run_kvstream(engine_model, tokenizer, warm, 4, args.attention_backend[0], "torch")
+    if not args.skip_torch_matmul:
+        run_kvstream(engine_model, tokenizer, warm, 4, args.attention_backend[0], "torch")
     run_sequential(plain, tokenizer, warm[:1], 4)
     if not args.skip_generate_batch:
         run_generate_batch(plain, tokenizer, warm, 4)

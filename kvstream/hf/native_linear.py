@@ -54,13 +54,20 @@ class NativeLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features if self.in_features else 0
-        if rows == 0 or rows > MAX_ROWS or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
-            return F.linear(x, self.weight, self.bias)  # prefill, or autograd (the kernel has no backward)
+        weight = self.weight
+        if (
+            rows == 0 or rows > MAX_ROWS  # prefill chunks
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # no backward here
+            # the model moved or cast after the switch, or a weight replaced by a view
+            or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+            or weight.device.type != "cpu" or not weight.is_contiguous()
+        ):
+            return F.linear(x, weight, self.bias)
         module, _ = load()
         flat = x.reshape(rows, self.in_features)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        y = module.native_linear(flat, self.weight)
+        y = module.native_linear(flat, weight)
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)

@@ -6,6 +6,8 @@ reference copy keeps transformers' own attention for ``model.generate``.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from tests.conftest import _require
@@ -74,3 +76,20 @@ def chat_prompts(tokenizer) -> list[list[int]]:
         else:
             out.append(list(tokenizer(text).input_ids))
     return out
+
+
+@contextlib.asynccontextmanager
+async def started_backend(smollm2, **sections):
+    """An HFBackend serving the session's engine copy of SmolLM2 with ``make_settings(**sections)``
+    (a 64-block pool unless ``memory`` says otherwise), closed on the way out."""
+    from kvstream.hf.backend import HFBackend
+    from kvstream.hf.loader import LoadedModel
+    from tests.conftest import make_settings
+
+    sections.setdefault("memory", {"num_gpu_blocks": 64})
+    backend = HFBackend(None, None, make_settings(**sections), preloaded=LoadedModel(smollm2[0], smollm2[2], "smollm2", "hf:test"))
+    await backend.start()
+    try:
+        yield backend
+    finally:
+        await backend.close()

@@ -10,6 +10,7 @@ from kvstream.hf import attention, flex, native_attention
 from kvstream.hf.attention_tiers import AttentionTierError, choose_tier
 from kvstream.hf.kv_cache import KVShape
 from kvstream.hf.loader import LoadedModel
+from tests.hf.conftest import started_backend
 
 CPU = torch.device("cpu")
 
@@ -72,14 +73,8 @@ def test_named_tiers_that_are_not_built_are_refused():
 
 
 async def test_status_names_the_running_tier(smollm2):
-    from kvstream.hf.backend import HFBackend
-    from tests.conftest import make_settings
-
     for requested, expected in (("auto", "native"), ("flex", "flex"), ("sdpa", "sdpa"), ("eager", "eager")):
-        settings = make_settings(memory={"num_gpu_blocks": 64}, attention={"backend": requested})
-        backend = HFBackend(None, None, settings, preloaded=LoadedModel(smollm2[0], smollm2[2], "smollm2", "hf:test"))
-        await backend.start()
-        try:
+        async with started_backend(smollm2, attention={"backend": requested}) as backend:
             info = backend.describe()
             assert info["attention_backend"] == expected == backend.runner.config.attention
             why = info["attention_backend_why"]
@@ -87,8 +82,6 @@ async def test_status_names_the_running_tier(smollm2):
                       "eager": {"flash", "native", "flex", "sdpa"}}
             assert set(why) == faster[expected]
             assert expected == "native" or why["native"] == f"attention.backend asks for {expected}"
-        finally:
-            await backend.close()
 
 
 async def test_a_named_tier_that_fails_its_probe_stops_the_engine_at_start(smollm2, monkeypatch):

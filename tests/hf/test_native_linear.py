@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 
 from kvstream.hf import native_linear
 from kvstream.hf.native_linear import MatmulBackendError, NativeLinear, install
+from tests.hf.conftest import started_backend
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +78,7 @@ def test_the_kernels_are_built_with_openmp(kernel):
 
 
 def test_threads_calling_at_once_all_get_their_answers(kernel):
-    """The kernels release the GIL (the server's event loop runs while the engine computes):
-    calls from several threads at once each get the answer a lone call gives."""
+    """Calls from several threads at once each get the answer a lone call gives."""
     generator = torch.Generator().manual_seed(4)
     w = torch.randn(3000, 576, generator=generator)
     inputs = [torch.randn(rows, 576, generator=generator) for rows in (1, 3, 8, 16)]
@@ -95,6 +96,39 @@ def test_threads_calling_at_once_all_get_their_answers(kernel):
     for t in threads:
         t.join()
     assert failures == []
+
+
+def test_the_kernel_releases_the_gil_while_it_runs(kernel):
+    """The server's event loop keeps running while the engine computes. With a switch
+    interval of seconds this thread keeps the GIL until it blocks, so the ticker (which
+    sleeps between ticks, never holding the GIL long) can only tick while a kernel call
+    has released it: a call that held it would leave the count unchanged."""
+    generator = torch.Generator().manual_seed(5)
+    w = torch.randn(49152, 576, generator=generator)  # SmolLM2's LM head: tens of ms at 64 rows
+    x = torch.randn(64, 576, generator=generator)
+    ticks = [0]
+    stop = threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.0001)
+
+    interval = sys.getswitchinterval()
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    during = []
+    try:
+        sys.setswitchinterval(5.0)
+        for _ in range(3):
+            before = ticks[0]
+            kernel.native_linear(x, w)
+            during.append(ticks[0] - before)
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        ticker.join()
+    assert max(during) > 0
 
 
 def test_bad_inputs_are_errors_not_reads(kernel):
@@ -156,6 +190,21 @@ def test_large_batches_and_autograd_take_f_linear(kernel, monkeypatch):
     assert calls == [] and model.up.weight.grad is not None
 
 
+def test_a_switched_model_cast_or_given_a_strided_weight_afterwards_runs_f_linear(kernel):
+    model = Tiny()
+    install(model)
+    ids = torch.randint(0, 50, (1, 6))
+    with torch.inference_mode():
+        model.to(torch.float64)
+        assert model(ids).dtype == torch.float64  # the kernel takes float32 only: F.linear ran
+        model.to(torch.float32)
+        strided = nn.Parameter(torch.randn(40, 16).t(), requires_grad=False)  # [16, 40], not contiguous
+        assert not strided.is_contiguous()
+        model.down.weight = strided
+        x = torch.randn(1, 3, 40)
+        assert torch.equal(model.down(x), F.linear(x, strided))
+
+
 def test_backend_torch_leaves_or_puts_back_nn_linear(kernel):
     model = Tiny()
     assert install(model).name == "native"
@@ -193,19 +242,17 @@ def test_a_missing_compiler_keeps_f_linear(monkeypatch):
 
 
 async def test_status_names_the_matmul_backend(smollm2, kernel):
-    from kvstream.hf.backend import HFBackend
-    from kvstream.hf.loader import LoadedModel
-    from tests.conftest import make_settings
-
     for requested, expected in (("torch", "torch"), ("auto", "native")):
-        settings = make_settings(memory={"num_gpu_blocks": 64}, matmul={"backend": requested})
-        backend = HFBackend(None, None, settings, preloaded=LoadedModel(smollm2[0], smollm2[2], "smollm2", "hf:test"))
-        await backend.start()
-        try:
+        async with started_backend(smollm2, matmul={"backend": requested}) as backend:
             info = backend.describe()
             assert info["matmul_backend"] == expected == backend.runner.config.matmul
             layers = [m for m in smollm2[0].modules() if isinstance(m, nn.Linear)]
             assert all((type(m) is NativeLinear) == (expected == "native") for m in layers)
             assert expected == "native" or "not requested" in info["matmul_backend_why"]["native"]
-        finally:
-            await backend.close()
+
+
+async def test_native_by_name_that_cannot_run_stops_the_engine_at_start(smollm2, monkeypatch):
+    monkeypatch.setattr(native_linear, "load", lambda: (None, "RuntimeError: no compiler"))
+    with pytest.raises(RuntimeError, match="hf backend: matmul backend native cannot run: not built: RuntimeError: no compiler"):
+        async with started_backend(smollm2, matmul={"backend": "native"}):
+            pass
