@@ -88,10 +88,12 @@ def test_each_kernel_matches_the_reference_matmul(kernel, monkeypatch):
     assert torch.allclose(y, reference, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("group_size", [64, 128])
-def test_the_native_kernel_matches_the_reference_and_a_row_ignores_its_batch(group_size):
+@pytest.mark.parametrize(("group_size", "out"), [(64, 320), (128, 328), (32, 72)])
+def test_the_native_kernel_matches_the_reference_and_a_row_ignores_its_batch(group_size, out):
     """Decode rows (up to native.MAX_ROWS) through the compiled kernel, more through dequant;
-    a row's output is bit-identical alone and batched (its sums run in a fixed order)."""
+    a row's output is bit-identical alone and batched (its sums run in a fixed order), whichever
+    register tile it lands in (rows go 4, 2, then 1 at a time). ``out`` 328 and 72: word counts
+    (41, 9) that leave a tail after the kernel's 8-word units."""
     from kvstream.hf.awq import native
 
     module, why = native.load()
@@ -100,22 +102,28 @@ def test_the_native_kernel_matches_the_reference_and_a_row_ignores_its_batch(gro
             pytest.fail(f"the native AWQ kernel did not build: {why}")
         pytest.skip(f"the native AWQ kernel did not build here: {why}")
     generator = torch.Generator().manual_seed(5)
-    packed = quantize_rtn(torch.randn(320, 256, generator=generator), group_size)
+    packed = quantize_rtn(torch.randn(out, 256, generator=generator), group_size)
     layer = AWQLinear(packed)
     layer.kernel = "native"
     weight = dequantize(packed)
     x = torch.randn(native.MAX_ROWS + 3, 256, generator=generator)
-    for rows in (1, 3, native.MAX_ROWS, native.MAX_ROWS + 1):
+    for rows in (1, 2, 3, 7, native.MAX_ROWS, native.MAX_ROWS + 1):
         y = layer(x[:rows])
         assert torch.allclose(y, x[:rows] @ weight, atol=1e-4, rtol=1e-4), rows
     tensors = (layer.qweight, layer.qzeros, layer.scales, layer.packed_order)
-    assert native.gemv(x[:0], *tensors, group_size).shape == (0, 320)
-    alone = layer(x[:1])
-    assert torch.equal(layer(x[: native.MAX_ROWS])[:1], alone) and torch.equal(layer(x[:3])[:1], alone)
+    assert native.gemv(x[:0], *tensors, group_size).shape == (0, out)
+    alone = [layer(x[i : i + 1]) for i in range(7)]
+    for rows in (2, 3, 7, native.MAX_ROWS):
+        batched = layer(x[:rows])
+        for i in range(min(rows, 7)):
+            assert torch.equal(batched[i : i + 1], alone[i]), (rows, i)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         native.gemv(x[:1, :128], *tensors, group_size)
     with pytest.raises(RuntimeError, match="float16"):
         native.gemv(x[:1], layer.qweight, layer.qzeros, layer.scales.float(), layer.packed_order, group_size)
+    if why == "AVX2 + FMA":  # the vector path checks the column layout it relies on
+        with pytest.raises(RuntimeError, match="permute"):
+            native.gemv(x[:1], *tensors[:3], torch.arange(out).flip(0), group_size)
 
 
 def test_without_a_compiler_the_probe_keeps_the_torch_kernels_and_says_why(monkeypatch, caplog):

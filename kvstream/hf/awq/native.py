@@ -4,9 +4,10 @@ the packed weights, compiled here on first use with torch's extension builder.
 It exists because decoding reads each weight once per step: the pure-torch ``dequant``
 kernel writes and rereads a float copy of every weight (several passes over 8 bytes per
 weight for the 0.5 it reads), so a decode step spent ~7x longer in an AWQ projection than
-in the fp32 one. This kernel reads the packed words once (AVX2 + FMA where the CPU has them,
-plain C++ otherwise). Above ``MAX_ROWS`` rows (prefill chunks, large batches) it loses to
-dequantize + BLAS, which ``AWQLinear`` then uses.
+in the fp32 one. This kernel reads the packed words once and unpacks them in registers
+(AVX2 + FMA + F16C where the CPU has them, plain C++ otherwise): at one row it is 1.5-2x
+faster than the same layer in float32, which reads eight times the bytes. Above ``MAX_ROWS``
+rows (prefill chunks, large batches) ``AWQLinear`` dequantizes and runs BLAS instead.
 
 Built by ``native_build`` (a C++ compiler and ninja); where either is missing ``load`` says
 why and the probe keeps the pure-torch kernels.
@@ -23,10 +24,11 @@ import torch
 from kvstream.hf import native_build
 
 SOURCE = Path(__file__).with_name("awq_gemv.cpp")
-# Most rows it takes. On SmolLM2's projections here (576x1536, 1536x576, 576x576), against
-# dequantize + BLAS: 1 row 0.07-0.33 vs 0.49-1.34 ms, 8 rows 0.37-1.23 vs 0.69-1.49, 16 rows
-# about even, 32 rows 1.5-4x slower (its accumulators stop fitting in L1).
-MAX_ROWS = 8
+# Most rows it takes. On SmolLM2's projections here (576x576, 576->1536, 1536->576), against
+# dequantize + BLAS (benchmarks/awq_kernel.py): 1 row 10-14x faster, 8 rows 6-6.5x, 32 rows
+# 2.3-2.8x, 64 rows 1.8-2.6x, 96 rows 1.35-1.8x: the margin shrinks as the kernel's time grows
+# with the rows and BLAS's barely; larger batches and prefill chunks take ``dequant``.
+MAX_ROWS = 96
 
 
 @functools.cache
