@@ -1,0 +1,68 @@
+"""The kernels' plain C++ branches, the code a CPU without AVX2 runs, built here without vector
+instructions (``native_build.load_extension(..., vector=False)``) and checked against the same
+references and the same batch invariance as the AVX2 builds. Each build takes ~30-40 s once
+per machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import REQUIRE_REAL, require_import
+
+torch = require_import("torch")
+
+import torch.nn.functional as F  # noqa: E402
+
+from kvstream.hf import native_attention, native_build, native_linear  # noqa: E402
+from kvstream.hf.awq import native as awq_native  # noqa: E402
+from kvstream.hf.awq.format import dequantize, quantize_rtn  # noqa: E402
+from kvstream.hf.awq.linear import AWQLinear  # noqa: E402
+from tests.hf.test_native_attention import make_case, reference  # noqa: E402
+
+
+def plain_build(stem: str, source):
+    module, how = native_build.load_extension(stem, source, vector=False)
+    if module is None:
+        if REQUIRE_REAL:
+            pytest.fail(f"{source.name} did not build without vector instructions: {how}")
+        pytest.skip(f"{source.name} did not build here: {how}")
+    assert how == "scalar C++"
+    return module
+
+
+def test_the_plain_awq_kernel_matches_the_reference_and_a_row_ignores_its_batch():
+    module = plain_build("kvstream_awq_gemv", awq_native.SOURCE)
+    generator = torch.Generator().manual_seed(7)
+    for group_size, out in ((64, 328), (128, 320)):
+        layer = AWQLinear(quantize_rtn(torch.randn(out, 256, generator=generator), group_size))
+        tensors = (layer.qweight, layer.qzeros, layer.scales, layer.packed_order)
+        weight = dequantize(layer.packed())
+        x = torch.randn(9, 256, generator=generator)
+        batched = module.awq_gemv(x, *tensors, group_size)
+        assert torch.allclose(batched, x @ weight, atol=1e-4, rtol=1e-4)
+        for i in (0, 4, 8):
+            assert torch.equal(module.awq_gemv(x[i : i + 1], *tensors, group_size), batched[i : i + 1])
+
+
+def test_the_plain_linear_kernel_matches_f_linear_and_a_row_ignores_its_batch():
+    module = plain_build("kvstream_native_linear", native_linear.SOURCE)
+    generator = torch.Generator().manual_seed(8)
+    for n, k in ((576, 576), (7, 64), (5, 20), (192, 40)):  # K a multiple of 8 or not
+        w = torch.randn(n, k, generator=generator)
+        x = torch.randn(11, k, generator=generator)
+        batched = module.native_linear(x, w)
+        want = F.linear(x, w)
+        assert float((batched - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
+        for i in (0, 5, 10):
+            assert torch.equal(module.native_linear(x[i : i + 1], w)[0], batched[i])
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (8, 8, 128, 4), (2, 1, 20, 5)])
+def test_the_plain_decode_attention_kernel_matches_eager(heads, kv_heads, dim, block_size):
+    module = plain_build("kvstream_paged_decode", native_attention.SOURCE)
+    lengths = [1, 7, block_size, block_size + 1, 70]
+    q, k_pool, v_pool, tables, lens = make_case(heads, kv_heads, dim, block_size, lengths)
+    out = module.paged_decode(q, k_pool, v_pool, tables, lens, block_size, dim**-0.5)
+    assert torch.allclose(out, reference(q, k_pool, v_pool, tables, lens, block_size, dim**-0.5), atol=1e-5, rtol=1e-5)
+    alone = module.paged_decode(q[2:3], k_pool, v_pool, tables[2:3], lens[2:3], block_size, dim**-0.5)
+    assert torch.equal(alone[0], out[2])
