@@ -6,8 +6,10 @@ same layer, at the shapes of SmolLM2-135M's projections, per batch size, same ti
 Per shape and rows, the time per matrix of:
 
 - ``native``: the kernel, reading the checkpoint's packed tensors as they are;
-- ``dequant``: ``AWQLinear``'s pure-torch path (a bounded chunk of the weights dequantized,
-  then BLAS);
+- ``native deq``: what the engine runs past ``native.MAX_ROWS`` rows: the kernel's C++
+  dequantizer writes the weights in float32 (one pass), then BLAS;
+- ``dequant``: ``AWQLinear``'s pure-torch path (a bounded chunk of the weights dequantized in
+  several torch passes, then BLAS), the fallback where nothing compiles;
 - ``int4mm``: torch's own CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) on the same
   weights repacked to its layout (where this torch build has it);
 - ``fp32``: the unquantized layer, through the engine's float32 linear kernel (native_linear)
@@ -16,7 +18,8 @@ Per shape and rows, the time per matrix of:
 Each case walks a set of distinct copies of one shape's weights (``--megabytes`` of packed
 AWQ weights, eight times that in float32) one after another, as a forward does, so that the
 weights come from memory and not from the caches. Ratios are ``native``'s speedup over each
-(> 1: native faster). The engine sends up to ``native.MAX_ROWS`` rows to the kernel.
+(> 1: native faster). The engine sends up to ``native.MAX_ROWS`` rows to the kernel and more
+to ``native deq``: where the two cross is what MAX_ROWS should be.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ def native_call(layer: AWQLinear, x: torch.Tensor) -> torch.Tensor:
     return native.gemv(x, layer.qweight, layer.qzeros, layer.scales, layer.packed_order, layer.group_size)
 
 
+def native_dequant_call(layer: AWQLinear, x: torch.Tensor) -> torch.Tensor:
+    return layer._native_dequant_matmul(x)
+
+
 def dequant_call(layer: AWQLinear, x: torch.Tensor) -> torch.Tensor:
     layer.kernel = "dequant"
     return layer(x)
@@ -88,8 +95,8 @@ def main() -> None:
         sys.exit(f"the native AWQ kernel is not built here: {how}")
     print(f"AWQ int4 (group {args.group_size}) kernels, float32 activations, {torch.get_num_threads()} threads; "
           f"native ({how}) takes up to {native.MAX_ROWS} rows in the engine")
-    print(f"{'shape':<13}{'rows':>5}{'native ms':>11}{'dequant':>9}{'int4mm':>9}{'fp32':>9}"
-          f"{'vs dequant':>12}{'vs int4mm':>11}{'vs fp32':>9}{'GB/s':>7}{'rel diff':>10}")
+    print(f"{'shape':<13}{'rows':>5}{'native ms':>11}{'native deq':>11}{'dequant':>9}{'int4mm':>9}{'fp32':>9}"
+          f"{'vs nat deq':>11}{'vs dequant':>11}{'vs int4mm':>10}{'vs fp32':>9}{'GB/s':>7}{'rel diff':>10}")
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for name, (out, inp) in SHAPES.items():
@@ -115,14 +122,16 @@ def measure(name: str, out: int, inp: int, args: argparse.Namespace, generator: 
     for rows in args.rows:
         x = torch.randn(rows, inp, generator=generator)
         native_s = per_matrix_s(native_call, awq, x)
+        native_deq_s = per_matrix_s(native_dequant_call, awq, x)
         dequant_s = per_matrix_s(dequant_call, awq, x)
         int4_s = per_matrix_s(int4mm_call, int4, x) if int4 else float("nan")
         fp32_s = per_matrix_s(fp32_call, fp32, x)
         reference = x @ dense.T
         diff = (native_call(awq[0], x) - reference).abs().max().item() / reference.abs().max().item()
         bandwidth = template.packed_bytes() / native_s / 1e9
-        print(f"{name:<13}{rows:>5}{native_s * 1e3:>11.3f}{dequant_s * 1e3:>9.3f}{int4_s * 1e3:>9.3f}{fp32_s * 1e3:>9.3f}"
-              f"{dequant_s / native_s:>11.2f}x{int4_s / native_s:>10.2f}x{fp32_s / native_s:>8.2f}x{bandwidth:>7.1f}{diff:>10.1e}")
+        print(f"{name:<13}{rows:>5}{native_s * 1e3:>11.3f}{native_deq_s * 1e3:>11.3f}{dequant_s * 1e3:>9.3f}{int4_s * 1e3:>9.3f}"
+              f"{fp32_s * 1e3:>9.3f}{native_deq_s / native_s:>10.2f}x{dequant_s / native_s:>10.2f}x{int4_s / native_s:>9.2f}x"
+              f"{fp32_s / native_s:>8.2f}x{bandwidth:>7.1f}{diff:>10.1e}")
 
 
 if __name__ == "__main__":

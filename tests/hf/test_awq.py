@@ -126,6 +126,35 @@ def test_the_native_kernel_matches_the_reference_and_a_row_ignores_its_batch(gro
             native.gemv(x[:1], *tensors[:3], torch.arange(out).flip(0), group_size)
 
 
+def test_the_native_dequantizer_gives_the_reference_weights_for_any_range_of_words():
+    """What prefill chunks under the native kernel multiply: bit-identical to the reference
+    dequantization, any range of words, written into a reused buffer; bad ranges are errors."""
+    from kvstream.hf.awq import native
+
+    module, why = native.load()
+    if module is None:
+        if REQUIRE_REAL:
+            pytest.fail(f"the native AWQ kernel did not build: {why}")
+        pytest.skip(f"the native AWQ kernel did not build here: {why}")
+    generator = torch.Generator().manual_seed(6)
+    layer = AWQLinear(quantize_rtn(torch.randn(328, 128, generator=generator), 64))
+    reference = dequantize(layer.packed())  # [in, out]
+    buffer = torch.full((128 * 328 + 5,), float("nan"))
+    tensors = (layer.qweight, layer.qzeros, layer.scales, layer.packed_order, 64)
+    for first, last in ((0, 41), (0, 1), (3, 17), (40, 41)):
+        w = native.dequantize(*tensors, first, last, buffer)
+        assert w.shape == (128, 8 * (last - first))
+        assert torch.equal(w, reference[:, 8 * first : 8 * last])
+    for first, last in ((0, 0), (5, 3), (0, 42)):
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            native.dequantize(*tensors, first, last, buffer)
+    with pytest.raises(RuntimeError, match="buffer shape"):
+        native.dequantize(*tensors, 0, 41, buffer[:100])
+    x = torch.randn(native.MAX_ROWS + 5, 128, generator=generator)  # past the gemv: dequantizer + BLAS
+    layer.kernel = "native"
+    assert torch.allclose(layer(x), x @ reference, atol=1e-4, rtol=1e-4)
+
+
 def test_without_a_compiler_the_probe_keeps_the_torch_kernels_and_says_why(monkeypatch, caplog):
     import torch.utils.cpp_extension as cpp_extension
 

@@ -42,6 +42,9 @@ def test_the_plain_awq_kernel_matches_the_reference_and_a_row_ignores_its_batch(
         assert torch.allclose(batched, x @ weight, atol=1e-4, rtol=1e-4)
         for i in (0, 4, 8):
             assert torch.equal(module.awq_gemv(x[i : i + 1], *tensors, group_size), batched[i : i + 1])
+        buffer = torch.empty(256 * out)
+        assert torch.equal(module.awq_dequantize(*tensors, group_size, 0, out // 8, buffer), weight)
+        assert torch.equal(module.awq_dequantize(*tensors, group_size, 2, 5, buffer), weight[:, 16:40])
 
 
 def test_the_plain_linear_kernel_matches_f_linear_and_a_row_ignores_its_batch():

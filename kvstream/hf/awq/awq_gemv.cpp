@@ -1,5 +1,6 @@
 // AWQ GEMM-layout int4 matmul for a few rows (decode): y = x @ W, W = (q - zero) * scale,
-// read straight from the checkpoint's tensors, never dequantized into memory.
+// read straight from the checkpoint's tensors, never dequantized into memory; and, for more
+// rows than that pays for, ``awq_dequantize``: a block of W in float32 for BLAS.
 //
 // Layout (see format.py): qweight [in, out/8] int32 and qzeros [groups, out/8] int32, nibble n
 // of word j holding packed column 8j + n; scales [groups, out] float16 in column order.
@@ -49,6 +50,21 @@ static inline void add_group(const __m256 acc, float xsum, __m256 zero, __m256 s
 
 static inline __m256 group_scale(const at::Half* s, int64_t out, int64_t g, int64_t j) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * out + j * 8)));
+}
+
+// The shifts that bring column 8j + c's nibble to lane c, and in ``column[n]`` the column
+// offset nibble n holds: the same for every word in AWQ's layout, which is checked rather
+// than assumed (``logical``: packed column -> column, ``out`` of them).
+static __m256i column_shifts(const int64_t* lp, int64_t out, int32_t* column) {
+    int32_t shift[8];
+    for (int n = 0; n < 8; ++n) {
+        TORCH_CHECK(lp[n] >= 0 && lp[n] < 8, "logical must permute each word's eight columns");
+        shift[lp[n]] = 4 * n;
+        column[n] = static_cast<int32_t>(lp[n]);
+    }
+    for (int64_t p = 0; p < out; ++p)
+        TORCH_CHECK(lp[p] == (p / 8) * 8 + lp[p % 8], "logical must permute each word's columns the same way");
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift));
 }
 
 // Group g of R rows of x times words [j0, j0 + W): each word is broadcast and unpacked once
@@ -158,17 +174,8 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qze
     std::fill(yp, yp + rows * out, 0.0f);
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    // The shift that brings column 8j + c's nibble to lane c; the same for every word in
-    // AWQ's layout, which is checked rather than assumed.
-    int32_t shift[8], column[8];
-    for (int n = 0; n < 8; ++n) {
-        TORCH_CHECK(lp[n] >= 0 && lp[n] < 8, "logical must permute each word's eight columns");
-        shift[lp[n]] = 4 * n;
-        column[n] = static_cast<int32_t>(lp[n]);
-    }
-    for (int64_t p = 0; p < out; ++p)
-        TORCH_CHECK(lp[p] == (p / 8) * 8 + lp[p % 8], "logical must permute each word's columns the same way");
-    const __m256i shifts = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift));
+    int32_t column[8];
+    const __m256i shifts = column_shifts(lp, out, column);
     // Units of 8 words (64 columns) split over the threads; within one, rows 4, 2 or 1 at a
     // time: register tiles of 4 rows x 2 words, 2 x 4 or 1 x 8.
     const int64_t units = (words + 7) / 8;
@@ -221,7 +228,67 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qze
     return y;
 }
 
+// Words [first, last) of the weights as float32 ``(q - zero) * scale``, [in, 8 * (last - first)]
+// in column order, written into ``buffer`` (reused by the caller): for prefill chunks and
+// large batches, which BLAS then multiplies. One pass over the packed words, where the
+// pure-torch path takes several over a float copy.
+torch::Tensor awq_dequantize(torch::Tensor qweight, torch::Tensor qzeros, torch::Tensor scales, torch::Tensor logical,
+                             int64_t group_size, int64_t first, int64_t last, torch::Tensor buffer) {
+    TORCH_CHECK(qweight.dtype() == torch::kInt32 && qzeros.dtype() == torch::kInt32, "qweight and qzeros must be int32");
+    TORCH_CHECK(scales.dtype() == torch::kFloat16, "scales must be float16");
+    TORCH_CHECK(logical.dtype() == torch::kInt64 && buffer.dtype() == torch::kFloat32, "logical must be int64, buffer float32");
+    TORCH_CHECK(buffer.is_contiguous(), "buffer must be contiguous");
+    qweight = qweight.contiguous();
+    qzeros = qzeros.contiguous();
+    scales = scales.contiguous();
+    logical = logical.contiguous();
+    const int64_t in = qweight.size(0), words = qweight.size(1), out = words * 8;
+    TORCH_CHECK(group_size > 0 && in % group_size == 0 && 0 <= first && first < last && last <= words, "shape mismatch");
+    const int64_t groups = in / group_size, width = (last - first) * 8;
+    TORCH_CHECK(qzeros.size(0) == groups && qzeros.size(1) == words && scales.size(0) == groups && scales.size(1) == out
+                && logical.numel() == out && buffer.numel() >= in * width, "qzeros / scales / logical / buffer shape mismatch");
+    const int32_t* qp = qweight.data_ptr<int32_t>();
+    const int32_t* zp = qzeros.data_ptr<int32_t>();
+    const at::Half* sp = scales.data_ptr<at::Half>();
+    const int64_t* lp = logical.data_ptr<int64_t>();
+    float* wp = buffer.data_ptr<float>();
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    int32_t column[8];
+    const __m256i shifts = column_shifts(lp, out, column);
+    at::parallel_for(0, groups, 1, [&](int64_t first_group, int64_t last_group) {
+        std::vector<__m256> zero(last - first), scale(last - first);
+        for (int64_t g = first_group; g < last_group; ++g) {
+            for (int64_t j = first; j < last; ++j) {
+                zero[j - first] = nibbles_of(zp[g * words + j], shifts);
+                scale[j - first] = group_scale(sp, out, g, j);
+            }
+            for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
+                const int32_t* row = qp + i * words;
+                float* target = wp + i * width;
+                for (int64_t j = first; j < last; ++j)
+                    _mm256_storeu_ps(target + (j - first) * 8,
+                                     _mm256_mul_ps(_mm256_sub_ps(nibbles_of(row[j], shifts), zero[j - first]), scale[j - first]));
+            }
+        }
+    });
+#else
+    at::parallel_for(0, groups, 1, [&](int64_t first_group, int64_t last_group) {
+        for (int64_t g = first_group; g < last_group; ++g)
+            for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i)
+                for (int64_t p = first * 8; p < last * 8; ++p) {
+                    const int64_t column = lp[p], shift = 4 * (p % 8);
+                    const float q = static_cast<float>((static_cast<uint32_t>(qp[i * words + p / 8]) >> shift) & 0xF);
+                    const float zero = static_cast<float>((static_cast<uint32_t>(zp[g * words + p / 8]) >> shift) & 0xF);
+                    wp[i * width + column - first * 8] = (q - zero) * static_cast<float>(sp[g * out + column]);
+                }
+    });
+#endif
+    return buffer.view(-1).narrow(0, 0, in * width).view({in, width});
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("awq_gemv", &awq_gemv, "AWQ int4 matmul for a few rows, from the checkpoint's tensors",
           py::call_guard<py::gil_scoped_release>());  // the server's event loop runs meanwhile
+    m.def("awq_dequantize", &awq_dequantize, "AWQ int4 weights (a range of words) as float32, in column order",
+          py::call_guard<py::gil_scoped_release>());
 }

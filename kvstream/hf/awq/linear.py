@@ -4,8 +4,9 @@ Three kernels, chosen once per process by ``probe_kernel`` (correct on a real sh
 fastest; never assumed from what imports or compiles):
 
 - ``native``: ``native.py``'s compiled kernel for up to ``native.MAX_ROWS`` rows (decode
-  steps), reading the checkpoint's tensors as they are (nothing derived, no weight
-  materialized); more rows take ``dequant``;
+  steps, batches), reading the checkpoint's tensors as they are (nothing derived, no weight
+  materialized); more rows (prefill chunks) get a bounded block of columns at a time
+  dequantized by its C++ companion in one pass, then BLAS;
 - ``dequant``: pure torch. Output columns are dequantized a bounded chunk at a time (never
   more than ``CHUNK_BYTES`` of floats) in the packed, interleaved column order, multiplied,
   and the product's columns put back in order: cheaper than reordering the weights;
@@ -97,13 +98,30 @@ class AWQLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "int4mm":
             y = int4mm(self, x)
-        elif self.kernel == "native" and x.numel() <= native.MAX_ROWS * self.in_features and self.dtype == torch.float32:
+        elif self.kernel == "native" and self.dtype == torch.float32:
             flat = x.reshape(-1, self.in_features)
-            y = native.gemv(flat, self.qweight, self.qzeros, self.scales, self.packed_order, self.group_size)
+            if flat.shape[0] <= native.MAX_ROWS:
+                y = native.gemv(flat, self.qweight, self.qzeros, self.scales, self.packed_order, self.group_size)
+            else:
+                y = self._native_dequant_matmul(flat)
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             y = self._dequant_matmul(x)
         return y if self.bias is None else y + self.bias
+
+    def _native_dequant_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        """Prefill chunks and large batches under the native kernel: a bounded block of columns
+        at a time dequantized in one C++ pass, already in column order, then BLAS."""
+        flat = flat.contiguous()
+        out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
+        step = max(PACK, CHUNK_BYTES // (4 * self.in_features) // PACK * PACK)
+        _, weights = workspace(self.in_features * min(step, self.out_features), torch.float32)
+        for start in range(0, self.out_features, step):
+            stop = min(self.out_features, start + step)
+            w = native.dequantize(self.qweight, self.qzeros, self.scales, self.packed_order, self.group_size,
+                                  start // PACK, stop // PACK, weights)
+            torch.matmul(flat, w, out=out[:, start:stop])
+        return out
 
     def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
         zs, scales = self._zeros_and_scales()

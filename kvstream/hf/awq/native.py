@@ -7,7 +7,8 @@ weight for the 0.5 it reads), so a decode step spent ~7x longer in an AWQ projec
 in the fp32 one. This kernel reads the packed words once and unpacks them in registers
 (AVX2 + FMA + F16C where the CPU has them, plain C++ otherwise): at one row it is 1.5-2x
 faster than the same layer in float32, which reads eight times the bytes. Above ``MAX_ROWS``
-rows (prefill chunks, large batches) ``AWQLinear`` dequantizes and runs BLAS instead.
+rows (prefill chunks, large batches) ``AWQLinear`` runs BLAS on weights ``dequantize`` (the
+same source's one-pass dequantizer) writes, a bounded block of columns at a time.
 
 Built by ``native_build`` (a C++ compiler and ninja); where either is missing ``load`` says
 why and the probe keeps the pure-torch kernels.
@@ -25,10 +26,10 @@ from kvstream.hf import native_build
 
 SOURCE = Path(__file__).with_name("awq_gemv.cpp")
 # Most rows it takes. On SmolLM2's projections here (576x576, 576->1536, 1536->576), against
-# dequantize + BLAS (benchmarks/awq_kernel.py): 1 row 10-14x faster, 8 rows 6-6.5x, 32 rows
-# 2.3-2.8x, 64 rows 1.8-2.6x, 96 rows 1.35-1.8x: the margin shrinks as the kernel's time grows
-# with the rows and BLAS's barely; larger batches and prefill chunks take ``dequant``.
-MAX_ROWS = 96
+# what takes more rows, ``dequantize`` + BLAS (benchmarks/awq_kernel.py): 1 row 3.7-6.7x
+# faster, 8 rows 2.1-3.7x, 32 rows 1.5-1.9x, 48 rows 1.2-1.6x, 64 rows 0.8-1.35x (its time
+# grows with the rows, BLAS's barely).
+MAX_ROWS = 48
 
 
 @functools.cache
@@ -46,3 +47,14 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: t
     if module is None:
         raise RuntimeError(f"the native AWQ kernel is not available: {why}")
     return module.awq_gemv(x, qweight, qzeros, scales, logical, group_size)
+
+
+def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, logical: torch.Tensor, group_size: int,
+               first_word: int, last_word: int, buffer: torch.Tensor) -> torch.Tensor:
+    """The float32 weights of packed words ``[first_word, last_word)`` (columns ``8 *
+    first_word`` up to ``8 * last_word``), ``[in, columns]`` in column order, written into
+    ``buffer`` (float32, contiguous, at least that many elements) and returned as a view of it."""
+    module, why = load()
+    if module is None:
+        raise RuntimeError(f"the native AWQ kernel is not available: {why}")
+    return module.awq_dequantize(qweight, qzeros, scales, logical, group_size, first_word, last_word, buffer)
