@@ -74,3 +74,18 @@ async def stream_chat(session, url: str, body: dict) -> tuple[float, float] | No
     end = time.perf_counter()
     return (first or end) - start, end - start
 
+
+def best_per_item_s(call, items: list, rounds: int = 3) -> float:
+    """Seconds per item of ``call(item)`` over ``items`` in turn (as a forward walks its layers,
+    so that their weights come from memory, not the caches): the best of ``rounds`` passes,
+    after one warm-up pass."""
+    for item in items:
+        call(item)
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for item in items:
+            call(item)
+        best = min(best, (time.perf_counter() - start) / len(items))
+    return best
+

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,25 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from _util import best_per_item_s  # noqa: E402
+
 from kvstream.hf import native_linear  # noqa: E402
 from kvstream.hf.awq import native  # noqa: E402
 from kvstream.hf.awq.format import dequantize, quantize_rtn  # noqa: E402
 from kvstream.hf.awq.linear import AWQLinear, int4_layout  # noqa: E402
 
 SHAPES = {"mlp gate/up": (1536, 576), "mlp down": (576, 1536), "attn q/o": (576, 576)}
-
-
-def per_matrix_s(call, layers: list, x: torch.Tensor, rounds: int = 3) -> float:
-    """Best of ``rounds`` passes over ``layers`` (one warm-up pass first), per matrix."""
-    for layer in layers:
-        call(layer, x)
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for layer in layers:
-            call(layer, x)
-        best = min(best, (time.perf_counter() - start) / len(layers))
-    return best
 
 
 def native_call(layer: AWQLinear, x: torch.Tensor) -> torch.Tensor:
@@ -121,11 +109,11 @@ def measure(name: str, out: int, inp: int, args: argparse.Namespace, generator: 
         int4 = None
     for rows in args.rows:
         x = torch.randn(rows, inp, generator=generator)
-        native_s = per_matrix_s(native_call, awq, x)
-        native_deq_s = per_matrix_s(native_dequant_call, awq, x)
-        dequant_s = per_matrix_s(dequant_call, awq, x)
-        int4_s = per_matrix_s(int4mm_call, int4, x) if int4 else float("nan")
-        fp32_s = per_matrix_s(fp32_call, fp32, x)
+        native_s = best_per_item_s(lambda layer: native_call(layer, x), awq)
+        native_deq_s = best_per_item_s(lambda layer: native_dequant_call(layer, x), awq)
+        dequant_s = best_per_item_s(lambda layer: dequant_call(layer, x), awq)
+        int4_s = best_per_item_s(lambda layer: int4mm_call(layer, x), int4) if int4 else float("nan")
+        fp32_s = best_per_item_s(lambda layer: fp32_call(layer, x), fp32)
         reference = x @ dense.T
         diff = (native_call(awq[0], x) - reference).abs().max().item() / reference.abs().max().item()
         bandwidth = template.packed_bytes() / native_s / 1e9

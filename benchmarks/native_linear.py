@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,22 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from _util import best_per_item_s  # noqa: E402
+
 from kvstream.hf import native_linear  # noqa: E402
 
 SHAPES = {"mlp gate/up": (1536, 576), "mlp down": (576, 1536), "attn q/o": (576, 576), "lm head": (49152, 576)}
-
-
-def per_matrix_s(fn, x: torch.Tensor, weights: list[torch.Tensor], rounds: int = 3) -> float:
-    """Best of ``rounds`` passes over ``weights`` (one warm-up pass first), per matrix."""
-    for w in weights:
-        fn(x, w)
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for w in weights:
-            fn(x, w)
-        best = min(best, (time.perf_counter() - start) / len(weights))
-    return best
 
 
 def main() -> None:
@@ -64,8 +52,8 @@ def main() -> None:
             weights = [torch.randn(n, k, generator=generator) / k**0.5 for _ in range(count)]
             for rows in args.rows:
                 x = torch.randn(rows, k, generator=generator)
-                base = per_matrix_s(lambda a, w: F.linear(a, w), x, weights)
-                mine = per_matrix_s(module.native_linear, x, weights)
+                base = best_per_item_s(lambda w: F.linear(x, w), weights)
+                mine = best_per_item_s(lambda w: module.native_linear(x, w), weights)
                 want = F.linear(x, weights[0])
                 diff = float((module.native_linear(x, weights[0]) - want).abs().max() / want.abs().max())
                 print(f"{label:<13}{rows:>5}{base * 1e3:>13.3f}{mine * 1e3:>11.3f}{base / mine:>6.2f}x"

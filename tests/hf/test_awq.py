@@ -88,6 +88,19 @@ def test_each_kernel_matches_the_reference_matmul(kernel, monkeypatch):
     assert torch.allclose(y, reference, atol=1e-4, rtol=1e-4)
 
 
+def built_native_kernel() -> str:
+    """How the native AWQ kernel was built; skips the test where it could not be (fails under
+    KVSTREAM_REQUIRE_REAL)."""
+    from kvstream.hf.awq import native
+
+    module, why = native.load()
+    if module is None:
+        if REQUIRE_REAL:
+            pytest.fail(f"the native AWQ kernel did not build: {why}")
+        pytest.skip(f"the native AWQ kernel did not build here: {why}")
+    return why
+
+
 @pytest.mark.parametrize(("group_size", "out"), [(64, 320), (128, 328), (32, 72)])
 def test_the_native_kernel_matches_the_reference_and_a_row_ignores_its_batch(group_size, out):
     """Decode rows (up to native.MAX_ROWS) through the compiled kernel, more through dequant;
@@ -96,11 +109,7 @@ def test_the_native_kernel_matches_the_reference_and_a_row_ignores_its_batch(gro
     (41, 9) that leave a tail after the kernel's 8-word units."""
     from kvstream.hf.awq import native
 
-    module, why = native.load()
-    if module is None:
-        if REQUIRE_REAL:
-            pytest.fail(f"the native AWQ kernel did not build: {why}")
-        pytest.skip(f"the native AWQ kernel did not build here: {why}")
+    why = built_native_kernel()
     generator = torch.Generator().manual_seed(5)
     packed = quantize_rtn(torch.randn(out, 256, generator=generator), group_size)
     layer = AWQLinear(packed)
@@ -131,11 +140,7 @@ def test_the_native_dequantizer_gives_the_reference_weights_for_any_range_of_wor
     dequantization, any range of words, written into a reused buffer; bad ranges are errors."""
     from kvstream.hf.awq import native
 
-    module, why = native.load()
-    if module is None:
-        if REQUIRE_REAL:
-            pytest.fail(f"the native AWQ kernel did not build: {why}")
-        pytest.skip(f"the native AWQ kernel did not build here: {why}")
+    built_native_kernel()
     generator = torch.Generator().manual_seed(6)
     layer = AWQLinear(quantize_rtn(torch.randn(328, 128, generator=generator), 64))
     reference = dequantize(layer.packed())  # [in, out]
