@@ -103,7 +103,7 @@ def built_native_kernel() -> str:
 
 @pytest.mark.parametrize(("group_size", "out"), [(64, 320), (128, 328), (32, 72)])
 def test_the_native_kernel_matches_the_reference_and_a_row_ignores_its_batch(group_size, out):
-    """Decode rows (up to native.MAX_ROWS) through the compiled kernel, more through dequant;
+    """Decode rows (up to native.MAX_ROWS) through the compiled kernel, more through its dequantizer;
     a row's output is bit-identical alone and batched (its sums run in a fixed order), whichever
     register tile it lands in (rows go 4, 2, then 1 at a time). ``out`` 328 and 72: word counts
     (41, 9) that leave a tail after the kernel's 8-word units."""

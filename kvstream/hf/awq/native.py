@@ -5,7 +5,7 @@ It exists because decoding reads each weight once per step: the pure-torch ``deq
 kernel writes and rereads a float copy of every weight (several passes over 8 bytes per
 weight for the 0.5 it reads), so a decode step spent ~7x longer in an AWQ projection than
 in the fp32 one. This kernel reads the packed words once and unpacks them in registers
-(AVX2 + FMA + F16C where the CPU has them, plain C++ otherwise): at one row it is 1.5-2x
+(AVX2 + FMA + F16C where the CPU has them, plain C++ otherwise): at one row it is 1.25-2.7x
 faster than the same layer in float32, which reads eight times the bytes. Above ``MAX_ROWS``
 rows (prefill chunks, large batches) ``AWQLinear`` runs BLAS on weights ``dequantize`` (the
 same source's one-pass dequantizer) writes, a bounded block of columns at a time.
