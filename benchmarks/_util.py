@@ -89,3 +89,16 @@ def best_per_item_s(call, items: list, rounds: int = 3) -> float:
         best = min(best, (time.perf_counter() - start) / len(items))
     return best
 
+
+def built_kernel(load, label: str, threads: int | None):
+    """A kernel benchmark's set-up: torch on ``threads`` threads (None: its default), and the
+    compiled module ``load()`` returns with how it was built; exits saying why when it did not build."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    module, how = load()
+    if module is None:
+        sys.exit(f"the {label} is not built here: {how}")
+    return module, how
+

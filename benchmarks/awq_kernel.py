@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _util import best_per_item_s  # noqa: E402
+from _util import best_per_item_s, built_kernel  # noqa: E402
 
 from kvstream.hf import native_linear  # noqa: E402
 from kvstream.hf.awq import native  # noqa: E402
@@ -76,11 +76,7 @@ def main() -> None:
     parser.add_argument("--megabytes", type=int, default=32, help="packed AWQ weights per shape (fp32: 8x that)")
     parser.add_argument("--group-size", type=int, default=64, help="SmolLM2's checkpoints here use 64 (576 = 4.5 x 128)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    module, how = native.load()
-    if module is None:
-        sys.exit(f"the native AWQ kernel is not built here: {how}")
+    _, how = built_kernel(native.load, "native AWQ kernel", args.threads)
     print(f"AWQ int4 (group {args.group_size}) kernels, float32 activations, {torch.get_num_threads()} threads; "
           f"native ({how}) takes up to {native.MAX_ROWS} rows in the engine")
     print(f"{'shape':<13}{'rows':>5}{'native ms':>11}{'native deq':>11}{'dequant':>9}{'int4mm':>9}{'fp32':>9}"

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _util import best_per_item_s  # noqa: E402
+from _util import best_per_item_s, built_kernel  # noqa: E402
 
 from kvstream.hf import native_linear  # noqa: E402
 
@@ -38,11 +38,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--megabytes", type=int, default=256, help="weights per shape (past the caches)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    module, how = native_linear.load()
-    if module is None:
-        sys.exit(f"the native linear kernel is not built here: {how}")
+    module, how = built_kernel(native_linear.load, "native linear kernel", args.threads)
     print(f"native linear ({how}) vs F.linear, float32, {torch.get_num_threads()} threads; kernel up to {native_linear.MAX_ROWS} rows in the engine")
     print(f"{'shape':<13}{'rows':>5}{'F.linear ms':>13}{'native ms':>11}{'ratio':>7}{'GB/s':>7}{'GFLOP/s':>9}{'rel diff':>10}")
     generator = torch.Generator().manual_seed(0)

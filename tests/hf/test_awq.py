@@ -155,6 +155,16 @@ def test_the_native_dequantizer_gives_the_reference_weights_for_any_range_of_wor
             native.dequantize(*tensors, first, last, buffer)
     with pytest.raises(RuntimeError, match="buffer shape"):
         native.dequantize(*tensors, 0, 41, buffer[:100])
+    with pytest.raises(RuntimeError, match="buffer must be contiguous"):
+        native.dequantize(*tensors, 0, 41, torch.empty(2 * 128 * 328)[::2])
+    with pytest.raises(RuntimeError, match="buffer float32"):
+        native.dequantize(*tensors, 0, 41, buffer.double())
+    with pytest.raises(RuntimeError, match="float16"):
+        native.dequantize(*tensors[:2], layer.scales.float(), *tensors[3:], 0, 41, buffer)
+    # Tensors the caller passes strided are read as they are meant (made contiguous first).
+    strided = torch.stack([layer.qweight, layer.qweight], dim=-1)[..., 0]
+    assert not strided.is_contiguous()
+    assert torch.equal(native.dequantize(strided, *tensors[1:], 0, 41, buffer), reference)
     x = torch.randn(native.MAX_ROWS + 5, 128, generator=generator)  # past the gemv: dequantizer + BLAS
     layer.kernel = "native"
     assert torch.allclose(layer(x), x @ reference, atol=1e-4, rtol=1e-4)

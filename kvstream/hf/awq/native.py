@@ -38,15 +38,19 @@ def load() -> tuple[ModuleType | None, str]:
     return native_build.load_extension("kvstream_awq_gemv", SOURCE)
 
 
+def _built() -> ModuleType:
+    module, why = load()
+    if module is None:
+        raise RuntimeError(f"the native AWQ kernel is not available: {why}")
+    return module
+
+
 def gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, logical: torch.Tensor,
          group_size: int) -> torch.Tensor:
     """``[rows, in]`` float32 times the weights of a checkpoint's ``qweight`` / ``qzeros`` /
     ``scales`` -> ``[rows, out]`` in column order; ``logical[p]`` is the column of packed
     column ``p`` (``AWQLinear.packed_order``)."""
-    module, why = load()
-    if module is None:
-        raise RuntimeError(f"the native AWQ kernel is not available: {why}")
-    return module.awq_gemv(x, qweight, qzeros, scales, logical, group_size)
+    return _built().awq_gemv(x, qweight, qzeros, scales, logical, group_size)
 
 
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, logical: torch.Tensor, group_size: int,
@@ -54,7 +58,4 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     """The float32 weights of packed words ``[first_word, last_word)`` (columns ``8 *
     first_word`` up to ``8 * last_word``), ``[in, columns]`` in column order, written into
     ``buffer`` (float32, contiguous, at least that many elements) and returned as a view of it."""
-    module, why = load()
-    if module is None:
-        raise RuntimeError(f"the native AWQ kernel is not available: {why}")
-    return module.awq_dequantize(qweight, qzeros, scales, logical, group_size, first_word, last_word, buffer)
+    return _built().awq_dequantize(qweight, qzeros, scales, logical, group_size, first_word, last_word, buffer)
