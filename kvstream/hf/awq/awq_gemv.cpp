@@ -104,6 +104,11 @@ static inline void awq_row8(const float* x, float xsum, const int32_t* q, const 
     UNROLL for (int n = 0; n < 8; ++n) acc[n] = _mm256_setzero_ps();
     for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
         const __m256 xv = _mm256_broadcast_ss(x + i);
+        // The next cache line of this input's words (the block after next reads it): walking
+        // a group column-wise, one row's words at a stride of the row, the hardware
+        // prefetcher falls behind; this took 20% off a decode step's projections
+        // (9.3 -> 7.3 ms for SmolLM2's, from memory). More rows are compute-bound: no gain.
+        _mm_prefetch(reinterpret_cast<const char*>(q + i * words + j0 + 16), _MM_HINT_T0);
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * words + j0));
         acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), xv, acc[0]);
         acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), low)), xv, acc[1]);
