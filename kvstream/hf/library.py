@@ -145,10 +145,21 @@ class HFEngine:
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, list(stop or []))
         return self._run([self.encode(prompt)], [params], start)[0]
 
-    def generate_batch(self, prompts: list[str | list[dict[str, Any]]], max_new_tokens: int = 64, **sampling: Any) -> list[GenerationResult]:
-        """Generate for several prompts at once (continuous batching); timings per request."""
+    def generate_batch(
+        self,
+        prompts: list[str | list[dict[str, Any]]],
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for several prompts at once (continuous batching); timings per request.
+        Greedy unless ``temperature`` says otherwise, as ``generate``."""
         start = time.perf_counter()
-        params = [SamplingParams(max_new_tokens, **sampling) for _ in prompts]
+        params = [SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, list(stop or [])) for _ in prompts]
         return self._run([self.encode(p) for p in prompts], params, start)
 
     def verify_correctness(

@@ -34,8 +34,10 @@ def test_warm_then_generate_reuses_the_prefix_and_answers_as_cold(engine):
 def test_chat_messages_and_batches(engine):
     messages = [{"role": "user", "content": "Name a colour."}]
     one = engine.generate(messages, max_new_tokens=8)
-    batch = engine.generate_batch([messages, [{"role": "user", "content": "Name a fruit."}]], max_new_tokens=8, temperature=0)
-    assert batch[0].token_ids == one.token_ids and len(batch) == 2
+    batch = engine.generate_batch([messages, [{"role": "user", "content": "Name a fruit."}]], max_new_tokens=8)
+    assert batch[0].token_ids == one.token_ids and len(batch) == 2  # greedy by default, as generate
+    sampled = engine.generate_batch([messages] * 2, max_new_tokens=8, temperature=1.5, seed=3)
+    assert sampled[0].token_ids == sampled[1].token_ids != one.token_ids  # a seed, not greedy
 
 
 def test_verify_correctness_reports_exact_agreement_with_real_reuse(engine):
