@@ -204,10 +204,18 @@ def paged_attention(
     layer = module.layer_idx
     k_pool = plan.cache.flat_k[layer]
     v_pool = plan.cache.flat_v[layer]
-    k_pool.index_copy_(0, plan.write_slots, key[0].transpose(0, 1).to(k_pool.dtype))
-    v_pool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(v_pool.dtype))
+    if plan.kernel == "native" and k_pool.dtype == key.dtype == value.dtype == torch.float32:
+        native_attention.write_kv(k_pool, v_pool, plan.write_slots, key[0], value[0])  # one call, not six ops
+    else:
+        k_pool.index_copy_(0, plan.write_slots, key[0].transpose(0, 1).to(k_pool.dtype))
+        v_pool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(v_pool.dtype))
 
     q = query[0]  # [H_q, T, D]
+    if plan.decode_tables is not None and not plan.prefills:
+        # Every row is a decode, in row order: no picking rows out and putting them back.
+        o = native_attention.paged_decode(q.transpose(0, 1), k_pool, v_pool, plan.decode_tables, plan.decode_lengths,
+                                          plan.cache.block_size, scaling)
+        return o.unsqueeze(0), None
     gqa = q.shape[0] != key.shape[1]
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H_q, D]
     for chunk in plan.prefills:

@@ -331,6 +331,7 @@ class HFBackend(InProcessBackend):
                 "attention_backend_why": runner.attention.why_not,  # why each faster tier is not running
                 "matmul_backend": runner.matmul.name,
                 "matmul_backend_why": runner.matmul.why_not,
+                "native_ops": runner.native_ops.summary(),
             }
         if self.loaded is not None:
             info["weights"] = self.loaded.weights_snapshot()

@@ -33,7 +33,7 @@ import torch
 from kvstream.config import default
 from kvstream.hf import compat
 from kvstream.hf import blend as blend_module
-from kvstream.hf import flex, native_linear
+from kvstream.hf import flex, native_linear, native_ops
 from kvstream.hf.attention import AttentionPlan, scattered_plan
 from kvstream.hf.attention_tiers import TierChoice, choose_tier
 from kvstream.hf.blend import BlendParams
@@ -76,7 +76,9 @@ class RunnerConfig:
     max_model_len: int | None = None
     model_identity: str = "hf"
     attention: str = "auto"  # auto | native | flex | sdpa | eager: the tier, probed at start (attention_tiers.py)
-    matmul: str = "auto"  # auto | native | torch: what runs the linear layers for decode-sized batches (native_linear.py)
+    # auto | native | torch: what runs the linear layers for decode-sized batches (native_linear.py);
+    # all but torch also put the norms and rotary embedding on native_ops.py's kernels
+    matmul: str = "auto"
     # Spill tiers for cached blocks the pool reclaims (kv_store.py): host RAM within
     # host_cache_bytes (0: none), then disk_cache_dir within disk_cache_bytes (None: none).
     # kv_cache_bits 8 or 4 stores spilled and swapped blocks KIVI-quantized (None: model
@@ -151,6 +153,8 @@ class ModelRunner:
             config.attention, model.config.num_attention_heads, self.kv_shape, self.kv_dtype, self.device, config.block_size
         )
         config = replace(config, attention=self.attention.name)
+        # The norms and rotary embedding go native unless torch's own ops are asked for (native_ops.py).
+        self.native_ops = native_ops.install(model, config.matmul != "torch")
         self.matmul = native_linear.install(model, config.matmul)
         config = replace(config, matmul=self.matmul.name)
         if config.max_num_seqs == "auto":

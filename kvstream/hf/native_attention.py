@@ -49,3 +49,14 @@ def paged_decode(
     if module is None:
         raise NativeKernelUnavailable(f"the native attention kernel is not available: {why}")
     return module.paged_decode(q, k_pool, v_pool, tables, lengths, block_size, scale if scale is not None else q.shape[-1] ** -0.5)
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Write a step's new ``key`` / ``value`` (``[H_kv, T, D]``, float32, any strides with D
+    contiguous) into one layer's pools (``[slots, H_kv, D]``) at ``slots`` (int64 ``[T]``):
+    ``pool.index_copy_(0, slots, key.transpose(0, 1))`` in one call. Raises RuntimeError on a
+    slot outside the pool, before writing anything."""
+    module, why = load()
+    if module is None:
+        raise NativeKernelUnavailable(f"the native attention kernel is not available: {why}")
+    module.write_kv(k_pool, v_pool, slots, key, value)

@@ -86,17 +86,20 @@ def build_name(stem: str, vector: bool | None = None) -> str:
     return f"{stem}_{capability}"
 
 
-def load_extension(stem: str, source: Path, vector: bool | None = None) -> tuple[ModuleType | None, str]:
+def load_extension(
+    stem: str, source: Path, vector: bool | None = None, extra_flags: tuple[str, ...] = ()
+) -> tuple[ModuleType | None, str]:
     """The compiled ``source`` and how it was built ("AVX2 + FMA" or "scalar C++"), or None
     and why not (one line). Logs once at info when it compiles (tens of seconds) and at
     warning when it cannot. ``vector``: None builds for this CPU; False builds the plain C++
-    branches that a CPU without AVX2 runs (the tests run them here that way)."""
+    branches that a CPU without AVX2 runs (the tests run them here that way).
+    ``extra_flags``: more compiler flags for this source (``-ffp-contract=off``)."""
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
     vector = capability in ("AVX2", "AVX512") and vector is not False
     # -fopenmp: at::parallel_for is inline OpenMP; compiled without it, a kernel runs on one
     # thread. The extension then shares the libgomp torch already loaded (same soname).
     openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
-    flags = ["-O3", *openmp, *(["-mavx2", "-mfma", "-mf16c"] if vector else [])]
+    flags = ["-O3", *openmp, *(["-mavx2", "-mfma", "-mf16c"] if vector else []), *extra_flags]
     name = build_name(stem, vector)
     try:
         from torch.utils.cpp_extension import load as build

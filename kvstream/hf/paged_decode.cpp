@@ -224,7 +224,36 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
     return out;
 }
 
+// Writes a step's new keys and values into one layer's pools: token t's K / V (key[h, t],
+// value[h, t], [H_kv, T, D], any strides with D contiguous) to pool row slots[t]. What
+// ``index_copy_`` of the transposed K and V does, in one call instead of six ops per layer.
+void write_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, torch::Tensor key, torch::Tensor value) {
+    TORCH_CHECK(k_pool.dtype() == torch::kFloat32 && v_pool.dtype() == torch::kFloat32 && key.dtype() == torch::kFloat32
+                && value.dtype() == torch::kFloat32, "write_kv writes float32 only");
+    TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.dim() == 1, "slots must be int64 [T]");
+    TORCH_CHECK(!k_pool.is_cuda() && !v_pool.is_cuda() && !key.is_cuda() && !value.is_cuda(), "write_kv runs on CPU tensors");
+    TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes() && key.dim() == 3 && value.sizes() == key.sizes(),
+                "expected pools [slots, H_kv, D] and key / value [H_kv, T, D]");
+    const int64_t heads = key.size(0), tokens = key.size(1), dim = key.size(2), rows = k_pool.size(0);
+    TORCH_CHECK(k_pool.size(1) == heads && k_pool.size(2) == dim && slots.size(0) == tokens, "write_kv shape mismatch");
+    TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1,
+                "the head dim must be contiguous");
+    slots = slots.contiguous();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < rows, "slot outside the pool");
+    float* kp = k_pool.data_ptr<float>();
+    float* vp = v_pool.data_ptr<float>();
+    const float* ks = key.data_ptr<float>();
+    const float* vs = value.data_ptr<float>();
+    for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+            std::copy_n(ks + h * key.stride(0) + t * key.stride(1), dim, kp + slot[t] * k_pool.stride(0) + h * k_pool.stride(1));
+            std::copy_n(vs + h * value.stride(0) + t * value.stride(1), dim, vp + slot[t] * v_pool.stride(0) + h * v_pool.stride(1));
+        }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("write_kv", &write_kv, "a step's new K / V into one layer's pools at their slots (CPU, float32)");
     m.def("paged_decode", &paged_decode, "decode attention reading K/V in place from a paged pool (CPU, float32)",
           py::call_guard<py::gil_scoped_release>());  // the server's event loop runs meanwhile
 }

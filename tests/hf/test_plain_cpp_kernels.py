@@ -69,3 +69,15 @@ def test_the_plain_decode_attention_kernel_matches_eager(heads, kv_heads, dim, b
     assert torch.allclose(out, reference(q, k_pool, v_pool, tables, lens, block_size, dim**-0.5), atol=1e-5, rtol=1e-5)
     alone = module.paged_decode(q[2:3], k_pool, v_pool, tables[2:3], lens[2:3], block_size, dim**-0.5)
     assert torch.equal(alone[0], out[2])
+
+
+def test_the_plain_kv_write_matches_index_copy():
+    module = plain_build("kvstream_paged_decode", native_attention.SOURCE)
+    generator = torch.Generator().manual_seed(9)
+    k_pool, v_pool = torch.randn(24, 2, 32, generator=generator), torch.randn(24, 2, 32, generator=generator)
+    key, value = (torch.randn(1, 4, 2, 32, generator=generator).transpose(1, 2)[0] for _ in range(2))
+    slots = torch.tensor([3, 23, 0, 9])
+    want_k = k_pool.clone().index_copy_(0, slots, key.transpose(0, 1))
+    want_v = v_pool.clone().index_copy_(0, slots, value.transpose(0, 1))
+    module.write_kv(k_pool, v_pool, slots, key, value)
+    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
