@@ -10,7 +10,7 @@ import contextlib
 
 import pytest
 
-from tests.conftest import _require
+from tests.conftest import REQUIRE_REAL, _require
 
 try:
     import torch
@@ -93,3 +93,14 @@ async def started_backend(smollm2, **sections):
         yield backend
     finally:
         await backend.close()
+
+
+def built_kernel(load, what: str):
+    """``load()``'s compiled module, or the test skipped where it could not be built (failed
+    under KVSTREAM_REQUIRE_REAL, where every kernel must build)."""
+    module, why = load()
+    if module is None:
+        if REQUIRE_REAL:
+            pytest.fail(f"{what} did not build: {why}")
+        pytest.skip(f"{what} did not build here: {why}")
+    return module

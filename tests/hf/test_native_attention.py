@@ -6,21 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import REQUIRE_REAL, require_import
+from tests.conftest import require_import
 
 torch = require_import("torch")
 
 from kvstream.hf import native_attention  # noqa: E402
 from kvstream.hf.attention import eager_attention  # noqa: E402
+from tests.hf.conftest import built_kernel  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    module, why = native_attention.load()
-    if module is None:
-        if REQUIRE_REAL:
-            pytest.fail(f"the native attention kernel did not build: {why}")
-        pytest.skip(f"the native attention kernel did not build here: {why}")
+    built_kernel(native_attention.load, "the native attention kernel")
 
 
 def make_case(heads, kv_heads, dim, block_size, lengths, seed=0):

@@ -14,15 +14,12 @@ from torch import nn
 
 from kvstream.hf import native_linear
 from kvstream.hf.native_linear import MatmulBackendError, NativeLinear, install
-from tests.hf.conftest import started_backend
+from tests.hf.conftest import built_kernel, started_backend
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    module, how = native_linear.load()
-    if module is None:
-        pytest.skip(f"the native linear kernel is not built here: {how}")
-    return module
+    return built_kernel(native_linear.load, "the native linear kernel")
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -10,17 +10,14 @@ from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from kvstream.hf import native_attention, native_ops
-from tests.hf.conftest import started_backend
+from tests.hf.conftest import built_kernel, started_backend
 
 ORIGINAL_ROTARY = getattr(modeling_llama.apply_rotary_pos_emb, "_kvstream_original", modeling_llama.apply_rotary_pos_emb)
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    module, how = native_ops.load()
-    if module is None:
-        pytest.skip(f"the native ops are not built here: {how}")
-    return module
+    return built_kernel(native_ops.load, "the native ops")
 
 
 def rotary_case(generator, batch, heads, kv_heads, tokens, dim, cos_batch):
