@@ -11,6 +11,8 @@ more layers, random weights; made here), in one run:
   anonymous RSS (what the process holds; mapped checkpoint pages are page cache);
 - AWQ streamed at K = 2 with ``drop_page_cache`` ("cold"): every forward reads the
   streamed layers from disk, as when the weights do not fit in memory;
+- the same streamed rows with ``staging="mapped"`` ("mapped"): streamed layers compute
+  straight from the mapped checkpoint, the next layers' pages faulted in ahead, no copies;
 - bytes staged per token, and the physical limit of streaming, measured here: the copy
   bandwidth from the mapped checkpoint in the page cache (warm rows) and the read bandwidth
   of the checkpoint file from disk after its pages are dropped (cold row), over those bytes.
@@ -47,7 +49,8 @@ def watch():
     while True:
         peak['anon'] = max(peak['anon'], status('RssAnon')); time.sleep(0.01)
 threading.Thread(target=watch, daemon=True).start()
-streaming = StreamingConfig('partial_resident', k, k, 2, mode == 'cold') if mode in ('stream', 'cold') else None
+staging = 'mapped' if mode.startswith('mapped') else 'copy'
+streaming = StreamingConfig('partial_resident', k, k, 2, mode.endswith('cold'), staging) if mode != 'resident' and mode != 'dense' else None
 engine = HFEngine.from_pretrained(None if folder == '-' else folder, device='cpu', dtype='float32', streaming=streaming,
                                   max_cache_bytes=256 * 2**20, max_batch_size=8)
 vocab = engine.tokenizer.vocab_size
@@ -181,6 +184,9 @@ def main() -> None:
         for k in (0, 2, 4):
             rows[f"awq streamed K={k}"] = run_worker(str(packed), "stream", k, args.tokens)
         rows["awq streamed K=2 cold"] = run_worker(str(packed), "cold", 2, args.tokens)
+        for k in (0, 2, 4):
+            rows[f"awq mapped K={k}"] = run_worker(str(packed), "mapped", k, args.tokens)
+        rows["awq mapped K=2 cold"] = run_worker(str(packed), "mapped-cold", 2, args.tokens)
         results[label] = {"copy_bandwidth": warm, "disk_bandwidth": cold, "rows": rows}
         print(f"\n{label}: bandwidth from the mapped checkpoint: page cache {warm / 1e9:.2f} GB/s, disk {cold / 1e9:.2f} GB/s")
         print(f"{'run':<22} {'TTFT':>8} {'tok/s b1':>9} {'tok/s b8':>9} {'resident':>9} {'peak RSS':>9} {'peak anon':>9} "

@@ -62,6 +62,7 @@ def serve(
     keep_last_k: Annotated[Optional[int], typer.Option(help="with --awq-streaming: last decoder layers kept resident (default 2)")] = None,
     staging_slots: Annotated[Optional[int], typer.Option(help="with --awq-streaming: staging slots (default 2)")] = None,
     drop_page_cache: Annotated[Optional[bool], typer.Option("--drop-page-cache", help="with --awq-streaming: drop streamed layers' checkpoint pages once staged")] = None,
+    staging: Annotated[Optional[str], typer.Option(help="with --awq-streaming: copy (into the slots) | mapped (CPU: compute from the mapped checkpoint, no copies)")] = None,
     config: ConfigOpt = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
@@ -76,7 +77,8 @@ def serve(
         },
         "server": {"host": host, "port": port},
         "routing": {"policy": routing},
-        "awq": {"streaming": awq_streaming, "mode": streaming_mode, "keep_first_k": keep_first_k, "keep_last_k": keep_last_k, "staging_slots": staging_slots, "drop_page_cache": drop_page_cache},
+        "awq": {"streaming": awq_streaming, "mode": streaming_mode, "keep_first_k": keep_first_k, "keep_last_k": keep_last_k, "staging_slots": staging_slots, "drop_page_cache": drop_page_cache,
+                "staging": staging},
         "scheduler": {"max_batch_size": max_batch_size},
         "prefix_cache": {"warm": warm or None, "reuse": reuse, "blend_ratio": blend_ratio},
         "attention": {"backend": attention_backend},

@@ -250,7 +250,7 @@ class HFBackend(InProcessBackend):
         if awq.streaming:
             from kvstream.hf.awq.streaming import StreamingConfig
 
-            streaming = StreamingConfig(awq.mode, awq.keep_first_k, awq.keep_last_k, awq.staging_slots, awq.drop_page_cache)
+            streaming = StreamingConfig(awq.mode, awq.keep_first_k, awq.keep_last_k, awq.staging_slots, awq.drop_page_cache, awq.staging)
         loaded = self.preloaded or load_model(self.model, backend.gguf_file, memory.dtype, backend.device, streaming)
         self.loaded = loaded
         self.model_name = loaded.name

@@ -319,8 +319,11 @@ def resident(rtn_folder):
     "config",
     [StreamingConfig("partial_resident", 2, 2, 2), StreamingConfig("partial_resident", 0, 0, 1),
      StreamingConfig("ffn_only_stream", 2, 2, 2), StreamingConfig("full_stream", 0, 0, 3),
-     StreamingConfig("partial_resident", 2, 2, 2, drop_page_cache=True)],
-    ids=["partial-k2", "partial-k0-one-slot", "ffn-only", "full-stream-3-slots", "pages-dropped"],
+     StreamingConfig("partial_resident", 2, 2, 2, drop_page_cache=True),
+     StreamingConfig("partial_resident", 2, 2, 2, staging="mapped"), StreamingConfig("full_stream", 0, 0, 1, staging="mapped"),
+     StreamingConfig("ffn_only_stream", 1, 1, 3, drop_page_cache=True, staging="mapped")],
+    ids=["partial-k2", "partial-k0-one-slot", "ffn-only", "full-stream-3-slots", "pages-dropped", "mapped",
+         "mapped-no-prefetch", "mapped-pages-dropped"],
 )
 def test_streamed_and_resident_give_identical_logits(rtn_folder, resident, config):
     ids, expected, full = resident
@@ -334,6 +337,21 @@ def test_streamed_and_resident_give_identical_logits(rtn_folder, resident, confi
         assert report.streamer.staged_bytes >= 2 * report.streamed_bytes > 0
     finally:
         report.streamer.close()
+
+
+def test_mapped_staging_faults_a_layer_in_with_the_fewest_page_ranges():
+    from kvstream.hf.awq.streaming import PAGE, merged_page_ranges
+
+    buffer = torch.zeros(64 * PAGE // 4, dtype=torch.int32)
+    base = buffer.data_ptr() // PAGE * PAGE
+    words = PAGE // 4
+    offset = (buffer.data_ptr() - base) // 4
+    first = buffer[words - offset : 3 * words - offset]  # pages 1-2 of the allocation's pages
+    second = buffer[3 * words - offset + 5 : 4 * words - offset]  # inside page 3: touches, merged
+    apart = buffer[10 * words - offset + 7 : 12 * words - offset + 1]  # pages 10-12, unaligned ends
+    empty = buffer[:0]
+    assert merged_page_ranges([apart, second, empty, first]) == [
+        (base + PAGE, base + 4 * PAGE), (base + 10 * PAGE, base + 13 * PAGE)]
 
 
 def test_resident_bytes_are_exactly_the_resident_parts(rtn_folder, resident):
@@ -353,6 +371,14 @@ def test_resident_bytes_are_exactly_the_resident_parts(rtn_folder, resident):
         assert report.resident_bytes == everything - streamed  # embeddings, norms, first/last 2 layers
         snapshot = report.snapshot()
         assert snapshot["staging_bytes"] == 2 * streamed // (layers - 4)  # two slots of one layer
+        assert snapshot["staging"] == "copy" and snapshot["staging_slots"] == 2
+    finally:
+        report.streamer.close()
+    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, staging="mapped"))
+    try:
+        snapshot = report.snapshot()
+        assert report.resident_bytes == everything - streamed and report.streamed_bytes == streamed
+        assert snapshot["staging"] == "mapped" and snapshot["staging_bytes"] == 0  # no slots: computed from the mapping
     finally:
         report.streamer.close()
 
@@ -370,7 +396,7 @@ def watch():
     while True:
         peak[0] = max(peak[0], anon()); time.sleep(0.005)
 threading.Thread(target=watch, daemon=True).start()
-streaming = StreamingConfig('partial_resident', 2, 2, 2) if sys.argv[2] == 'stream' else None
+streaming = StreamingConfig('partial_resident', 2, 2, 2, staging=sys.argv[2]) if sys.argv[2] != 'resident' else None
 model, report = load_awq_model(sys.argv[1], torch.float32, streaming)
 with torch.no_grad():
     for _ in range(3):
@@ -389,13 +415,14 @@ def test_peak_anonymous_memory_of_a_streamed_run_is_below_the_resident_run(rtn_f
 
     env = os.environ | {"MALLOC_TRIM_THRESHOLD_": "0"}
     peaks = {}
-    for how in ("resident", "stream"):
+    for how in ("resident", "copy", "mapped"):
         out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(rtn_folder), how], capture_output=True, text=True, timeout=300, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         peaks[how] = [int(v) for v in out.stdout.split()]
-    saved = peaks["resident"][1] - peaks["stream"][1]
-    assert saved > 40 * 2**20
-    assert peaks["stream"][0] < peaks["resident"][0] - saved // 2, peaks
+    for staging in ("copy", "mapped"):
+        saved = peaks["resident"][1] - peaks[staging][1]
+        assert saved > 40 * 2**20
+        assert peaks[staging][0] < peaks["resident"][0] - saved // 2, peaks
 
 
 # ------------------------------------------------------------------ bad checkpoints
@@ -463,6 +490,8 @@ def test_streaming_settings_the_model_cannot_take_are_refused(rtn_folder):
         load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 20, 20, 2))
     with pytest.raises(ValueError, match="layer streaming needs an AWQ checkpoint folder"):
         load_model(None, device="cpu", streaming=StreamingConfig())
+    with pytest.raises(CheckpointError, match="staging 'pinned' is not one of copy, mapped"):
+        load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, staging="pinned"))  # type: ignore[arg-type]
 
 
 def test_serve_with_a_folder_that_is_not_awq_exits_with_one_line(tmp_path):
@@ -502,8 +531,9 @@ async def test_greedy_text_through_the_server_is_the_same_streamed_and_resident(
     from kvstream.hf import HFBackend
 
     answers = {}
-    for streaming in (False, True):
-        backend = HFBackend(None, str(rtn_folder), num_gpu_blocks=128, device="cpu", streaming=streaming, keep_first_k=2, keep_last_k=2)
+    for streaming, staging in ((False, "copy"), (True, "copy"), (True, "mapped")):
+        backend = HFBackend(None, str(rtn_folder), num_gpu_blocks=128, device="cpu", streaming=streaming, keep_first_k=2, keep_last_k=2,
+                            staging=staging)
         proxy = await start_proxy(backend)
         await proxy.engine.start()
         try:
@@ -514,7 +544,7 @@ async def test_greedy_text_through_the_server_is_the_same_streamed_and_resident(
                         model=str(rtn_folder), messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0
                     )
                     texts.append(reply.choices[0].message.content)
-                answers[streaming] = texts
+                answers[streaming, staging] = texts
                 async with __import__("aiohttp").ClientSession() as http:
                     weights = (await (await http.get(proxy.url + "/status")).json())["backend"]["weights"]
                     metrics = await (await http.get(proxy.url + "/metrics")).text()
@@ -523,6 +553,8 @@ async def test_greedy_text_through_the_server_is_the_same_streamed_and_resident(
         assert weights["format"] == "awq"
         if streaming:
             assert weights["mode"] == "partial_resident" and weights["staged_bytes_total"] > 0 and weights["bytes_staged_per_token"] > 0
+            assert weights["staging"] == staging
             assert "kvstream_weights_staged_bytes_total" in metrics
         assert "kvstream_weights_resident_bytes" in metrics
-    assert answers[True] == answers[False] and all(answers[False])
+    resident = answers[False, "copy"]
+    assert answers[True, "copy"] == answers[True, "mapped"] == resident and all(resident)

@@ -50,7 +50,7 @@ class WeightsReport:
             s = self.streamer
             out |= {
                 "keep_first_k": self.keep_first_k, "keep_last_k": self.keep_last_k,
-                "staging_slots": len(s.slots), "staging_bytes": s.slot_bytes,
+                "staging": "mapped" if s.mapped else "copy", "staging_slots": s.depth, "staging_bytes": s.slot_bytes,
                 "staged_bytes_total": s.staged_bytes, "staged_bytes_per_forward": s.bytes_per_forward,
                 "bytes_staged_per_token": round(s.staged_bytes / self.tokens) if self.tokens else None,
                 "stall_seconds_total": round(s.stall_s, 3),
@@ -168,7 +168,7 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
                         for ref in (index.refs[f"{names[id(layers[layer])]}.{relative}.{part}"] for part in ("qweight", "qzeros", "scales"))]
                 for layer in plan
             }
-        streamer = LayerStreamer(layers, plan, streaming.staging_slots, ranges)
+        streamer = LayerStreamer(layers, plan, streaming.staging_slots, ranges, mapped=streaming.staging == "mapped")
         report.streamer, report.streamed_bytes = streamer, streamer.bytes_per_forward
 
         def count_tokens(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
