@@ -158,7 +158,7 @@ class AttentionSettings(_Section):
 
 
 class MatmulSettings(_Section):
-    backend: Literal["auto", "native", "torch"] = Field("auto", description="hf: what runs the model's linear layers for batches of up to 64 rows (decode steps); auto = native where it builds and agrees with torch's at start (a C++ kernel built on first use; CPU, float32; needs a C++ compiler and ninja), torch otherwise; torch = F.linear always")
+    backend: Literal["auto", "native", "torch"] = Field("auto", description="hf: what runs the model's linear layers for batches of up to 64 rows (decode steps); auto = native where it builds and agrees with torch's at start (a C++ kernel built on first use; CPU, float32; needs a C++ compiler and ninja), torch otherwise; torch = F.linear always. All but torch also run the RMSNorm and rotary embedding as one native call each where they agree with transformers' ops")
 
 
 class AWQSettings(_Section):
