@@ -164,7 +164,8 @@ class EngineThread(Executor):
 
     def __init__(self, name: str = "kvstream-hf-engine") -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._work, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         future: Future = Future()
@@ -172,7 +173,10 @@ class EngineThread(Executor):
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._jobs.put(None)  # the thread ends after the jobs before it
+        """End the thread after the jobs before this call; ``wait``: until it has ended."""
+        self._jobs.put(None)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -291,7 +295,10 @@ class HFBackend(InProcessBackend):
         if self.runner is not None:
             await asyncio.to_thread(self.runner.close)
         if self._engine_thread is not None:
-            self._engine_thread.shutdown(wait=False)
+            # Joined, not left running: a daemon thread still inside torch or a kernel when
+            # the interpreter exits is unwound there, and the process aborted ("terminate
+            # called without an active exception", rc 134, in 4 of 10 runs that closed a backend).
+            await asyncio.to_thread(self._engine_thread.shutdown, True)
             self._engine_thread = None
 
     @property
