@@ -75,6 +75,33 @@ def test_the_wrapped_rotary_sends_other_calls_to_the_original(kernels):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_a_call_the_kernel_does_not_take_goes_to_the_original(kernels):
+    wrapped = native_ops._wrap_rotary(ORIGINAL_ROTARY)
+    generator = torch.Generator().manual_seed(10)
+    q, k, cos, sin = rotary_case(generator, 1, 4, 2, 3, 16, 2)  # cos / sin batch 2 broadcast over q's 1
+    got, want = wrapped(q, k, cos, sin), ORIGINAL_ROTARY(q, k, cos, sin)
+    assert got[0].shape[0] == 2 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def rotate_every_two(q, k, cos, sin):
+    """GPT-J's interleaved rotary: the same call, another formula."""
+    def rotate(x):
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+def needs_position_ids(q, k, cos, sin, position_ids):
+    return q, k
+
+
+def test_only_the_standard_rotary_form_is_wrapped(kernels):
+    assert native_ops._rotary_agrees(kernels, ORIGINAL_ROTARY, 9, 3, 64)
+    assert not native_ops._rotary_agrees(kernels, rotate_every_two, 9, 3, 64)
+    assert not native_ops._rotary_agrees(kernels, needs_position_ids, 9, 3, 64)
+
+
 @pytest.mark.parametrize("width", [576, 64, 37, 1])
 @pytest.mark.parametrize("shape", [(1,), (5,), (2, 3)])
 def test_rms_norm_matches_transformers_norm(kernels, width, shape):
