@@ -354,6 +354,23 @@ def test_mapped_staging_faults_a_layer_in_with_the_fewest_page_ranges():
         (base + PAGE, base + 4 * PAGE), (base + 10 * PAGE, base + 13 * PAGE)]
 
 
+def test_populating_pages_falls_back_to_read_ahead_on_an_older_kernel(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvstream.hf.awq import streaming
+
+    calls = []
+
+    def madvise(address, length, advice):
+        calls.append((address.value, length.value, advice))
+        return -1 if advice == streaming.MADV_POPULATE_READ else 0  # EINVAL before Linux 5.14
+
+    monkeypatch.setattr(streaming, "_libc", SimpleNamespace(madvise=madvise))
+    streaming.populate_pages(streaming.PAGE, 3 * streaming.PAGE)
+    assert calls == [(streaming.PAGE, 2 * streaming.PAGE, streaming.MADV_POPULATE_READ),
+                     (streaming.PAGE, 2 * streaming.PAGE, streaming.MADV_WILLNEED)]
+
+
 def test_resident_bytes_are_exactly_the_resident_parts(rtn_folder, resident):
     _, _, full = resident
     index = SafetensorsIndex(rtn_folder)

@@ -142,8 +142,12 @@ class LayerStreamer:
             shapes = {name: tuple(t.shape for t in (p.qweight, p.qzeros, p.scales)) for name, p in self.sources[layer]}
             if shapes != expected:
                 raise ValueError(f"decoder layer {layer} has other projection shapes than layer {self.order[0]}: it cannot be streamed")
-        self.bytes_per_forward = sum(p.nbytes() - (p.bias.numel() * p.bias.element_size() if p.bias is not None else 0)
-                                     for layer in self.order for _, p in self.sources[layer])
+        self.layer_bytes = {  # packed bytes each streamed layer stages (biases stay resident)
+            layer: sum(p.nbytes() - (p.bias.numel() * p.bias.element_size() if p.bias is not None else 0)
+                       for _, p in self.sources[layer])
+            for layer in self.order
+        }
+        self.bytes_per_forward = sum(self.layer_bytes.values())
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstream-stage")
         self._pending: dict[int, tuple[Future[int], int]] = {}  # layer -> (copy, slot)
         self._bound: dict[int, int] = {}  # layer -> slot it computes from now
@@ -161,19 +165,19 @@ class LayerStreamer:
         # A plain memmove, not torch's copy: it allocates nothing and starts no OpenMP team
         # on this thread (which cost ~200 MB of per-thread heap arenas, measured), and ctypes
         # releases the GIL around it, so it overlaps the layer computing on the engine thread.
-        # Mapped: one madvise per tensor, which faults its pages in (also without the GIL).
-        staged = 0
-        for start, end in self.page_ranges.get(layer, ()):
-            populate_pages(start, end)
-        for name, packed in self.sources[layer]:
-            sources = (packed.qweight, packed.qzeros, packed.scales)
-            for i, source in enumerate(sources):
-                nbytes = source.numel() * source.element_size()
-                if not self.mapped:
-                    ctypes.memmove(self.slots[slot][name][i].data_ptr(), source.data_ptr(), nbytes)
-                staged += nbytes
-        if self.file_ranges is not None and not self.mapped:
-            self._drop(layer)
+        # Mapped: one madvise per merged page range, which faults the pages in (also without
+        # the GIL), and no per-tensor Python work on this thread (it would contend for the GIL
+        # with the forward).
+        staged = self.layer_bytes[layer]
+        if self.mapped:
+            for start, end in self.page_ranges[layer]:
+                populate_pages(start, end)
+        else:
+            for name, packed in self.sources[layer]:
+                for target, source in zip(self.slots[slot][name], (packed.qweight, packed.qzeros, packed.scales)):
+                    ctypes.memmove(target.data_ptr(), source.data_ptr(), source.numel() * source.element_size())
+            if self.file_ranges is not None:
+                self._drop(layer)
         with self._lock:
             self.staged_bytes += staged
         return staged
