@@ -216,14 +216,19 @@ def install(model: nn.Module, native: bool) -> NativeOpsChoice:
         return choice
     eligible = [n for n in norms if n.weight.dtype == torch.float32 and n.weight.device.type == "cpu"]
     for cls, norm in {_original_class(n): n for n in eligible}.items():  # one check per norm class
-        error = _norm_disagreement(kernels, norm)
-        if error > 1e-6:
-            choice.why_not[f"rms_norm:{cls.__name__}"] = f"disagrees with the module's own forward by {error:.2e} (relative)"
+        try:
+            error = _norm_disagreement(kernels, norm)
+            why = f"disagrees with the module's own forward by {error:.2e} (relative)" if error > 1e-6 else None
+        except (TypeError, ValueError, RuntimeError) as exc:  # a forward of another signature or shape rule
+            why = f"its forward cannot be checked: {type(exc).__name__}"
+        if why is not None:
+            choice.why_not[f"rms_norm:{cls.__name__}"] = why
             eligible = [n for n in eligible if _original_class(n) is not cls]
     _switch_norms([n for n in norms if n not in eligible], False)
     _switch_norms(eligible, True)
     choice.norms = len(eligible)
-    if next(model.parameters()).dtype == torch.float32 and next(model.parameters()).device.type == "cpu":
+    first = next(model.parameters(), None)
+    if first is not None and first.dtype == torch.float32 and first.device.type == "cpu":
         choice.rotary = _wrap_rotaries(model, kernels, choice.why_not)
     logger.info("native ops: %d RMSNorm modules, rotary in %s", choice.norms, ", ".join(choice.rotary) or "none")
     return choice

@@ -142,6 +142,13 @@ class GemmaStyleRMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * (1 + self.weight)
 
 
+class ScaledRMSNorm(LlamaRMSNorm):
+    """A norm whose forward takes another argument: it cannot be checked, so it is left alone."""
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return super().forward(x) * scale
+
+
 class TinyWithNorms(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -162,6 +169,14 @@ def test_install_switches_only_norms_that_agree(kernels):
         model.llama.__class__ = LlamaRMSNorm
         reference = model.llama(x)
     assert float((native - reference).abs().max()) <= 1e-6 * float(reference.abs().max())
+
+
+def test_a_norm_whose_forward_cannot_be_checked_is_left_alone(kernels):
+    model = TinyWithNorms()
+    model.gemma = ScaledRMSNorm(16)
+    choice = native_ops.install(model, True)
+    assert type(model.gemma) is ScaledRMSNorm and type(model.llama).__name__ == "NativeLlamaRMSNorm"
+    assert choice.norms == 1 and choice.why_not == {"rms_norm:ScaledRMSNorm": "its forward cannot be checked: TypeError"}
 
 
 def test_install_gives_the_norms_back_and_a_missing_compiler_keeps_them(kernels, monkeypatch):
