@@ -303,6 +303,8 @@ def test_the_checkpoint_is_autoawq_shaped(rtn_folder):
     assert index.refs[f"{name}.qzeros"].shape == (1536 // 64, 576 // 8)
     assert index.refs[f"{name}.scales"].shape == (1536 // 64, 576) and index.refs[f"{name}.scales"].dtype == torch.float16
     assert f"{name}.weight" not in index and "lm_head.weight" not in index  # tied to the embeddings
+    # every other tensor in float16, as AutoAWQ writes them
+    assert index.refs["model.embed_tokens.weight"].dtype == torch.float16 and index.refs["model.norm.weight"].dtype == torch.float16
 
 
 @pytest.fixture(scope="module")
@@ -371,11 +373,18 @@ def test_populating_pages_falls_back_to_read_ahead_on_an_older_kernel(monkeypatc
                      (streaming.PAGE, 2 * streaming.PAGE, streaming.MADV_WILLNEED)]
 
 
+def held_bytes(name: str, ref) -> int:
+    """What a float32 engine holds for a checkpoint tensor: the packed tensors and the
+    embeddings as stored, every other float16 tensor (norms) upcast."""
+    as_stored = name == "model.embed_tokens.weight" or name.rsplit(".", 1)[1] in ("qweight", "qzeros", "scales")
+    return ref.nbytes * (1 if as_stored or ref.dtype != torch.float16 else 2)
+
+
 def test_resident_bytes_are_exactly_the_resident_parts(rtn_folder, resident):
     _, _, full = resident
     index = SafetensorsIndex(rtn_folder)
-    everything = sum(ref.nbytes for ref in index.refs.values())
-    assert full.resident_bytes == everything  # fp32 checkpoint, fp32 engine: every byte once
+    everything = sum(held_bytes(name, ref) for name, ref in index.refs.items())
+    assert full.resident_bytes == everything  # every tensor once (the tied head is the embeddings)
     model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2))
     try:
         layers = len(decoder_layers(model))
@@ -440,6 +449,89 @@ def test_peak_anonymous_memory_of_a_streamed_run_is_below_the_resident_run(rtn_f
         saved = peaks["resident"][1] - peaks[staging][1]
         assert saved > 40 * 2**20
         assert peaks[staging][0] < peaks["resident"][0] - saved // 2, peaks
+
+
+# ------------------------------------------------------------------ embeddings kept as stored
+def upcast_copy(model):
+    """The same model with its embeddings and tied head upcast to float32 nn modules."""
+    import copy
+
+    from torch import nn
+
+    reference = copy.copy(model)  # only the two modules are swapped: share everything else
+    reference.model = copy.copy(model.model)
+    reference.model._modules = dict(model.model._modules)
+    table = nn.Parameter(model.model.embed_tokens.weight.float(), requires_grad=False)
+    reference.model._modules["embed_tokens"] = nn.Embedding(*table.shape, _weight=table)
+    reference._modules = dict(model._modules) | {"model": reference.model, "lm_head": nn.Linear(table.shape[1], table.shape[0], bias=False)}
+    reference.lm_head.weight = table
+    return reference
+
+
+def test_the_embeddings_and_tied_head_stay_float16_and_give_the_upcast_model_s_logits(rtn_folder, resident):
+    from kvstream.hf.half_weights import HalfEmbedding, HalfLinear
+
+    if resident[2].embeddings.startswith("float32"):
+        pytest.skip(f"embeddings upcast here: {resident[2].embeddings}")
+    model, report = load_awq_model(rtn_folder, torch.float32)
+    embed, head = model.model.embed_tokens, model.lm_head
+    assert isinstance(embed, HalfEmbedding) and isinstance(head, HalfLinear)
+    assert embed.weight.dtype == torch.float16 and head.weight is embed.weight  # tied: one table
+    assert next(model.parameters()).dtype == torch.float32  # the engine's kv dtype and transformers' model.dtype
+    assert report.snapshot()["embeddings"] == "float16 as stored, LM head tied to them"
+    reference = upcast_copy(model)
+    ids = torch.randint(0, 40000, (2, 37), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for batch in (ids, ids[:1, :4], ids[:, :1]):  # 74 rows (blocks upcast), 4 and 2 (the kernel)
+            got, want = model(batch, use_cache=False).logits, reference(batch, use_cache=False).logits
+            assert got.dtype == torch.float32
+            assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def untied_float16_head(folder):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].flip(0).contiguous()
+    save_file(state, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
+
+
+def float32_embeddings(folder):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"].float()
+    save_file(state, folder / "model.safetensors")
+
+
+def test_an_untied_float16_head_stays_float16_and_float32_embeddings_are_upcast(rtn_folder, tmp_path, resident):
+    from torch import nn
+
+    from kvstream.hf.half_weights import HalfLinear
+
+    if resident[2].embeddings.startswith("float32"):
+        pytest.skip(f"embeddings upcast here: {resident[2].embeddings}")
+    ids = torch.randint(0, 40000, (1, 6), generator=torch.Generator().manual_seed(6))
+    model, report = load_awq_model(broken_copy(rtn_folder, tmp_path / "untied", untied_float16_head), torch.float32)
+    assert report.embeddings == "float16 as stored, LM head too"
+    assert isinstance(model.lm_head, HalfLinear) and model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight.flip(0))
+    model, report = load_awq_model(broken_copy(rtn_folder, tmp_path / "fp32", float32_embeddings), torch.float32)
+    assert report.embeddings == "float32 (upcast at load: stored as float32)"
+    assert type(model.model.embed_tokens) is nn.Embedding and model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        assert model(ids, use_cache=False).logits.dtype == torch.float32
+
+
+def test_without_the_kernel_the_embeddings_are_upcast_and_the_report_says_why(rtn_folder, monkeypatch):
+    from kvstream.hf import native_linear
+
+    monkeypatch.setattr(native_linear, "load", lambda: (None, "no C++ compiler (test)"))
+    model, report = load_awq_model(rtn_folder, torch.float32)
+    assert report.embeddings == "float32 (upcast at load: the native kernel is not built: no C++ compiler (test))"
+    assert model.model.embed_tokens.weight.dtype == torch.float32 and model.lm_head.weight is model.model.embed_tokens.weight
 
 
 # ------------------------------------------------------------------ bad checkpoints

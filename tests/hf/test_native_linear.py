@@ -128,10 +128,29 @@ def test_the_kernel_releases_the_gil_while_it_runs(kernel):
     assert max(during) > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize(("n", "k"), [(1536, 576), (7, 64), (4, 13)])
+@pytest.mark.parametrize("rows", [1, 4, 7, 64])
+def test_half_weights_give_the_bits_of_their_widened_float32_copy(kernel, dtype, n, k, rows):
+    """Half weights (an AWQ checkpoint's tied embeddings) are widened in registers, exactly:
+    the same products in the same order as the float32 kernel on the upcast matrix."""
+    generator = torch.Generator().manual_seed(n + k + rows)
+    w = (torch.randn(n, k, generator=generator) * 0.05).to(dtype)
+    x = torch.randn(rows, k, generator=generator)
+    got = kernel.native_linear(x, w)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, kernel.native_linear(x, w.float()))
+    assert close(got, F.linear(x, w.float()))
+
+
 def test_bad_inputs_are_errors_not_reads(kernel):
     w = torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="float32"):
         kernel.native_linear(torch.randn(2, 16, dtype=torch.float64), w)
+    with pytest.raises(RuntimeError, match="float32 inputs"):
+        kernel.native_linear(torch.randn(2, 16).half(), w.half())
+    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16 weights"):
+        kernel.native_linear(torch.randn(2, 16), w.to(torch.int8))
     with pytest.raises(RuntimeError, match=r"x \[M, K\] and weight \[N, K\]"):
         kernel.native_linear(torch.randn(2, 15), w)
     with pytest.raises(RuntimeError, match="contiguous"):

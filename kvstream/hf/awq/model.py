@@ -20,6 +20,7 @@ from kvstream.hf.awq.checkpoint import CheckpointError, SafetensorsIndex, awq_se
 from kvstream.hf.awq.format import PackedLinear
 from kvstream.hf.awq.linear import AWQLinear, KernelChoice, probe_kernel
 from kvstream.hf.awq.streaming import LayerStreamer, StreamingConfig
+from kvstream.hf.half_weights import HALF_DTYPES, HalfEmbedding, HalfLinear, disagreement, why_not_half
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class WeightsReport:
     mode: str = "full_resident"
     keep_first_k: int = 0
     keep_last_k: int = 0
+    embeddings: str = ""  # how the token embeddings (and a tied head) are held, and why
     streamer: LayerStreamer | None = None
     tokens: int = 0  # tokens through forwards, for bytes staged per token
     extra: dict[str, Any] = field(default_factory=dict)
@@ -45,7 +47,7 @@ class WeightsReport:
         if self.format == "awq":
             out |= {"group_size": self.group_size, "kernel": self.kernel.name if self.kernel else None,
                     "kernel_why": self.kernel.why if self.kernel else None, "mode": self.mode,
-                    "streamed_bytes": self.streamed_bytes}
+                    "streamed_bytes": self.streamed_bytes, "embeddings": self.embeddings}
         if self.streamer is not None:
             s = self.streamer
             out |= {
@@ -126,6 +128,8 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
             if streamed:
                 plan.setdefault(layer_index, []).append((relative, quantized))
 
+    embeddings, head_replaced = _keep_embeddings_half(model, index, dtype)
+
     # Everything that is not a packed projection: assigned from the checkpoint.
     state = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -134,7 +138,7 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
         if name in index:
             state[name] = index.load(name).to(dtype) if index.refs[name].dtype.is_floating_point else index.load(name)
     model.load_state_dict(state, strict=False, assign=True)
-    if getattr(config, "tie_word_embeddings", False):
+    if getattr(config, "tie_word_embeddings", False) and not head_replaced:
         model.tie_weights()
     _rebuild_computed_buffers(model)
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -156,7 +160,7 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
                     resident.update({id(t): t for t in packed_tensors})
     report = WeightsReport(
         format="awq", kernel=kernel, group_size=group_size, mode=streaming.mode,
-        resident_bytes=tensor_bytes(list(resident.values())),
+        resident_bytes=tensor_bytes(list(resident.values())), embeddings=embeddings,
         keep_first_k=streaming.keep_first_k, keep_last_k=streaming.keep_last_k,
     )
     if plan:
@@ -180,6 +184,45 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
     return model, report
 
 
+def _keep_embeddings_half(model: torch.nn.Module, index: SafetensorsIndex, dtype: torch.dtype) -> tuple[str, bool]:
+    """Hold the token embeddings (and the LM head, tied or stored in half precision too) as
+    the checkpoint stores them when that is float16 / bfloat16 under a float32 model
+    (``half_weights``). Returns what was done, for /status, and whether the head was replaced."""
+    names = {id(m): n for n, m in model.named_modules()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    key = f"{names[id(embed)]}.weight"
+    if key not in index:
+        return "not in the checkpoint", False  # reported as a missing tensor after loading
+    stored = index.refs[key].dtype
+    why = why_not_half(stored, dtype)
+    if why is None:
+        weight = index.load(key)
+        error = disagreement(weight)
+        if error > 1e-5:
+            why = f"the native kernel disagrees with the upcast product by {error:.2e} (relative)"
+    if why is not None:
+        return f"{dtype} (upcast at load: {why})".replace("torch.", ""), False
+    _replace(model, names[id(embed)], HalfEmbedding(weight, embed.padding_idx, dtype))
+    kept = str(stored).replace("torch.", "")
+    if head is None:
+        return f"{kept} as stored", False
+    head_key = f"{names[id(head)]}.weight"
+    bias_key = f"{names[id(head)]}.bias"
+    bias = index.load(bias_key) if bias_key in index else None
+    if getattr(model.config, "tie_word_embeddings", False):
+        _replace(model, names[id(head)], HalfLinear(weight, bias, dtype))
+        return f"{kept} as stored, LM head tied to them", True
+    if head_key in index and index.refs[head_key].dtype in HALF_DTYPES:
+        _replace(model, names[id(head)], HalfLinear(index.load(head_key), bias, dtype))
+        return f"{kept} as stored, LM head too", True
+    return f"{kept} as stored, LM head upcast (stored as {index.refs[head_key].dtype if head_key in index else 'nothing'})", False
+
+
+def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
 def _rebuild_computed_buffers(model: torch.nn.Module) -> None:
     """Buffers a model computes at construction (rotary inverse frequencies) are not in
     checkpoints: rebuild the modules that own them, now on CPU."""
@@ -192,5 +235,4 @@ def _rebuild_computed_buffers(model: torch.nn.Module) -> None:
                 rebuilt = type(module)(config=model.config)
         except TypeError as exc:
             raise CheckpointError(f"cannot rebuild {name} ({type(module).__name__}) outside the checkpoint: {exc}") from None
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, rebuilt)
+        _replace(model, name, rebuilt)

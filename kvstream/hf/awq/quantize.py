@@ -190,7 +190,7 @@ def quantize_model(
     samples: int = 32, length: int = 256, progress: Callable[[str], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The model's tensors as an AWQ GEMM checkpoint: decoder projections packed, every
-    other tensor (norm weights rescaled by the search) in the model's dtype. ``model`` is
+    other tensor (norm weights rescaled by the search) in float16. ``model`` is
     modified (scales folded in)."""
     layers = decoder_layers(model)
     names = {id(m): n for n, m in model.named_modules()}
@@ -255,7 +255,9 @@ def quantize_model(
     for name, tensor in model.state_dict().items():
         if name in skip or (tied and name == "lm_head.weight"):
             continue
-        state[name] = tensor.detach().contiguous().clone()
+        # float16, as AutoAWQ writes them: the engine keeps the embeddings (and a tied head)
+        # as stored and widens what it reads (half_weights), the rest it upcasts at load.
+        state[name] = tensor.detach().to(torch.float16 if tensor.is_floating_point() else tensor.dtype).contiguous().clone()
     return state
 
 
