@@ -255,7 +255,7 @@ class HFBackend(InProcessBackend):
             from kvstream.hf.awq.streaming import StreamingConfig
 
             streaming = StreamingConfig(awq.mode, awq.keep_first_k, awq.keep_last_k, awq.staging_slots, awq.drop_page_cache, awq.staging)
-        loaded = self.preloaded or load_model(self.model, backend.gguf_file, memory.dtype, backend.device, streaming)
+        loaded = self.preloaded or load_model(self.model, backend.gguf_file, memory.dtype, backend.device, streaming, memory.half_weights)
         self.loaded = loaded
         self.model_name = loaded.name
         context = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 0) or None

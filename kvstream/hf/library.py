@@ -96,6 +96,7 @@ class HFEngine:
         disk_cache_dir: str | None = None,
         disk_cache_bytes: int = default("memory", "disk_cache_bytes"),
         streaming: StreamingConfig | None = None,
+        half_weights: bool = default("memory", "half_weights"),
     ) -> HFEngine:
         """Load ``model`` (default: the embedded SmolLM2). ``chunk_size`` is the KV block
         size in tokens, the granularity of reuse; ``max_cache_bytes`` bounds the KV pool
@@ -104,8 +105,10 @@ class HFEngine:
         ``close()``), stored KIVI-quantized when ``kv_cache_bits`` is 8 or 4.
         ``recompute_strategy``: none (exact reuse only), selective or cacheblend (see above).
         ``model`` may be an AWQ checkpoint folder (``kvstream awq quantize``); ``streaming``
-        then keeps only some of its layers resident (``kvstream.hf.awq.streaming``)."""
-        loaded = load_model(model, gguf_file, dtype, device, streaming)
+        then keeps only some of its layers resident (``kvstream.hf.awq.streaming``).
+        ``half_weights``: on the CPU in float32, a bfloat16 / float16 checkpoint's linear
+        layers and embeddings stay as stored (``kvstream.hf.half_weights``)."""
+        loaded = load_model(model, gguf_file, dtype, device, streaming, half_weights)
         blocks = auto_num_blocks(loaded.model, chunk_size, max_cache_bytes)
         config = RunnerConfig(
             block_size=chunk_size, num_blocks=blocks, num_cpu_blocks=0, max_num_seqs=max_batch_size,

@@ -46,13 +46,15 @@ class LoadedModel:
     name: str  # what /v1/models shows
     identity: str  # salts the prefix-cache hashes: same identity, same KV
     weights: WeightsReport | None = None  # AWQ checkpoints: what is resident, what streams
+    stored: str | None = None  # dense: how the weights are held (half_weights.Compaction.describe)
 
     def weights_snapshot(self) -> dict[str, Any]:
         """For /status: the weights' format and bytes (dense: every parameter resident)."""
         if self.weights is not None:
             return self.weights.snapshot()
         seen = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}
-        return {"format": "dense", "resident_bytes": sum(t.numel() * t.element_size() for t in seen.values())}
+        out = {"format": "dense", "resident_bytes": sum(t.numel() * t.element_size() for t in seen.values())}
+        return out | ({"stored": self.stored} if self.stored is not None else {})
 
 
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool = True) -> list[int]:
@@ -123,10 +125,13 @@ def load_model(
     dtype: str = "auto",
     device: str = "auto",
     streaming: StreamingConfig | None = None,
+    half_weights: bool = True,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer for the engine (see the module docstring). A
     folder whose config says AWQ is loaded packed (``kvstream.hf.awq``), its layers streamed
-    per ``streaming`` (None: every layer resident)."""
+    per ``streaming`` (None: every layer resident). ``half_weights``: a float32 model on the
+    CPU holds the weights a bfloat16 / float16 checkpoint stored exactly as stored
+    (``half_weights.compact``); False upcasts them all."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvstream.hf.awq.checkpoint import awq_settings
@@ -155,7 +160,16 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(source)
     loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype).to(torch_device).eval()
     identity = f"hf:{name}:{torch_dtype}:{getattr(loaded.config, '_name_or_path', '')}"
-    return LoadedModel(loaded, tokenizer, str(name), identity)
+    stored = None
+    if torch_device.type == "cpu" and torch_dtype == torch.float32:
+        from kvstream.hf import half_weights as half
+
+        compaction = half.compact(loaded) if half_weights else half.Compaction(why_not="half weights off")
+        stored = compaction.describe()
+        if compaction.dtype is not None:
+            logger.info("weights held %s", stored)
+            identity += ":half"  # prefill sums may round apart from the upcast model's
+    return LoadedModel(loaded, tokenizer, str(name), identity, stored=stored)
 
 
 def _load_awq(folder: Path, dtype: str, device: str, streaming: StreamingConfig | None) -> LoadedModel:

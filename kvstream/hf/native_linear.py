@@ -39,6 +39,9 @@ SOURCE = Path(__file__).with_name("native_linear.cpp")
 # is as fast from ~64 rows (measured at SmolLM2's shapes, benchmarks/native_linear.py).
 MAX_ROWS = 64
 BACKENDS = ("auto", "native", "torch")
+# Output rows of a half-precision weight widened at once when a ``HalfLinear`` call is
+# prefill-sized (or the kernel is off): a bounded float32 copy for BLAS.
+UPCAST_ROWS = 4096
 
 
 @functools.cache
@@ -73,6 +76,42 @@ class NativeLinear(nn.Linear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class HalfLinear(nn.Module):
+    """``y = x @ W.T (+ b)`` for float32 ``x`` with ``W`` held in float16 / bfloat16 (a
+    checkpoint's weights as stored, ``half_weights``): the kernel widens each weight in
+    registers, exactly, so a decode-sized call gives the upcast matrix's float32 kernel
+    result bit for bit. ``W`` is a buffer, not a parameter (the model's dtype, read from its
+    first parameter, stays float32)."""
+
+    # False under the ``torch`` matmul backend (``install``): every call widens blocks for
+    # BLAS, as prefill-sized calls always do.
+    use_kernel = True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features)
+        module, _ = load()
+        if 0 < rows <= MAX_ROWS and module is not None and self.use_kernel:
+            y = module.native_linear(flat if flat.stride(-1) == 1 else flat.contiguous(), self.weight)
+        else:
+            y = torch.empty(rows, self.out_features, dtype=self.dtype)
+            for start in range(0, self.out_features, UPCAST_ROWS):
+                y[:, start : start + UPCAST_ROWS] = F.linear(flat, self.weight[start : start + UPCAST_ROWS].to(self.dtype))
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, stored {self.weight.dtype}"
+
+
 @dataclass
 class MatmulChoice:
     """What runs the model's linear layers, and why a faster choice did not."""
@@ -95,16 +134,18 @@ def _eligible(model: nn.Module) -> list[nn.Linear]:
     ]
 
 
-def _disagreement(module: ModuleType, layer: nn.Linear) -> float:
-    """Largest difference between the kernel and F.linear on ``layer``'s own weight, relative to
-    the largest output, over batches of 1, 5 and MAX_ROWS rows."""
+def disagreement(module: ModuleType, weight: torch.Tensor, rows: int = 256) -> float:
+    """Largest difference between the kernel and F.linear (on the weight upcast to float32)
+    over the first ``rows`` rows of a layer's own ``weight``, relative to the largest output,
+    for batches of 1, 5 and MAX_ROWS rows."""
+    sample = weight[:rows].contiguous()
     generator = torch.Generator().manual_seed(0)
     worst = 0.0
     with torch.inference_mode():
-        for rows in (1, 5, MAX_ROWS):
-            x = torch.randn(rows, layer.in_features, generator=generator)
-            want = F.linear(x, layer.weight)
-            got = module.native_linear(x, layer.weight)
+        for count in (1, 5, MAX_ROWS):
+            x = torch.randn(count, weight.shape[1], generator=generator)
+            want = F.linear(x, sample.float())
+            got = module.native_linear(x, sample)
             worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp_min(1e-30)))
     return worst
 
@@ -116,18 +157,20 @@ def install(model: nn.Module, backend: str = "auto") -> MatmulChoice:
     if backend not in BACKENDS:
         raise MatmulBackendError(f"unknown matmul backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     layers = _eligible(model)
+    halves = [m for m in model.modules() if isinstance(m, HalfLinear)]
     if backend == "torch":
         _switch(layers, nn.Linear)
+        _use_kernel(halves, False)
         return MatmulChoice("torch", {"native": "not requested (matmul backend torch)"})
     why = None
-    if not layers:
+    if not layers and not halves:
         why = "no float32 nn.Linear on the CPU in this model"
     else:
         module, how = load()
         if module is None:
             why = f"not built: {how}"
         else:
-            error = _disagreement(module, layers[0])
+            error = disagreement(module, (layers or halves)[0].weight)
             if error > 1e-5:
                 why = f"disagrees with F.linear by {error:.2e} (relative) on the model's weights"
     if why is not None:
@@ -135,9 +178,16 @@ def install(model: nn.Module, backend: str = "auto") -> MatmulChoice:
             raise MatmulBackendError(f"matmul backend native cannot run: {why}")
         logger.info("linear layers run F.linear: the native kernel %s", why)
         _switch(layers, nn.Linear)
+        _use_kernel(halves, False)
         return MatmulChoice("torch", {"native": why})
     _switch(layers, NativeLinear)
-    return MatmulChoice("native", {}, len(layers))
+    _use_kernel(halves, True)
+    return MatmulChoice("native", {}, len(layers) + len(halves))
+
+
+def _use_kernel(layers: list[HalfLinear], on: bool) -> None:
+    for layer in layers:
+        layer.use_kernel = on
 
 
 def _switch(layers: list[nn.Linear], cls: type[nn.Linear]) -> None:

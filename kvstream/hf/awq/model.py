@@ -20,7 +20,8 @@ from kvstream.hf.awq.checkpoint import CheckpointError, SafetensorsIndex, awq_se
 from kvstream.hf.awq.format import PackedLinear
 from kvstream.hf.awq.linear import AWQLinear, KernelChoice, probe_kernel
 from kvstream.hf.awq.streaming import LayerStreamer, StreamingConfig
-from kvstream.hf.half_weights import HALF_DTYPES, HalfEmbedding, HalfLinear, disagreement, why_not_half
+from kvstream.hf.half_weights import HALF_DTYPES, HalfEmbedding, disagreement, why_not_half
+from kvstream.hf.native_linear import HalfLinear
 
 logger = logging.getLogger(__name__)
 
