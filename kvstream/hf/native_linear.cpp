@@ -1,6 +1,7 @@
 // y = x @ W^T for a few rows of x (decode steps): float32 x on CPU, W in float32 or in half
-// precision (float16 / bfloat16: an AWQ checkpoint's embeddings tied to the LM head, read as
-// stored and widened to float32 in registers, exactly, so the products are the float32 ones).
+// precision (float16 / bfloat16: a half-precision checkpoint's layers, an AWQ checkpoint's
+// embeddings tied to the LM head), read as stored and widened to float32 in registers,
+// exactly, so the products and sums are those of the upcast matrix.
 //
 // A decode step multiplies 1 to a few dozen token rows by every weight matrix of the model.
 // BLAS's sgemm is built for large blocks: at 16 rows it reaches a third of this machine's

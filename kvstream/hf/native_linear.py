@@ -16,6 +16,10 @@ summed in a fixed order whatever the batch (``native_linear.cpp``), so a sequenc
 not depend on what it is batched with, and float32 agreement with ``F.linear`` is checked on
 the model's own weights before anything is switched. Built by ``native_build``; without a
 compiler the model keeps ``F.linear``, and ``/status`` says why (``matmul_backend_why``).
+
+``HalfLinear`` is the same kernel over a weight held in float16 / bfloat16 (a checkpoint's
+weights as stored: ``half_weights.py``, the AWQ loader's embeddings), widened in registers;
+those modules are made at load, and ``install`` only turns their kernel on or off.
 """
 
 from __future__ import annotations
@@ -151,9 +155,9 @@ def disagreement(module: ModuleType, weight: torch.Tensor, rows: int = 256) -> f
 
 
 def install(model: nn.Module, backend: str = "auto") -> MatmulChoice:
-    """Switch ``model``'s eligible linear layers to ``NativeLinear`` per ``backend``: ``auto``
-    where the kernel builds and agrees with F.linear, ``native`` the same or
-    ``MatmulBackendError``, ``torch`` never. Returns what runs."""
+    """Switch ``model``'s eligible linear layers to ``NativeLinear`` (and its ``HalfLinear``
+    layers' kernel on) per ``backend``: ``auto`` where the kernel builds and agrees with
+    F.linear, ``native`` the same or ``MatmulBackendError``, ``torch`` never. Returns what runs."""
     if backend not in BACKENDS:
         raise MatmulBackendError(f"unknown matmul backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     layers = _eligible(model)

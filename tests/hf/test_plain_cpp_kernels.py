@@ -58,6 +58,8 @@ def test_the_plain_linear_kernel_matches_f_linear_and_a_row_ignores_its_batch():
         assert float((batched - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
         for i in (0, 5, 10):
             assert torch.equal(module.native_linear(x[i : i + 1], w)[0], batched[i])
+        for half in (torch.float16, torch.bfloat16):  # widened exactly: the upcast matrix's bits
+            assert torch.equal(module.native_linear(x, w.to(half)), module.native_linear(x, w.to(half).float()))
 
 
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (8, 8, 128, 4), (2, 1, 20, 5)])
