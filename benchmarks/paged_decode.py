@@ -9,6 +9,11 @@ pool's blocks handed out in shuffled order as a busy pool's are; each case is a 
 decodes at a context length (lengths vary a little within the batch, as they do). Prints the
 best-of-5 mean time per call of each, their ratio, the largest difference between the two,
 and the K/V bytes per second the native kernel reads.
+
+A second table: short prefill chunks (T new tokens after L cached ones, one sequence), as
+the ``sdpa`` path runs them (gather the context, SDPA with the chunk's causal mask) and as the
+``native`` tier runs chunks of up to ``attention.NATIVE_CHUNK_MAX`` tokens (T kernel rows,
+row t over its first L + t + 1 tokens): where that limit comes from.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kvstream.hf import native_attention  # noqa: E402
-from kvstream.hf.attention import _gather  # noqa: E402
+from kvstream.hf.attention import NATIVE_CHUNK_MAX, _gather  # noqa: E402
 
 CASES = ((1, 300), (16, 150), (16, 300), (8, 2000), (2, 2000))  # (decodes, tokens of context)
+CHUNKS = ((500, (2, 4, 8, 16)), (2000, (2, 4, 8, 16)), (8000, (4, 8, 16)))  # (cached tokens, chunk sizes)
 
 
 def best_ms(fn, calls: int = 30) -> float:
@@ -79,6 +85,31 @@ def main() -> None:
         base, ours = best_ms(gathered), best_ms(native)
         read = int(lengths.sum()) * kv_heads * dim * 4 * 2  # K and V bytes the decodes attend to
         print(f"{batch:>7} {context:>7} {base:>15.3f} {ours:>10.3f} {base / ours:>6.2f}x {diff:>9.1e} {read / ours / 1e6:>12.1f}")
+    print(f"\nshort prefill chunks (the native tier reads chunks of up to {NATIVE_CHUNK_MAX} tokens in place)")
+    print(f"{'cached':>7} {'chunk':>6} {'gather+SDPA ms':>15} {'native ms':>10} {'ratio':>7} {'max diff':>9}")
+    for cached, sizes in CHUNKS:
+        for new in sizes:
+            total = cached + new
+            per_seq = -(-total // bs)
+            k_pool = torch.randn((per_seq + 8) * bs, kv_heads, dim, generator=generator)
+            v_pool = torch.randn((per_seq + 8) * bs, kv_heads, dim, generator=generator)
+            order = torch.randperm(per_seq + 8, generator=generator)[:per_seq]
+            slots = (order[:, None] * bs + torch.arange(bs)).reshape(-1)[:total]
+            q = torch.randn(new, heads, dim, generator=generator)
+            mask = torch.arange(total)[None, :] <= torch.arange(cached, total)[:, None]
+            tables = order.to(torch.int32)[None].expand(new, -1).contiguous()
+            lengths = torch.arange(cached + 1, total + 1, dtype=torch.int32)
+
+            def chunk_gathered():
+                k, v = _gather(k_pool, slots, q.dtype), _gather(v_pool, slots, q.dtype)
+                return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+
+            def chunk_native():
+                return native_attention.paged_decode(q, k_pool, v_pool, tables, lengths, bs, None)
+
+            diff = float((chunk_gathered() - chunk_native()).abs().max())
+            base, ours = best_ms(chunk_gathered, 10), best_ms(chunk_native, 10)
+            print(f"{cached:>7} {new:>6} {base:>15.3f} {ours:>10.3f} {base / ours:>6.2f}x {diff:>9.1e}")
 
 
 if __name__ == "__main__":

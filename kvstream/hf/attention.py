@@ -15,7 +15,10 @@ Under the ``native`` tier the decodes skip step 2: a C++ kernel (native_attentio
 their K/V in place through their block tables. Under ``flex`` they skip it once they hold
 enough context together (flex.IN_PLACE_MIN_CONTEXT): flex.py's compiled kernel reads the
 pool through a BlockMask made from the tables. The copy in step 2 is what grows with
-context. Prefill chunks gather under every tier (flex.py and native_attention.py say why).
+context. Prefill chunks gather under every tier (flex.py and native_attention.py say why),
+but for short ones under ``native``: a chunk of at most ``NATIVE_CHUNK_MAX`` tokens (a few
+new tokens after a cached prefix) runs as that many decode rows of the kernel, row t over
+its own causal context, instead of copying the whole context out for a handful of queries.
 
 The index tensors are built once per step in ``AttentionPlan`` and reused by every layer, so
 the Python work per layer is a fixed handful of tensor ops plus one SDPA per prefill chunk.
@@ -30,6 +33,14 @@ import torch.nn.functional as F
 
 from kvstream.hf import flex, native_attention
 from kvstream.hf.kv_cache import PagedKVCache
+
+# Longest prefill chunk the native tier reads in place, one kernel row per token. The kernel
+# re-reads the context for every row, so past a few rows SDPA's blocked kernel over the
+# gathered context wins. At SmolLM2's geometry (9 query heads over 3 KV heads, head dim 64),
+# one layer of a T-token chunk after L cached tokens, in place vs gather + SDPA on 2 threads:
+# 0.14 vs 0.29 ms (T=4, L=500), 0.63 vs 1.01 (T=8, L=2000), 3.1 vs 3.1 (T=8, L=8000), but
+# 1.5 vs 1.0 at T=16, L=2000 (benchmarks/paged_decode.py, its second table).
+NATIVE_CHUNK_MAX = 8
 
 
 @dataclass
@@ -51,7 +62,8 @@ class AttentionPlan:
 
     cache: PagedKVCache
     write_slots: torch.Tensor  # [T] slot of every token in the packed row
-    # "native" (decodes read the pool in place, native_attention.py; prefill chunks as sdpa) |
+    # "native" (decodes and short chunks read the pool in place, native_attention.py; longer
+    # prefill chunks as sdpa) |
     # "flex" (the same through compiled flex_attention, flex.py) | "sdpa" (torch's fused
     # kernels over gathered K/V) | "eager" (plain matmul-softmax, the reference)
     kernel: str = "sdpa"
@@ -85,11 +97,13 @@ class AttentionPlan:
         for block_ids, computed, new in seqs:
             total = computed + new
             table = block_ids[: -(-total // bs)]
-            if new == 1:  # only its own slot here: the gather tiers list its context below
-                decode_writes.append(table[computed // bs] * bs + computed % bs)
-                decode_rows.append(row)
-                decode_tables.append(table)
-                lengths.append(total)
+            if new == 1 or (kernel == "native" and new <= NATIVE_CHUNK_MAX):
+                # Decode rows, each over its own context (the gather tiers list it below).
+                for position in range(computed, total):
+                    decode_writes.append(table[position // bs] * bs + position % bs)
+                    decode_rows.append(row + position - computed)
+                    decode_tables.append(table)
+                    lengths.append(position + 1)
             else:
                 if decode_writes:
                     writes.append(torch.tensor(decode_writes, dtype=torch.long, device=device))

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvstream.hf.attention import AttentionPlan, paged_attention
+from kvstream.hf.attention import NATIVE_CHUNK_MAX, AttentionPlan, paged_attention
 from kvstream.hf.kv_cache import KVShape, PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -41,10 +41,11 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
 def probe_rows(block_size: int) -> tuple[tuple[int, int], ...]:
-    """(tokens already in the pool, new tokens this step) per probe sequence: a chunk after
-    a cached head, a whole prompt, and decodes whose contexts end mid-block, exactly at a
-    block's end, and inside the first block."""
-    return ((block_size + 3, 5), (0, 6), (2 * block_size + 1, 1), (block_size - 1, 1), (2, 1))
+    """(tokens already in the pool, new tokens this step) per probe sequence: a short chunk
+    after a cached head (the native tier reads it in place), a longer one (gathered), a whole
+    prompt, and decodes whose contexts end mid-block, exactly at a block's end, and inside the
+    first block."""
+    return ((block_size + 3, 5), (1, NATIVE_CHUNK_MAX + 3), (0, 6), (2 * block_size + 1, 1), (block_size - 1, 1), (2, 1))
 
 
 def unsupported(name: str, dtype: torch.dtype, device: torch.device) -> str | None:

@@ -95,3 +95,35 @@ def test_tables_and_lengths_that_do_not_fit_the_pool_are_errors_not_reads():
         native_attention.paged_decode(q, k_pool, v_pool, tables.long(), lens, 16, None)
     with pytest.raises(RuntimeError, match="head counts"):
         native_attention.paged_decode(q[:, :8], k_pool, v_pool, tables, lens, 16, None)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_short_prefill_chunks_are_read_in_place_and_match_eager(block_size):
+    """Chunks of up to NATIVE_CHUNK_MAX new tokens (after a cached head, or a whole short
+    prompt) run as kernel rows, each over its own causal context; a longer one still gathers.
+    One packed step with decodes between them, against the eager tier on the same pool."""
+    from types import SimpleNamespace
+
+    from kvstream.hf.attention import NATIVE_CHUNK_MAX, AttentionPlan, paged_attention
+    from kvstream.hf.kv_cache import KVShape, PagedKVCache
+
+    heads, kv_heads, dim = 9, 3, 64
+    rows = [(block_size + 3, 2), (40, 1), (0, 5), (2 * block_size - 1, NATIVE_CHUNK_MAX), (7, NATIVE_CHUNK_MAX + 1), (3, 1)]
+    per_seq = -(-max(c + n for c, n in rows) // block_size)
+    generator = torch.Generator().manual_seed(11)
+    cache = PagedKVCache(KVShape(1, kv_heads, dim), per_seq * len(rows), block_size, 0, torch.float32, torch.device("cpu"))
+    cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=generator))
+    order = torch.randperm(per_seq * len(rows), generator=generator).tolist()
+    seqs = [(order[i * per_seq : (i + 1) * per_seq], cached, new) for i, (cached, new) in enumerate(rows)]
+    tokens = sum(new for _, new in rows)
+    query = torch.randn(1, heads, tokens, dim, generator=generator)
+    key, value = torch.randn(1, kv_heads, tokens, dim, generator=generator), torch.randn(1, kv_heads, tokens, dim, generator=generator)
+    layer = SimpleNamespace(layer_idx=0)
+    native_plan = AttentionPlan.build(cache, seqs, "native", heads)
+    assert [(c.start, c.end) for c in native_plan.prefills] == [(tokens - 1 - (NATIVE_CHUNK_MAX + 1), tokens - 1)]
+    assert len(native_plan.decode_rows) == tokens - (NATIVE_CHUNK_MAX + 1)
+    with torch.inference_mode():
+        got = paged_attention(layer, query, key, value, None, dim**-0.5, kvstream_plan=native_plan)[0]
+        want = paged_attention(layer, query, key, value, None, dim**-0.5, kvstream_plan=AttentionPlan.build(cache, seqs, "eager", heads))[0]
+    assert float((got - want).abs().max()) < 1e-5
