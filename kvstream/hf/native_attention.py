@@ -10,8 +10,9 @@ its own (no padding). ``flex`` reads in place too, but a compiled call costs ~0.
 than a gather at short contexts, so it gathers below 4,096 tokens; this one has no such cost.
 
 Float32 on CPU only (the engine's dtype on CPU); other dtypes and devices fail the tier
-probe and run the next tier. Prefill chunks still gather and run SDPA, whose blocked
-kernels beat a per-query walk over many queries. Built by ``native_build``.
+probe and run the next tier. Prefill chunks of more than ``attention.NATIVE_CHUNK_MAX``
+tokens still gather and run SDPA, whose blocked kernels beat a per-query walk over many
+queries; shorter ones run here as one row per token. Built by ``native_build``.
 """
 
 from __future__ import annotations
