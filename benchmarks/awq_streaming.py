@@ -138,7 +138,7 @@ def quantize(source: str | None, out: Path, activation_aware: bool, samples: int
     from kvstream.hf.awq import quantize as awq
     from kvstream.hf.loader import load_model
 
-    loaded = load_model(source, device="cpu")
+    loaded = load_model(source, device="cpu", half_weights=False)  # the search rescales float32 nn.Linear layers
     size = awq.choose_group_size(loaded.model, None)
     started = time.perf_counter()
     state = awq.quantize_model(loaded.model, loaded.tokenizer, size, awq.default_calibration_text(), activation_aware, samples)

@@ -32,7 +32,8 @@ def quantize(out: Path, model: str | None, group_size: int | None, calibration: 
     from kvstream.hf.loader import load_model
 
     try:
-        loaded = load_model(model, dtype="float32", device="cpu")
+        # Every weight upcast (no half storage): the search rescales the float32 nn.Linear layers.
+        loaded = load_model(model, dtype="float32", device="cpu", half_weights=False)
         size = awq.choose_group_size(loaded.model, group_size)
         text = calibration.read_text() if calibration is not None else awq.default_calibration_text()
         heldout = awq.heldout_text() if evaluate else ""

@@ -85,9 +85,17 @@ class Compaction:
         return f"{self.dtype} as stored: {' and '.join(parts)} ({self.saved_bytes / 2**20:.0f} MiB saved)"
 
 
+# Values checked before a whole tensor is converted: a float32 model (most are not half
+# values) is turned down after a few thousand values per layer, not a copy of each.
+SAMPLE = 4096
+
+
 def exact_half(weight: torch.Tensor, order: tuple[torch.dtype, ...]) -> torch.Tensor | None:
     """``weight`` in the first half dtype of ``order`` that holds every value exactly, or None."""
+    sample = weight.reshape(-1)[:SAMPLE]
     for half in order:
+        if not torch.equal(sample.to(half).to(weight.dtype), sample):
+            continue
         narrow = weight.to(half)
         if torch.equal(narrow.to(weight.dtype), weight):
             return narrow

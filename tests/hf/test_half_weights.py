@@ -187,3 +187,32 @@ async def test_status_says_how_the_weights_are_held_and_the_setting_turns_it_off
             assert stored.startswith("bfloat16 as stored") if on else stored == "float32 (upcast: half weights off)"
         finally:
             await backend.close()
+
+
+def test_kvstream_awq_quantize_takes_a_bfloat16_checkpoint(bf16_folder, tmp_path):
+    """The quantizer rescales and packs float32 nn.Linear layers: it loads a half-precision
+    source upcast, every projection packed (a layer held as stored would be skipped)."""
+    import json
+    import subprocess
+    import sys
+
+    from kvstream.hf.awq.checkpoint import SafetensorsIndex
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstream.cli.main", "awq", "quantize", "--out", str(tmp_path / "awq"), "--model", str(bf16_folder),
+         "--method", "rtn"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    index = SafetensorsIndex(tmp_path / "awq")
+    assert sum(name.endswith(".qweight") for name in index.refs) == 30 * 7
+    assert not [name for name in index.refs if name.startswith("model.layers.") and name.endswith("proj.weight")]
+    assert json.loads((tmp_path / "awq" / "config.json").read_text())["quantization_config"]["quant_method"] == "awq"
+
+
+def test_quantizing_a_model_held_as_stored_is_refused_with_the_way_out(pair):
+    from kvstream.hf.awq.quantize import quantize_model
+
+    half, _ = pair
+    with pytest.raises(ValueError, match="half_weights=False"):
+        quantize_model(half.model, half.tokenizer, 64, "", activation_aware=False)

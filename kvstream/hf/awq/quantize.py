@@ -193,6 +193,9 @@ def quantize_model(
     other tensor (norm weights rescaled by the search) in float16. ``model`` is
     modified (scales folded in)."""
     layers = decoder_layers(model)
+    if any(not isinstance(m, torch.nn.Linear) and hasattr(m, "out_features") for layer in layers for m in layer.modules()):
+        # HalfLinear (weights held as stored) or already quantized layers: nothing to rescale.
+        raise ValueError("quantize_model needs the decoder's projections as float nn.Linear layers: load the model with half_weights=False")
     names = {id(m): n for n, m in model.named_modules()}
     inputs: dict[str, object] = {}
     if activation_aware:
