@@ -525,6 +525,17 @@ def test_an_untied_float16_head_stays_float16_and_float32_embeddings_are_upcast(
         assert model(ids, use_cache=False).logits.dtype == torch.float32
 
 
+def test_a_kernel_that_disagrees_leaves_the_embeddings_upcast(rtn_folder, monkeypatch):
+    from kvstream.hf import native_linear
+    from tests.hf.conftest import built_kernel
+
+    built_kernel(native_linear.load, "the native linear kernel")
+    monkeypatch.setattr(native_linear, "disagreement", lambda module, weight, rows=256: 3e-3)
+    model, report = load_awq_model(rtn_folder, torch.float32)
+    assert report.embeddings == "float32 (upcast at load: the native kernel disagrees with the upcast product by 3.00e-03 (relative))"
+    assert model.model.embed_tokens.weight.dtype == torch.float32 and model.lm_head.weight is model.model.embed_tokens.weight
+
+
 def test_without_the_kernel_the_embeddings_are_upcast_and_the_report_says_why(rtn_folder, monkeypatch):
     from kvstream.hf import native_linear
 

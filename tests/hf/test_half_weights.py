@@ -216,3 +216,12 @@ def test_quantizing_a_model_held_as_stored_is_refused_with_the_way_out(pair):
     half, _ = pair
     with pytest.raises(ValueError, match="half_weights=False"):
         quantize_model(half.model, half.tokenizer, 64, "", activation_aware=False)
+
+
+def test_a_kernel_that_disagrees_with_the_upcast_product_narrows_nothing(kernel, monkeypatch):
+    monkeypatch.setattr(native_linear, "disagreement", lambda module, weight, rows=256: 3e-3)
+    model = Tiny()
+    done = compact(model)
+    assert done.dtype is None and done.linear_layers == 0
+    assert done.describe() == "float32 (upcast: the native kernel disagrees with the upcast product by 3.00e-03 (relative))"
+    assert type(model.as_bf16) is nn.Linear and type(model.embed) is nn.Embedding
