@@ -108,9 +108,9 @@ def compact(model: nn.Module) -> Compaction:
     storage, as ``HalfLinear`` / ``HalfEmbedding`` modules in their place (a head tied to the
     embeddings keeps sharing one table). Layers with any value a half dtype cannot hold stay
     as they are. Returns what was done."""
-    why = why_not_half(torch.bfloat16, torch.float32)
-    if why is not None:
-        return Compaction(why_not=why)
+    kernel, how = native_linear.load()
+    if kernel is None:
+        return Compaction(why_not=f"the native kernel is not built: {how}")
     order = (torch.bfloat16, torch.float16)
     names = {id(m): n for n, m in model.named_modules()}
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -118,7 +118,7 @@ def compact(model: nn.Module) -> Compaction:
 
     def narrow(weight: torch.Tensor) -> torch.Tensor | None:
         if id(weight) not in narrowed:
-            if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+            if id(weight) in shared or weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
                 return None
             half = exact_half(weight.detach(), order)
             if half is None:
@@ -130,6 +130,11 @@ def compact(model: nn.Module) -> Compaction:
     targets = [m for m in model.modules() if type(m) is nn.Linear or type(m) is native_linear.NativeLinear]
     if type(embed) is nn.Embedding:
         targets.append(embed)
+    # A weight some other module holds too (a head tied to an embedding subclass that scales
+    # its rows, which is not replaced) stays float32: a half copy for one holder would keep
+    # both copies alive.
+    target_ids = {id(m) for m in targets}
+    shared = {id(p) for m in model.modules() if id(m) not in target_ids for p in m.parameters(recurse=False)}
     for module in targets:
         half = narrow(module.weight)
         if half is None:

@@ -225,3 +225,21 @@ def test_a_kernel_that_disagrees_with_the_upcast_product_narrows_nothing(kernel,
     assert done.dtype is None and done.linear_layers == 0
     assert done.describe() == "float32 (upcast: the native kernel disagrees with the upcast product by 3.00e-03 (relative))"
     assert type(model.as_bf16) is nn.Linear and type(model.embed) is nn.Embedding
+
+
+class ScaledEmbedding(nn.Embedding):
+    """An embedding that scales its rows (as Gemma's does): not replaced by HalfEmbedding."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+def test_a_table_tied_to_a_module_that_is_not_replaced_stays_float32_for_both(kernel):
+    model = Tiny()
+    table = model.embed.weight
+    model.embed = ScaledEmbedding(50, 16, _weight=table)
+    model.head.weight = model.embed.weight
+    done = compact(model)
+    assert done.linear_layers == 2 and not done.embeddings  # as_bf16 and as_fp16 only
+    assert type(model.head) is nn.Linear and model.head.weight is model.embed.weight  # one table, still tied
+    assert model.embed.weight.dtype == torch.float32
