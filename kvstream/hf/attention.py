@@ -15,10 +15,10 @@ Under the ``native`` tier the decodes skip step 2: a C++ kernel (native_attentio
 their K/V in place through their block tables. Under ``flex`` they skip it once they hold
 enough context together (flex.IN_PLACE_MIN_CONTEXT): flex.py's compiled kernel reads the
 pool through a BlockMask made from the tables. The copy in step 2 is what grows with
-context. Prefill chunks gather under every tier (flex.py and native_attention.py say why),
-but for short ones under ``native``: a chunk of at most ``NATIVE_CHUNK_MAX`` tokens (a few
-new tokens after a cached prefix) runs as that many decode rows of the kernel, row t over
-its own causal context, instead of copying the whole context out for a handful of queries.
+context. Prefill chunks gather under every tier (flex.py says why), but for those of up to
+``NATIVE_CHUNK_MAX`` tokens under ``native`` (a follow-up turn after a cached conversation,
+a short prompt): such a chunk runs as that many rows of the kernel, row t over its own causal
+context, the kernel reading each K/V tile once for many rows.
 
 The index tensors are built once per step in ``AttentionPlan`` and reused by every layer, so
 the Python work per layer is a fixed handful of tensor ops plus one SDPA per prefill chunk.
@@ -34,13 +34,15 @@ import torch.nn.functional as F
 from kvstream.hf import flex, native_attention
 from kvstream.hf.kv_cache import PagedKVCache
 
-# Longest prefill chunk the native tier reads in place, one kernel row per token. The kernel
-# re-reads the context for every row, so past a few rows SDPA's blocked kernel over the
-# gathered context wins. At SmolLM2's geometry (9 query heads over 3 KV heads, head dim 64),
-# one layer of a T-token chunk after L cached tokens, in place vs gather + SDPA on 2 threads:
-# 0.14 vs 0.29 ms (T=4, L=500), 0.63 vs 1.01 (T=8, L=2000), 3.1 vs 3.1 (T=8, L=8000), but
-# 1.5 vs 1.0 at T=16, L=2000 (benchmarks/paged_decode.py, its second table).
-NATIVE_CHUNK_MAX = 8
+# Longest prefill chunk the native tier reads in place, one kernel row per token (the kernel
+# takes a chunk's rows 16 at a time, reading each K/V tile once for all of them). At SmolLM2's
+# geometry (9 query heads over 3 KV heads, head dim 64), one layer of a T-token chunk after L
+# cached tokens, gather + SDPA time / in place, 2 threads, over several runs: 1.6-6.3x at
+# T <= 32 for L <= 2,000 (0.7-0.9x at T=32, L=2,000 in some runs), 1.4-2.9x for a whole
+# prompt of 16-256 tokens, 0.97-1.23x at T=64..128, L=2,000, 0.9-1.4x at T=64, L=8,000. Past
+# 128 tokens SDPA's BLAS-backed kernel keeps them (0.85-1.4x either way: no case for the
+# kernel). benchmarks/paged_decode.py, its second table.
+NATIVE_CHUNK_MAX = 128
 
 
 @dataclass
@@ -91,7 +93,8 @@ class AttentionPlan:
         decode_writes: list[int] = []  # decodes' slots since the last chunk, kept in row order
         prefills: list[PrefillChunk] = []
         decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
+        decode_tables: list[list[int]] = []  # per decode row (the gather tiers and flex)
+        table_runs: list[tuple[list[int], int]] = []  # native: (table, how many rows in a row use it)
         lengths: list[int] = []  # each decode's context, its new token included
         row = 0
         for block_ids, computed, new in seqs:
@@ -102,8 +105,11 @@ class AttentionPlan:
                 for position in range(computed, total):
                     decode_writes.append(table[position // bs] * bs + position % bs)
                     decode_rows.append(row + position - computed)
-                    decode_tables.append(table)
                     lengths.append(position + 1)
+                if kernel == "native":
+                    table_runs.append((table, new))
+                else:
+                    decode_tables.append(table)
             else:
                 if decode_writes:
                     writes.append(torch.tensor(decode_writes, dtype=torch.long, device=device))
@@ -121,8 +127,12 @@ class AttentionPlan:
         plan = cls(cache, torch.cat(writes), kernel, prefills)
         if decode_rows and kernel == "native":
             plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            width = max(map(len, decode_tables))
-            plan.decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32)
+            # Each table padded once, then repeated for its chunk's rows (a 128-token chunk
+            # after 2,000 cached tokens would otherwise list 128 x 134 ids in Python).
+            width = max(len(t) for t, _ in table_runs)
+            padded = torch.tensor([t + [0] * (width - len(t)) for t, _ in table_runs], dtype=torch.int32)
+            repeats = [n for _, n in table_runs]
+            plan.decode_tables = padded if max(repeats) == 1 else padded.repeat_interleave(torch.tensor(repeats), dim=0)
             plan.decode_lengths = torch.tensor(lengths, dtype=torch.int32)
         elif decode_rows and kernel == "flex" and sum(lengths) >= in_place_from:
             if query_heads <= 0:

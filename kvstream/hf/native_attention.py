@@ -10,9 +10,10 @@ its own (no padding). ``flex`` reads in place too, but a compiled call costs ~0.
 than a gather at short contexts, so it gathers below 4,096 tokens; this one has no such cost.
 
 Float32 on CPU only (the engine's dtype on CPU); other dtypes and devices fail the tier
-probe and run the next tier. Prefill chunks of more than ``attention.NATIVE_CHUNK_MAX``
-tokens still gather and run SDPA, whose blocked kernels beat a per-query walk over many
-queries; shorter ones run here as one row per token. Built by ``native_build``.
+probe and run the next tier. Prefill chunks of up to ``attention.NATIVE_CHUNK_MAX`` tokens
+run here as one row per token, the kernel taking a chunk's rows in tiles that share each K/V
+tile it reads; longer ones gather and run SDPA, whose BLAS-backed kernel is about as fast
+there. Built by ``native_build``.
 """
 
 from __future__ import annotations

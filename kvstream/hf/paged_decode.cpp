@@ -11,10 +11,17 @@
 // keys' dot products reduced together, a vector exp, the output row held in registers while
 // the values stream past. Each pair's sums run in a fixed order, so a
 // sequence's result does not depend on what it is batched with or on the thread split.
+//
+// A prefill chunk runs here as one row per token (row t over the context up to and including
+// its own token), its rows taken kTileRows at a time: each tile of keys and values is read
+// from memory once for all of them and used from L1 by every row, where one row at a time
+// re-read the whole context per row (and lost to gather + SDPA past 8 rows). A row still runs
+// exactly the operations it would alone, so the results are the same bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -53,6 +60,9 @@ inline __m256 exp8(__m256 x) {
 #endif
 
 constexpr int64_t kTile = 32;  // keys (and values) per tile: 32 x 64 floats = 8 KB
+// Rows of one sequence sharing each key and value tile (a prefill chunk's queries): enough
+// that a tile read from memory serves many queries, few enough that their scores stay in L2.
+constexpr int64_t kTileRows = 16;
 
 // scores[j] = (query . key_j) * scale for j < len; key j starts at keys + rows[j].
 void score(const float* query, const float* keys, const int64_t* rows, int64_t len, int64_t dim, float scale, float* scores) {
@@ -185,40 +195,71 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
     float* os = out.data_ptr<float>();
     const float softmax_scale = static_cast<float>(scale);
 
-    // One unit per (sequence, KV head); grain 1, so two threads share even a batch of one
+    // Row tiles: runs of up to kTileRows consecutive rows of one sequence (the same table,
+    // lengths one apart: the queries of a prefill chunk), which share every key and value
+    // tile they read. A decode is a tile of one row.
+    std::vector<std::pair<int64_t, int64_t>> tiles;  // [first row, end row)
+    for (int64_t b = 0; b < batch;) {
+        int64_t end = b + 1;
+        while (end < batch && end - b < kTileRows && length[end] == length[end - 1] + 1
+               && std::equal(table + end * width, table + (end + 1) * width, table + b * width))
+            ++end;
+        tiles.emplace_back(b, end);
+        b = end;
+    }
+    const int64_t units = static_cast<int64_t>(tiles.size()) * kv_heads;
+
+    // One unit per (row tile, KV head); grain 1, so two threads share even a batch of one
     // sequence. A unit lists where each of its context's rows lies once (walking the block
-    // table), then each query head of the group scores the keys and weighs the values.
-    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t first, int64_t last) {
-        std::vector<float> scores, total(group);
+    // table), then each query head of the group, for each row of the tile, scores the keys
+    // and weighs the values.
+    at::parallel_for(0, units, 1, [&](int64_t first, int64_t last) {
+        std::vector<float> scores, total;
         std::vector<int64_t> rows;
         for (int64_t unit = first; unit < last; ++unit) {
-            const int64_t b = unit / kv_heads, h = unit % kv_heads, len = length[b];
-            const int32_t* blocks = table + b * width;
-            rows.resize(len);
-            for (int64_t j = 0, i = 0; j < len; ++i) {
+            const int64_t b0 = tiles[unit / kv_heads].first, b1 = tiles[unit / kv_heads].second;
+            const int64_t h = unit % kv_heads, tile_rows = b1 - b0, longest = length[b1 - 1];
+            const int32_t* blocks = table + b0 * width;
+            rows.resize(longest);
+            for (int64_t j = 0, i = 0; j < longest; ++i) {
                 const int64_t start = static_cast<int64_t>(blocks[i]) * block_size;
-                for (int64_t offset = 0; offset < block_size && j < len; ++offset, ++j)
+                for (int64_t offset = 0; offset < block_size && j < longest; ++offset, ++j)
                     rows[j] = (start + offset) * slot_stride + h * head_stride;
             }
-            // Tiles of keys and values small enough to stay in L1 while every query head of
-            // the group uses them: the K and V rows come from memory once per unit.
-            scores.resize(group * len);
-            const float* query = qs + (b * heads + h * group) * dim;  // the group's heads, consecutive
-            float* out_rows = os + (b * heads + h * group) * dim;
-            for (int64_t t = 0; t < len; t += kTile) {
-                const int64_t n = std::min(kTile, len - t);
-                for (int64_t g = 0; g < group; ++g)
-                    score(query + g * dim, ks, rows.data() + t, n, dim, softmax_scale, scores.data() + g * len + t);
-            }
-            for (int64_t g = 0; g < group; ++g) total[g] = softmax_numerators(scores.data() + g * len, len);
-            std::fill(out_rows, out_rows + group * dim, 0.f);
-            for (int64_t t = 0; t < len; t += kTile) {
-                const int64_t n = std::min(kTile, len - t);
-                for (int64_t g = 0; g < group; ++g)
-                    weigh(scores.data() + g * len + t, vs, rows.data() + t, n, dim, out_rows + g * dim);
-            }
-            for (int64_t g = 0; g < group; ++g)
-                for (int64_t d = 0; d < dim; ++d) out_rows[g * dim + d] /= total[g];
+            // Query row (r, g): row b0 + r's head h * group + g, its scores at (r * group + g) * longest.
+            const int64_t queries = tile_rows * group;
+            auto query = [&](int64_t r, int64_t g) { return qs + ((b0 + r) * heads + h * group + g) * dim; };
+            auto output = [&](int64_t r, int64_t g) { return os + ((b0 + r) * heads + h * group + g) * dim; };
+            scores.resize(queries * longest);
+            total.resize(queries);
+            // Tiles of keys and values small enough to stay in L1 while every query row of the
+            // unit uses them: the K and V rows come from memory once per unit. A row stops at
+            // its own length; tiles start at multiples of kTile whatever the tile of rows, so
+            // each row runs exactly the operations it would alone (bit-identical results).
+            for (int64_t t = 0; t < longest; t += kTile)
+                for (int64_t r = 0; r < tile_rows; ++r) {
+                    const int64_t n = std::min(kTile, length[b0 + r] - t);
+                    if (n <= 0) continue;
+                    for (int64_t g = 0; g < group; ++g)
+                        score(query(r, g), ks, rows.data() + t, n, dim, softmax_scale, scores.data() + (r * group + g) * longest + t);
+                }
+            for (int64_t r = 0; r < tile_rows; ++r)
+                for (int64_t g = 0; g < group; ++g) {
+                    total[r * group + g] = softmax_numerators(scores.data() + (r * group + g) * longest, length[b0 + r]);
+                    std::fill(output(r, g), output(r, g) + dim, 0.f);
+                }
+            for (int64_t t = 0; t < longest; t += kTile)
+                for (int64_t r = 0; r < tile_rows; ++r) {
+                    const int64_t n = std::min(kTile, length[b0 + r] - t);
+                    if (n <= 0) continue;
+                    for (int64_t g = 0; g < group; ++g)
+                        weigh(scores.data() + (r * group + g) * longest + t, vs, rows.data() + t, n, dim, output(r, g));
+                }
+            for (int64_t r = 0; r < tile_rows; ++r)
+                for (int64_t g = 0; g < group; ++g) {
+                    float* o = output(r, g);
+                    for (int64_t d = 0; d < dim; ++d) o[d] /= total[r * group + g];
+                }
         }
     });
     return out;

@@ -127,3 +127,30 @@ def test_short_prefill_chunks_are_read_in_place_and_match_eager(block_size):
         got = paged_attention(layer, query, key, value, None, dim**-0.5, kvstream_plan=native_plan)[0]
         want = paged_attention(layer, query, key, value, None, dim**-0.5, kvstream_plan=AttentionPlan.build(cache, seqs, "eager", heads))[0]
     assert float((got - want).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (2, 1, 20)])
+def test_a_chunks_rows_tiled_together_give_what_each_gives_alone(heads, kv_heads, dim):
+    """The kernel takes consecutive rows of one sequence (a prefill chunk's queries) 16 at a
+    time, sharing each K/V tile among them: every row's output is bit for bit what it is run
+    alone, and matches eager. 40 rows after 57 cached tokens (tiles of 16, 16, 8), then a
+    second sequence whose first row's length follows on (a different table: not tiled in),
+    then a decode sharing the first sequence's table."""
+    block_size = 8
+    generator = torch.Generator().manual_seed(5)
+    num_blocks = 40
+    order = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+    first, second = order[:13], order[13:26]  # 97 and up to 104 tokens
+    chunk = [(first, n) for n in range(58, 98)]
+    rows = chunk + [(second, 98), (second, 99), (first, 97)]
+    tables = torch.stack([t for t, _ in rows])
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    k_pool = torch.randn(num_blocks * block_size, kv_heads, dim, generator=generator)
+    v_pool = torch.randn(num_blocks * block_size, kv_heads, dim, generator=generator)
+    q = torch.randn(len(rows), heads, dim, generator=generator)
+    together = native_attention.paged_decode(q, k_pool, v_pool, tables, lens, block_size, None)
+    for b in range(len(rows)):
+        alone = native_attention.paged_decode(q[b : b + 1], k_pool, v_pool, tables[b : b + 1], lens[b : b + 1], block_size, None)
+        assert torch.equal(together[b : b + 1], alone), f"row {b}"
+    expected = reference(q, k_pool, v_pool, tables, lens, block_size, dim**-0.5)
+    assert float((together - expected).abs().max()) < 1e-5
