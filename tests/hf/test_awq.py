@@ -373,6 +373,57 @@ def test_populating_pages_falls_back_to_read_ahead_on_an_older_kernel(monkeypatc
                      (streaming.PAGE, 2 * streaming.PAGE, streaming.MADV_WILLNEED)]
 
 
+def test_pages_cached_tells_resident_pages_from_absent_ones():
+    """mincore on an anonymous mapping: untouched pages are not resident, touched ones are."""
+    import ctypes
+    import mmap
+
+    from kvstream.hf.awq.streaming import PAGE, pages_cached
+
+    region = mmap.mmap(-1, 8 * PAGE)
+    try:
+        start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        assert not pages_cached(start, start + 8 * PAGE)
+        for page in range(4):
+            region[page * PAGE] = 1
+        assert pages_cached(start, start + 4 * PAGE)
+        assert not pages_cached(start, start + 5 * PAGE)  # one page short is not all there
+    finally:
+        region.close()
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["warm", "pages-dropped"])
+def test_mapped_staging_faults_pages_in_only_where_they_left_the_page_cache(rtn_folder, monkeypatch, drop):
+    """Warm, the first forward faults the streamed layers in and later ones find them cached
+    (populating cached pages cost a 96-layer forward ~25 ms); with their pages dropped after
+    each layer, later forwards fault them in again."""
+    import gc
+
+    from kvstream.hf.awq import streaming
+
+    gc.collect()  # earlier tests' streamed models: their live mappings would keep dropped pages cached
+    calls = []
+    populate = streaming.populate_pages
+    monkeypatch.setattr(streaming, "populate_pages", lambda start, end: (calls.append(start), populate(start, end)))
+    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, drop, "mapped"))
+    ids = torch.randint(0, 40000, (1, 4), generator=torch.Generator().manual_seed(5))
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+            report.streamer.drain()
+            first = len(calls)
+            for _ in range(2):
+                model(ids, use_cache=False)
+            report.streamer.drain()
+        if drop:  # dropped after computing, so faulted in again (where the kernel's read-ahead
+            # for other layers, stored beside them in the file, has not brought them back)
+            assert len(calls) > first
+        else:
+            assert len(calls) == first  # nothing populated again: every page was still cached
+    finally:
+        report.streamer.close()
+
+
 def held_bytes(name: str, ref) -> int:
     """What a float32 engine holds for a checkpoint tensor: the packed tensors and the
     embeddings as stored, every other float16 tensor (norms) upcast."""
