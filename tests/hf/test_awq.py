@@ -395,7 +395,7 @@ def test_pages_cached_tells_resident_pages_from_absent_ones():
 @pytest.mark.parametrize("drop", [False, True], ids=["warm", "pages-dropped"])
 def test_mapped_staging_faults_pages_in_only_where_they_left_the_page_cache(rtn_folder, monkeypatch, drop):
     """Warm, the first forward faults the streamed layers in and later ones find them cached
-    (populating cached pages cost a 96-layer forward ~25 ms); with their pages dropped after
+    (populating cached pages cost a warm 96-layer forward 13-16 ms); with their pages dropped after
     each layer, later forwards fault them in again."""
     import gc
 

@@ -19,11 +19,12 @@ Modes (``StreamingConfig.mode``):
 - ``full_stream``: every decoder layer streamed, K ignored.
 
 With ``staging="mapped"`` (CPU) there are no slots: a streamed layer computes straight from
-the mapped checkpoint, and the background thread only faults the next layer's pages in
-where any has left the page cache (``mincore`` tells; ``MADV_POPULATE_READ`` reads them from
-disk and maps them), so nothing is copied, and a warm forward costs no more than a resident one. On this CPU a copy from the page cache moves each byte twice
-more than the kernel's own read, on the cores the forward computes on (streamed forwards ran
-at 0.64-0.79x the resident one with copies).
+the mapped checkpoint, and the background thread only faults the next layer's pages in, and
+only where one has left the page cache (``mincore`` tells; ``MADV_POPULATE_READ`` reads them
+from disk and maps them): nothing is copied, and a warm forward runs about as fast as a
+resident one. On this CPU a copy from the page cache moves each byte twice more than the
+kernel's own read, on the cores the forward computes on (streamed forwards ran at
+0.64-0.79x the resident one with copies).
 
 With ``drop_page_cache``, each layer's checkpoint pages are dropped once staged (unmapped
 from this process, then evicted from the kernel's page cache), so every forward reads the
