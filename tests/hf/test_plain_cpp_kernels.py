@@ -71,6 +71,13 @@ def test_the_plain_decode_attention_kernel_matches_eager(heads, kv_heads, dim, b
     assert torch.allclose(out, reference(q, k_pool, v_pool, tables, lens, block_size, dim**-0.5), atol=1e-5, rtol=1e-5)
     alone = module.paged_decode(q[2:3], k_pool, v_pool, tables[2:3], lens[2:3], block_size, dim**-0.5)
     assert torch.equal(alone[0], out[2])
+    # A prefill chunk's rows (one table, lengths one apart), tiled 16 at a time by the kernel.
+    rows = 20
+    chunk_tables, chunk_lens = tables[4:5].expand(rows, -1).contiguous(), torch.arange(51, 71, dtype=torch.int32)
+    chunk = module.paged_decode(q[:1].expand(rows, -1, -1).contiguous(), k_pool, v_pool, chunk_tables, chunk_lens, block_size, dim**-0.5)
+    want = reference(q[:1].expand(rows, -1, -1), k_pool, v_pool, chunk_tables, chunk_lens, block_size, dim**-0.5)
+    assert torch.allclose(chunk, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(module.paged_decode(q[:1], k_pool, v_pool, chunk_tables[17:18], chunk_lens[17:18], block_size, dim**-0.5)[0], chunk[17])
 
 
 def test_the_plain_kv_write_matches_index_copy():
