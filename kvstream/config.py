@@ -104,6 +104,7 @@ class MemorySettings(_Section):
     kv_cache_bits: Literal[8, 4] | None = Field(None, description="hf: keep spilled and swapped KV blocks KIVI-quantized to 8 or 4 bits; none = model precision")
     disk_cache_dir: Path | None = Field(None, description="hf: directory of the disk KV tier (below host RAM; survives restarts); none = no disk tier")
     disk_cache_bytes: int = Field(4 * 1024**3, ge=1, description="hf: most bytes the disk KV tier holds")
+    kv_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="hf: the KV pool's dtype; auto = the model's. float16 / bfloat16 under a float32 CPU model: half the pool's bytes (twice the tokens in kv_cache_bytes) and half what decode reads at long context, K/V rounded once as they are written")
     half_weights: bool = Field(True, description="hf: on the CPU in float32, hold the linear layers and embeddings of a bfloat16 / float16 checkpoint as stored (values exactly half precision) and widen them in the kernel: half the weight bytes, the upcast model's results at decode; false = upcast every weight")
 
     @field_validator("num_gpu_blocks")

@@ -41,6 +41,7 @@ def serve(
     gguf_file: Annotated[Optional[str], typer.Option(help="hf: the .gguf file inside the --model folder")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="hf: auto | float32 | float16 | bfloat16")] = None,
     device: Annotated[Optional[str], typer.Option(help="hf: auto | cpu | cuda")] = None,
+    kv_dtype: Annotated[Optional[str], typer.Option(help="hf: the KV pool's dtype: auto (the model's) | float32 | float16 | bfloat16 (half the pool bytes under a float32 model)")] = None,
     half_weights: Annotated[Optional[bool], typer.Option("--half-weights/--no-half-weights", help="hf, CPU float32: hold a bfloat16/float16 checkpoint's linear layers and embeddings as stored (default on)")] = None,
     slot_save_path: Annotated[Optional[Path], typer.Option(help="llamacpp: the server's slot directory (enables hard KV inject)")] = None,
     host: Annotated[Optional[str], typer.Option(help="address to bind (default 127.0.0.1)")] = None,
@@ -87,7 +88,7 @@ def serve(
         "memory": {
             "num_gpu_blocks": num_gpu_blocks, "block_size": block_size, "dtype": dtype,
             "kv_cache_bytes": max_cache_bytes, "host_cache_bytes": host_cache_bytes, "kv_cache_bits": kv_cache_bits, "disk_cache_dir": disk_cache_dir,
-            "half_weights": half_weights,
+            "half_weights": half_weights, "kv_dtype": kv_dtype,
         },
     }
     loaded = _load(cli, config)

@@ -228,7 +228,7 @@ def paged_attention(
     layer = module.layer_idx
     k_pool = plan.cache.flat_k[layer]
     v_pool = plan.cache.flat_v[layer]
-    if (plan.kernel == "native" and k_pool.dtype == key.dtype == value.dtype == torch.float32
+    if (plan.kernel == "native" and k_pool.dtype in native_attention.POOL_DTYPES and key.dtype == value.dtype == torch.float32
             and key.stride(-1) == value.stride(-1) == 1):
         native_attention.write_kv(k_pool, v_pool, plan.write_slots, key[0], value[0])  # one call, not six ops
     else:

@@ -70,17 +70,20 @@ class TierChoice:
 
 
 def _probe_error(
-    kernel: str, num_heads: int, shape: KVShape, dtype: torch.dtype, device: torch.device, block_size: int
+    kernel: str, num_heads: int, shape: KVShape, dtype: torch.dtype, device: torch.device, block_size: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> float:
-    """Largest absolute difference between ``kernel`` and eager on one packed probe step."""
+    """Largest absolute difference between ``kernel`` and eager on one packed probe step
+    (queries in ``dtype``, the pool in ``kv_dtype``, default the same)."""
+    kv_dtype = kv_dtype or dtype
     generator = torch.Generator().manual_seed(0)
     rows = probe_rows(block_size)
     blocks_per_seq = -(-max(c + n for c, n in rows) // block_size)
     cache = PagedKVCache(
-        KVShape(1, shape.num_kv_heads, shape.head_dim), blocks_per_seq * len(rows), block_size, 0, dtype, device
+        KVShape(1, shape.num_kv_heads, shape.head_dim), blocks_per_seq * len(rows), block_size, 0, kv_dtype, device
     )
-    cache.k.copy_(torch.randn(cache.k.shape, generator=generator).to(dtype))  # the cached heads
-    cache.v.copy_(torch.randn(cache.v.shape, generator=generator).to(dtype))
+    cache.k.copy_(torch.randn(cache.k.shape, generator=generator).to(kv_dtype))  # the cached heads
+    cache.v.copy_(torch.randn(cache.v.shape, generator=generator).to(kv_dtype))
     # Tables in reverse block order, so that no kernel can pass by reading slots in sequence.
     seqs = [(list(range((i + 1) * blocks_per_seq - 1, i * blocks_per_seq - 1, -1)), cached, new) for i, (cached, new) in enumerate(rows)]
     tokens = sum(new for _, new in rows)
@@ -100,15 +103,17 @@ def _probe_error(
 
 
 def choose_tier(
-    requested: str, num_heads: int, shape: KVShape, dtype: torch.dtype, device: torch.device, block_size: int = 16
+    requested: str, num_heads: int, shape: KVShape, dtype: torch.dtype, device: torch.device, block_size: int = 16,
+    kv_dtype: torch.dtype | None = None,
 ) -> TierChoice:
-    """The tier to run for ``requested`` (``auto`` or a tier name). Raises AttentionTierError
+    """The tier to run for ``requested`` (``auto`` or a tier name), the model computing in
+    ``dtype`` over a pool of ``kv_dtype`` (default the same). Raises AttentionTierError
     when a named tier is not built, fails to run here (flex without a working torch.compile)
     or disagrees with eager."""
     if requested != "auto" and requested not in TIERS:
         raise AttentionTierError(f"attention backend {requested!r} is not one of auto, {', '.join(TIERS)}")
     candidates = TIERS if requested == "auto" else (requested,)
-    tolerance = TOLERANCE.get(dtype, 5e-2)
+    tolerance = max(TOLERANCE.get(dtype, 5e-2), TOLERANCE.get(kv_dtype or dtype, 5e-2))
     why_not: dict[str, str] = {}
     if requested != "auto":  # the tiers faster than the one asked for
         for name in TIERS[: TIERS.index(requested)]:
@@ -122,7 +127,7 @@ def choose_tier(
             return TierChoice("eager", why_not)
         else:
             try:
-                error = _probe_error(name, num_heads, shape, dtype, device, block_size)
+                error = _probe_error(name, num_heads, shape, dtype, device, block_size, kv_dtype)
             except Exception as exc:  # noqa: BLE001 - e.g. torch.compile without a C++ compiler
                 first_line = (str(exc).strip().splitlines() or [""])[0][:200]
                 why_not[name] = f"failed on the probe: {type(exc).__name__}: {first_line}"

@@ -259,9 +259,10 @@ class HFBackend(InProcessBackend):
         self.loaded = loaded
         self.model_name = loaded.name
         context = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 0) or None
+        kv_dtype = None if memory.kv_dtype == "auto" else getattr(torch, memory.kv_dtype)
         num_blocks = memory.num_gpu_blocks
         if num_blocks == "auto":
-            num_blocks = auto_num_blocks(loaded.model, memory.block_size, memory.kv_cache_bytes)
+            num_blocks = auto_num_blocks(loaded.model, memory.block_size, memory.kv_cache_bytes, kv_dtype)
         config = RunnerConfig(
             block_size=memory.block_size,
             num_blocks=num_blocks,
@@ -282,6 +283,7 @@ class HFBackend(InProcessBackend):
             host_cache_bytes=memory.host_cache_bytes,
             disk_cache_dir=str(memory.disk_cache_dir) if memory.disk_cache_dir else None,
             disk_cache_bytes=memory.disk_cache_bytes,
+            kv_dtype=None if memory.kv_dtype == "auto" else memory.kv_dtype,
         )
         runner = ModelRunner(loaded.model, loaded.tokenizer, config)
         logger.info(
@@ -327,7 +329,8 @@ class HFBackend(InProcessBackend):
             runner = self.runner
             info |= {
                 "device": str(runner.device),
-                "dtype": str(runner.kv_dtype).removeprefix("torch."),
+                "dtype": str(next(runner.model.parameters()).dtype).removeprefix("torch."),
+                "kv_dtype": str(runner.kv_dtype).removeprefix("torch."),  # the pool's (memory.kv_dtype)
                 "kv_device_bytes": runner.cache.device_bytes,
                 "kv_host_bytes": runner.cache.host_bytes,
                 "steps": runner.counters.steps,

@@ -214,9 +214,11 @@ def auto_batch_size(num_blocks: int, block_size: int) -> int:
     return max(low, min(high, num_blocks * block_size // AUTO_BATCH_POOL_TOKENS))
 
 
-def auto_num_blocks(model: torch.nn.Module, block_size: int, budget_bytes: int | None = None) -> int:
+def auto_num_blocks(
+    model: torch.nn.Module, block_size: int, budget_bytes: int | None = None, kv_dtype: torch.dtype | None = None
+) -> int:
     """Device blocks for ``model`` within ``budget_bytes`` (default: 1 GiB on CPU, 40% of
-    the free memory on CUDA)."""
+    the free memory on CUDA), K/V held in ``kv_dtype`` (default: the model's)."""
     param = next(model.parameters())
     if budget_bytes is None:
         if param.device.type == "cuda":
@@ -224,4 +226,4 @@ def auto_num_blocks(model: torch.nn.Module, block_size: int, budget_bytes: int |
             budget_bytes = int(free * CUDA_KV_FRACTION)
         else:
             budget_bytes = DEFAULT_CPU_KV_BYTES
-    return max(4, budget_bytes // (KVShape.of(model.config).bytes_per_token(param.dtype) * block_size))
+    return max(4, budget_bytes // (KVShape.of(model.config).bytes_per_token(kv_dtype or param.dtype) * block_size))

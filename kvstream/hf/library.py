@@ -97,6 +97,7 @@ class HFEngine:
         disk_cache_bytes: int = default("memory", "disk_cache_bytes"),
         streaming: StreamingConfig | None = None,
         half_weights: bool = default("memory", "half_weights"),
+        kv_dtype: str | None = None,
     ) -> HFEngine:
         """Load ``model`` (default: the embedded SmolLM2). ``chunk_size`` is the KV block
         size in tokens, the granularity of reuse; ``max_cache_bytes`` bounds the KV pool
@@ -107,14 +108,16 @@ class HFEngine:
         ``model`` may be an AWQ checkpoint folder (``kvstream awq quantize``); ``streaming``
         then keeps only some of its layers resident (``kvstream.hf.awq.streaming``).
         ``half_weights``: on the CPU in float32, a bfloat16 / float16 checkpoint's linear
-        layers and embeddings stay as stored (``kvstream.hf.half_weights``)."""
+        layers and embeddings stay as stored (``kvstream.hf.half_weights``). ``kv_dtype``
+        ("float16", "bfloat16"): the KV pool's dtype when not the model's (half the pool's
+        bytes; K/V rounded once as written)."""
         loaded = load_model(model, gguf_file, dtype, device, streaming, half_weights)
-        blocks = auto_num_blocks(loaded.model, chunk_size, max_cache_bytes)
+        blocks = auto_num_blocks(loaded.model, chunk_size, max_cache_bytes, getattr(torch, kv_dtype) if kv_dtype else None)
         config = RunnerConfig(
             block_size=chunk_size, num_blocks=blocks, num_cpu_blocks=0, max_num_seqs=max_batch_size,
             model_identity=loaded.identity, max_model_len=getattr(loaded.model.config, "max_position_embeddings", None),
             kv_cache_bits=kv_cache_bits, host_cache_bytes=host_cache_bytes, disk_cache_dir=disk_cache_dir,
-            disk_cache_bytes=disk_cache_bytes,
+            disk_cache_bytes=disk_cache_bytes, kv_dtype=kv_dtype,
         )
         return cls(loaded, config, recompute_strategy, blend_ratio)
 

@@ -75,6 +75,10 @@ class RunnerConfig:
     max_queue_size: int = default("scheduler", "max_queue_size")
     max_model_len: int | None = None
     model_identity: str = "hf"
+    # float16 | bfloat16 | float32: the KV pool's dtype when it differs from the model's (a
+    # float32 CPU model with half-precision K/V: half the pool bytes, half what decode reads
+    # at long context; the kernels widen K/V as they read them); None = the model's dtype.
+    kv_dtype: str | None = None
     attention: str = "auto"  # auto | native | flex | sdpa | eager: the tier, probed at start (attention_tiers.py)
     # auto | native | torch: what runs the linear layers for decode-sized batches (native_linear.py);
     # all but torch also put the norms and rotary embedding on native_ops.py's kernels
@@ -148,9 +152,13 @@ class ModelRunner:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.kv_shape = KVShape.of(model.config)
-        self.kv_dtype = next(model.parameters()).dtype
+        compute_dtype = next(model.parameters()).dtype
+        self.kv_dtype = getattr(torch, config.kv_dtype) if config.kv_dtype else compute_dtype
+        if self.kv_dtype != compute_dtype:  # cached K/V of another precision is another cache
+            config = replace(config, model_identity=f"{config.model_identity}:kv={config.kv_dtype}")
         self.attention = choose_tier(
-            config.attention, model.config.num_attention_heads, self.kv_shape, self.kv_dtype, self.device, config.block_size
+            config.attention, model.config.num_attention_heads, self.kv_shape, compute_dtype, self.device, config.block_size,
+            kv_dtype=self.kv_dtype,
         )
         config = replace(config, attention=self.attention.name)
         # The norms and rotary embedding go native unless torch's own ops are asked for (native_ops.py).

@@ -9,8 +9,9 @@ where it lies, for all the query heads that share it, and runs each (sequence, K
 its own (no padding). ``flex`` reads in place too, but a compiled call costs ~0.3 ms more
 than a gather at short contexts, so it gathers below 4,096 tokens; this one has no such cost.
 
-Float32 on CPU only (the engine's dtype on CPU); other dtypes and devices fail the tier
-probe and run the next tier. Prefill chunks of up to ``attention.NATIVE_CHUNK_MAX`` tokens
+Float32 queries on CPU only (the engine's dtype on CPU); the pool float32, or float16 /
+bfloat16 with ``memory.kv_dtype`` (read widened, in registers); other dtypes and devices
+fail the tier probe and run the next tier. Prefill chunks of up to ``attention.NATIVE_CHUNK_MAX`` tokens
 run here as one row per token, the kernel taking a chunk's rows in tiles that share each K/V
 tile it reads; longer ones gather and run SDPA, whose BLAS-backed kernel is about as fast
 there. Built by ``native_build``.
@@ -27,12 +28,17 @@ import torch
 from kvstream.hf import native_build
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
+# What the kernel reads the pool as (queries and outputs are float32): half-precision K/V are
+# widened exactly as they are read, so a half pool gives its float32 copy's results bit for bit.
+POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @functools.cache
 def load() -> tuple[ModuleType | None, str]:
     """The compiled kernel and how it was built, or None and why not."""
-    return native_build.load_extension("kvstream_paged_decode", SOURCE)
+    # Mul and add kept apart in the scalar tails, so that a pool held in half precision and its
+    # float32 copy give the same bits (the compiler contracted them in one and not the other).
+    return native_build.load_extension("kvstream_paged_decode", SOURCE, extra_flags=("-ffp-contract=off",))
 
 
 class NativeKernelUnavailable(RuntimeError):

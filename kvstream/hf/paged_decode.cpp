@@ -17,6 +17,11 @@
 // from memory once for all of them and used from L1 by every row, where one row at a time
 // re-read the whole context per row (and lost to gather + SDPA past 8 rows). A row still runs
 // exactly the operations it would alone, so the results are the same bit for bit.
+//
+// The pool may hold K/V in float16 or bfloat16 (``memory.kv_dtype``): values are widened to
+// float32 in registers as they are read (exact), queries, sums and outputs stay float32, so a
+// half pool gives exactly what its float32 copy gives (with -ffp-contract=off, which keeps
+// the scalar tails' multiply and add apart in every instantiation alike).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -59,33 +64,45 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
+#ifdef KVSTREAM_AVX2
+// Eight K or V values widened to float32 (exact for both half formats): the pool may hold
+// them as stored in half precision, the sums always run in float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is float32's upper half
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
+
 constexpr int64_t kTile = 32;  // keys (and values) per tile: 32 x 64 floats = 8 KB
 // Rows of one sequence sharing each key and value tile (a prefill chunk's queries): enough
 // that a tile read from memory serves many queries, few enough that their scores stay in L2.
 constexpr int64_t kTileRows = 16;
 
 // scores[j] = (query . key_j) * scale for j < len; key j starts at keys + rows[j].
-void score(const float* query, const float* keys, const int64_t* rows, int64_t len, int64_t dim, float scale, float* scores) {
+template <typename T>
+void score(const float* query, const T* keys, const int64_t* rows, int64_t len, int64_t dim, float scale, float* scores) {
     int64_t j = 0;
 #ifdef KVSTREAM_AVX2
     if (dim % 8 == 0) {
         for (; j + 8 <= len; j += 8) {  // eight keys at a time, one horizontal sum for all
-            const float* key[8];
+            const T* key[8];
             for (int k = 0; k < 8; ++k) key[k] = keys + rows[j + k];
             __m256 acc[8];
             for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
             for (int64_t d = 0; d < dim; d += 8) {
                 const __m256 q = _mm256_loadu_ps(query + d);
-                for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(q, _mm256_loadu_ps(key[k] + d), acc[k]);
+                for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(q, load8(key[k] + d), acc[k]);
             }
             _mm256_storeu_ps(scores + j, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
         }
     }
 #endif
     for (; j < len; ++j) {
-        const float* key = keys + rows[j];
+        const T* key = keys + rows[j];
         float sum = 0.f;
-        for (int64_t d = 0; d < dim; ++d) sum += query[d] * key[d];
+        for (int64_t d = 0; d < dim; ++d) sum += query[d] * static_cast<float>(key[d]);
         scores[j] = sum * scale;
     }
 }
@@ -115,43 +132,56 @@ float softmax_numerators(float* scores, int64_t len) {
 
 #ifdef KVSTREAM_AVX2
 // out[0, 8 * NV) += sum_j weights[j] * value_j[0, 8 * NV), accumulated in registers.
-template <int NV>
-void weigh_chunk(const float* weights, const float* values, const int64_t* rows, int64_t len, float* out) {
+template <int NV, typename T>
+void weigh_chunk(const float* weights, const T* values, const int64_t* rows, int64_t len, float* out) {
     __m256 acc[NV];
     for (int c = 0; c < NV; ++c) acc[c] = _mm256_loadu_ps(out + 8 * c);
     for (int64_t j = 0; j < len; ++j) {
-        const float* value = values + rows[j];
+        const T* value = values + rows[j];
         const __m256 w = _mm256_set1_ps(weights[j]);
-        for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + 8 * c), acc[c]);
+        for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(w, load8(value + 8 * c), acc[c]);
     }
     for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
 }
 #endif
 
 // out[d] += sum_j weights[j] * value_j[d] for d < dim; value j starts at values + rows[j].
-void weigh(const float* weights, const float* values, const int64_t* rows, int64_t len, int64_t dim, float* out) {
+template <typename T>
+void weigh(const float* weights, const T* values, const int64_t* rows, int64_t len, int64_t dim, float* out) {
 #ifdef KVSTREAM_AVX2
     if (dim % 8 == 0) {
         for (int64_t d = 0; d < dim; d += 64) {  // 64 floats (8 registers) per pass over the values
-            const float* v = values + d;
+            const T* v = values + d;
             switch (std::min<int64_t>(8, (dim - d) / 8)) {
-                case 8: weigh_chunk<8>(weights, v, rows, len, out + d); break;
-                case 7: weigh_chunk<7>(weights, v, rows, len, out + d); break;
-                case 6: weigh_chunk<6>(weights, v, rows, len, out + d); break;
-                case 5: weigh_chunk<5>(weights, v, rows, len, out + d); break;
-                case 4: weigh_chunk<4>(weights, v, rows, len, out + d); break;
-                case 3: weigh_chunk<3>(weights, v, rows, len, out + d); break;
-                case 2: weigh_chunk<2>(weights, v, rows, len, out + d); break;
-                default: weigh_chunk<1>(weights, v, rows, len, out + d); break;
+                case 8: weigh_chunk<8, T>(weights, v, rows, len, out + d); break;
+                case 7: weigh_chunk<7, T>(weights, v, rows, len, out + d); break;
+                case 6: weigh_chunk<6, T>(weights, v, rows, len, out + d); break;
+                case 5: weigh_chunk<5, T>(weights, v, rows, len, out + d); break;
+                case 4: weigh_chunk<4, T>(weights, v, rows, len, out + d); break;
+                case 3: weigh_chunk<3, T>(weights, v, rows, len, out + d); break;
+                case 2: weigh_chunk<2, T>(weights, v, rows, len, out + d); break;
+                default: weigh_chunk<1, T>(weights, v, rows, len, out + d); break;
             }
         }
         return;
     }
 #endif
     for (int64_t j = 0; j < len; ++j) {
-        const float* value = values + rows[j];
-        for (int64_t d = 0; d < dim; ++d) out[d] += weights[j] * value[d];
+        const T* value = values + rows[j];
+        for (int64_t d = 0; d < dim; ++d) out[d] += weights[j] * static_cast<float>(value[d]);
     }
+}
+
+// Calls ``fn(k, v)`` with the pools' data as their element type: float, at::Half or
+// at::BFloat16 (checked by the caller, K and V alike).
+template <typename F>
+void with_pool_type(torch::Tensor& k_pool, torch::Tensor& v_pool, F&& fn) {
+    if (k_pool.dtype() == torch::kFloat16)
+        fn(k_pool.data_ptr<at::Half>(), v_pool.data_ptr<at::Half>());
+    else if (k_pool.dtype() == torch::kBFloat16)
+        fn(k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>());
+    else
+        fn(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
 }
 
 }  // namespace
@@ -161,8 +191,9 @@ void weigh(const float* weights, const float* values, const int64_t* rows, int64
 // token included, already written to the pool). Returns [B, H_q, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor tables,
                            torch::Tensor lengths, int64_t block_size, double scale) {
-    TORCH_CHECK(q.dtype() == torch::kFloat32 && k_pool.dtype() == torch::kFloat32 && v_pool.dtype() == torch::kFloat32,
-                "paged_decode reads float32 only");
+    TORCH_CHECK(q.dtype() == torch::kFloat32, "paged_decode takes float32 queries");
+    TORCH_CHECK(k_pool.dtype() == v_pool.dtype() && (k_pool.dtype() == torch::kFloat32 || k_pool.dtype() == torch::kFloat16
+                || k_pool.dtype() == torch::kBFloat16), "paged_decode reads float32, float16 or bfloat16 pools, K and V alike");
     TORCH_CHECK(tables.dtype() == torch::kInt32 && lengths.dtype() == torch::kInt32, "tables and lengths must be int32");
     TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3 && tables.dim() == 2 && lengths.dim() == 1,
                 "expected q [B, H_q, D], pools [slots, H_kv, D], tables [B, W], lengths [B]");
@@ -189,8 +220,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
     const int64_t group = heads / kv_heads;
     const int64_t slot_stride = k_pool.stride(0), head_stride = k_pool.stride(1);
     const float* qs = q.data_ptr<float>();
-    const float* ks = k_pool.data_ptr<float>();
-    const float* vs = v_pool.data_ptr<float>();
     auto out = torch::empty({batch, heads, dim}, q.options());
     float* os = out.data_ptr<float>();
     const float softmax_scale = static_cast<float>(scale);
@@ -212,7 +241,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
     // One unit per (row tile, KV head); grain 1, so two threads share even a batch of one
     // sequence. A unit lists where each of its context's rows lies once (walking the block
     // table), then each query head of the group, for each row of the tile, scores the keys
-    // and weighs the values.
+    // and weighs the values. ``ks`` / ``vs``: the pools as stored (float, at::Half or
+    // at::BFloat16), widened as they are read.
+    auto attend = [&](const auto* ks, const auto* vs) {
     at::parallel_for(0, units, 1, [&](int64_t first, int64_t last) {
         std::vector<float> scores, total;
         std::vector<int64_t> rows;
@@ -262,6 +293,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
                 }
         }
     });
+    };
+    with_pool_type(k_pool, v_pool, attend);
     return out;
 }
 
@@ -269,8 +302,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
 // value[h, t], [H_kv, T, D], any strides with D contiguous) to pool row slots[t]. What
 // ``index_copy_`` of the transposed K and V does, in one call instead of six ops per layer.
 void write_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, torch::Tensor key, torch::Tensor value) {
-    TORCH_CHECK(k_pool.dtype() == torch::kFloat32 && v_pool.dtype() == torch::kFloat32 && key.dtype() == torch::kFloat32
-                && value.dtype() == torch::kFloat32, "write_kv writes float32 only");
+    TORCH_CHECK(key.dtype() == torch::kFloat32 && value.dtype() == torch::kFloat32, "write_kv takes float32 keys and values");
+    TORCH_CHECK(k_pool.dtype() == v_pool.dtype() && (k_pool.dtype() == torch::kFloat32 || k_pool.dtype() == torch::kFloat16
+                || k_pool.dtype() == torch::kBFloat16), "write_kv writes float32, float16 or bfloat16 pools, K and V alike");
     TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.dim() == 1, "slots must be int64 [T]");
     TORCH_CHECK(!k_pool.is_cuda() && !v_pool.is_cuda() && !key.is_cuda() && !value.is_cuda(), "write_kv runs on CPU tensors");
     TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes() && key.dim() == 3 && value.sizes() == key.sizes(),
@@ -282,15 +316,17 @@ void write_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, t
     slots = slots.contiguous();
     const int64_t* slot = slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < rows, "slot outside the pool");
-    float* kp = k_pool.data_ptr<float>();
-    float* vp = v_pool.data_ptr<float>();
     const float* ks = key.data_ptr<float>();
     const float* vs = value.data_ptr<float>();
-    for (int64_t t = 0; t < tokens; ++t)
-        for (int64_t h = 0; h < heads; ++h) {
-            std::copy_n(ks + h * key.stride(0) + t * key.stride(1), dim, kp + slot[t] * k_pool.stride(0) + h * k_pool.stride(1));
-            std::copy_n(vs + h * value.stride(0) + t * value.stride(1), dim, vp + slot[t] * v_pool.stride(0) + h * v_pool.stride(1));
-        }
+    // Into a half-precision pool each value is rounded to nearest-even, as ``.to(dtype)`` does.
+    auto write = [&](auto* kp, auto* vp) {
+        for (int64_t t = 0; t < tokens; ++t)
+            for (int64_t h = 0; h < heads; ++h) {
+                std::copy_n(ks + h * key.stride(0) + t * key.stride(1), dim, kp + slot[t] * k_pool.stride(0) + h * k_pool.stride(1));
+                std::copy_n(vs + h * value.stride(0) + t * value.stride(1), dim, vp + slot[t] * v_pool.stride(0) + h * v_pool.stride(1));
+            }
+    };
+    with_pool_type(k_pool, v_pool, write);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -89,8 +89,12 @@ def test_tables_and_lengths_that_do_not_fit_the_pool_are_errors_not_reads():
             native_attention.paged_decode(q, k_pool, v_pool, bad_tables, bad_lens, 16, None)
     with pytest.raises(RuntimeError, match="context length out of range"):
         native_attention.paged_decode(q, k_pool, v_pool, tables, torch.tensor([0, 30], dtype=torch.int32), 16, None)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="float32 queries"):
         native_attention.paged_decode(q.double(), k_pool.double(), v_pool.double(), tables, lens, 16, None)
+    with pytest.raises(RuntimeError, match="float16 or bfloat16 pools, K and V alike"):
+        native_attention.paged_decode(q, k_pool.double(), v_pool.double(), tables, lens, 16, None)
+    with pytest.raises(RuntimeError, match="K and V alike"):
+        native_attention.paged_decode(q, k_pool.half(), v_pool, tables, lens, 16, None)
     with pytest.raises(RuntimeError, match="int32"):
         native_attention.paged_decode(q, k_pool, v_pool, tables.long(), lens, 16, None)
     with pytest.raises(RuntimeError, match="head counts"):
