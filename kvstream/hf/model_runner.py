@@ -153,6 +153,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.kv_shape = KVShape.of(model.config)
         compute_dtype = next(model.parameters()).dtype
+        if config.kv_dtype not in (None, "float32", "float16", "bfloat16"):
+            raise ValueError(f"kv_dtype {config.kv_dtype!r} is not one of float32, float16, bfloat16")
         self.kv_dtype = getattr(torch, config.kv_dtype) if config.kv_dtype else compute_dtype
         if self.kv_dtype != compute_dtype:  # cached K/V of another precision is another cache
             config = replace(config, model_identity=f"{config.model_identity}:kv={config.kv_dtype}")

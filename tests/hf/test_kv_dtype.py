@@ -65,6 +65,8 @@ def test_the_engine_runs_a_half_pool_under_each_tier_with_the_same_tokens(smollm
         assert runner.config.model_identity == f"hf:test:kv={dtype}"
         outputs[tier] = runner.generate_sync(prompts, SamplingParams(max_tokens=12, temperature=0))
     assert outputs["native"] == outputs["sdpa"] and all(outputs["native"])
+    with pytest.raises(ValueError, match="kv_dtype 'int8' is not one of float32, float16, bfloat16"):
+        ModelRunner(model, tokenizer, RunnerConfig(block_size=16, num_blocks=64, num_cpu_blocks=0, kv_dtype="int8"))
 
 
 async def test_the_setting_halves_the_pool_s_bytes_per_token_and_status_says_so(kernel):
