@@ -241,7 +241,7 @@ class HFBackend(InProcessBackend):
     def _build(self) -> ModelRunner:
         import torch
 
-        from kvstream.hf.kv_cache import auto_num_blocks
+        from kvstream.hf.kv_cache import auto_num_blocks, pool_dtype
         from kvstream.hf.loader import load_model
         from kvstream.hf.model_runner import ModelRunner, RunnerConfig
 
@@ -259,7 +259,7 @@ class HFBackend(InProcessBackend):
         self.loaded = loaded
         self.model_name = loaded.name
         context = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 0) or None
-        kv_dtype = None if memory.kv_dtype == "auto" else getattr(torch, memory.kv_dtype)
+        kv_dtype = pool_dtype(memory.kv_dtype)
         num_blocks = memory.num_gpu_blocks
         if num_blocks == "auto":
             num_blocks = auto_num_blocks(loaded.model, memory.block_size, memory.kv_cache_bytes, kv_dtype)
@@ -329,7 +329,7 @@ class HFBackend(InProcessBackend):
             runner = self.runner
             info |= {
                 "device": str(runner.device),
-                "dtype": str(next(runner.model.parameters()).dtype).removeprefix("torch."),
+                "dtype": str(runner.compute_dtype).removeprefix("torch."),
                 "kv_dtype": str(runner.kv_dtype).removeprefix("torch."),  # the pool's (memory.kv_dtype)
                 "kv_device_bytes": runner.cache.device_bytes,
                 "kv_host_bytes": runner.cache.host_bytes,

@@ -214,6 +214,19 @@ def auto_batch_size(num_blocks: int, block_size: int) -> int:
     return max(low, min(high, num_blocks * block_size // AUTO_BATCH_POOL_TOKENS))
 
 
+POOL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def pool_dtype(name: str | None) -> torch.dtype | None:
+    """The KV pool dtype ``name`` asks for (``memory.kv_dtype``); None for None or "auto" (the
+    model's). Raises ValueError naming the choices for anything else."""
+    if name is None or name == "auto":
+        return None
+    if name not in POOL_DTYPES:
+        raise ValueError(f"kv_dtype {name!r} is not one of {', '.join(POOL_DTYPES)}")
+    return getattr(torch, name)
+
+
 def auto_num_blocks(
     model: torch.nn.Module, block_size: int, budget_bytes: int | None = None, kv_dtype: torch.dtype | None = None
 ) -> int:

@@ -30,7 +30,7 @@ import torch
 from kvstream.config import default
 from kvstream.hf.blend import BlendParams
 from kvstream.hf.model_runner import RunnerConfig, ModelRunner, TokenEvent
-from kvstream.hf.kv_cache import auto_num_blocks
+from kvstream.hf.kv_cache import auto_num_blocks, pool_dtype
 from kvstream.hf.awq.streaming import StreamingConfig
 from kvstream.hf.loader import LoadedModel, chat_token_ids, load_model
 from kvstream.hf.sampling import SamplingParams
@@ -111,8 +111,9 @@ class HFEngine:
         layers and embeddings stay as stored (``kvstream.hf.half_weights``). ``kv_dtype``
         ("float16", "bfloat16"): the KV pool's dtype when not the model's (half the pool's
         bytes; K/V rounded once as written)."""
+        kv_pool_dtype = pool_dtype(kv_dtype)  # a bad name fails here, before the model loads
         loaded = load_model(model, gguf_file, dtype, device, streaming, half_weights)
-        blocks = auto_num_blocks(loaded.model, chunk_size, max_cache_bytes, getattr(torch, kv_dtype) if kv_dtype else None)
+        blocks = auto_num_blocks(loaded.model, chunk_size, max_cache_bytes, kv_pool_dtype)
         config = RunnerConfig(
             block_size=chunk_size, num_blocks=blocks, num_cpu_blocks=0, max_num_seqs=max_batch_size,
             model_identity=loaded.identity, max_model_len=getattr(loaded.model.config, "max_position_embeddings", None),

@@ -38,7 +38,7 @@ from kvstream.hf.attention import AttentionPlan, scattered_plan
 from kvstream.hf.attention_tiers import TierChoice, choose_tier
 from kvstream.hf.blend import BlendParams
 from kvstream.hf.detokenize import IncrementalDetokenizer
-from kvstream.hf.kv_cache import KVShape, PagedKVCache, auto_batch_size
+from kvstream.hf.kv_cache import KVShape, PagedKVCache, auto_batch_size, pool_dtype
 from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
 from kvstream.hf.sampling import SamplingParams, sample
 from kvstream.hf.block_manager import ReuseBlockManager
@@ -152,14 +152,12 @@ class ModelRunner:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.kv_shape = KVShape.of(model.config)
-        compute_dtype = next(model.parameters()).dtype
-        if config.kv_dtype not in (None, "float32", "float16", "bfloat16"):
-            raise ValueError(f"kv_dtype {config.kv_dtype!r} is not one of float32, float16, bfloat16")
-        self.kv_dtype = getattr(torch, config.kv_dtype) if config.kv_dtype else compute_dtype
-        if self.kv_dtype != compute_dtype:  # cached K/V of another precision is another cache
+        self.compute_dtype = next(model.parameters()).dtype
+        self.kv_dtype = pool_dtype(config.kv_dtype) or self.compute_dtype
+        if self.kv_dtype != self.compute_dtype:  # cached K/V of another precision is another cache
             config = replace(config, model_identity=f"{config.model_identity}:kv={config.kv_dtype}")
         self.attention = choose_tier(
-            config.attention, model.config.num_attention_heads, self.kv_shape, compute_dtype, self.device, config.block_size,
+            config.attention, model.config.num_attention_heads, self.kv_shape, self.compute_dtype, self.device, config.block_size,
             kv_dtype=self.kv_dtype,
         )
         config = replace(config, attention=self.attention.name)

@@ -31,14 +31,15 @@ SOURCE = Path(__file__).with_name("paged_decode.cpp")
 # What the kernel reads the pool as (queries and outputs are float32): half-precision K/V are
 # widened exactly as they are read, so a half pool gives its float32 copy's results bit for bit.
 POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Mul and add kept apart in the scalar tails, so that a pool held in half precision and its
+# float32 copy give the same bits (the compiler contracted them in one and not the other).
+EXTRA_FLAGS = ("-ffp-contract=off",)
 
 
 @functools.cache
 def load() -> tuple[ModuleType | None, str]:
     """The compiled kernel and how it was built, or None and why not."""
-    # Mul and add kept apart in the scalar tails, so that a pool held in half precision and its
-    # float32 copy give the same bits (the compiler contracted them in one and not the other).
-    return native_build.load_extension("kvstream_paged_decode", SOURCE, extra_flags=("-ffp-contract=off",))
+    return native_build.load_extension("kvstream_paged_decode", SOURCE, extra_flags=EXTRA_FLAGS)
 
 
 class NativeKernelUnavailable(RuntimeError):

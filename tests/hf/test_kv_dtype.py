@@ -69,6 +69,15 @@ def test_the_engine_runs_a_half_pool_under_each_tier_with_the_same_tokens(smollm
         ModelRunner(model, tokenizer, RunnerConfig(block_size=16, num_blocks=64, num_cpu_blocks=0, kv_dtype="int8"))
 
 
+def test_a_kv_dtype_that_is_not_one_is_refused_before_the_model_loads(monkeypatch):
+    from kvstream.hf import library
+
+    monkeypatch.setattr(library, "load_model", lambda *a, **k: pytest.fail("loaded a model for a bad kv_dtype"))
+    for bad in ("int8", "half", "Float16"):
+        with pytest.raises(ValueError, match=f"kv_dtype '{bad}' is not one of float32, float16, bfloat16"):
+            library.HFEngine.from_pretrained(kv_dtype=bad)
+
+
 async def test_the_setting_halves_the_pool_s_bytes_per_token_and_status_says_so(kernel):
     from kvstream.hf.backend import HFBackend
     from tests.conftest import make_settings

@@ -20,8 +20,8 @@ from kvstream.hf.awq.linear import AWQLinear  # noqa: E402
 from tests.hf.test_native_attention import make_case, reference  # noqa: E402
 
 
-def plain_build(stem: str, source):
-    module, how = native_build.load_extension(stem, source, vector=False)
+def plain_build(stem: str, source, extra_flags: tuple[str, ...] = ()):
+    module, how = native_build.load_extension(stem, source, vector=False, extra_flags=extra_flags)
     if module is None:
         if REQUIRE_REAL:
             pytest.fail(f"{source.name} did not build without vector instructions: {how}")
@@ -64,7 +64,7 @@ def test_the_plain_linear_kernel_matches_f_linear_and_a_row_ignores_its_batch():
 
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (8, 8, 128, 4), (2, 1, 20, 5)])
 def test_the_plain_decode_attention_kernel_matches_eager(heads, kv_heads, dim, block_size):
-    module = plain_build("kvstream_paged_decode", native_attention.SOURCE)
+    module = plain_build("kvstream_paged_decode", native_attention.SOURCE, native_attention.EXTRA_FLAGS)
     lengths = [1, 7, block_size, block_size + 1, 70]
     q, k_pool, v_pool, tables, lens = make_case(heads, kv_heads, dim, block_size, lengths)
     out = module.paged_decode(q, k_pool, v_pool, tables, lens, block_size, dim**-0.5)
@@ -78,10 +78,14 @@ def test_the_plain_decode_attention_kernel_matches_eager(heads, kv_heads, dim, b
     want = reference(q[:1].expand(rows, -1, -1), k_pool, v_pool, chunk_tables, chunk_lens, block_size, dim**-0.5)
     assert torch.allclose(chunk, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(module.paged_decode(q[:1], k_pool, v_pool, chunk_tables[17:18], chunk_lens[17:18], block_size, dim**-0.5)[0], chunk[17])
+    for half in (torch.float16, torch.bfloat16):  # a half pool reads as its float32 copy, bit for bit
+        k_half, v_half = k_pool.to(half), v_pool.to(half)
+        assert torch.equal(module.paged_decode(q, k_half, v_half, tables, lens, block_size, dim**-0.5),
+                           module.paged_decode(q, k_half.float(), v_half.float(), tables, lens, block_size, dim**-0.5))
 
 
 def test_the_plain_kv_write_matches_index_copy():
-    module = plain_build("kvstream_paged_decode", native_attention.SOURCE)
+    module = plain_build("kvstream_paged_decode", native_attention.SOURCE, native_attention.EXTRA_FLAGS)
     generator = torch.Generator().manual_seed(9)
     k_pool, v_pool = torch.randn(24, 2, 32, generator=generator), torch.randn(24, 2, 32, generator=generator)
     key, value = (torch.randn(1, 4, 2, 32, generator=generator).transpose(1, 2)[0] for _ in range(2))
