@@ -52,15 +52,15 @@ static inline __m256 group_scale(const at::Half* s, int64_t out, int64_t g, int6
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * out + j * 8)));
 }
 
-// The shifts that bring column 8j + c's nibble to lane c, and in ``column[n]`` the column
-// offset nibble n holds: the same for every word in AWQ's layout, which is checked rather
-// than assumed (``logical``: packed column -> column, ``out`` of them).
-static __m256i column_shifts(const int64_t* lp, int64_t out, int32_t* column) {
+// The shifts that bring column 8j + c's nibble to lane c, and in ``nibble_of[c]`` the nibble
+// that holds column offset c: the same for every word in AWQ's layout, which is checked
+// rather than assumed (``logical``: packed column -> column, ``out`` of them).
+static __m256i column_shifts(const int64_t* lp, int64_t out, int32_t* nibble_of) {
     int32_t shift[8];
     for (int n = 0; n < 8; ++n) {
         TORCH_CHECK(lp[n] >= 0 && lp[n] < 8, "logical must permute each word's eight columns");
         shift[lp[n]] = 4 * n;
-        column[n] = static_cast<int32_t>(lp[n]);
+        nibble_of[lp[n]] = n;
     }
     for (int64_t p = 0; p < out; ++p)
         TORCH_CHECK(lp[p] == (p / 8) * 8 + lp[p % 8], "logical must permute each word's columns the same way");
@@ -93,12 +93,13 @@ static inline void awq_tile(const float* x, const float* xs, int64_t in, int64_t
 
 // The same for one row and eight words, unpacked the other way round: the eight words are
 // loaded as one vector and nibble n of all of them taken with one constant shift (cheaper
-// than a variable shift per word), accumulators in nibble order, put in column order once
-// per group (``column[n]``: the column offset nibble n holds). Each accumulator runs the
-// same fused multiply-adds in the same order as in ``awq_tile``: results are bit-identical.
+// than a variable shift per word), accumulators in nibble order (acc[n] lane w: word w's
+// nibble n), put in column order once per group (``nibble_of``: lane c takes the nibble that
+// holds column offset c). Each accumulator runs the same fused multiply-adds in the same
+// order as in ``awq_tile``: results are bit-identical.
 static inline void awq_row8(const float* x, float xsum, const int32_t* q, const int32_t* z, const at::Half* s,
                             int64_t words, int64_t group_size, int64_t j0, int64_t g, __m256i shifts,
-                            const int32_t* column, float* y, int64_t out) {
+                            __m256i nibble_of, float* y, int64_t out) {
     const __m256i low = _mm256_set1_epi32(0xF);
     __m256 acc[8];
     UNROLL for (int n = 0; n < 8; ++n) acc[n] = _mm256_setzero_ps();
@@ -119,13 +120,26 @@ static inline void awq_row8(const float* x, float xsum, const int32_t* q, const 
         acc[6] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 24), low)), xv, acc[6]);
         acc[7] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28)), xv, acc[7]);
     }
-    alignas(32) float by_nibble[8][8], by_column[8][8];  // [n][word], [word][column offset]
-    UNROLL for (int n = 0; n < 8; ++n) _mm256_store_ps(by_nibble[n], acc[n]);
-    UNROLL for (int n = 0; n < 8; ++n)
-        UNROLL for (int w = 0; w < 8; ++w) by_column[w][column[n]] = by_nibble[n][w];
+    // Transposed in registers (by_word[w] lane n = acc[n] lane w), then each word's lanes
+    // permuted into column order. Through memory (eight stores, 64 scalar moves, eight loads
+    // of what those moves stored, which store forwarding cannot serve) this took 15-20% of
+    // the kernel's time at one row, from L2.
+    const __m256 t0 = _mm256_unpacklo_ps(acc[0], acc[1]), t1 = _mm256_unpackhi_ps(acc[0], acc[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(acc[2], acc[3]), t3 = _mm256_unpackhi_ps(acc[2], acc[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(acc[4], acc[5]), t5 = _mm256_unpackhi_ps(acc[4], acc[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(acc[6], acc[7]), t7 = _mm256_unpackhi_ps(acc[6], acc[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    const __m256 by_word[8] = {
+        _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+        _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+        _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+        _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
     UNROLL for (int w = 0; w < 8; ++w)
-        add_group(_mm256_load_ps(by_column[w]), xsum, nibbles_of(z[g * words + j0 + w], shifts), group_scale(s, out, g, j0 + w),
-                  y + (j0 + w) * 8);
+        add_group(_mm256_permutevar8x32_ps(by_word[w], nibble_of), xsum, nibbles_of(z[g * words + j0 + w], shifts),
+                  group_scale(s, out, g, j0 + w), y + (j0 + w) * 8);
 }
 
 // Group g of rows [0, R) of x against words [first, last): W words at a time, then one at a
@@ -133,10 +147,10 @@ static inline void awq_row8(const float* x, float xsum, const int32_t* q, const 
 template <int R, int W>
 static inline void awq_rows(const float* x, const float* xs, int64_t in, int64_t groups, const int32_t* q,
                             const int32_t* z, const at::Half* s, int64_t words, int64_t group_size, int64_t first,
-                            int64_t last, int64_t g, __m256i shifts, const int32_t* column, float* y, int64_t out) {
+                            int64_t last, int64_t g, __m256i shifts, __m256i nibble_of, float* y, int64_t out) {
     int64_t j = first;
     if (R == 1)
-        for (; j + 8 <= last; j += 8) awq_row8(x, xs[g], q, z, s, words, group_size, j, g, shifts, column, y, out);
+        for (; j + 8 <= last; j += 8) awq_row8(x, xs[g], q, z, s, words, group_size, j, g, shifts, nibble_of, y, out);
     for (; j + W <= last; j += W) awq_tile<R, W>(x, xs, in, groups, q, z, s, words, group_size, j, g, shifts, y, out);
     for (; j < last; ++j) awq_tile<R, 1>(x, xs, in, groups, q, z, s, words, group_size, j, g, shifts, y, out);
 }
@@ -178,8 +192,9 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qze
     std::fill(yp, yp + rows * out, 0.0f);
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    int32_t column[8];
-    const __m256i shifts = column_shifts(lp, out, column);
+    int32_t nibble_of[8];
+    const __m256i shifts = column_shifts(lp, out, nibble_of);
+    const __m256i nibble_order = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibble_of));
     // Units of 8 words (64 columns) split over the threads; within one, rows 4, 2 or 1 at a
     // time: register tiles of 4 rows x 2 words, 2 x 4 or 1 x 8.
     const int64_t units = (words + 7) / 8;
@@ -190,11 +205,11 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qze
         for (int64_t g = 0; g < groups; ++g) {
             int64_t m = 0;
             for (; m + 4 <= rows; m += 4)
-                awq_rows<4, 2>(xp + m * in, xs + m * groups, in, groups, qp, zp, sp, words, group_size, first, last, g, shifts, column, yp + m * out, out);
+                awq_rows<4, 2>(xp + m * in, xs + m * groups, in, groups, qp, zp, sp, words, group_size, first, last, g, shifts, nibble_order, yp + m * out, out);
             for (; m + 2 <= rows; m += 2)
-                awq_rows<2, 4>(xp + m * in, xs + m * groups, in, groups, qp, zp, sp, words, group_size, first, last, g, shifts, column, yp + m * out, out);
+                awq_rows<2, 4>(xp + m * in, xs + m * groups, in, groups, qp, zp, sp, words, group_size, first, last, g, shifts, nibble_order, yp + m * out, out);
             for (; m < rows; ++m)
-                awq_rows<1, 8>(xp + m * in, xs + m * groups, in, groups, qp, zp, sp, words, group_size, first, last, g, shifts, column, yp + m * out, out);
+                awq_rows<1, 8>(xp + m * in, xs + m * groups, in, groups, qp, zp, sp, words, group_size, first, last, g, shifts, nibble_order, yp + m * out, out);
         }
     });
 #else
@@ -257,8 +272,8 @@ torch::Tensor awq_dequantize(torch::Tensor qweight, torch::Tensor qzeros, torch:
     const int64_t* lp = logical.data_ptr<int64_t>();
     float* wp = buffer.data_ptr<float>();
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    int32_t column[8];
-    const __m256i shifts = column_shifts(lp, out, column);
+    int32_t nibble_of[8];
+    const __m256i shifts = column_shifts(lp, out, nibble_of);
     at::parallel_for(0, groups, 1, [&](int64_t first_group, int64_t last_group) {
         std::vector<__m256> zero(last - first), scale(last - first);
         for (int64_t g = first_group; g < last_group; ++g) {
