@@ -342,6 +342,7 @@ class HFBackend(InProcessBackend):
                 "matmul_backend": runner.matmul.name,
                 "matmul_backend_why": runner.matmul.why_not,
                 "native_ops": runner.native_ops.summary(),
+                "decoder": runner.decoder.summary(),  # the direct decoder path (fast_decoder.py)
             }
         if self.loaded is not None:
             info["weights"] = self.loaded.weights_snapshot()

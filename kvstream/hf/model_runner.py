@@ -33,7 +33,7 @@ import torch
 from kvstream.config import default
 from kvstream.hf import compat
 from kvstream.hf import blend as blend_module
-from kvstream.hf import flex, native_linear, native_ops
+from kvstream.hf import fast_decoder, flex, native_linear, native_ops
 from kvstream.hf.attention import AttentionPlan, scattered_plan
 from kvstream.hf.attention_tiers import TierChoice, choose_tier
 from kvstream.hf.blend import BlendParams
@@ -208,6 +208,10 @@ class ModelRunner:
             self.rotary = None  # no RoPE found: blend requests fall back to exact reuse
         self.blend_costs = blend_module.BlendCosts()
         compat.use_paged_attention(self.model)
+        # Decoder layers as direct kernel calls where a probe gives the same logits (fast_decoder.py).
+        self.decoder = fast_decoder.install(
+            model, config.matmul != "torch", self.kv_shape, self.kv_dtype, config.block_size, lambda cache, seqs: self._plan(seqs, cache)
+        )
         self.eos_ids = self._eos_ids()
         self.counters = RunnerCounters()
         self.requests: dict[str, RunnerRequest] = {}
@@ -567,9 +571,10 @@ class ModelRunner:
             if first is not None:
                 req.events[-1].logits = first  # the event _emit just queued
 
-    def _plan(self, plan_seqs: list[tuple[list[int], int, int]]) -> AttentionPlan:
+    def _plan(self, plan_seqs: list[tuple[list[int], int, int]], cache: PagedKVCache | None = None) -> AttentionPlan:
+        """A step's attention plan over the pool (``cache``: another pool, the start-up probes')."""
         heads = self.model.config.num_attention_heads
-        return AttentionPlan.build(self.cache, plan_seqs, self.config.attention, heads, flex.IN_PLACE_MIN_CONTEXT)
+        return AttentionPlan.build(cache or self.cache, plan_seqs, self.config.attention, heads, flex.IN_PLACE_MIN_CONTEXT)
 
     def _leave_flex(self, exc: Exception) -> None:
         """Run the sdpa tier from now on, and say why in /status."""

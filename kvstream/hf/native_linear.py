@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -79,6 +80,25 @@ class NativeLinear(nn.Linear):
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
+    def direct_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``forward`` for ``[rows, in]`` float32 CPU inputs with its per-call checks made now
+        (fast_decoder.py's direct decoder path: the checks cost as much as a decode-sized call)."""
+        module, _ = load()
+        weight, bias = self.weight, self.bias
+        if module is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+            return self.forward
+        return functools.partial(_direct_linear, module.native_linear, weight, bias)
+
+
+def _direct_linear(kernel: Callable, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``NativeLinear.forward`` on a ``[rows, in]`` float32 CPU input, its checks made once."""
+    if x.shape[0] > MAX_ROWS:  # prefill chunks
+        return F.linear(x, weight, bias)
+    y = kernel(x if x.stride(-1) == 1 else x.contiguous(), weight)
+    if bias is not None:
+        y += bias
+    return y
+
 
 class HalfLinear(nn.Module):
     """``y = x @ W.T (+ b)`` for float32 ``x`` with ``W`` held in float16 / bfloat16 (a
@@ -111,6 +131,24 @@ class HalfLinear(nn.Module):
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def direct_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``forward`` for ``[rows, in]`` float32 inputs with its per-call choices made now
+        (fast_decoder.py's direct decoder path)."""
+        module, _ = load()
+        if module is None or not self.use_kernel:
+            return self.forward
+        weight, bias, forward = self.weight, self.bias, self.forward
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > MAX_ROWS:
+                return forward(x)
+            y = module.native_linear(x if x.stride(-1) == 1 else x.contiguous(), weight)
+            if bias is not None:
+                y += bias
+            return y
+
+        return call
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, stored {self.weight.dtype}"

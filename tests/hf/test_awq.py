@@ -729,3 +729,37 @@ async def test_greedy_text_through_the_server_is_the_same_streamed_and_resident(
         assert "kvstream_weights_resident_bytes" in metrics
     resident = answers[False, "copy"]
     assert answers[True, "copy"] == answers[True, "mapped"] == resident and all(resident)
+
+
+@pytest.mark.parametrize("streaming", [None, StreamingConfig("partial_resident", 1, 1, 2)], ids=["resident", "streamed"])
+def test_awq_layers_take_the_direct_decoder_path_with_transformers_tokens(rtn_folder, streaming):
+    """The engine's direct decoder path (fast_decoder.py) on an AWQ model, resident and
+    streamed (copy slots re-point the packed tensors every forward, which the direct calls
+    read at each call): the same greedy tokens as transformers' layers; and
+    ``AWQLinear.direct_call`` gives ``forward``'s bits, decode-sized and past the kernel's rows."""
+    from kvstream.hf import fast_decoder
+    from kvstream.hf.awq import native
+    from kvstream.hf.library import HFEngine
+    from kvstream.hf.sampling import SamplingParams
+
+    built_native_kernel()
+    engine = HFEngine.from_pretrained(str(rtn_folder), device="cpu", dtype="float32", max_cache_bytes=64 * 2**20,
+                                      streaming=streaming)
+    try:
+        runner, model = engine.engine, engine.loaded.model
+        layers = list(decoder_layers(model))
+        assert runner.decoder.layers == len(layers) and runner.decoder.why_not is None
+        prompts = [engine.encode(text) for text in ("The capital of France is", "def fibonacci(n):", "Once upon a time " * 20)]
+        params = SamplingParams(max_tokens=10, temperature=0.0)
+        fast = runner.generate_sync(prompts, params)
+        fast_decoder._switch(layers, False)
+        assert runner.generate_sync(prompts, params) == fast
+        fast_decoder._switch(layers, True)
+        projection = layers[0].mlp.down_proj
+        assert projection.kernel == "native"
+        x = torch.randn(native.MAX_ROWS + 2, projection.in_features, generator=torch.Generator().manual_seed(2))
+        with torch.inference_mode():
+            for rows in (1, 3, native.MAX_ROWS + 2):
+                assert torch.equal(projection.direct_call()(x[:rows]), projection(x[:rows]))
+    finally:
+        engine.close()

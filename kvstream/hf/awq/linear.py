@@ -24,6 +24,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,24 @@ class AWQLinear(torch.nn.Module):
         else:
             y = self._dequant_matmul(x)
         return y if self.bias is None else y + self.bias
+
+    def direct_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``forward`` for ``[rows, in]`` inputs with its per-call choices made now (the kernel,
+        the dtype): what the engine's direct decoder path (fast_decoder.py) calls, where the
+        Python of ``forward`` cost as much as a decode-sized kernel call. The packed tensors
+        are read at each call: streaming re-points them."""
+        if self.kernel != "native" or self.dtype != torch.float32:
+            return self.forward
+        gemv, bias = native.load()[0].awq_gemv, self.bias
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > native.MAX_ROWS:
+                y = self._native_dequant_matmul(x)
+            else:
+                y = gemv(x, self.qweight, self.qzeros, self.scales, self.packed_order, self.group_size)
+            return y if bias is None else y + bias
+
+        return call
 
     def _native_dequant_matmul(self, flat: torch.Tensor) -> torch.Tensor:
         """Prefill chunks and large batches under the native kernel: a bounded block of columns
