@@ -51,7 +51,7 @@ def measure(label: str, engine: HFEngine, rounds: int, tokens: int) -> None:
     try:
         for _ in range(rounds):
             for fast in (False, True):
-                fast_decoder._switch(layers, fast)
+                fast_decoder.switch(layers, fast)
                 one = engine.generate(prompt, max_new_tokens=tokens)
                 times[fast, 1].append((one.total_ms - one.ttft_ms) / (len(one.token_ids) - 1))
                 many = engine.generate_batch(batch, max_new_tokens=tokens)
@@ -59,7 +59,7 @@ def measure(label: str, engine: HFEngine, rounds: int, tokens: int) -> None:
                 times[fast, 8].append(wall / (sum(len(r.token_ids) for r in many) - len(many)))
                 outputs[fast] = [one.token_ids] + [r.token_ids for r in many]
     finally:
-        fast_decoder._switch(layers, True)
+        fast_decoder.switch(layers, True)
     same = "same tokens" if outputs[False] == outputs[True] else "TOKENS DIFFER"
     for b in (1, 8):
         old, new = times[False, b], times[True, b]

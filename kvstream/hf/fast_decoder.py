@@ -119,7 +119,9 @@ def _original_class(layer: nn.Module) -> type[nn.Module]:
     return cls.__bases__[0] if getattr(cls, "_kvstream_fast", False) else cls
 
 
-def _switch(layers: list[nn.Module], fast: bool) -> None:
+def switch(layers: list[nn.Module], fast: bool) -> None:
+    """Put ``layers`` on the direct forward (``fast``; ``install`` must have resolved their
+    kernels) or back on their own class's; benchmarks and tests compare the two this way."""
     for layer in layers:
         original = _original_class(layer)
         layer.__class__ = _fast_class(original) if fast else original
@@ -222,9 +224,9 @@ def _disagreement(model: nn.Module, layers: list[nn.Module], shape: KVShape, dty
             seqs = [(tables[s], cached, new) for s, (cached, new) in enumerate(step)]
             results = []
             for fast in (False, True):  # both write the same K/V before reading them back
-                _switch(layers, fast)
+                switch(layers, fast)
                 results.append(compat.forward_logits(model, *args, make_plan(cache, seqs), torch.tensor(rows)))
-            _switch(layers, False)
+            switch(layers, False)
             if not torch.equal(results[0], results[1]):
                 error = float((results[0] - results[1]).abs().max())
                 return f"differs from transformers' forward on probe step {number + 1} (by {error:.2g})"
@@ -239,7 +241,7 @@ def install(model: nn.Module, enabled: bool, shape: KVShape, kv_dtype: torch.dty
     ``block_size``: the engine's pool, which the probe copies at a few blocks' size."""
     inner = getattr(model, "model", None)
     layers = list(getattr(inner, "layers", None) or [])
-    _switch(layers, False)
+    switch(layers, False)
     if not enabled:
         return DecoderChoice(why_not="not requested (matmul backend torch)")
     if not layers:
@@ -259,11 +261,11 @@ def install(model: nn.Module, enabled: bool, shape: KVShape, kv_dtype: torch.dty
     try:
         why = _disagreement(model, layers, shape, kv_dtype, block_size, make_plan)
     except Exception as exc:  # noqa: BLE001 - a forward of another signature fails in many ways
-        _switch(layers, False)
+        switch(layers, False)
         why = f"failed on the probe: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
     if why is not None:
         logger.warning("decoder layers keep transformers' forward: %s", why)
         return DecoderChoice(why_not=why)
-    _switch(layers, True)
+    switch(layers, True)
     logger.info("decoder: %d layers on the direct path", len(layers))
     return DecoderChoice(layers=len(layers))

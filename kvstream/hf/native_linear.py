@@ -87,17 +87,16 @@ class NativeLinear(nn.Linear):
         weight, bias = self.weight, self.bias
         if module is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
             return self.forward
-        return functools.partial(_direct_linear, module.native_linear, weight, bias)
 
+        def call(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > MAX_ROWS:  # prefill chunks
+                return F.linear(x, weight, bias)
+            y = module.native_linear(x if x.stride(-1) == 1 else x.contiguous(), weight)
+            if bias is not None:
+                y += bias
+            return y
 
-def _direct_linear(kernel: Callable, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """``NativeLinear.forward`` on a ``[rows, in]`` float32 CPU input, its checks made once."""
-    if x.shape[0] > MAX_ROWS:  # prefill chunks
-        return F.linear(x, weight, bias)
-    y = kernel(x if x.stride(-1) == 1 else x.contiguous(), weight)
-    if bias is not None:
-        y += bias
-    return y
+        return call
 
 
 class HalfLinear(nn.Module):

@@ -752,9 +752,9 @@ def test_awq_layers_take_the_direct_decoder_path_with_transformers_tokens(rtn_fo
         prompts = [engine.encode(text) for text in ("The capital of France is", "def fibonacci(n):", "Once upon a time " * 20)]
         params = SamplingParams(max_tokens=10, temperature=0.0)
         fast = runner.generate_sync(prompts, params)
-        fast_decoder._switch(layers, False)
+        fast_decoder.switch(layers, False)
         assert runner.generate_sync(prompts, params) == fast
-        fast_decoder._switch(layers, True)
+        fast_decoder.switch(layers, True)
         projection = layers[0].mlp.down_proj
         assert projection.kernel == "native"
         x = torch.randn(native.MAX_ROWS + 2, projection.in_features, generator=torch.Generator().manual_seed(2))

@@ -42,11 +42,11 @@ def test_the_direct_path_gives_the_tokens_of_transformers_layers(smollm2, kernel
     assert all(getattr(type(layer), "_kvstream_fast", False) for layer in layers_of(smollm2[0]))
     prompts = chat_prompts(smollm2[2])[:8]
     fast = greedy(engine, prompts)
-    fast_decoder._switch(layers_of(smollm2[0]), False)
+    fast_decoder.switch(layers_of(smollm2[0]), False)
     try:
         assert greedy(engine, prompts) == fast
     finally:
-        fast_decoder._switch(layers_of(smollm2[0]), True)
+        fast_decoder.switch(layers_of(smollm2[0]), True)
 
 
 def test_calls_that_are_not_engine_steps_run_transformers_forward(smollm2, kernels):
@@ -61,10 +61,10 @@ def test_calls_that_are_not_engine_steps_run_transformers_forward(smollm2, kerne
     try:
         with torch.inference_mode():
             switched = model(ids, use_cache=False).logits
-            fast_decoder._switch(layers, False)
+            fast_decoder.switch(layers, False)
             original = model(ids, use_cache=False).logits
     finally:
-        fast_decoder._switch(layers, True)
+        fast_decoder.switch(layers, True)
         compat.use_paged_attention(model)
     assert torch.equal(switched, original)
 
