@@ -79,6 +79,22 @@ def test_a_probe_that_disagrees_switches_nothing(smollm2, kernels, monkeypatch):
     assert runner(smollm2).decoder.layers == smollm2[0].config.num_hidden_layers
 
 
+def test_a_direct_path_that_raises_on_the_probe_switches_nothing(smollm2, kernels, monkeypatch):
+    """A rotary of another signature (any exception in the direct forward) leaves every layer
+    on transformers' forward, the engine up, and says why."""
+
+    def broken(*args):
+        raise RuntimeError("rotary of another form")
+
+    monkeypatch.setattr(fast_decoder, "_rotary_call", lambda attention, kernels: broken)
+    engine = runner(smollm2)
+    assert engine.decoder.layers == 0
+    assert engine.decoder.why_not == "failed on the probe: RuntimeError: rotary of another form"
+    assert not any(getattr(type(layer), "_kvstream_fast", False) for layer in layers_of(smollm2[0]))
+    prompts = chat_prompts(smollm2[2])[:2]
+    assert all(len(tokens) == 4 for tokens in greedy(engine, prompts, 4))  # serving on transformers' layers
+
+
 def test_torch_backend_hooks_and_other_structures_keep_transformers_forward(smollm2, kernels):
     engine = runner(smollm2, matmul="torch")
     assert engine.decoder.layers == 0 and engine.decoder.why_not == "not requested (matmul backend torch)"
