@@ -34,6 +34,9 @@
 // halved the kernel's speed).
 #define UNROLL _Pragma("GCC unroll 16")
 
+// How far down a block's column of words the one-row path asks for lines ahead of use.
+constexpr int64_t kRowsAhead = 64;
+
 // ``shifts`` puts column 8j + c's nibble in lane c, so accumulators, scales, zero points and
 // y line up in column order and the per-group epilogue is vector code.
 static inline __m256 nibbles_of(int32_t word, __m256i shifts) {
@@ -98,18 +101,23 @@ static inline void awq_tile(const float* x, const float* xs, int64_t in, int64_t
 // holds column offset c). Each accumulator runs the same fused multiply-adds in the same
 // order as in ``awq_tile``: results are bit-identical.
 static inline void awq_row8(const float* x, float xsum, const int32_t* q, const int32_t* z, const at::Half* s,
-                            int64_t words, int64_t group_size, int64_t j0, int64_t g, __m256i shifts,
+                            int64_t in, int64_t words, int64_t group_size, int64_t j0, int64_t g, __m256i shifts,
                             __m256i nibble_of, float* y, int64_t out) {
     const __m256i low = _mm256_set1_epi32(0xF);
     __m256 acc[8];
     UNROLL for (int n = 0; n < 8; ++n) acc[n] = _mm256_setzero_ps();
     for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
         const __m256 xv = _mm256_broadcast_ss(x + i);
-        // The next cache line of this input's words (the block after next reads it): walking
-        // a group column-wise, one row's words at a stride of the row, the hardware
-        // prefetcher falls behind; this took 20% off a decode step's projections
-        // (9.3 -> 7.3 ms for SmolLM2's, from memory). More rows are compute-bound: no gain.
-        _mm_prefetch(reinterpret_cast<const char*>(q + i * words + j0 + 16), _MM_HINT_T0);
+        // This block's words kRowsAhead inputs down, into L2: walking a group column-wise,
+        // one input's words at a stride of the row, the hardware prefetcher falls behind.
+        // Rows past the group's end are the next group's, which reaches this block a whole
+        // group later: still in L2 (a thread's share of a group is at most ~100 KB). Asking
+        // for the next cache line of the same input instead (T0) left the first block of every
+        // group and every narrow projection to demand misses: 96 layers' projections from
+        // memory 16.8 -> 15.1 ms a token (same-process A/B of the two builds over the
+        // 96-layer checkpoint of benchmarks/awq_streaming.py, best of 21; 10.6 -> 10.4 ms
+        // hot). More rows are compute-bound: no gain there.
+        _mm_prefetch(reinterpret_cast<const char*>(q + std::min(i + kRowsAhead, in - 1) * words + j0), _MM_HINT_T1);
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * words + j0));
         acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), xv, acc[0]);
         acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), low)), xv, acc[1]);
@@ -150,7 +158,7 @@ static inline void awq_rows(const float* x, const float* xs, int64_t in, int64_t
                             int64_t last, int64_t g, __m256i shifts, __m256i nibble_of, float* y, int64_t out) {
     int64_t j = first;
     if (R == 1)
-        for (; j + 8 <= last; j += 8) awq_row8(x, xs[g], q, z, s, words, group_size, j, g, shifts, nibble_of, y, out);
+        for (; j + 8 <= last; j += 8) awq_row8(x, xs[g], q, z, s, in, words, group_size, j, g, shifts, nibble_of, y, out);
     for (; j + W <= last; j += W) awq_tile<R, W>(x, xs, in, groups, q, z, s, words, group_size, j, g, shifts, y, out);
     for (; j < last; ++j) awq_tile<R, 1>(x, xs, in, groups, q, z, s, words, group_size, j, g, shifts, y, out);
 }
