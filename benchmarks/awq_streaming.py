@@ -17,10 +17,12 @@ more layers, random weights; made here), in one run:
   bandwidth from the mapped checkpoint in the page cache (warm rows) and the read bandwidth
   of the checkpoint file from disk after its pages are dropped (cold row), over those bytes.
 
-    python benchmarks/awq_streaming.py [--layers 96] [--tokens 12] [--repeats 3] [--skip-quality]
+    python benchmarks/awq_streaming.py [--layers 96] [--tokens 12] [--repeats 3] [--rounds 2] [--skip-quality]
 
-Decode tokens/s at batch 1 is each row's best of ``--repeats`` runs (its median beside it)
-and the page-cache limit the best of three copy passes: one timer rule for both.
+Decode tokens/s at batch 1: every row runs once per round (``--rounds``, in turn), each time
+a fresh process decoding ``--repeats`` times; a row reports its best (the worst round's
+beside it: this machine's noise comes in bursts of minutes). The page-cache limit is the
+best of three copy passes: one rule for both.
 """
 
 from __future__ import annotations
@@ -163,7 +165,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=96, help="layers of the synthetic model")
     parser.add_argument("--tokens", type=int, default=12, help="tokens generated per request")
-    parser.add_argument("--repeats", type=int, default=3, help="batch-1 decodes per row: the best is reported, the median beside it")
+    parser.add_argument("--repeats", type=int, default=3, help="batch-1 decodes per worker process: its best counts")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over all rows: each row reports its best (worst beside it)")
     parser.add_argument("--skip-quality", action="store_true")
     args = parser.parse_args()
     import torch
@@ -193,28 +196,38 @@ def main() -> None:
     quantize(str(big_source), work / f"synthetic-{args.layers}-awq", False)  # random weights: RTN (no text to calibrate on)
     models = {"smollm2-135m": (None, work / "smollm2-awq"), f"synthetic-{args.layers}-layers": (str(big_source), work / f"synthetic-{args.layers}-awq")}
     for label, (dense, packed) in models.items():
-        warm, cold = copy_bandwidth(packed), disk_bandwidth(packed)
-        rows = {"fp32": run_worker(dense or "-", "dense", 0, args.tokens, args.repeats), "awq resident": run_worker(str(packed), "resident", 0, args.tokens, args.repeats)}
-        for k in (0, 2, 4):
-            rows[f"awq streamed K={k}"] = run_worker(str(packed), "stream", k, args.tokens, args.repeats)
-        rows["awq streamed K=2 cold"] = run_worker(str(packed), "cold", 2, args.tokens, args.repeats)
-        for k in (0, 2, 4):
-            rows[f"awq mapped K={k}"] = run_worker(str(packed), "mapped", k, args.tokens, args.repeats)
-        rows["awq mapped K=2 cold"] = run_worker(str(packed), "mapped-cold", 2, args.tokens, args.repeats)
+        warm = cold = 0.0
+        runs = {"fp32": (dense or "-", "dense", 0), "awq resident": (str(packed), "resident", 0)}
+        runs |= {f"awq streamed K={k}": (str(packed), "stream", k) for k in (0, 2, 4)}
+        runs["awq streamed K=2 cold"] = (str(packed), "cold", 2)
+        runs |= {f"awq mapped K={k}": (str(packed), "mapped", k) for k in (0, 2, 4)}
+        runs["awq mapped K=2 cold"] = (str(packed), "mapped-cold", 2)
+        # Every row once per round, rounds one after another: a burst of load on this shared
+        # machine lasts minutes and falls on whichever rows run then; each row keeps its best
+        # round (the worst beside it).
+        rounds: dict[str, list[dict]] = {name: [] for name in runs}
+        for _ in range(args.rounds):  # the limits measured each round too, their best kept
+            warm, cold = max(warm, copy_bandwidth(packed)), max(cold, disk_bandwidth(packed))
+            for name, (folder, mode, k) in runs.items():
+                rounds[name].append(run_worker(folder, mode, k, args.tokens, args.repeats))
+        rows = {}
+        for name, tries in rounds.items():
+            rows[name] = max(tries, key=lambda r: r["decode_tps_1"]) | {"worst_tps_1": min(r["decode_tps_1"] for r in tries)}
         results[label] = {"copy_bandwidth": warm, "disk_bandwidth": cold, "rows": rows}
         print(f"\n{label}: bandwidth from the mapped checkpoint: page cache {warm / 1e9:.2f} GB/s, disk {cold / 1e9:.2f} GB/s")
-        print(f"{'run':<22} {'TTFT':>8} {'tok/s b1':>9} {'median':>7} {'tok/s b8':>9} {'resident':>9} {'peak RSS':>9} {'peak anon':>9} "
-              f"{'staged/tok b1':>13} {'limit b1':>9} {'of limit b1':>11} {'of limit b8':>11} {'kernel':>8}")
+        print(f"{'run':<22} {'TTFT':>8} {'tok/s b1':>9} {'worst':>7} {'tok/s b8':>9} {'resident':>9} {'peak RSS':>9} {'peak anon':>9} "
+              f"{'staged/tok b1':>13} {'limit b1':>9} {'of limit b1':>11} {'worst':>6} {'of limit b8':>11} {'kernel':>8}")
         resident_run = rows["awq resident"]["resident_bytes"]
         for name, row in rows.items():
             staged = row["bytes_per_forward"]
             limit = (cold if name.endswith("cold") else warm) / staged if staged else None  # tokens/s at batch 1
             share1 = f"{row['decode_tps_1'] / limit:.1%}" if limit else "-"
+            worst1 = f"{row['worst_tps_1'] / limit:.0%}" if limit else "-"
             share8 = f"{row['decode_tps_8'] / (8 * limit):.1%}" if limit else "-"  # a forward's bytes serve 8 tokens
             row["limit_tps_1"] = limit
-            print(f"{name:<22} {row['ttft_ms']:>6.0f}ms {row['decode_tps_1']:>9.2f} {row['decode_tps_1_median']:>7.2f} {row['decode_tps_8']:>9.2f} "
+            print(f"{name:<22} {row['ttft_ms']:>6.0f}ms {row['decode_tps_1']:>9.2f} {row['worst_tps_1']:>7.2f} {row['decode_tps_8']:>9.2f} "
                   f"{row['resident_bytes'] / 2**20:>7.0f}MB {row['peak_rss'] / 2**20:>7.0f}MB {row['peak_anon'] / 2**20:>7.0f}MB "
-                  f"{staged / 2**20:>11.1f}MB {'-' if limit is None else f'{limit:.1f}':>9} {share1:>11} {share8:>11} {row['kernel']:>8}")
+                  f"{staged / 2**20:>11.1f}MB {'-' if limit is None else f'{limit:.1f}':>9} {share1:>11} {worst1:>6} {share8:>11} {row['kernel']:>8}")
         k2 = rows["awq streamed K=2"]["resident_bytes"] / resident_run
         print(f"resident bytes, streamed K=2 / AWQ resident: {k2:.2f}x (target < 0.5x)")
     print(json.dumps(results))
