@@ -8,7 +8,9 @@ SmolLM2-135M's geometry by default (9 query heads over 3 KV heads, head dim 64, 
 pool's blocks handed out in shuffled order as a busy pool's are; each case is a batch of
 decodes at a context length (lengths vary a little within the batch, as they do). Prints the
 best-of-5 mean time per call of each, their ratio, the largest difference between the two,
-and the K/V bytes per second the native kernel reads.
+and the K/V bytes per second the native kernel reads; ``unsplit``: the native kernel with
+long contexts not cut into pieces (``native_attention.SPLIT_KEYS``), and native's speed-up
+over it.
 
 A second table: prefill chunks (T new tokens after L cached ones, one sequence; L = 0 is a
 whole prompt), as the ``sdpa`` path runs them (gather the context, SDPA with the chunk's
@@ -32,7 +34,8 @@ import torch.nn.functional as F  # noqa: E402
 from kvstream.hf import native_attention  # noqa: E402
 from kvstream.hf.attention import NATIVE_CHUNK_MAX, _gather  # noqa: E402
 
-CASES = ((1, 300), (16, 150), (16, 300), (8, 2000), (2, 2000))  # (decodes, tokens of context)
+CASES = ((1, 300), (16, 150), (16, 300), (8, 2000), (2, 2000), (1, 2000), (1, 8000))  # (decodes, tokens of context)
+UNSPLIT = 2**30  # split_keys past any context: each (sequence, KV head) one unit, as before contexts were split
 CHUNKS = ((0, (16, 64, 256)), (500, (4, 8, 16, 32, 64)), (2000, (4, 8, 16, 32, 64, 128)), (8000, (8, 16, 64)))  # (cached tokens, chunk sizes)
 
 
@@ -61,7 +64,8 @@ def main() -> None:
     bs, kv_heads, heads, dim = args.block_size, args.kv_heads, args.heads, args.head_dim
     print(f"{heads} query heads, {kv_heads} KV heads, head dim {dim}, block size {bs}, float32, "
           f"{torch.get_num_threads()} threads; native kernel built with {how}")
-    print(f"{'decodes':>7} {'context':>7} {'gather+SDPA ms':>15} {'native ms':>10} {'ratio':>7} {'max diff':>9} {'native GB/s':>12}")
+    print(f"{'decodes':>7} {'context':>7} {'gather+SDPA ms':>15} {'native ms':>10} {'ratio':>7} {'max diff':>9} {'native GB/s':>12} "
+          f"{'unsplit ms':>11} {'split gain':>10}")
     generator = torch.Generator().manual_seed(0)
     for batch, context in CASES:
         lengths = torch.tensor([context - (i * 7) % 50 for i in range(batch)], dtype=torch.int32)
@@ -79,15 +83,16 @@ def main() -> None:
             k, v = _gather(k_pool, slots, q.dtype), _gather(v_pool, slots, q.dtype)
             return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
 
-        def native():
-            return native_attention.paged_decode(q, k_pool, v_pool, tables, lengths, bs, None)
+        def native(split_keys=native_attention.SPLIT_KEYS):
+            return native_attention.paged_decode(q, k_pool, v_pool, tables, lengths, bs, None, split_keys)
 
         diff = float((gathered() - native()).abs().max())
-        base, ours = best_ms(gathered), best_ms(native)
+        base, ours, unsplit = best_ms(gathered), best_ms(native), best_ms(lambda: native(UNSPLIT))
         read = int(lengths.sum()) * kv_heads * dim * 4 * 2  # K and V bytes the decodes attend to
-        print(f"{batch:>7} {context:>7} {base:>15.3f} {ours:>10.3f} {base / ours:>6.2f}x {diff:>9.1e} {read / ours / 1e6:>12.1f}")
+        print(f"{batch:>7} {context:>7} {base:>15.3f} {ours:>10.3f} {base / ours:>6.2f}x {diff:>9.1e} {read / ours / 1e6:>12.1f} "
+              f"{unsplit:>11.3f} {unsplit / ours:>9.2f}x")
     print(f"\nprefill chunks (the native tier reads chunks of up to {NATIVE_CHUNK_MAX} tokens in place)")
-    print(f"{'cached':>7} {'chunk':>6} {'gather+SDPA ms':>15} {'native ms':>10} {'ratio':>7} {'max diff':>9}")
+    print(f"{'cached':>7} {'chunk':>6} {'gather+SDPA ms':>15} {'native ms':>10} {'ratio':>7} {'max diff':>9} {'unsplit ms':>11} {'split gain':>10}")
     for cached, sizes in CHUNKS:
         for new in sizes:
             total = cached + new
@@ -105,12 +110,12 @@ def main() -> None:
                 k, v = _gather(k_pool, slots, q.dtype), _gather(v_pool, slots, q.dtype)
                 return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
 
-            def chunk_native():
-                return native_attention.paged_decode(q, k_pool, v_pool, tables, lengths, bs, None)
+            def chunk_native(split_keys=native_attention.SPLIT_KEYS):
+                return native_attention.paged_decode(q, k_pool, v_pool, tables, lengths, bs, None, split_keys)
 
             diff = float((chunk_gathered() - chunk_native()).abs().max())
-            base, ours = best_ms(chunk_gathered, 10), best_ms(chunk_native, 10)
-            print(f"{cached:>7} {new:>6} {base:>15.3f} {ours:>10.3f} {base / ours:>6.2f}x {diff:>9.1e}")
+            base, ours, unsplit = best_ms(chunk_gathered, 10), best_ms(chunk_native, 10), best_ms(lambda: chunk_native(UNSPLIT), 10)
+            print(f"{cached:>7} {new:>6} {base:>15.3f} {ours:>10.3f} {base / ours:>6.2f}x {diff:>9.1e} {unsplit:>11.3f} {unsplit / ours:>9.2f}x")
 
 
 if __name__ == "__main__":

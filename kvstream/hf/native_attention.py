@@ -34,6 +34,11 @@ POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Mul and add kept apart in the scalar tails, so that a pool held in half precision and its
 # float32 copy give the same bits (the compiler contracted them in one and not the other).
 EXTRA_FLAGS = ("-ffp-contract=off",)
+# Keys per piece of a long decode context: past it a (sequence, KV head) is cut into pieces
+# at multiples of this, each its own unit of work, combined afterwards, so that one
+# sequence's three KV heads (SmolLM2) do not leave one of two threads half idle; a row's
+# cut depends only on its own length (benchmarks/paged_decode.py: ``unsplit``).
+SPLIT_KEYS = 512
 
 
 @functools.cache
@@ -48,16 +53,18 @@ class NativeKernelUnavailable(RuntimeError):
 
 def paged_decode(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
-    block_size: int, scale: float | None,
+    block_size: int, scale: float | None, split_keys: int = SPLIT_KEYS,
 ) -> torch.Tensor:
     """Decode queries ``q`` ``[B, H_q, D]`` against one layer's pool ``[slots, H_kv, D]``:
     sequence b's context is its first ``lengths[b]`` tokens, in the blocks ``tables[b]``
-    (int32 ``[B, W]``, padded) -> ``[B, H_q, D]``. Raises RuntimeError on a table or
-    length that does not fit the pool, before reading anything."""
+    (int32 ``[B, W]``, padded) -> ``[B, H_q, D]``. A context past ``split_keys`` keys (a
+    multiple of 32) is attended in pieces of that many, combined. Raises RuntimeError on a
+    table or length that does not fit the pool, before reading anything."""
     module, why = load()
     if module is None:
         raise NativeKernelUnavailable(f"the native attention kernel is not available: {why}")
-    return module.paged_decode(q, k_pool, v_pool, tables, lengths, block_size, scale if scale is not None else q.shape[-1] ** -0.5)
+    return module.paged_decode(q, k_pool, v_pool, tables, lengths, block_size, scale if scale is not None else q.shape[-1] ** -0.5,
+                               split_keys)
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -25,7 +25,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -79,6 +82,14 @@ constexpr int64_t kTile = 32;  // keys (and values) per tile: 32 x 64 floats = 8
 // Rows of one sequence sharing each key and value tile (a prefill chunk's queries): enough
 // that a tile read from memory serves many queries, few enough that their scores stay in L2.
 constexpr int64_t kTileRows = 16;
+// Splitting long contexts (``split_keys``, a multiple of kTile; native_attention.SPLIT_KEYS).
+// A decode's (sequence, KV head) was
+// one unit of work: one sequence has as many units as KV heads (SmolLM2: 3), and two
+// threads split three units two to one. A context past ``split_keys`` keys is cut at multiples of
+// ``split_keys``, each piece its own unit (its own softmax maximum and sum), the pieces
+// combined in order afterwards (flash-decoding's split). The cut depends only on a row's own
+// length, so a row still gets the same bits alone and batched; a context of at most
+// ``split_keys`` keys runs exactly as it did before contexts were split.
 
 // Rows [from, to) of a K or V tile (``rows``: their offsets) asked into L2 ahead of use. A
 // unit's keys sit a block apart in a shuffled pool and a head's slice of each is a few cache
@@ -121,9 +132,10 @@ void score(const float* query, const T* keys, const int64_t* rows, int64_t len, 
     }
 }
 
-// scores[j] = exp(scores[j] - max) for j < len; returns their sum.
-float softmax_numerators(float* scores, int64_t len) {
+// scores[j] = exp(scores[j] - max) for j < len; returns their sum, and the max in ``peak_out``.
+float softmax_numerators(float* scores, int64_t len, float* peak_out) {
     const float peak = *std::max_element(scores, scores + len);
+    *peak_out = peak;
     float total = 0.f;
     int64_t j = 0;
 #ifdef KVSTREAM_AVX2
@@ -204,7 +216,7 @@ void with_pool_type(torch::Tensor& k_pool, torch::Tensor& v_pool, F&& fn) {
 // layer view); tables [B, W] int32 block ids; lengths [B] int32 context lengths (the new
 // token included, already written to the pool). Returns [B, H_q, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor tables,
-                           torch::Tensor lengths, int64_t block_size, double scale) {
+                           torch::Tensor lengths, int64_t block_size, double scale, int64_t split_keys) {
     TORCH_CHECK(q.dtype() == torch::kFloat32, "paged_decode takes float32 queries");
     TORCH_CHECK(k_pool.dtype() == v_pool.dtype() && (k_pool.dtype() == torch::kFloat32 || k_pool.dtype() == torch::kFloat16
                 || k_pool.dtype() == torch::kBFloat16), "paged_decode reads float32, float16 or bfloat16 pools, K and V alike");
@@ -221,6 +233,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
     const int64_t slots = k_pool.size(0), kv_heads = k_pool.size(1), width = tables.size(1);
     TORCH_CHECK(k_pool.size(2) == dim && kv_heads > 0 && heads % kv_heads == 0, "head counts or head dim mismatch");
     TORCH_CHECK(tables.size(0) == batch && lengths.size(0) == batch && block_size > 0, "batch or block size mismatch");
+    TORCH_CHECK(split_keys > 0 && split_keys % kTile == 0, "split_keys must be a positive multiple of ", kTile);
     const int32_t* table = tables.data_ptr<int32_t>();
     const int32_t* length = lengths.data_ptr<int32_t>();
     // Checked before any read: a wrong plan is an error here, never a read out of the pool.
@@ -250,62 +263,102 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
         tiles.emplace_back(b, end);
         b = end;
     }
-    const int64_t units = static_cast<int64_t>(tiles.size()) * kv_heads;
+    // Work items: (row tile, split of its keys); a tile whose longest row has at most split_keys
+    // keys is one item. ``first_query``: each split item's rows' place in the partial buffers.
+    struct Work { int64_t tile, key_begin, key_end, first_query; };
+    std::vector<Work> work;
+    int64_t split_queries = 0;
+    for (int64_t t = 0; t < static_cast<int64_t>(tiles.size()); ++t) {
+        const int64_t longest = length[tiles[t].second - 1];
+        if (longest <= split_keys) {
+            work.push_back({t, 0, longest, -1});
+            continue;
+        }
+        for (int64_t k0 = 0; k0 < longest; k0 += split_keys) {
+            work.push_back({t, k0, std::min(longest, k0 + split_keys), split_queries});
+            split_queries += (tiles[t].second - tiles[t].first) * heads;
+        }
+    }
+    // Per split item, head and query row: its unnormalized output, softmax maximum and sum
+    // (each unit writes its own; left uninitialized: zeroing ~1 MB for a long chunk showed).
+    std::unique_ptr<float[]> partial(new float[split_queries * dim]);
+    std::vector<float> peaks(split_queries), sums(split_queries);
+    const int64_t units = static_cast<int64_t>(work.size()) * kv_heads;
 
-    // One unit per (row tile, KV head); grain 1, so two threads share even a batch of one
-    // sequence. A unit lists where each of its context's rows lies once (walking the block
-    // table), then each query head of the group, for each row of the tile, scores the keys
-    // and weighs the values. ``ks`` / ``vs``: the pools as stored (float, at::Half or
-    // at::BFloat16), widened as they are read.
+    // One unit per (work item, KV head), so that two threads share even a batch of one
+    // sequence. A unit lists where each of its keys lies once (walking the block table), then
+    // each query head of the group, for each row of the tile, scores the keys and weighs the
+    // values. ``ks`` / ``vs``: the pools as stored (float, at::Half or at::BFloat16), widened
+    // as they are read.
+    // Units go to whichever thread is free next (a shared counter), not in equal counts:
+    // units differ in size (a split's last piece may hold a few keys; a batch mixes
+    // contexts), and equal counts left one thread with 5 of a long chunk's 8 tiles (0.85x
+    // unsplit at 128 rows x 2,000 keys). Which thread runs a unit does not change its bits.
+    std::atomic<int64_t> next_unit{0};
     auto attend = [&](const auto* ks, const auto* vs) {
-    at::parallel_for(0, units, 1, [&](int64_t first, int64_t last) {
-        std::vector<float> scores, total;
+    at::parallel_for(0, std::min<int64_t>(units, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+        std::vector<float> scores, total, peak;
         std::vector<int64_t> rows;
-        for (int64_t unit = first; unit < last; ++unit) {
-            const int64_t b0 = tiles[unit / kv_heads].first, b1 = tiles[unit / kv_heads].second;
-            const int64_t h = unit % kv_heads, tile_rows = b1 - b0, longest = length[b1 - 1];
+        for (int64_t unit; (unit = next_unit.fetch_add(1)) < units;) {
+            const Work& item = work[unit / kv_heads];
+            const int64_t b0 = tiles[item.tile].first, b1 = tiles[item.tile].second;
+            const int64_t h = unit % kv_heads, tile_rows = b1 - b0;
+            const int64_t k0 = item.key_begin, span = item.key_end - k0;  // keys [k0, k0 + span)
+            const bool split = item.first_query >= 0;
             const int32_t* blocks = table + b0 * width;
-            rows.resize(longest);
-            for (int64_t j = 0, i = 0; j < longest; ++i) {
+            rows.resize(span);  // rows[j]: key k0 + j
+            for (int64_t j = 0, i = k0 / block_size, offset = k0 % block_size; j < span; ++i, offset = 0) {
                 const int64_t start = static_cast<int64_t>(blocks[i]) * block_size;
-                for (int64_t offset = 0; offset < block_size && j < longest; ++offset, ++j)
+                for (; offset < block_size && j < span; ++offset, ++j)
                     rows[j] = (start + offset) * slot_stride + h * head_stride;
             }
-            // Query row (r, g): row b0 + r's head h * group + g, its scores at (r * group + g) * longest.
+            // Query row (r, g): row b0 + r's head h * group + g, its scores at (r * group + g) * span.
             const int64_t queries = tile_rows * group;
             auto query = [&](int64_t r, int64_t g) { return qs + ((b0 + r) * heads + h * group + g) * dim; };
-            auto output = [&](int64_t r, int64_t g) { return os + ((b0 + r) * heads + h * group + g) * dim; };
-            scores.resize(queries * longest);
+            auto slot = [&](int64_t r, int64_t g) { return item.first_query + r * heads + h * group + g; };
+            auto output = [&](int64_t r, int64_t g) {
+                return split ? partial.get() + slot(r, g) * dim : os + ((b0 + r) * heads + h * group + g) * dim;
+            };
+            // Keys of row r in this item: [k0, min(its length, k0 + span)).
+            auto keys_of = [&](int64_t r) { return std::min<int64_t>(length[b0 + r] - k0, span); };
+            scores.resize(queries * span);
             total.resize(queries);
+            peak.resize(queries);
             // Tiles of keys and values small enough to stay in L1 while every query row of the
             // unit uses them: the K and V rows come from memory once per unit. A row stops at
             // its own length; tiles start at multiples of kTile whatever the tile of rows, so
             // each row runs exactly the operations it would alone (bit-identical results).
-            for (int64_t t = 0; t < longest; t += kTile) {
-                prefetch_rows(ks, rows.data(), t + kTile, std::min(longest, t + 2 * kTile), dim);  // the next tile's keys
+            for (int64_t t = 0; t < span; t += kTile) {
+                prefetch_rows(ks, rows.data(), t + kTile, std::min(span, t + 2 * kTile), dim);  // the next tile's keys
                 for (int64_t r = 0; r < tile_rows; ++r) {
-                    const int64_t n = std::min(kTile, length[b0 + r] - t);
+                    const int64_t n = std::min(kTile, keys_of(r) - t);
                     if (n <= 0) continue;
                     for (int64_t g = 0; g < group; ++g)
-                        score(query(r, g), ks, rows.data() + t, n, dim, softmax_scale, scores.data() + (r * group + g) * longest + t);
+                        score(query(r, g), ks, rows.data() + t, n, dim, softmax_scale, scores.data() + (r * group + g) * span + t);
                 }
             }
             for (int64_t r = 0; r < tile_rows; ++r)
                 for (int64_t g = 0; g < group; ++g) {
-                    total[r * group + g] = softmax_numerators(scores.data() + (r * group + g) * longest, length[b0 + r]);
+                    if (keys_of(r) > 0)
+                        total[r * group + g] = softmax_numerators(scores.data() + (r * group + g) * span, keys_of(r), &peak[r * group + g]);
                     std::fill(output(r, g), output(r, g) + dim, 0.f);
                 }
-            for (int64_t t = 0; t < longest; t += kTile) {
-                prefetch_rows(vs, rows.data(), t + kTile, std::min(longest, t + 2 * kTile), dim);  // the next tile's values
+            for (int64_t t = 0; t < span; t += kTile) {
+                prefetch_rows(vs, rows.data(), t + kTile, std::min(span, t + 2 * kTile), dim);  // the next tile's values
                 for (int64_t r = 0; r < tile_rows; ++r) {
-                    const int64_t n = std::min(kTile, length[b0 + r] - t);
+                    const int64_t n = std::min(kTile, keys_of(r) - t);
                     if (n <= 0) continue;
                     for (int64_t g = 0; g < group; ++g)
-                        weigh(scores.data() + (r * group + g) * longest + t, vs, rows.data() + t, n, dim, output(r, g));
+                        weigh(scores.data() + (r * group + g) * span + t, vs, rows.data() + t, n, dim, output(r, g));
                 }
             }
             for (int64_t r = 0; r < tile_rows; ++r)
                 for (int64_t g = 0; g < group; ++g) {
+                    if (split) {  // combined below, with the row's other splits
+                        peaks[slot(r, g)] = keys_of(r) > 0 ? peak[r * group + g] : -std::numeric_limits<float>::infinity();
+                        sums[slot(r, g)] = keys_of(r) > 0 ? total[r * group + g] : 0.f;
+                        continue;
+                    }
                     float* o = output(r, g);
                     for (int64_t d = 0; d < dim; ++d) o[d] /= total[r * group + g];
                 }
@@ -313,6 +366,38 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
     });
     };
     with_pool_type(k_pool, v_pool, attend);
+
+    // A split row's pieces, in key order: out = sum_s e_s o_s / sum_s e_s l_s with
+    // e_s = exp(m_s - max_s m_s). Only the pieces holding any of the row's keys count. Rows
+    // shared over the threads (a long chunk has ~100 of them).
+    std::vector<std::pair<int64_t, int64_t>> split_rows;  // (first piece's work item, row in its tile)
+    for (int64_t w = 0; w < static_cast<int64_t>(work.size()); ++w)
+        if (work[w].first_query >= 0 && work[w].key_begin == 0)
+            for (int64_t r = 0; r < tiles[work[w].tile].second - tiles[work[w].tile].first; ++r) split_rows.emplace_back(w, r);
+    at::parallel_for(0, static_cast<int64_t>(split_rows.size()), 8, [&](int64_t first, int64_t last) {
+        for (int64_t i = first; i < last; ++i) {
+            const Work& item = work[split_rows[i].first];
+            const int64_t r = split_rows[i].second, b0 = tiles[item.tile].first;
+            const int64_t tile_queries = (tiles[item.tile].second - b0) * heads;
+            const int64_t pieces = (length[b0 + r] + split_keys - 1) / split_keys;
+            for (int64_t head = 0; head < heads; ++head) {
+                const int64_t at = item.first_query + r * heads + head;  // piece s: at + s * tile_queries
+                float top = peaks[at];
+                for (int64_t s = 1; s < pieces; ++s) top = std::max(top, peaks[at + s * tile_queries]);
+                float* o = os + ((b0 + r) * heads + head) * dim;
+                std::fill(o, o + dim, 0.f);
+                float denominator = 0.f;
+                for (int64_t s = 0; s < pieces; ++s) {
+                    const int64_t piece = at + s * tile_queries;
+                    const float e = std::exp(peaks[piece] - top);
+                    denominator += e * sums[piece];
+                    const float* part = partial.get() + piece * dim;
+                    for (int64_t d = 0; d < dim; ++d) o[d] += e * part[d];
+                }
+                for (int64_t d = 0; d < dim; ++d) o[d] /= denominator;
+            }
+        }
+    });
     return out;
 }
 

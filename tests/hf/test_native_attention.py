@@ -158,3 +158,47 @@ def test_a_chunks_rows_tiled_together_give_what_each_gives_alone(heads, kv_heads
         assert torch.equal(together[b : b + 1], alone), f"row {b}"
     expected = reference(q, k_pool, v_pool, tables, lens, block_size, dim**-0.5)
     assert float((together - expected).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 1, 64, 5), (2, 1, 20, 7)])
+def test_long_contexts_split_into_pieces_match_eager(heads, kv_heads, dim, block_size):
+    """Contexts past the kernel's split (``SPLIT_KEYS``, 512 keys) run as pieces combined
+    afterwards: at, just past and several pieces past the cut, ending mid-block (block size 5
+    and 7: pieces start inside a block), beside short ones in the same batch."""
+    cut = native_attention.SPLIT_KEYS
+    lengths = [cut - 1, cut, cut + 1, 3, 700, 2 * cut + 6, 3 * cut + 31]
+    q, k_pool, v_pool, tables, lens = make_case(heads, kv_heads, dim, block_size, lengths, seed=3)
+    out = native_attention.paged_decode(q, k_pool, v_pool, tables, lens, block_size, None)
+    expected = reference(q, k_pool, v_pool, tables, lens, block_size, dim**-0.5)
+    assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5), (out - expected).abs().max()
+
+
+def test_a_long_context_gets_the_same_bits_alone_and_in_any_batch():
+    q, k_pool, v_pool, tables, lens = make_case(9, 3, 64, 16, [900, 40, 300, 512, 1500], seed=4)
+    batched = native_attention.paged_decode(q, k_pool, v_pool, tables, lens, 16, None)
+    for b in range(len(lens)):
+        alone = native_attention.paged_decode(q[b : b + 1], k_pool, v_pool, tables[b : b + 1], lens[b : b + 1], 16, None)
+        assert torch.equal(alone[0], batched[b]), b
+    half = native_attention.paged_decode(q, k_pool.half().float(), v_pool.half().float(), tables, lens, 16, None)
+    assert torch.equal(native_attention.paged_decode(q, k_pool.half(), v_pool.half(), tables, lens, 16, None), half)
+
+
+def test_a_chunks_rows_across_the_split_give_what_each_gives_alone():
+    """Rows of one chunk whose lengths straddle the cut (496..527 around 512, tiled 16 at a
+    time): the rows with at most 512 keys run in one piece alone but in a split tile together,
+    and must not notice; every row matches eager."""
+    block_size, cut = 16, native_attention.SPLIT_KEYS
+    generator = torch.Generator().manual_seed(6)
+    num_blocks = cut // block_size + 8
+    table = torch.randperm(num_blocks, generator=generator).to(torch.int32)[: cut // block_size + 2]
+    lens = torch.arange(cut - 16, cut + 16, dtype=torch.int32)
+    tables = table.expand(len(lens), -1).contiguous()
+    k_pool = torch.randn(num_blocks * block_size, 3, 64, generator=generator)
+    v_pool = torch.randn(num_blocks * block_size, 3, 64, generator=generator)
+    q = torch.randn(len(lens), 9, 64, generator=generator)
+    together = native_attention.paged_decode(q, k_pool, v_pool, tables, lens, block_size, None)
+    for b in range(len(lens)):
+        alone = native_attention.paged_decode(q[b : b + 1], k_pool, v_pool, tables[b : b + 1], lens[b : b + 1], block_size, None)
+        assert torch.equal(together[b : b + 1], alone), f"row {b} (length {int(lens[b])})"
+    expected = reference(q, k_pool, v_pool, tables, lens, block_size, 64**-0.5)
+    assert float((together - expected).abs().max()) < 1e-5

@@ -5,6 +5,8 @@ per machine."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from tests.conftest import REQUIRE_REAL, require_import
@@ -64,7 +66,10 @@ def test_the_plain_linear_kernel_matches_f_linear_and_a_row_ignores_its_batch():
 
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (8, 8, 128, 4), (2, 1, 20, 5)])
 def test_the_plain_decode_attention_kernel_matches_eager(heads, kv_heads, dim, block_size):
-    module = plain_build("kvstream_paged_decode", native_attention.SOURCE, native_attention.EXTRA_FLAGS)
+    """With contexts split at 32 keys (the smallest split the kernel takes), so that these
+    short contexts also run as pieces combined afterwards."""
+    built = plain_build("kvstream_paged_decode", native_attention.SOURCE, native_attention.EXTRA_FLAGS)
+    module = SimpleNamespace(paged_decode=lambda *args: built.paged_decode(*args, 32))
     lengths = [1, 7, block_size, block_size + 1, 70]
     q, k_pool, v_pool, tables, lens = make_case(heads, kv_heads, dim, block_size, lengths)
     out = module.paged_decode(q, k_pool, v_pool, tables, lens, block_size, dim**-0.5)
