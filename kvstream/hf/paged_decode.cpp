@@ -82,14 +82,13 @@ constexpr int64_t kTile = 32;  // keys (and values) per tile: 32 x 64 floats = 8
 // Rows of one sequence sharing each key and value tile (a prefill chunk's queries): enough
 // that a tile read from memory serves many queries, few enough that their scores stay in L2.
 constexpr int64_t kTileRows = 16;
-// Splitting long contexts (``split_keys``, a multiple of kTile; native_attention.SPLIT_KEYS).
-// A decode's (sequence, KV head) was
-// one unit of work: one sequence has as many units as KV heads (SmolLM2: 3), and two
-// threads split three units two to one. A context past ``split_keys`` keys is cut at multiples of
-// ``split_keys``, each piece its own unit (its own softmax maximum and sum), the pieces
-// combined in order afterwards (flash-decoding's split). The cut depends only on a row's own
-// length, so a row still gets the same bits alone and batched; a context of at most
-// ``split_keys`` keys runs exactly as it did before contexts were split.
+// Long contexts are split (``split_keys``, a multiple of kTile; native_attention.SPLIT_KEYS).
+// A decode's (sequence, KV head) was one unit of work: one sequence has as many units as KV
+// heads (SmolLM2: 3), and two threads split three units two to one. A context past
+// ``split_keys`` keys is cut at multiples of it, each piece its own unit (its own softmax
+// maximum and sum), the pieces combined in order afterwards (flash-decoding's split). The
+// cut depends only on a row's own length, so a row still gets the same bits alone and
+// batched; a context of at most ``split_keys`` keys runs exactly as it did before.
 
 // Rows [from, to) of a K or V tile (``rows``: their offsets) asked into L2 ahead of use. A
 // unit's keys sit a block apart in a shuffled pool and a head's slice of each is a few cache
@@ -289,8 +288,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
     // sequence. A unit lists where each of its keys lies once (walking the block table), then
     // each query head of the group, for each row of the tile, scores the keys and weighs the
     // values. ``ks`` / ``vs``: the pools as stored (float, at::Half or at::BFloat16), widened
-    // as they are read.
-    // Units go to whichever thread is free next (a shared counter), not in equal counts:
+    // as they are read. Units go to whichever thread is free next (a shared counter), not in equal counts:
     // units differ in size (a split's last piece may hold a few keys; a batch mixes
     // contexts), and equal counts left one thread with 5 of a long chunk's 8 tiles (0.85x
     // unsplit at 128 rows x 2,000 keys). Which thread runs a unit does not change its bits.
