@@ -99,6 +99,9 @@ def test_tables_and_lengths_that_do_not_fit_the_pool_are_errors_not_reads():
         native_attention.paged_decode(q, k_pool, v_pool, tables.long(), lens, 16, None)
     with pytest.raises(RuntimeError, match="head counts"):
         native_attention.paged_decode(q[:, :8], k_pool, v_pool, tables, lens, 16, None)
+    for split_keys in (0, -32, 48):  # a split must be a positive multiple of the kernel's 32-key tile
+        with pytest.raises(RuntimeError, match="split_keys must be a positive multiple of 32"):
+            native_attention.paged_decode(q, k_pool, v_pool, tables, lens, 16, None, split_keys)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
