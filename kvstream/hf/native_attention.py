@@ -53,18 +53,19 @@ class NativeKernelUnavailable(RuntimeError):
 
 def paged_decode(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
-    block_size: int, scale: float | None, split_keys: int = SPLIT_KEYS,
+    block_size: int, scale: float | None, split_keys: int | None = None,
 ) -> torch.Tensor:
     """Decode queries ``q`` ``[B, H_q, D]`` against one layer's pool ``[slots, H_kv, D]``:
     sequence b's context is its first ``lengths[b]`` tokens, in the blocks ``tables[b]``
     (int32 ``[B, W]``, padded) -> ``[B, H_q, D]``. A context past ``split_keys`` keys (a
-    multiple of 32) is attended in pieces of that many, combined. Raises RuntimeError on a
-    table or length that does not fit the pool, before reading anything."""
+    multiple of 32; None: ``SPLIT_KEYS`` as it is at the call) is attended in pieces of that
+    many, combined. Raises RuntimeError on a table or length that does not fit the pool, before
+    reading anything."""
     module, why = load()
     if module is None:
         raise NativeKernelUnavailable(f"the native attention kernel is not available: {why}")
     return module.paged_decode(q, k_pool, v_pool, tables, lengths, block_size, scale if scale is not None else q.shape[-1] ** -0.5,
-                               split_keys)
+                               SPLIT_KEYS if split_keys is None else split_keys)
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -95,9 +95,10 @@ constexpr int64_t kTileRows = 16;
 // lines: the hardware prefetcher does not follow them, and at long context the kernel waited
 // on memory (8 x 2,000 tokens: 14 GB/s of K/V; with the next tile prefetched 30 GB/s; 8 x
 // 6,000: 11 -> 20 GB/s). Into L2 (locality 2, prefetcht1), not L1, as native_linear.cpp found.
+// KVSTREAM_NO_PREFETCH: the build benchmarks/paged_decode.py compares against.
 template <typename T>
 inline void prefetch_rows(const T* base, const int64_t* rows, int64_t from, int64_t to, int64_t dim) {
-#if defined(__GNUC__) || defined(__clang__)
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(KVSTREAM_NO_PREFETCH)
     constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(T));
     for (int64_t j = from; j < to; ++j)
         for (int64_t c = 0; c < dim; c += kLine) __builtin_prefetch(base + rows[j] + c, 0, 2);
