@@ -341,6 +341,38 @@ def test_streamed_and_resident_give_identical_logits(rtn_folder, resident, confi
         report.streamer.close()
 
 
+@pytest.mark.parametrize("kernel", ["dequant", "int4mm", "native"])
+def test_every_kernel_streams_with_the_resident_run_s_logits(rtn_folder, monkeypatch, kernel):
+    """Whichever kernel the probe picks on a machine, copied and mapped streaming give its
+    resident run's logits: nothing a kernel derives from a layer's packed tensors (int4mm's
+    repacked weights, dequant's zeros x scales) outlives the tensors it came from (copied
+    staging reuses one slot's tensors for every other layer)."""
+    from kvstream.hf.awq import model as awq_model
+
+    if kernel == "native":
+        built_native_kernel()
+    monkeypatch.setattr(awq_model, "probe_kernel", lambda *args, **kwargs: awq_linear.KernelChoice(kernel, "test"))
+    ids = torch.randint(0, 40000, (1, 6), generator=torch.Generator().manual_seed(11))
+
+    def logits(config):
+        model, report = load_awq_model(rtn_folder, torch.float32, config)
+        try:
+            assert report.kernel.name == kernel
+            with torch.no_grad():  # twice: the second forward runs on what the first staged
+                out = [(model(ids, use_cache=False).logits, model(ids[:, :2], use_cache=False).logits) for _ in range(2)]
+            if report.streamer is not None:  # and nothing derived from a streamed layer kept resident
+                assert not any(hasattr(m, "_int4") for modules in report.streamer.plan.values() for _, m in modules)
+            return out
+        finally:
+            if report.streamer is not None:
+                report.streamer.close()
+
+    expected = logits(None)[0]
+    for staging in ("copy", "mapped"):
+        for got in logits(StreamingConfig("partial_resident", 1, 1, 2, staging=staging)):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected)), staging
+
+
 def test_mapped_staging_faults_a_layer_in_with_the_fewest_page_ranges():
     from kvstream.hf.awq.streaming import PAGE, merged_page_ranges
 

@@ -49,6 +49,9 @@ class AWQLinear(torch.nn.Module):
     ``scales``); ``dtype`` is the activations' (the engine's) precision."""
 
     kernel = "dequant"
+    # Set by the layer streamer: nothing derived from the packed tensors (int4mm's repacked
+    # weights) is kept past the call, or every streamed layer's would stay resident.
+    streamed = False
     # The packed tensors (plain attributes, see ``load``).
     qweight: torch.Tensor
     qzeros: torch.Tensor
@@ -205,7 +208,8 @@ def int4mm(layer: AWQLinear, x: torch.Tensor) -> torch.Tensor:
     cached = getattr(layer, "_int4", None)
     if cached is None or cached[0] is not layer.qweight:
         cached = (layer.qweight, *int4_layout(layer))
-        layer._int4 = cached  # type: ignore[attr-defined]
+        if not layer.streamed:
+            layer._int4 = cached  # type: ignore[attr-defined]
     flat = x.reshape(-1, layer.in_features).float()
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, cached[1], layer.group_size, cached[2])
     return y.to(layer.dtype).reshape(*x.shape[:-1], layer.out_features)

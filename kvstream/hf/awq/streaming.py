@@ -114,6 +114,9 @@ class LayerStreamer:
         self._computed_last: int | None = None  # mapped: the layer whose pages go next
         self._fds: dict[str, int] = {}
         self.plan = plan  # layer index -> its streamed (relative name, module), sources mapped
+        for modules in plan.values():
+            for _, module in modules:
+                module.streamed = True
         self.order = sorted(plan)
         self.position = {layer: i for i, layer in enumerate(self.order)}
         self.sources = {layer: [(name, m.packed()) for name, m in plan[layer]] for layer in self.order}
