@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
@@ -141,6 +142,20 @@ class LayerStreamer:
             {name: derive_buffers(p.qzeros.shape[0], p.out_features, modules[name].dtype) for name, p in first}
             for _ in range(slots)
         ]
+        # Mapped: a module computes from its own mapped tensors for good, so it is pointed at
+        # them and at its derive buffers (those of the slot its place in the order gives it)
+        # once, here; only what it derived is forgotten before each forward (the buffers are
+        # shared with the layers ``slots`` apart), through its instance dict (see ``load``).
+        self._instance_dicts: dict[int, list[dict]] = {}
+        if mapped:
+            for layer in self.order:
+                derived = self.derived[self.position[layer] % slots]
+                for name, module in plan[layer]:
+                    module.load(module.qweight, module.qzeros, module.scales, derive_into=derived[name])
+                self._instance_dicts[layer] = [vars(module) for _, module in plan[layer]]
+            # One mincore vector per page range, reused on the engine thread.
+            self._vectors = {layer: [ctypes.create_string_buffer((end - start) // PAGE) for start, end in self.page_ranges[layer]]
+                             for layer in self.order}
         expected = {name: tuple(t.shape for t in (p.qweight, p.qzeros, p.scales)) for name, p in first}
         for layer in self.order:  # every streamed layer fits the same slots
             shapes = {name: tuple(t.shape for t in (p.qweight, p.qzeros, p.scales)) for name, p in self.sources[layer]}
@@ -209,13 +224,51 @@ class LayerStreamer:
         return hook
 
     def before(self, layer: int) -> None:
-        """Layer ``layer`` is about to run: its weights in a slot, the next ones on the way."""
-        import time
+        """Layer ``layer`` is about to run: its weights in a slot (``mapped``: in memory),
+        the next ones on the way."""
+        if self.mapped:
+            self._before_mapped(layer)
+        else:
+            self._before_copied(layer)
 
-        if self.mapped and self.file_ranges is not None:
+    def _wait(self, future: Future[int]) -> None:
+        started = time.perf_counter()
+        future.result()
+        self.stall_s += time.perf_counter() - started
+
+    def _before_mapped(self, layer: int) -> None:
+        # Run before every streamed layer of every forward, so kept to what a warm model needs:
+        # a mincore per upcoming layer and a dict store per projection (re-pointing each module
+        # as copies do, and a fresh mincore vector, cost a warm 96-layer token ~5 ms: ~50 us a
+        # layer with the caches cold from the weights streaming past).
+        if self.file_ranges is not None:
             if self._computed_last is not None and self._computed_last != layer:
                 self._drop(self._computed_last)  # it has computed: the forward is past it
             self._computed_last = layer
+        pending = self._pending.pop(layer, None)
+        if pending is None:  # not looked at ahead: the first forward, or an unplanned order
+            self.drain()
+            self._stage(layer, 0)
+        elif pending[0] is not None:
+            self._wait(pending[0])
+        for instance in self._instance_dicts[layer]:
+            instance["_derived"] = None
+        position = self.position[layer]
+        for ahead in range(1, self.depth):
+            upcoming = self.order[(position + ahead) % len(self.order)]
+            if upcoming in self._pending or upcoming == layer:
+                continue
+            if all(pages_cached(start, end, vector)
+                   for (start, end), vector in zip(self.page_ranges[upcoming], self._vectors[upcoming])):
+                # Warm: nothing to fault in, so no hand-off to the stager (a submit and a
+                # wait cost more than this check, ~30 us a layer).
+                with self._lock:
+                    self.staged_bytes += self.layer_bytes[upcoming]
+                self._pending[upcoming] = (None, 0)
+            else:
+                self._pending[upcoming] = (self._pool.submit(self._stage, upcoming, 0), 0)
+
+    def _before_copied(self, layer: int) -> None:
         pending = self._pending.pop(layer, None)
         if pending is None:
             self.drain()  # an unplanned order (a partial forward): start the ring afresh
@@ -225,14 +278,9 @@ class LayerStreamer:
         else:
             future, slot = pending
             if future is not None:
-                started = time.perf_counter()
-                future.result()
-                self.stall_s += time.perf_counter() - started
-        sources = dict(self.sources[layer])
+                self._wait(future)
         for name, module in self.plan[layer]:
-            packed = sources[name]
-            weights = (packed.qweight, packed.qzeros, packed.scales) if self.mapped else self.slots[slot][name]
-            module.load(*weights, derive_into=self.derived[slot][name])
+            module.load(*self.slots[slot][name], derive_into=self.derived[slot][name])
         self._bound[layer] = slot
         # Prefetch into the slots no running layer uses: up to (slots - 1) layers ahead.
         position = self.position[layer]
@@ -241,14 +289,7 @@ class LayerStreamer:
             if upcoming in self._pending or upcoming == layer:
                 continue
             target = (slot + ahead) % self.depth
-            if self.mapped and all(pages_cached(start, end) for start, end in self.page_ranges[upcoming]):
-                # Warm: nothing to fault in, so no hand-off to the stager (a submit and a
-                # wait cost more than this check, ~30 us a layer).
-                with self._lock:
-                    self.staged_bytes += self.layer_bytes[upcoming]
-                self._pending[upcoming] = (None, target)
-            else:
-                self._pending[upcoming] = (self._pool.submit(self._stage, upcoming, target), target)
+            self._pending[upcoming] = (self._pool.submit(self._stage, upcoming, target), target)
             self._next_slot = (target + 1) % self.depth
 
     def drain(self) -> None:
@@ -302,12 +343,12 @@ def populate_pages(start: int, end: int) -> None:
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
 
-def pages_cached(start: int, end: int) -> bool:
+def pages_cached(start: int, end: int, vector: ctypes.Array | None = None) -> bool:
     """Whether every page of the mapped addresses [start, end) (page-aligned) is in the page
     cache (``mincore``; one byte per page, bit 0 set when resident). False where it cannot
-    tell, so that the caller populates."""
-    pages = (end - start) // PAGE
-    vector = ctypes.create_string_buffer(pages)
+    tell, so that the caller populates. ``vector``: a buffer of one byte per page to reuse."""
+    if vector is None:
+        vector = ctypes.create_string_buffer((end - start) // PAGE)
     if _libc.mincore(start, end - start, vector) != 0:
         return False
     return b"\x00" not in vector.raw.translate(_LOW_BIT)  # the other bits are unspecified
