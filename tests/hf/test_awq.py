@@ -307,6 +307,26 @@ def test_the_checkpoint_is_autoawq_shaped(rtn_folder):
     assert index.refs["model.embed_tokens.weight"].dtype == torch.float16 and index.refs["model.norm.weight"].dtype == torch.float16
 
 
+def test_the_checkpoint_s_packed_tensors_map_32_byte_aligned(rtn_folder):
+    """The header is padded so that the data starts 64-byte aligned: every mapped packed
+    tensor starts on a 32-byte boundary (the kernel's loads then never straddle two cache
+    lines), and safetensors' own reader still reads the file, tensor for tensor."""
+    import struct
+
+    from safetensors import safe_open
+
+    path = rtn_folder / "model.safetensors"
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+    assert (8 + size) % 64 == 0
+    index = SafetensorsIndex(rtn_folder)
+    packed = [name for name in index.refs if name.rsplit(".", 1)[1] in ("qweight", "qzeros", "scales")]
+    assert packed and all(index.mapped(name).data_ptr() % 32 == 0 for name in packed)
+    with safe_open(path, "pt") as f:
+        for name in ("model.layers.3.mlp.up_proj.qweight", "model.layers.3.mlp.up_proj.scales", "model.norm.weight"):
+            assert torch.equal(f.get_tensor(name), index.load(name))
+
+
 @pytest.fixture(scope="module")
 def resident(rtn_folder):
     model, report = load_awq_model(rtn_folder, torch.float32)
