@@ -1,4 +1,5 @@
-"""``kvstream awq quantize``: an AWQ checkpoint from an HF model folder (or the embedded one)."""
+"""``kvstream awq quantize``: an AWQ checkpoint from an HF model folder (or the embedded one);
+``kvstream awq align``: a checkpoint's packed tensors 32-byte aligned in place."""
 
 from __future__ import annotations
 
@@ -53,4 +54,21 @@ def quantize(out: Path, model: str | None, group_size: int | None, calibration: 
         quantized, _ = load_awq_model(out, torch.float32)
         after = awq.perplexity(quantized, loaded.tokenizer, heldout)
         print(f"perplexity on held-out text: original {before:.2f}, {method} 4-bit {after:.2f}")
+    return 0
+
+
+def align(folder: Path) -> int:
+    """Returns the exit code: 0, or 2 for a folder that is not a readable checkpoint (one line
+    on stderr)."""
+    from kvstream.hf.awq.checkpoint import CheckpointError, align_folder
+
+    if not folder.is_dir():
+        print(f"{folder}: no such folder", file=sys.stderr)
+        return 2
+    try:
+        realigned, files, aligned, packed = align_folder(folder)
+    except (CheckpointError, OSError) as exc:
+        print(f"{folder}: not a readable safetensors checkpoint ({exc})", file=sys.stderr)
+        return 2
+    print(f"{folder}: {realigned} of {files} safetensors files realigned; {aligned} of {packed} packed tensors start 32-byte aligned")
     return 0

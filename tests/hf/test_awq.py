@@ -327,6 +327,43 @@ def test_the_checkpoint_s_packed_tensors_map_32_byte_aligned(rtn_folder):
             assert torch.equal(f.get_tensor(name), index.load(name))
 
 
+def test_kvstream_awq_align_realigns_a_checkpoint_written_elsewhere(rtn_folder, tmp_path):
+    """A checkpoint as ``save_file`` may write it (the header padded to a multiple of 8 bytes
+    only: here the packed tensors 16 bytes off a 32-byte boundary, as the 96-layer one of
+    benchmarks/awq_alignment.py had them) comes out of ``kvstream awq align`` with every packed tensor
+    aligned and every tensor's bytes unchanged; a second run changes nothing; a file that is
+    not safetensors is one line and exit 2."""
+    import struct
+
+    folder = tmp_path / "elsewhere"
+    shutil.copytree(rtn_folder, folder)
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    (size,) = struct.unpack("<Q", data[:8])
+    header = data[8 : 8 + size].rstrip(b" ")
+    header += b" " * ((16 - (8 + len(header))) % 32)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + size :])
+    before = SafetensorsIndex(folder)
+    packed = [n for n in before.refs if n.rsplit(".", 1)[1] in ("qweight", "qzeros", "scales")]
+    assert any(before.refs[n].start % 32 for n in packed)
+    expected = {n: before.load(n).clone() for n in before.refs}  # read before the file is replaced
+
+    def align(target):
+        return subprocess.run([sys.executable, "-m", "kvstream.cli.main", "awq", "align", str(target)],
+                              capture_output=True, text=True, timeout=120)
+
+    out = align(folder)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"1 of 1 safetensors files realigned; {len(packed)} of {len(packed)} packed tensors start 32-byte aligned" in out.stdout
+    after = SafetensorsIndex(folder)
+    assert all(torch.equal(after.load(n), tensor) for n, tensor in expected.items())
+    assert "0 of 1 safetensors files realigned" in align(folder).stdout
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "model.safetensors").write_bytes(b"not a safetensors file at all")
+    bad = align(tmp_path / "junk")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "not a readable safetensors checkpoint" in bad.stderr
+
+
 @pytest.fixture(scope="module")
 def resident(rtn_folder):
     model, report = load_awq_model(rtn_folder, torch.float32)
@@ -687,9 +724,22 @@ def bf16_scales(folder):
     save_file(state, folder / "model.safetensors")
 
 
+def truncated(folder):
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:6])
+
+
+def garbage_header(folder):
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:8] + b"[" + data[9:])  # the header's opening brace
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
+        (truncated, "model.safetensors: not a safetensors file (no header length that fits its 6 bytes)"),
+        (garbage_header, "model.safetensors: not a safetensors file (its header is not JSON"),
         (set_quant(group_size=256), "group_size 256"),
         (set_quant(bits=8), "bits 8 (only 4)"),
         (set_quant(version="gemv"), "version gemv (only gemm)"),
@@ -697,7 +747,7 @@ def bf16_scales(folder):
         (drop_a_tensor, "model.layers.3.self_attn.k_proj.scales"),
         (bf16_scales, "model.layers.3.mlp.up_proj.scales is torch.bfloat16, expected torch.float16"),
     ],
-    ids=["group-size", "bits", "version", "missing-shard", "missing-tensor", "scales-dtype"],
+    ids=["truncated", "not-json", "group-size", "bits", "version", "missing-shard", "missing-tensor", "scales-dtype"],
 )
 def test_a_bad_checkpoint_is_one_clear_error_naming_what(rtn_folder, tmp_path, edit, message):
     folder = broken_copy(rtn_folder, tmp_path, edit)

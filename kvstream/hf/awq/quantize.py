@@ -26,14 +26,13 @@ import json
 import logging
 import math
 import shutil
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from kvstream.hf.awq.checkpoint import awq_config
+from kvstream.hf.awq.checkpoint import align_data, awq_config
 from kvstream.hf.awq.format import SUPPORTED_GROUP_SIZES, fake_quantize, quantize_rtn
 from kvstream.hf.awq.model import decoder_layers
 
@@ -277,29 +276,6 @@ def save_checkpoint(out: Path, model: torch.nn.Module, tokenizer, state: dict[st
     tokenizer.save_pretrained(out)
     if source is not None and (source / "generation_config.json").is_file():
         shutil.copy(source / "generation_config.json", out / "generation_config.json")
-
-
-DATA_ALIGNMENT = 64
-
-
-def align_data(path: Path) -> None:
-    """Pad a safetensors file's header with spaces (the format allows trailing whitespace
-    there) so that its data starts on a 64-byte boundary of the file, hence of a mapping of
-    it. Tensor offsets are sums of the tensors' sizes, which for these shapes are multiples of
-    32 bytes, so every packed tensor then starts 32-byte aligned, and the AWQ kernel's 32-byte
-    loads from a mapped layer never straddle two cache lines (as written by ``save_file``
-    they sat 16 bytes off: 3-7% slower per projection, measured from cache and from memory)."""
-    with open(path, "rb") as source:
-        (size,) = struct.unpack("<Q", source.read(8))
-        header = source.read(size)
-        pad = -(8 + size) % DATA_ALIGNMENT
-        if pad == 0:
-            return
-        staged = path.with_name(path.name + ".aligning")
-        with open(staged, "wb") as target:
-            target.write(struct.pack("<Q", size + pad) + header + b" " * pad)
-            shutil.copyfileobj(source, target, 16 * 2**20)
-    staged.replace(path)
 
 
 @torch.no_grad()
