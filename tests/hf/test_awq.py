@@ -477,6 +477,10 @@ def test_pages_cached_tells_resident_pages_from_absent_ones():
             region[page * PAGE] = 1
         assert pages_cached(start, start + 4 * PAGE)
         assert not pages_cached(start, start + 5 * PAGE)  # one page short is not all there
+        vector = ctypes.create_string_buffer(5)  # reused, as the engine thread does: no stale answer
+        assert not pages_cached(start, start + 5 * PAGE, vector)
+        region[4 * PAGE] = 1
+        assert pages_cached(start, start + 5 * PAGE, vector)
     finally:
         region.close()
 
