@@ -158,9 +158,14 @@ def align_data(path: Path) -> bool:
         if pad == 0:
             return False
         staged = path.with_name(path.name + ".aligning")
-        with open(staged, "wb") as target:
-            target.write(struct.pack("<Q", size + pad) + header + b" " * pad)
-            shutil.copyfileobj(source, target, 16 * 2**20)
+        try:
+            with open(staged, "wb") as target:
+                target.write(struct.pack("<Q", size + pad) + header + b" " * pad)
+                shutil.copyfileobj(source, target, 16 * 2**20)
+            shutil.copymode(path, staged)
+        except BaseException:  # a full disk, Ctrl-C: the original stays, the partial copy goes
+            staged.unlink(missing_ok=True)
+            raise
     staged.replace(path)
     return True
 
