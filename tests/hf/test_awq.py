@@ -517,6 +517,62 @@ def test_mapped_staging_faults_pages_in_only_where_they_left_the_page_cache(rtn_
         report.streamer.close()
 
 
+def test_warm_mapped_forwards_check_the_page_cache_every_few_and_find_an_evicted_layer(rtn_folder, monkeypatch):
+    """Warm, one forward in ``CHECK_EVERY`` checks its upcoming layers' pages (the check was
+    most of the hooks' cost); a layer evicted before a checking forward is found and faulted
+    in ahead again, and the forward after that checks every layer too."""
+    import gc
+    import os
+
+    from kvstream.hf.awq import streaming
+    from kvstream.hf.awq.streaming import CHECK_EVERY, unmap_pages
+
+    gc.collect()  # earlier tests' streamed models: their live mappings would keep evicted pages cached
+    checks, populated = [], []
+    cached, populate = streaming.pages_cached, streaming.populate_pages
+    monkeypatch.setattr(streaming, "pages_cached", lambda start, end, vector=None: checks.append(start) or cached(start, end, vector))
+    monkeypatch.setattr(streaming, "populate_pages", lambda start, end: (populated.append(start), populate(start, end)))
+    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, staging="mapped"))
+    streamer = report.streamer
+    ranges = sum(len(r) for r in streamer.page_ranges.values())  # one check each, per checking forward
+    ids = torch.randint(0, 40000, (1, 4), generator=torch.Generator().manual_seed(5))
+
+    def forwards(count: int) -> None:  # (a layer's hook waits for its own faulting in: no drain needed)
+        with torch.no_grad():
+            for _ in range(count):
+                model(ids, use_cache=False)
+
+    try:
+        forwards(CHECK_EVERY)  # forwards 1..N: the first checks (and faults in)
+        checks.clear()
+        populated.clear()
+        forwards(2 * CHECK_EVERY)  # N+1 .. 3N: two of them check, and find every page there
+        assert len(checks) == 2 * ranges and not populated
+        layer = streamer.order[len(streamer.order) // 2]
+        for _, packed in streamer.sources[layer]:
+            for tensor in (packed.qweight, packed.qzeros, packed.scales):
+                unmap_pages(tensor)
+        fd = os.open(rtn_folder / "model.safetensors", os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # pages no process maps leave the page cache
+        finally:
+            os.close(fd)
+        checks.clear()
+        forwards(1)  # 3N + 1: a checking forward
+        # Evicted pages found gone and faulted in ahead (not necessarily the chosen layer's:
+        # the kernel's read-ahead can bring those back before their check); the stager
+        # checks a layer again before faulting it in.
+        assert len(checks) >= ranges and populated
+        checks.clear()
+        forwards(1)  # found pages gone: this one checks too
+        assert len(checks) == ranges
+        checks.clear()
+        forwards(1)  # found none: back to one forward in N
+        assert len(checks) == 0
+    finally:
+        streamer.close()
+
+
 def held_bytes(name: str, ref) -> int:
     """What a float32 engine holds for a checkpoint tensor: the packed tensors and the
     embeddings as stored, every other float16 tensor (norms) upcast."""

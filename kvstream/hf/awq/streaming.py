@@ -20,9 +20,9 @@ Modes (``StreamingConfig.mode``):
 
 With ``staging="mapped"`` (CPU) there are no slots: a streamed layer computes straight from
 the mapped checkpoint, and the background thread only faults the next layer's pages in, and
-only where one has left the page cache (``mincore`` tells; ``MADV_POPULATE_READ`` reads them
-from disk and maps them): nothing is copied, and a warm forward runs about as fast as a
-resident one. On this CPU a copy from the page cache moves each byte twice more than the
+only where one has left the page cache (``mincore`` tells, one forward in ``CHECK_EVERY``
+while none has; ``MADV_POPULATE_READ`` reads them from disk and maps them): nothing is
+copied, and a warm forward runs about as fast as a resident one. On this CPU a copy from the page cache moves each byte twice more than the
 kernel's own read, on the cores the forward computes on (streamed forwards ran at
 0.64-0.79x the resident one with copies).
 
@@ -92,6 +92,15 @@ class StreamingConfig:
         return ("mlp",) if self.mode == "ffn_only_stream" else ("",)
 
 
+# Mapped, warm: every how many forwards the upcoming layers' pages are checked to be still
+# in the page cache (a mincore per page range: about 2 of the 3 ms a 96-layer token spent in
+# the hooks, benchmarks/awq_mapped.py --engine). Pages leave it only under memory pressure;
+# once a check finds some gone, every forward checks until one finds none, so a layer
+# evicted between checks is read on demand by the kernel for at most this many forwards.
+# Dropping pages (``drop_page_cache``) checks every forward.
+CHECK_EVERY = 4
+
+
 class LayerStreamer:
     """Stages the packed weights of streamed layers into slots, one layer ahead per spare
     slot, from forward pre-hooks on the decoder layers (``mapped``: faults them in, no slots)."""
@@ -113,6 +122,8 @@ class LayerStreamer:
         self.mapped = mapped
         self.depth = slots
         self._computed_last: int | None = None  # mapped: the layer whose pages go next
+        self._forwards = 0  # mapped: forwards begun (the first streamed layer's hooks)
+        self._gone_now = self._gone_last = False  # mapped: a check found pages gone, this forward / the last
         self._fds: dict[str, int] = {}
         self.plan = plan  # layer index -> its streamed (relative name, module), sources mapped
         for modules in plan.values():
@@ -254,19 +265,25 @@ class LayerStreamer:
         for instance in self._instance_dicts[layer]:
             instance["_derived"] = None
         position = self.position[layer]
+        if position == 0:
+            self._forwards += 1
+            self._gone_last, self._gone_now = self._gone_now, False
+        checking = (self.file_ranges is not None or self._gone_last or self._gone_now
+                    or self._forwards % CHECK_EVERY == 1 % CHECK_EVERY)  # the first forward, then every CHECK_EVERY
         for ahead in range(1, self.depth):
             upcoming = self.order[(position + ahead) % len(self.order)]
             if upcoming in self._pending or upcoming == layer:
                 continue
-            if all(pages_cached(start, end, vector)
-                   for (start, end), vector in zip(self.page_ranges[upcoming], self._vectors[upcoming])):
-                # Warm: nothing to fault in, so no hand-off to the stager (a submit and a
-                # wait cost more than this check, ~30 us a layer).
+            if checking and not all(pages_cached(start, end, vector)
+                                    for (start, end), vector in zip(self.page_ranges[upcoming], self._vectors[upcoming])):
+                self._gone_now = True
+                self._pending[upcoming] = (self._pool.submit(self._stage, upcoming, 0), 0)
+            else:
+                # Warm (or not checked this forward): nothing to fault in, so no hand-off to
+                # the stager (a submit and a wait cost more than the check, ~30 us a layer).
                 with self._lock:
                     self.staged_bytes += self.layer_bytes[upcoming]
                 self._pending[upcoming] = (None, 0)
-            else:
-                self._pending[upcoming] = (self._pool.submit(self._stage, upcoming, 0), 0)
 
     def _before_copied(self, layer: int) -> None:
         pending = self._pending.pop(layer, None)
