@@ -118,7 +118,9 @@ def test_the_native_kernel_matches_the_reference_and_a_row_ignores_its_batch(gro
     x = torch.randn(native.MAX_ROWS + 3, 256, generator=generator)
     for rows in (1, 2, 3, 7, native.MAX_ROWS, native.MAX_ROWS + 1):
         y = layer(x[:rows])
-        assert torch.allclose(y, x[:rows] @ weight, atol=1e-4, rtol=1e-4), rows
+        # float32 rounding of outputs up to ~75: the AVX-512 build sums x (1 + n/16), whose
+        # rounding is ~3x that of sum x n (up to 3e-4 here, 1e-4 before); a layout error is O(1)
+        assert torch.allclose(y, x[:rows] @ weight, atol=5e-4, rtol=1e-4), rows
     tensors = (layer.qweight, layer.qzeros, layer.scales, layer.packed_order)
     assert native.gemv(x[:0], *tensors, group_size).shape == (0, out)
     alone = [layer(x[i : i + 1]) for i in range(7)]
@@ -130,7 +132,7 @@ def test_the_native_kernel_matches_the_reference_and_a_row_ignores_its_batch(gro
         native.gemv(x[:1, :128], *tensors, group_size)
     with pytest.raises(RuntimeError, match="float16"):
         native.gemv(x[:1], layer.qweight, layer.qzeros, layer.scales.float(), layer.packed_order, group_size)
-    if why == "AVX2 + FMA":  # the vector path checks the column layout it relies on
+    if why.startswith("AVX2 + FMA"):  # the vector path checks the column layout it relies on
         with pytest.raises(RuntimeError, match="permute"):
             native.gemv(x[:1], *tensors[:3], torch.arange(out).flip(0), group_size)
 

@@ -43,11 +43,54 @@ static inline __m256 nibbles_of(int32_t word, __m256i shifts) {
     return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), _mm256_set1_epi32(0xF)));
 }
 
-// y[8j .. 8j + 8) += (acc - zero * xsum) * scale: group g's share of word j's eight columns.
-// Fused multiply-adds written out, so that no compiler choice about contracting them can make
-// one call site round differently from another.
+#if defined(__AVX512VL__)
+// Built for AVX-512 (native.py): a weight's nibble n becomes the float 1 + n/16 without a
+// conversion: moved to mantissa bits 19-22, one ternary-logic op keeps those bits and sets
+// the exponent of 1.0 ((a & mask) | one), exact. The one-row kernel is bound by the vector
+// operations that unpack a nibble (shift, mask, convert: the fused multiply-add is the
+// fourth), and this takes one of them away: SmolLM2's projections at one row 1.11-1.20x, in
+// cache and from memory; four rows 1.00x, eight 0.93-0.96x, where the unpacking is shared by
+// the rows and the epilogue's extra work is not (same-process A/Bs of the two builds;
+// benchmarks/awq_kernel.py's ``no avx512`` column, noisier). The accumulator then holds
+// sum x (1 + n/16) = xsum + (sum x n) / 16, and ``add_group`` takes 16 acc - xsum (16 + zero):
+// every path of this build computes so, so a row still gets the same bits alone and batched
+// (a build without AVX-512 rounds differently, in the last bits).
+static inline __m256 one_plus_sixteenth(__m256i nibble_at_bit_19) {
+    return _mm256_castsi256_ps(_mm256_ternarylogic_epi32(nibble_at_bit_19, _mm256_set1_epi32(0xF << 19),
+                                                          _mm256_set1_epi32(0x3F800000), 0xEA));  // (a & b) | c
+}
+#endif
+
+// The weights' nibbles for ``awq_tile``: n (``unpack``: ``shifts``), or under AVX-512 1 + n/16
+// (see above; ``unpack``: ``weight_unpacking(shifts)``, the rotations that take each lane's
+// nibble to bits 19-22).
+static inline __m256i weight_unpacking(__m256i shifts) {
+#if defined(__AVX512VL__)
+    return _mm256_and_si256(_mm256_sub_epi32(_mm256_set1_epi32(19), shifts), _mm256_set1_epi32(31));
+#else
+    return shifts;
+#endif
+}
+
+static inline __m256 weight_nibbles(int32_t word, __m256i unpack) {
+#if defined(__AVX512VL__)
+    return one_plus_sixteenth(_mm256_rolv_epi32(_mm256_set1_epi32(word), unpack));
+#else
+    return nibbles_of(word, unpack);
+#endif
+}
+
+// y[8j .. 8j + 8) += (acc - zero * xsum) * scale: group g's share of word j's eight columns
+// (under AVX-512 acc holds sum x (1 + n/16): (16 acc - (16 + zero) xsum) * scale, the
+// factors of 16 exact). Fused multiply-adds written out, so that no compiler choice about
+// contracting them can make one call site round differently from another.
 static inline void add_group(const __m256 acc, float xsum, __m256 zero, __m256 scale, float* y) {
+#if defined(__AVX512VL__)
+    const __m256 sixteen = _mm256_set1_ps(16.f);
+    const __m256 centred = _mm256_fnmadd_ps(_mm256_add_ps(zero, sixteen), _mm256_set1_ps(xsum), _mm256_mul_ps(acc, sixteen));
+#else
     const __m256 centred = _mm256_fnmadd_ps(zero, _mm256_set1_ps(xsum), acc);
+#endif
     _mm256_storeu_ps(y, _mm256_fmadd_ps(centred, scale, _mm256_loadu_ps(y)));
 }
 
@@ -77,6 +120,7 @@ static inline void awq_tile(const float* x, const float* xs, int64_t in, int64_t
                             const int32_t* z, const at::Half* s, int64_t words, int64_t group_size, int64_t j0,
                             int64_t g, __m256i shifts, float* y, int64_t out) {
     __m256 acc[R][W];
+    const __m256i unpack = weight_unpacking(shifts);
     UNROLL for (int r = 0; r < R; ++r)
         UNROLL for (int w = 0; w < W; ++w) acc[r][w] = _mm256_setzero_ps();
     for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
@@ -84,7 +128,7 @@ static inline void awq_tile(const float* x, const float* xs, int64_t in, int64_t
         UNROLL for (int r = 0; r < R; ++r) xv[r] = _mm256_broadcast_ss(x + r * in + i);
         const int32_t* row = q + i * words + j0;
         UNROLL for (int w = 0; w < W; ++w) {
-            const __m256 qv = nibbles_of(row[w], shifts);
+            const __m256 qv = weight_nibbles(row[w], unpack);
             UNROLL for (int r = 0; r < R; ++r) acc[r][w] = _mm256_fmadd_ps(qv, xv[r], acc[r][w]);
         }
     }
@@ -103,7 +147,9 @@ static inline void awq_tile(const float* x, const float* xs, int64_t in, int64_t
 static inline void awq_row8(const float* x, float xsum, const int32_t* q, const int32_t* z, const at::Half* s,
                             int64_t in, int64_t words, int64_t group_size, int64_t j0, int64_t g, __m256i shifts,
                             __m256i nibble_of, float* y, int64_t out) {
+#if !defined(__AVX512VL__)
     const __m256i low = _mm256_set1_epi32(0xF);
+#endif
     __m256 acc[8];
     UNROLL for (int n = 0; n < 8; ++n) acc[n] = _mm256_setzero_ps();
     for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
@@ -119,6 +165,17 @@ static inline void awq_row8(const float* x, float xsum, const int32_t* q, const 
         // hot). More rows are compute-bound: no gain there.
         _mm_prefetch(reinterpret_cast<const char*>(q + std::min(i + kRowsAhead, in - 1) * words + j0), _MM_HINT_T1);
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * words + j0));
+#if defined(__AVX512VL__)
+        // Nibble n of every word moved to bits 19-22 with one constant shift each.
+        acc[0] = _mm256_fmadd_ps(one_plus_sixteenth(_mm256_slli_epi32(v, 19)), xv, acc[0]);
+        acc[1] = _mm256_fmadd_ps(one_plus_sixteenth(_mm256_slli_epi32(v, 15)), xv, acc[1]);
+        acc[2] = _mm256_fmadd_ps(one_plus_sixteenth(_mm256_slli_epi32(v, 11)), xv, acc[2]);
+        acc[3] = _mm256_fmadd_ps(one_plus_sixteenth(_mm256_slli_epi32(v, 7)), xv, acc[3]);
+        acc[4] = _mm256_fmadd_ps(one_plus_sixteenth(_mm256_slli_epi32(v, 3)), xv, acc[4]);
+        acc[5] = _mm256_fmadd_ps(one_plus_sixteenth(_mm256_srli_epi32(v, 1)), xv, acc[5]);
+        acc[6] = _mm256_fmadd_ps(one_plus_sixteenth(_mm256_srli_epi32(v, 5)), xv, acc[6]);
+        acc[7] = _mm256_fmadd_ps(one_plus_sixteenth(_mm256_srli_epi32(v, 9)), xv, acc[7]);
+#else
         acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), xv, acc[0]);
         acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), low)), xv, acc[1]);
         acc[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), low)), xv, acc[2]);
@@ -127,6 +184,7 @@ static inline void awq_row8(const float* x, float xsum, const int32_t* q, const 
         acc[5] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 20), low)), xv, acc[5]);
         acc[6] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 24), low)), xv, acc[6]);
         acc[7] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28)), xv, acc[7]);
+#endif
     }
     // Transposed in registers (by_word[w] lane n = acc[n] lane w), then each word's lanes
     // permuted into column order. Through memory (eight stores, 64 scalar moves, eight loads

@@ -32,10 +32,17 @@ SOURCE = Path(__file__).with_name("awq_gemv.cpp")
 MAX_ROWS = 48
 
 
+# Where torch reports AVX-512, the kernel is built with it: its nibbles then become floats
+# without a conversion (awq_gemv.cpp, ``one_plus_sixteenth``).
+AVX512_FLAGS = ("-mavx512f", "-mavx512vl")
+
+
 @functools.cache
 def load() -> tuple[ModuleType | None, str]:
     """The compiled kernel and how it was built, or None and why not (native_build.py)."""
-    return native_build.load_extension("kvstream_awq_gemv", SOURCE)
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    module, how = native_build.load_extension("kvstream_awq_gemv", SOURCE, extra_flags=AVX512_FLAGS if avx512 else ())
+    return module, f"{how} + AVX-512VL" if module is not None and avx512 else how
 
 
 def _built() -> ModuleType:
