@@ -72,10 +72,9 @@ async def test_the_base_install_serves_a_chat_with_the_openai_client(base_venv, 
 
 
 def test_the_base_install_names_the_missing_extra_for_hf(base_venv, tmp_path):
-    result = subprocess.run(
-        [str(base_venv / "bin" / "kvstream"), "serve", "--backend", "hf", "--port", str(free_port())],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60,
-    )
-    assert result.returncode == 2
-    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
-    assert len(lines) == 1 and "pip install 'kvstream[hf]'" in lines[0], lines
+    for command in (["serve", "--backend", "hf", "--port", str(free_port())], ["awq", "align", str(tmp_path)],
+                    ["awq", "quantize", "--out", str(tmp_path / "out")]):
+        result = subprocess.run([str(base_venv / "bin" / "kvstream"), *command], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, command
+        lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+        assert len(lines) == 1 and "pip install 'kvstream[hf]'" in lines[0], (command, lines)

@@ -59,7 +59,12 @@ def quantize(out: Path, model: str | None, group_size: int | None, calibration: 
 
 def align(folder: Path) -> int:
     """Returns the exit code: 0, or 2 for a folder that is not a readable checkpoint (one line
-    on stderr)."""
+    on stderr, as for a proxy-only install)."""
+    from kvstream.hf.backend import missing_requirements
+
+    if (problem := missing_requirements()) is not None:
+        print(problem, file=sys.stderr)
+        return 2
     from kvstream.hf.awq.checkpoint import CheckpointError, align_folder
 
     if not folder.is_dir():
