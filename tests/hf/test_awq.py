@@ -137,34 +137,6 @@ def test_the_native_kernel_matches_the_reference_and_a_row_ignores_its_batch(gro
             native.gemv(x[:1], *tensors[:3], torch.arange(out).flip(0), group_size)
 
 
-def test_the_kernel_is_built_with_avx512_where_torch_reports_it_and_falls_back_to_avx2(monkeypatch):
-    """Where torch reports AVX-512 the kernel is built with it; a compiler that cannot gets the
-    AVX2 build, not the torch path (the builder itself is faked: only the choice is tested)."""
-    from kvstream.hf import native_build
-    from kvstream.hf.awq import native
-
-    calls = []
-
-    def fake(stem, source, vector=None, extra_flags=()):
-        calls.append(extra_flags)
-        return (None, "no AVX-512 here") if extra_flags and not avx512_builds else ("module", "AVX2 + FMA")
-
-    monkeypatch.setattr(native_build, "load_extension", fake)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    try:
-        for avx512_builds, expected, flags in ((True, "AVX2 + FMA + AVX-512VL", [native.AVX512_FLAGS]),
-                                               (False, "AVX2 + FMA", [native.AVX512_FLAGS, ()])):
-            native.load.cache_clear()
-            calls.clear()
-            assert native.load() == ("module", expected) and calls == flags
-        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-        native.load.cache_clear()
-        calls.clear()
-        assert native.load() == ("module", "AVX2 + FMA") and calls == [()]
-    finally:
-        native.load.cache_clear()  # the real build for the tests after this one
-
-
 def test_the_native_dequantizer_gives_the_reference_weights_for_any_range_of_words():
     """What prefill chunks under the native kernel multiply: bit-identical to the reference
     dequantization, any range of words, written into a reused buffer; bad ranges are errors."""

@@ -39,13 +39,10 @@ AVX512_FLAGS = ("-mavx512f", "-mavx512vl")
 
 @functools.cache
 def load() -> tuple[ModuleType | None, str]:
-    """The compiled kernel and how it was built, or None and why not (native_build.py). A
-    compiler that cannot build the AVX-512 variant gets the AVX2 one, not the torch path."""
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":
-        module, how = native_build.load_extension("kvstream_awq_gemv", SOURCE, extra_flags=AVX512_FLAGS)
-        if module is not None:
-            return module, f"{how} + AVX-512VL"
-    return native_build.load_extension("kvstream_awq_gemv", SOURCE)
+    """The compiled kernel and how it was built, or None and why not (native_build.py)."""
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    module, how = native_build.load_extension("kvstream_awq_gemv", SOURCE, extra_flags=AVX512_FLAGS if avx512 else ())
+    return module, f"{how} + AVX-512VL" if module is not None and avx512 else how
 
 
 def _built() -> ModuleType:
