@@ -181,7 +181,6 @@ class LayerStreamer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstream-stage")
         # layer -> (its copy or faulting in, None when there was nothing to do; its slot)
         self._pending: dict[int, tuple[Future[int] | None, int]] = {}
-        self._bound: dict[int, int] = {}  # layer -> slot it computes from now
         self._next_slot = 0
         self._lock = threading.Lock()
         self.staged_bytes = 0
@@ -298,7 +297,6 @@ class LayerStreamer:
                 self._wait(future)
         for name, module in self.plan[layer]:
             module.load(*self.slots[slot][name], derive_into=self.derived[slot][name])
-        self._bound[layer] = slot
         # Prefetch into the slots no running layer uses: up to (slots - 1) layers ahead.
         position = self.position[layer]
         for ahead in range(1, self.depth):
