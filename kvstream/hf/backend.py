@@ -82,6 +82,7 @@ def weights_metric_families(weights: dict[str, Any]) -> Iterator[Any]:
     yield GaugeMetricFamily("kvstream_weights_resident_bytes", "Bytes of model weights held in memory (staging slots excluded).", value=weights["resident_bytes"])
     if "streamed_bytes" in weights:
         yield GaugeMetricFamily("kvstream_weights_streamed_bytes", "Packed weight bytes staged from the checkpoint on every forward.", value=weights["streamed_bytes"])
+        yield GaugeMetricFamily("kvstream_weights_mapped_bytes", "Weight bytes read from the mapped checkpoint only where used (an untied input embedding).", value=weights["mapped_bytes"])
     if "staged_bytes_total" in weights:
         yield GaugeMetricFamily("kvstream_weights_staging_bytes", "Bytes of the staging slots streamed layers are copied into.", value=weights["staging_bytes"])
         yield CounterMetricFamily("kvstream_weights_staged_bytes", "Packed weight bytes copied into staging slots.", value=weights["staged_bytes_total"])

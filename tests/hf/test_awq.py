@@ -597,6 +597,7 @@ def test_resident_bytes_are_exactly_the_resident_parts(rtn_folder, resident):
         )
         assert report.streamed_bytes == streamed
         assert report.resident_bytes == everything - streamed  # embeddings, norms, first/last 2 layers
+        assert report.mapped_bytes == 0  # the table is tied to the head, which reads all of it: resident
         snapshot = report.snapshot()
         assert snapshot["staging_bytes"] == 2 * streamed // (layers - 4)  # two slots of one layer
         assert snapshot["staging"] == "copy" and snapshot["staging_slots"] == 2
@@ -725,6 +726,36 @@ def test_an_untied_float16_head_stays_float16_and_float32_embeddings_are_upcast(
     assert type(model.model.embed_tokens) is nn.Embedding and model.lm_head.weight is model.model.embed_tokens.weight
     with torch.no_grad():
         assert model(ids, use_cache=False).logits.dtype == torch.float32
+
+
+def test_a_streamed_untied_model_leaves_its_input_table_mapped_with_the_resident_run_s_logits(rtn_folder, tmp_path, resident):
+    """An input table the head does not share is read a few rows a token: with layers
+    streamed it stays a view of the checkpoint's pages, neither resident nor staged."""
+    from kvstream.hf.half_weights import HalfEmbedding, HalfLinear
+
+    if resident[2].embeddings.startswith("float32"):
+        pytest.skip(f"embeddings upcast here: {resident[2].embeddings}")
+    folder = broken_copy(rtn_folder, tmp_path, untied_float16_head)
+    table = SafetensorsIndex(folder).refs["model.embed_tokens.weight"]
+    ids = torch.randint(0, 40000, (2, 9), generator=torch.Generator().manual_seed(8))
+    model, full = load_awq_model(folder, torch.float32)
+    assert full.mapped_bytes == 0  # resident run: the table is in memory
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+    for staging in ("copy", "mapped"):
+        model, report = load_awq_model(folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, staging=staging))
+        try:
+            embed = model.model.embed_tokens
+            assert isinstance(embed, HalfEmbedding) and embed.weight.dtype == torch.float16
+            assert embed.weight.untyped_storage().nbytes() == (folder / "model.safetensors").stat().st_size  # the file's mapping
+            assert isinstance(model.lm_head, HalfLinear) and model.lm_head.weight.untyped_storage().nbytes() < table.nbytes + 1
+            assert report.embeddings == "float16 mapped from the checkpoint (a lookup reads its tokens' rows), LM head float16 as stored"
+            assert report.mapped_bytes == report.snapshot()["mapped_bytes"] == table.nbytes
+            assert report.resident_bytes == full.resident_bytes - table.nbytes - report.streamed_bytes
+            with torch.no_grad():
+                assert torch.equal(model(ids, use_cache=False).logits, want)
+        finally:
+            report.streamer.close()
 
 
 def test_a_kernel_that_disagrees_leaves_the_embeddings_upcast(rtn_folder, monkeypatch):
@@ -890,7 +921,9 @@ async def test_greedy_text_through_the_server_is_the_same_streamed_and_resident(
             assert weights["mode"] == "partial_resident" and weights["staged_bytes_total"] > 0 and weights["bytes_staged_per_token"] > 0
             assert weights["staging"] == staging
             assert "kvstream_weights_staged_bytes_total" in metrics
-        assert "kvstream_weights_resident_bytes" in metrics
+        gauges = dict(line.split() for line in metrics.splitlines() if line.startswith("kvstream_weights_"))
+        assert float(gauges["kvstream_weights_resident_bytes"]) == weights["resident_bytes"]
+        assert weights["mapped_bytes"] == float(gauges["kvstream_weights_mapped_bytes"]) == 0  # tied: resident
     resident = answers[False, "copy"]
     assert answers[True, "copy"] == answers[True, "mapped"] == resident and all(resident)
 

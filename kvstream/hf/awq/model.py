@@ -35,6 +35,7 @@ class WeightsReport:
     group_size: int | None = None
     resident_bytes: int = 0
     streamed_bytes: int = 0  # packed bytes staged from the checkpoint on every forward
+    mapped_bytes: int = 0  # read from the mapped checkpoint only where used (an untied input table)
     mode: str = "full_resident"
     keep_first_k: int = 0
     keep_last_k: int = 0
@@ -48,7 +49,7 @@ class WeightsReport:
         if self.format == "awq":
             out |= {"group_size": self.group_size, "kernel": self.kernel.name if self.kernel else None,
                     "kernel_why": self.kernel.why if self.kernel else None, "mode": self.mode,
-                    "streamed_bytes": self.streamed_bytes, "embeddings": self.embeddings}
+                    "streamed_bytes": self.streamed_bytes, "mapped_bytes": self.mapped_bytes, "embeddings": self.embeddings}
         if self.streamer is not None:
             s = self.streamer
             out |= {
@@ -129,7 +130,7 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
             if streamed:
                 plan.setdefault(layer_index, []).append((relative, quantized))
 
-    embeddings, head_replaced = _keep_embeddings_half(model, index, dtype)
+    embeddings, head_replaced, mapped_table_bytes = _hold_embeddings(model, index, dtype, map_input=bool(plan))
 
     # Everything that is not a packed projection: assigned from the checkpoint.
     state = {}
@@ -150,6 +151,8 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
     # Weights: parameters and persistent buffers (not what the model computes, like
     # rotary frequencies), each shared tensor once (tied embeddings).
     resident = {id(t): t for t in model.state_dict(keep_vars=True).values()}
+    if mapped_table_bytes:
+        del resident[id(model.get_input_embeddings().weight)]
     streamed_ids = set()
     for layer_index, layer in enumerate(layers):
         for module in layer.modules():
@@ -161,7 +164,7 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
                     resident.update({id(t): t for t in packed_tensors})
     report = WeightsReport(
         format="awq", kernel=kernel, group_size=group_size, mode=streaming.mode,
-        resident_bytes=tensor_bytes(list(resident.values())), embeddings=embeddings,
+        resident_bytes=tensor_bytes(list(resident.values())), mapped_bytes=mapped_table_bytes, embeddings=embeddings,
         keep_first_k=streaming.keep_first_k, keep_last_k=streaming.keep_last_k,
     )
     if plan:
@@ -185,38 +188,59 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
     return model, report
 
 
-def _keep_embeddings_half(model: torch.nn.Module, index: SafetensorsIndex, dtype: torch.dtype) -> tuple[str, bool]:
-    """Hold the token embeddings (and the LM head, tied or stored in half precision too) as
-    the checkpoint stores them when that is float16 / bfloat16 under a float32 model
-    (``half_weights``). Returns what was done, for /status, and whether the head was replaced."""
+def _hold_embeddings(model: torch.nn.Module, index: SafetensorsIndex, dtype: torch.dtype, map_input: bool) -> tuple[str, bool, int]:
+    """Hold the token embeddings and the LM head. Returns what was done (for /status), whether
+    the head was replaced, and the bytes of an input table left mapped (0 when it is resident).
+
+    Half precision: a float16 / bfloat16 table under a float32 model is kept as stored
+    (``half_weights``) where the native kernel is built and agrees with the upcast product;
+    otherwise everything is upcast at load. Mapped (``map_input``, when layers are streamed):
+    an input table the head does not share stays a view of the checkpoint's pages, since a
+    lookup reads only the rows of the tokens it embeds (a few KB a token) and holding the
+    whole vocabulary buys nothing; a large untied model saves vocab x hidden x 2 bytes. A
+    tied table is read whole by the head every token: it stays resident, as the head does."""
     names = {id(m): n for n, m in model.named_modules()}
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     key = f"{names[id(embed)]}.weight"
     if key not in index:
-        return "not in the checkpoint", False  # reported as a missing tensor after loading
+        return "not in the checkpoint", False, 0  # reported as a missing tensor after loading
     stored = index.refs[key].dtype
+    tied = head is not None and bool(getattr(model.config, "tie_word_embeddings", False))
+    mapped = map_input and not tied and stored.is_floating_point
+    table = index.mapped(key) if mapped else None
     why = why_not_half(stored, dtype)
+    weight = None
     if why is None:
-        weight = index.load(key)
-        error = disagreement(weight)
+        weight = table if mapped else index.load(key)
+        error = disagreement(weight)  # reads its first rows only
         if error > 1e-5:
             why = f"the native kernel disagrees with the upcast product by {error:.2e} (relative)"
-    if why is not None:
-        return f"{dtype} (upcast at load: {why})".replace("torch.", ""), False
-    _replace(model, names[id(embed)], HalfEmbedding(weight, embed.padding_idx, dtype))
+    upcast = f"{dtype} (upcast at load: {why})".replace("torch.", "")
     kept = str(stored).replace("torch.", "")
+    if mapped:
+        _replace(model, names[id(embed)], HalfEmbedding(table, embed.padding_idx, dtype))
+        held, mapped_bytes = f"{kept} mapped from the checkpoint (a lookup reads its tokens' rows)", index.refs[key].nbytes
+    elif why is None:
+        _replace(model, names[id(embed)], HalfEmbedding(weight, embed.padding_idx, dtype))
+        held, mapped_bytes = f"{kept} as stored", 0
+    else:
+        return upcast, False, 0
     if head is None:
-        return f"{kept} as stored", False
+        return held, False, mapped_bytes
     head_key = f"{names[id(head)]}.weight"
     bias_key = f"{names[id(head)]}.bias"
     bias = index.load(bias_key) if bias_key in index else None
-    if getattr(model.config, "tie_word_embeddings", False):
+    if tied:
         _replace(model, names[id(head)], HalfLinear(weight, bias, dtype))
-        return f"{kept} as stored, LM head tied to them", True
-    if head_key in index and index.refs[head_key].dtype in HALF_DTYPES:
+        return f"{held}, LM head tied to them", True, 0
+    head_stored = index.refs[head_key].dtype if head_key in index else None
+    if why is None and head_stored in HALF_DTYPES:
         _replace(model, names[id(head)], HalfLinear(index.load(head_key), bias, dtype))
-        return f"{kept} as stored, LM head too", True
-    return f"{kept} as stored, LM head upcast (stored as {index.refs[head_key].dtype if head_key in index else 'nothing'})", False
+        head_held = f"{head_stored} as stored".replace("torch.", "") if mapped else "too"
+        return f"{held}, LM head {head_held}", True, mapped_bytes
+    if why is not None:
+        return f"{held}, LM head {upcast}", False, mapped_bytes
+    return f"{held}, LM head upcast (stored as {head_stored or 'nothing'})", False, mapped_bytes
 
 
 def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
