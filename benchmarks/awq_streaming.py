@@ -11,8 +11,9 @@ more layers, random weights; made here), in one run:
   anonymous RSS (what the process holds; mapped checkpoint pages are page cache);
 - AWQ streamed at K = 2 with ``drop_page_cache`` ("cold"): every forward reads the
   streamed layers from disk, as when the weights do not fit in memory;
-- the same streamed rows with ``staging="mapped"`` ("mapped"): streamed layers compute
-  straight from the mapped checkpoint, the next layers' pages faulted in ahead, no copies;
+- each streamed row both ways: ``staging="copy"`` ("copy": packed weights copied into the
+  slots) and ``staging="mapped"`` ("mapped", the default: streamed layers compute straight
+  from the mapped checkpoint, the next layers' pages faulted in ahead, no copies);
 - bytes staged per token, and the physical limit of streaming, measured here: the copy
   bandwidth from the mapped checkpoint in the page cache (warm rows) and the read bandwidth
   of the checkpoint file from disk after its pages are dropped (cold row), over those bytes.
@@ -198,8 +199,8 @@ def main() -> None:
     for label, (dense, packed) in models.items():
         warm = cold = 0.0
         runs = {"fp32": (dense or "-", "dense", 0), "awq resident": (str(packed), "resident", 0)}
-        runs |= {f"awq streamed K={k}": (str(packed), "stream", k) for k in (0, 2, 4)}
-        runs["awq streamed K=2 cold"] = (str(packed), "cold", 2)
+        runs |= {f"awq copy K={k}": (str(packed), "stream", k) for k in (0, 2, 4)}
+        runs["awq copy K=2 cold"] = (str(packed), "cold", 2)
         runs |= {f"awq mapped K={k}": (str(packed), "mapped", k) for k in (0, 2, 4)}
         runs["awq mapped K=2 cold"] = (str(packed), "mapped-cold", 2)
         # Every row once per round, rounds one after another: a burst of load on this shared
@@ -228,7 +229,7 @@ def main() -> None:
             print(f"{name:<22} {row['ttft_ms']:>6.0f}ms {row['decode_tps_1']:>9.2f} {row['worst_tps_1']:>7.2f} {row['decode_tps_8']:>9.2f} "
                   f"{row['resident_bytes'] / 2**20:>7.0f}MB {row['peak_rss'] / 2**20:>7.0f}MB {row['peak_anon'] / 2**20:>7.0f}MB "
                   f"{staged / 2**20:>11.1f}MB {'-' if limit is None else f'{limit:.1f}':>9} {share1:>11} {worst1:>6} {share8:>11} {row['kernel']:>8}")
-        k2 = rows["awq streamed K=2"]["resident_bytes"] / resident_run
+        k2 = rows["awq mapped K=2"]["resident_bytes"] / resident_run
         print(f"resident bytes, streamed K=2 / AWQ resident: {k2:.2f}x (target < 0.5x)")
     print(json.dumps(results))
 

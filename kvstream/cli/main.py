@@ -64,7 +64,7 @@ def serve(
     keep_last_k: Annotated[Optional[int], typer.Option(help="with --awq-streaming: last decoder layers kept resident (default 2)")] = None,
     staging_slots: Annotated[Optional[int], typer.Option(help="with --awq-streaming: staging slots (default 2)")] = None,
     drop_page_cache: Annotated[Optional[bool], typer.Option("--drop-page-cache", help="with --awq-streaming: drop streamed layers' checkpoint pages once staged")] = None,
-    staging: Annotated[Optional[str], typer.Option(help="with --awq-streaming: copy (into the slots) | mapped (CPU: compute from the mapped checkpoint, no copies)")] = None,
+    staging: Annotated[Optional[str], typer.Option(help="with --awq-streaming: mapped (default; CPU: compute from the mapped checkpoint, no copies) | copy (into the staging slots first)")] = None,
     config: ConfigOpt = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:

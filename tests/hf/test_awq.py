@@ -378,9 +378,9 @@ def resident(rtn_folder):
 
 @pytest.mark.parametrize(
     "config",
-    [StreamingConfig("partial_resident", 2, 2, 2), StreamingConfig("partial_resident", 0, 0, 1),
-     StreamingConfig("ffn_only_stream", 2, 2, 2), StreamingConfig("full_stream", 0, 0, 3),
-     StreamingConfig("partial_resident", 2, 2, 2, drop_page_cache=True),
+    [StreamingConfig("partial_resident", 2, 2, 2, staging="copy"), StreamingConfig("partial_resident", 0, 0, 1, staging="copy"),
+     StreamingConfig("ffn_only_stream", 2, 2, 2, staging="copy"), StreamingConfig("full_stream", 0, 0, 3, staging="copy"),
+     StreamingConfig("partial_resident", 2, 2, 2, drop_page_cache=True, staging="copy"),
      StreamingConfig("partial_resident", 2, 2, 2, staging="mapped"), StreamingConfig("full_stream", 0, 0, 1, staging="mapped"),
      StreamingConfig("ffn_only_stream", 1, 1, 3, drop_page_cache=True, staging="mapped")],
     ids=["partial-k2", "partial-k0-one-slot", "ffn-only", "full-stream-3-slots", "pages-dropped", "mapped",
@@ -587,7 +587,7 @@ def test_resident_bytes_are_exactly_the_resident_parts(rtn_folder, resident):
     index = SafetensorsIndex(rtn_folder)
     everything = sum(held_bytes(name, ref) for name, ref in index.refs.items())
     assert full.resident_bytes == everything  # every tensor once (the tied head is the embeddings)
-    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2))
+    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, staging="copy"))
     try:
         layers = len(decoder_layers(model))
         streamed = sum(

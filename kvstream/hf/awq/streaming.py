@@ -2,7 +2,7 @@
 
 Embeddings, norms, the LM head and the first/last ``keep_first_k`` / ``keep_last_k``
 decoder layers stay resident. The other layers' packed tensors (``qweight``, ``qzeros``,
-``scales``) stay memory-mapped from the checkpoint and are copied into one of
+``scales``) stay memory-mapped from the checkpoint. With ``staging="copy"`` they are copied into one of
 ``staging_slots`` preallocated slots just before their layer runs; the copy for the next
 streamed layers runs on a background thread while the current one computes (a memmove that
 releases the GIL; the stager runs no torch code, whose calls would hold it), so a forward
@@ -18,7 +18,7 @@ Modes (``StreamingConfig.mode``):
   (attention stays resident: the MLP is about two thirds of a layer's bytes);
 - ``full_stream``: every decoder layer streamed, K ignored.
 
-With ``staging="mapped"`` (CPU) there are no slots: a streamed layer computes straight from
+With ``staging="mapped"`` (CPU; the default) there are no slots: a streamed layer computes straight from
 the mapped checkpoint, and the background thread only faults the next layer's pages in, and
 only where one has left the page cache (``mincore`` tells, one forward in ``CHECK_EVERY``
 while none has; ``MADV_POPULATE_READ`` reads them from disk and maps them): nothing is
@@ -64,7 +64,10 @@ class StreamingConfig:
     keep_last_k: int = 2
     staging_slots: int = 2
     drop_page_cache: bool = False
-    staging: Literal["copy", "mapped"] = "copy"  # into slots, or computed from the mapping (CPU)
+    # Computed from the mapping (CPU), or copied into slots first. Mapped is the default: on
+    # CPU it ran faster warm and cold in every measured round (benchmarks/awq_streaming.py)
+    # and holds no slots; the copies take the cores the forward computes on.
+    staging: Literal["copy", "mapped"] = "mapped"
 
     def check(self, num_layers: int) -> None:
         """Raise ValueError naming the setting the model cannot take."""
