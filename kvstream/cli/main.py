@@ -65,6 +65,7 @@ def serve(
     staging_slots: Annotated[Optional[int], typer.Option(help="with --awq-streaming: staging slots (default 2)")] = None,
     drop_page_cache: Annotated[Optional[bool], typer.Option("--drop-page-cache", help="with --awq-streaming: drop streamed layers' checkpoint pages once staged")] = None,
     staging: Annotated[Optional[str], typer.Option(help="with --awq-streaming: mapped (default; CPU: compute from the mapped checkpoint, no copies) | copy (into the staging slots first)")] = None,
+    stream_embeddings: Annotated[Optional[bool], typer.Option("--stream-embeddings", help="with --awq-streaming: read the token embeddings and LM head from the mapped checkpoint too (the head reads its whole table every token)")] = None,
     config: ConfigOpt = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
@@ -80,7 +81,7 @@ def serve(
         "server": {"host": host, "port": port},
         "routing": {"policy": routing},
         "awq": {"streaming": awq_streaming, "mode": streaming_mode, "keep_first_k": keep_first_k, "keep_last_k": keep_last_k, "staging_slots": staging_slots, "drop_page_cache": drop_page_cache,
-                "staging": staging},
+                "staging": staging, "stream_embeddings": stream_embeddings},
         "scheduler": {"max_batch_size": max_batch_size},
         "prefix_cache": {"warm": warm or None, "reuse": reuse, "blend_ratio": blend_ratio},
         "attention": {"backend": attention_backend},

@@ -82,7 +82,8 @@ def weights_metric_families(weights: dict[str, Any]) -> Iterator[Any]:
     yield GaugeMetricFamily("kvstream_weights_resident_bytes", "Bytes of model weights held in memory (staging slots excluded).", value=weights["resident_bytes"])
     if "streamed_bytes" in weights:
         yield GaugeMetricFamily("kvstream_weights_streamed_bytes", "Packed weight bytes staged from the checkpoint on every forward.", value=weights["streamed_bytes"])
-        yield GaugeMetricFamily("kvstream_weights_mapped_bytes", "Weight bytes read from the mapped checkpoint only where used (an untied input embedding).", value=weights["mapped_bytes"])
+        yield GaugeMetricFamily("kvstream_weights_mapped_bytes", "Embedding and LM head bytes left in the mapped checkpoint instead of memory.", value=weights["mapped_bytes"])
+        yield GaugeMetricFamily("kvstream_weights_mapped_bytes_per_forward", "Of those, the bytes every forward reads whole (a mapped LM head).", value=weights["mapped_bytes_per_forward"])
     if "staged_bytes_total" in weights:
         yield GaugeMetricFamily("kvstream_weights_staging_bytes", "Bytes of the staging slots streamed layers are copied into.", value=weights["staging_bytes"])
         yield CounterMetricFamily("kvstream_weights_staged_bytes", "Packed weight bytes copied into staging slots.", value=weights["staged_bytes_total"])
@@ -255,7 +256,8 @@ class HFBackend(InProcessBackend):
         if awq.streaming:
             from kvstream.hf.awq.streaming import StreamingConfig
 
-            streaming = StreamingConfig(awq.mode, awq.keep_first_k, awq.keep_last_k, awq.staging_slots, awq.drop_page_cache, awq.staging)
+            streaming = StreamingConfig(awq.mode, awq.keep_first_k, awq.keep_last_k, awq.staging_slots, awq.drop_page_cache, awq.staging,
+                                        awq.stream_embeddings)
         loaded = self.preloaded or load_model(self.model, backend.gguf_file, memory.dtype, backend.device, streaming, memory.half_weights)
         self.loaded = loaded
         self.model_name = loaded.name

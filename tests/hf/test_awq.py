@@ -597,7 +597,7 @@ def test_resident_bytes_are_exactly_the_resident_parts(rtn_folder, resident):
         )
         assert report.streamed_bytes == streamed
         assert report.resident_bytes == everything - streamed  # embeddings, norms, first/last 2 layers
-        assert report.mapped_bytes == 0  # the table is tied to the head, which reads all of it: resident
+        assert report.mapped_bytes == report.mapped_bytes_per_forward == 0  # tied: the head reads all of it, resident
         snapshot = report.snapshot()
         assert snapshot["staging_bytes"] == 2 * streamed // (layers - 4)  # two slots of one layer
         assert snapshot["staging"] == "copy" and snapshot["staging_slots"] == 2
@@ -758,6 +758,57 @@ def test_a_streamed_untied_model_leaves_its_input_table_mapped_with_the_resident
             report.streamer.close()
 
 
+@pytest.mark.parametrize("untied", [False, True], ids=["tied", "untied"])
+def test_stream_embeddings_leaves_the_tables_mapped_with_the_resident_run_s_logits(rtn_folder, tmp_path, resident, untied):
+    """``stream_embeddings``: the head's table too is left in the mapped checkpoint and read
+    whole every forward (``mapped_bytes_per_forward``), the input table read by rows."""
+    from kvstream.hf.half_weights import HalfEmbedding, HalfLinear
+
+    if resident[2].embeddings.startswith("float32"):
+        pytest.skip(f"embeddings upcast here: {resident[2].embeddings}")
+    folder = broken_copy(rtn_folder, tmp_path, untied_float16_head) if untied else rtn_folder
+    refs = SafetensorsIndex(folder).refs
+    table = refs["model.embed_tokens.weight"].nbytes
+    head = refs["lm_head.weight"].nbytes if untied else table
+    ids = torch.randint(0, 40000, (2, 9), generator=torch.Generator().manual_seed(9))
+    model, full = load_awq_model(folder, torch.float32)
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+    file_size = (folder / "model.safetensors").stat().st_size
+    for staging in ("copy", "mapped"):
+        config = StreamingConfig("partial_resident", 2, 2, 2, staging=staging, stream_embeddings=True)
+        model, report = load_awq_model(folder, torch.float32, config)
+        try:
+            embed, lm_head = model.model.embed_tokens, model.lm_head
+            assert isinstance(embed, HalfEmbedding) and isinstance(lm_head, HalfLinear)
+            assert embed.weight.untyped_storage().nbytes() == lm_head.weight.untyped_storage().nbytes() == file_size
+            assert (lm_head.weight is embed.weight) != untied
+            tail = "LM head float16 mapped from the checkpoint (read whole every token)" if untied else \
+                "LM head tied to them (read whole from the mapping every token)"
+            assert report.embeddings == f"float16 mapped from the checkpoint (a lookup reads its tokens' rows), {tail}"
+            assert report.mapped_bytes == table + (head if untied else 0) and report.mapped_bytes_per_forward == head
+            assert report.resident_bytes == full.resident_bytes - report.mapped_bytes - report.streamed_bytes
+            snapshot = report.snapshot()
+            assert snapshot["mapped_bytes"] == report.mapped_bytes and snapshot["mapped_bytes_per_forward"] == head
+            with torch.no_grad():
+                assert torch.equal(model(ids, use_cache=False).logits, want)
+        finally:
+            report.streamer.close()
+
+
+def test_stream_embeddings_keeps_a_tied_table_the_head_must_upcast_resident(rtn_folder, monkeypatch):
+    from kvstream.hf import native_linear
+
+    monkeypatch.setattr(native_linear, "load", lambda: (None, "no C++ compiler (test)"))
+    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, stream_embeddings=True))
+    try:
+        assert report.embeddings == "float32 (upcast at load: the native kernel is not built: no C++ compiler (test))"
+        assert report.mapped_bytes == report.mapped_bytes_per_forward == 0
+        assert model.model.embed_tokens.weight.dtype == torch.float32 and model.lm_head.weight is model.model.embed_tokens.weight
+    finally:
+        report.streamer.close()
+
+
 def test_a_kernel_that_disagrees_leaves_the_embeddings_upcast(rtn_folder, monkeypatch):
     from kvstream.hf import native_linear
     from tests.hf.conftest import built_kernel
@@ -897,9 +948,9 @@ async def test_greedy_text_through_the_server_is_the_same_streamed_and_resident(
     from kvstream.hf import HFBackend
 
     answers = {}
-    for streaming, staging in ((False, "copy"), (True, "copy"), (True, "mapped")):
+    for streaming, staging, tables in ((False, "copy", False), (True, "copy", False), (True, "mapped", False), (True, "mapped", True)):
         backend = HFBackend(None, str(rtn_folder), num_gpu_blocks=128, device="cpu", streaming=streaming, keep_first_k=2, keep_last_k=2,
-                            staging=staging)
+                            staging=staging, stream_embeddings=tables)
         proxy = await start_proxy(backend)
         await proxy.engine.start()
         try:
@@ -910,7 +961,7 @@ async def test_greedy_text_through_the_server_is_the_same_streamed_and_resident(
                         model=str(rtn_folder), messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0
                     )
                     texts.append(reply.choices[0].message.content)
-                answers[streaming, staging] = texts
+                answers[streaming, staging, tables] = texts
                 async with __import__("aiohttp").ClientSession() as http:
                     weights = (await (await http.get(proxy.url + "/status")).json())["backend"]["weights"]
                     metrics = await (await http.get(proxy.url + "/metrics")).text()
@@ -923,9 +974,11 @@ async def test_greedy_text_through_the_server_is_the_same_streamed_and_resident(
             assert "kvstream_weights_staged_bytes_total" in metrics
         gauges = dict(line.split() for line in metrics.splitlines() if line.startswith("kvstream_weights_"))
         assert float(gauges["kvstream_weights_resident_bytes"]) == weights["resident_bytes"]
-        assert weights["mapped_bytes"] == float(gauges["kvstream_weights_mapped_bytes"]) == 0  # tied: resident
-    resident = answers[False, "copy"]
-    assert answers[True, "copy"] == answers[True, "mapped"] == resident and all(resident)
+        assert weights["mapped_bytes"] == float(gauges["kvstream_weights_mapped_bytes"])
+        assert weights["mapped_bytes_per_forward"] == float(gauges["kvstream_weights_mapped_bytes_per_forward"])
+        assert (weights["mapped_bytes"] > 0) == tables  # tied: resident unless the embeddings are streamed too
+    resident = answers[False, "copy", False]
+    assert all(resident) and all(texts == resident for texts in answers.values()), answers
 
 
 @pytest.mark.parametrize("streaming", [None, StreamingConfig("partial_resident", 1, 1, 2)], ids=["resident", "streamed"])

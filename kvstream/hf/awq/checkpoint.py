@@ -101,6 +101,11 @@ class SafetensorsIndex:
             raw = raw.clone()  # misaligned for its dtype: a copy can be viewed
         return raw.view(ref.dtype).reshape(ref.shape)
 
+    def is_mapped(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a view of one of this index's file mappings (not a copy)."""
+        pointer = tensor.untyped_storage().data_ptr()
+        return any(pointer == storage.data_ptr() for storage in self._storages.values())
+
     def load(self, name: str) -> torch.Tensor:
         """The tensor copied into memory."""
         return self.mapped(name).clone()

@@ -35,7 +35,8 @@ class WeightsReport:
     group_size: int | None = None
     resident_bytes: int = 0
     streamed_bytes: int = 0  # packed bytes staged from the checkpoint on every forward
-    mapped_bytes: int = 0  # read from the mapped checkpoint only where used (an untied input table)
+    mapped_bytes: int = 0  # embedding / head tables left in the mapped checkpoint instead of memory
+    mapped_bytes_per_forward: int = 0  # of those, what every forward reads whole (a mapped head)
     mode: str = "full_resident"
     keep_first_k: int = 0
     keep_last_k: int = 0
@@ -49,7 +50,8 @@ class WeightsReport:
         if self.format == "awq":
             out |= {"group_size": self.group_size, "kernel": self.kernel.name if self.kernel else None,
                     "kernel_why": self.kernel.why if self.kernel else None, "mode": self.mode,
-                    "streamed_bytes": self.streamed_bytes, "mapped_bytes": self.mapped_bytes, "embeddings": self.embeddings}
+                    "streamed_bytes": self.streamed_bytes, "mapped_bytes": self.mapped_bytes,
+                    "mapped_bytes_per_forward": self.mapped_bytes_per_forward, "embeddings": self.embeddings}
         if self.streamer is not None:
             s = self.streamer
             out |= {
@@ -130,7 +132,7 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
             if streamed:
                 plan.setdefault(layer_index, []).append((relative, quantized))
 
-    embeddings, head_replaced, mapped_table_bytes = _hold_embeddings(model, index, dtype, map_input=bool(plan))
+    embeddings, head_replaced = _hold_embeddings(model, index, dtype, map_input=bool(plan), map_head=bool(plan) and streaming.stream_embeddings)
 
     # Everything that is not a packed projection: assigned from the checkpoint.
     state = {}
@@ -149,22 +151,21 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
     model.eval()
 
     # Weights: parameters and persistent buffers (not what the model computes, like
-    # rotary frequencies), each shared tensor once (tied embeddings).
-    resident = {id(t): t for t in model.state_dict(keep_vars=True).values()}
-    if mapped_table_bytes:
-        del resident[id(model.get_input_embeddings().weight)]
-    streamed_ids = set()
+    # rotary frequencies), each shared tensor once (tied embeddings); tables left in the
+    # mapped checkpoint (_hold_embeddings) are not resident.
+    weights = {id(t): t for t in model.state_dict(keep_vars=True).values()}
+    mapped_tables = [t for t in weights.values() if index.is_mapped(t)]
+    resident = {i: t for i, t in weights.items() if not index.is_mapped(t)}
+    head = model.get_output_embeddings()
     for layer_index, layer in enumerate(layers):
         for module in layer.modules():
-            if isinstance(module, AWQLinear):
-                packed_tensors = [module.qweight, module.qzeros, module.scales]
-                if layer_index in plan and any(module is m for _, m in plan[layer_index]):
-                    streamed_ids.update(id(t) for t in packed_tensors)
-                else:
-                    resident.update({id(t): t for t in packed_tensors})
+            streamed = layer_index in plan and any(module is m for _, m in plan[layer_index])
+            if isinstance(module, AWQLinear) and not streamed:
+                resident.update({id(t): t for t in (module.qweight, module.qzeros, module.scales)})
     report = WeightsReport(
         format="awq", kernel=kernel, group_size=group_size, mode=streaming.mode,
-        resident_bytes=tensor_bytes(list(resident.values())), mapped_bytes=mapped_table_bytes, embeddings=embeddings,
+        resident_bytes=tensor_bytes(list(resident.values())), embeddings=embeddings, mapped_bytes=tensor_bytes(mapped_tables),
+        mapped_bytes_per_forward=tensor_bytes([head.weight]) if head is not None and index.is_mapped(head.weight) else 0,
         keep_first_k=streaming.keep_first_k, keep_last_k=streaming.keep_last_k,
     )
     if plan:
@@ -188,9 +189,9 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
     return model, report
 
 
-def _hold_embeddings(model: torch.nn.Module, index: SafetensorsIndex, dtype: torch.dtype, map_input: bool) -> tuple[str, bool, int]:
-    """Hold the token embeddings and the LM head. Returns what was done (for /status), whether
-    the head was replaced, and the bytes of an input table left mapped (0 when it is resident).
+def _hold_embeddings(model: torch.nn.Module, index: SafetensorsIndex, dtype: torch.dtype, map_input: bool, map_head: bool) -> tuple[str, bool]:
+    """Hold the token embeddings and the LM head. Returns what was done (for /status) and
+    whether the head was replaced.
 
     Half precision: a float16 / bfloat16 table under a float32 model is kept as stored
     (``half_weights``) where the native kernel is built and agrees with the upcast product;
@@ -198,49 +199,49 @@ def _hold_embeddings(model: torch.nn.Module, index: SafetensorsIndex, dtype: tor
     an input table the head does not share stays a view of the checkpoint's pages, since a
     lookup reads only the rows of the tokens it embeds (a few KB a token) and holding the
     whole vocabulary buys nothing; a large untied model saves vocab x hidden x 2 bytes. A
-    tied table is read whole by the head every token: it stays resident, as the head does."""
+    tied table is read whole by the head every token: it stays resident, as the head does,
+    unless ``map_head`` (``StreamingConfig.stream_embeddings``) maps the head's table too."""
     names = {id(m): n for n, m in model.named_modules()}
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     key = f"{names[id(embed)]}.weight"
     if key not in index:
-        return "not in the checkpoint", False, 0  # reported as a missing tensor after loading
+        return "not in the checkpoint", False  # reported as a missing tensor after loading
     stored = index.refs[key].dtype
     tied = head is not None and bool(getattr(model.config, "tie_word_embeddings", False))
-    mapped = map_input and not tied and stored.is_floating_point
-    table = index.mapped(key) if mapped else None
     why = why_not_half(stored, dtype)
-    weight = None
     if why is None:
-        weight = table if mapped else index.load(key)
-        error = disagreement(weight)  # reads its first rows only
+        error = disagreement(index.mapped(key))  # reads its first rows only
         if error > 1e-5:
             why = f"the native kernel disagrees with the upcast product by {error:.2e} (relative)"
     upcast = f"{dtype} (upcast at load: {why})".replace("torch.", "")
+    # A tied table is mapped only with the head, which can be only where it stays as stored.
+    map_table = map_input and stored.is_floating_point and (not tied or (map_head and why is None))
+    if not map_table and why is not None:
+        return upcast, False  # both upcast by the state loop
+    table = index.mapped(key) if map_table else index.load(key)
+    _replace(model, names[id(embed)], HalfEmbedding(table, embed.padding_idx, dtype))
     kept = str(stored).replace("torch.", "")
-    if mapped:
-        _replace(model, names[id(embed)], HalfEmbedding(table, embed.padding_idx, dtype))
-        held, mapped_bytes = f"{kept} mapped from the checkpoint (a lookup reads its tokens' rows)", index.refs[key].nbytes
-    elif why is None:
-        _replace(model, names[id(embed)], HalfEmbedding(weight, embed.padding_idx, dtype))
-        held, mapped_bytes = f"{kept} as stored", 0
-    else:
-        return upcast, False, 0
+    held = f"{kept} mapped from the checkpoint (a lookup reads its tokens' rows)" if map_table else f"{kept} as stored"
     if head is None:
-        return held, False, mapped_bytes
+        return held, False
     head_key = f"{names[id(head)]}.weight"
     bias_key = f"{names[id(head)]}.bias"
     bias = index.load(bias_key) if bias_key in index else None
     if tied:
-        _replace(model, names[id(head)], HalfLinear(weight, bias, dtype))
-        return f"{held}, LM head tied to them", True, 0
+        _replace(model, names[id(head)], HalfLinear(table, bias, dtype))
+        read_whole = " (read whole from the mapping every token)" if map_table else ""
+        return f"{held}, LM head tied to them{read_whole}", True
     head_stored = index.refs[head_key].dtype if head_key in index else None
     if why is None and head_stored in HALF_DTYPES:
+        head_kept = str(head_stored).replace("torch.", "")
+        if map_head:
+            _replace(model, names[id(head)], HalfLinear(index.mapped(head_key), bias, dtype))
+            return f"{held}, LM head {head_kept} mapped from the checkpoint (read whole every token)", True
         _replace(model, names[id(head)], HalfLinear(index.load(head_key), bias, dtype))
-        head_held = f"{head_stored} as stored".replace("torch.", "") if mapped else "too"
-        return f"{held}, LM head {head_held}", True, mapped_bytes
+        return f"{held}, LM head {f'{head_kept} as stored' if map_table else 'too'}", True
     if why is not None:
-        return f"{held}, LM head {upcast}", False, mapped_bytes
-    return f"{held}, LM head upcast (stored as {head_stored or 'nothing'})", False, mapped_bytes
+        return f"{held}, LM head {upcast}", False
+    return f"{held}, LM head upcast (stored as {head_stored or 'nothing'})", False
 
 
 def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:

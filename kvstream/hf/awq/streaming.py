@@ -68,6 +68,13 @@ class StreamingConfig:
     # CPU it ran faster warm and cold in every measured round (benchmarks/awq_streaming.py)
     # and holds no slots; the copies take the cores the forward computes on.
     staging: Literal["copy", "mapped"] = "mapped"
+    # The token embeddings and the LM head read from the mapped checkpoint too (tied or not),
+    # instead of held in memory: the head then reads its whole table from the page cache every
+    # forward, as a streamed layer does (the input lookup only its tokens' rows). Never
+    # dropped from the page cache (``drop_page_cache`` is for layers). Off by default: on the
+    # large models streaming is for, the table is a small share of the weights, and a
+    # resident head adds nothing to the bytes read from the mapping per token.
+    stream_embeddings: bool = False
 
     def check(self, num_layers: int) -> None:
         """Raise ValueError naming the setting the model cannot take."""
