@@ -915,7 +915,7 @@ def test_serve_with_a_folder_that_is_not_awq_exits_with_one_line(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     out = subprocess.run(
         [sys.executable, "-m", "kvstream.cli.main", "serve", "--backend", "hf", "--model", str(tmp_path), "--awq-streaming",
-         "--port", "0", "--log-level", "warning"],
+         "--staging", "copy", "--stream-embeddings", "--port", "0", "--log-level", "warning"],  # (the flags parse)
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode != 0
