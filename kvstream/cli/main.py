@@ -62,7 +62,7 @@ def serve(
     streaming_mode: Annotated[Optional[str], typer.Option(help="with --awq-streaming: partial_resident | ffn_only_stream | full_stream | full_resident")] = None,
     keep_first_k: Annotated[Optional[int], typer.Option(help="with --awq-streaming: first decoder layers kept resident (default 2)")] = None,
     keep_last_k: Annotated[Optional[int], typer.Option(help="with --awq-streaming: last decoder layers kept resident (default 2)")] = None,
-    staging_slots: Annotated[Optional[int], typer.Option(help="with --awq-streaming: staging slots (default 2)")] = None,
+    staging_slots: Annotated[Optional[int], typer.Option(help="with --awq-streaming: layers staged at once, slots - 1 prefetched ahead (default 2)")] = None,
     drop_page_cache: Annotated[Optional[bool], typer.Option("--drop-page-cache", help="with --awq-streaming: drop streamed layers' checkpoint pages once staged")] = None,
     staging: Annotated[Optional[str], typer.Option(help="with --awq-streaming: mapped (default; CPU: compute from the mapped checkpoint, no copies) | copy (into the staging slots first)")] = None,
     stream_embeddings: Annotated[Optional[bool], typer.Option("--stream-embeddings", help="with --awq-streaming: read the token embeddings and LM head from the mapped checkpoint too (the head reads its whole table every token)")] = None,
