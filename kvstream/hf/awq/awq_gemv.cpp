@@ -123,7 +123,15 @@ static inline void awq_tile(const float* x, const float* xs, int64_t in, int64_t
     const __m256i unpack = weight_unpacking(shifts);
     UNROLL for (int r = 0; r < R; ++r)
         UNROLL for (int w = 0; w < W; ++w) acc[r][w] = _mm256_setzero_ps();
+    // As ``awq_row8`` does, the words kRowsAhead inputs down are asked for into L2, by the
+    // first tile of each cache line's 16 words only (a line feeds 16 / W tiles). Over 30 of
+    // SmolLM2's layers' projections from memory (same-process A/B of the two builds, best of
+    // 21, two runs): 2 rows 1.29-1.42x, 4 rows 1.20-1.26x, 8 rows 1.11-1.12x, 16 rows
+    // 1.02-1.13x; in cache 0.97-1.01x. Before it, the tiles read each line on demand: one
+    // layer's 8 rows took 1.7x as long from memory as from cache.
+    const bool lead = R > 1 && j0 % 16 == 0;
     for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
+        if (lead) _mm_prefetch(reinterpret_cast<const char*>(q + std::min(i + kRowsAhead, in - 1) * words + j0), _MM_HINT_T1);
         __m256 xv[R];
         UNROLL for (int r = 0; r < R; ++r) xv[r] = _mm256_broadcast_ss(x + r * in + i);
         const int32_t* row = q + i * words + j0;
@@ -162,7 +170,7 @@ static inline void awq_row8(const float* x, float xsum, const int32_t* q, const 
         // group and every narrow projection to demand misses: 96 layers' projections from
         // memory 16.8 -> 15.1 ms a token (same-process A/B of the two builds over the
         // 96-layer checkpoint of benchmarks/awq_streaming.py, best of 21; 10.6 -> 10.4 ms
-        // hot). More rows are compute-bound: no gain there.
+        // hot). ``awq_tile`` does the same for more rows.
         _mm_prefetch(reinterpret_cast<const char*>(q + std::min(i + kRowsAhead, in - 1) * words + j0), _MM_HINT_T1);
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * words + j0));
 #if defined(__AVX512VL__)
@@ -266,17 +274,16 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qze
     const int64_t units = (words + 7) / 8;
     at::parallel_for(0, units, 1, [&](int64_t first_unit, int64_t last_unit) {
         const int64_t first = first_unit * 8, last = std::min(words, last_unit * 8);
-        // One row: the in-loop prefetch asks for each block's words kRowsAhead inputs down,
-        // so the first kRowsAhead inputs of every block would come from memory on demand;
-        // ask for all of them now, before the first group (same A/B as ``awq_row8``'s
-        // prefetch, 96 layers from memory: 17.5 -> 16.7 and 23.5 -> 22.0 ms a token in two
-        // runs of different load).
-        if (rows == 1)
-            for (int64_t i = 0; i < std::min(in, kRowsAhead); ++i) {
-                for (int64_t j = first; j < last; j += 16)  // 16 words: a cache line
-                    _mm_prefetch(reinterpret_cast<const char*>(qp + i * words + j), _MM_HINT_T1);
-                _mm_prefetch(reinterpret_cast<const char*>(qp + i * words + last - 1), _MM_HINT_T1);
-            }
+        // The in-loop prefetches ask for each block's words kRowsAhead inputs down, so the
+        // first kRowsAhead inputs of every block would come from memory on demand; ask for
+        // all of them now, before the first group (same A/B as ``awq_row8``'s prefetch, one
+        // row, 96 layers from memory: 17.5 -> 16.7 and 23.5 -> 22.0 ms a token in two runs of
+        // different load).
+        for (int64_t i = 0; i < std::min(in, kRowsAhead); ++i) {
+            for (int64_t j = first; j < last; j += 16)  // 16 words: a cache line
+                _mm_prefetch(reinterpret_cast<const char*>(qp + i * words + j), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(qp + i * words + last - 1), _MM_HINT_T1);
+        }
         // Group by group, so that a group's packed words are read from memory once, in runs of
         // (last - first) words, and stay in L1 for every row and tile that needs them.
         for (int64_t g = 0; g < groups; ++g) {
