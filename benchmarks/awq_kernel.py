@@ -15,7 +15,9 @@ Per shape and rows, the time per matrix of:
 - ``fp32``: the unquantized layer, through the engine's float32 linear kernel (native_linear)
   where it takes the rows, ``F.linear`` above: what the same model runs without AWQ;
 - ``no avx512`` (CPUs with AVX-512 only): the same kernel built without it, as on an AVX2 CPU
-  (its nibbles converted to floats rather than made with one ternary-logic op).
+  (its nibbles converted to floats rather than made with one ternary-logic op);
+- ``no prefetch``: the same kernel built without its software prefetches
+  (``KVSTREAM_NO_PREFETCH``: every path asks for the words 64 inputs down into L2).
 
 Each case walks a set of distinct copies of one shape's weights (``--megabytes`` of packed
 AWQ weights, eight times that in float32) one after another, as a forward does, so that the
@@ -81,21 +83,26 @@ def main() -> None:
     _, how = built_kernel(native.load, "native AWQ kernel", args.threads)
     print(f"AWQ int4 (group {args.group_size}) kernels, float32 activations, {torch.get_num_threads()} threads; "
           f"native ({how}) takes up to {native.MAX_ROWS} rows in the engine")
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    unprefetched, why = native_build.load_extension(
+        "kvstream_awq_gemv_no_prefetch", native.SOURCE, extra_flags=(*(native.AVX512_FLAGS if avx512 else ()), "-DKVSTREAM_NO_PREFETCH"))
+    if unprefetched is None:
+        sys.exit(f"the kernel without prefetches did not build: {why}")
     no_avx512 = None
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+    if avx512:
         no_avx512, why = native_build.load_extension("kvstream_awq_gemv_no_avx512", native.SOURCE)
         if no_avx512 is None:
             sys.exit(f"the kernel without AVX-512 did not build: {why}")
     print(f"{'shape':<13}{'rows':>5}{'native ms':>11}{'native deq':>11}{'dequant':>9}{'int4mm':>9}{'fp32':>9}"
           f"{'vs nat deq':>11}{'vs dequant':>11}{'vs int4mm':>10}{'vs fp32':>9}{'GB/s':>7}{'rel diff':>10}"
-          f"{'no avx512':>10}{'vs it':>7}")
+          f"{'no avx512':>10}{'vs it':>7}{'no prefetch':>12}{'vs it':>7}")
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for name, (out, inp) in SHAPES.items():
-            measure(name, out, inp, args, generator, no_avx512)
+            measure(name, out, inp, args, generator, no_avx512, unprefetched)
 
 
-def measure(name: str, out: int, inp: int, args: argparse.Namespace, generator: torch.Generator, no_avx512) -> None:
+def measure(name: str, out: int, inp: int, args: argparse.Namespace, generator: torch.Generator, no_avx512, unprefetched) -> None:
     """Every kernel on ``--megabytes`` of one shape's weights, at each row count: one table row each."""
     weight = torch.randn(out, inp, generator=generator) * inp**-0.5
     packed = quantize_rtn(weight, args.group_size)
@@ -118,16 +125,18 @@ def measure(name: str, out: int, inp: int, args: argparse.Namespace, generator: 
         dequant_s = best_per_item_s(lambda layer: dequant_call(layer, x), awq)
         int4_s = best_per_item_s(lambda layer: int4mm_call(layer, x), int4) if int4 else float("nan")
         fp32_s = best_per_item_s(lambda layer: fp32_call(layer, x), fp32)
-        plain_s = float("nan")
-        if no_avx512 is not None:
-            plain_s = best_per_item_s(lambda layer: no_avx512.awq_gemv(x, layer.qweight, layer.qzeros, layer.scales,
-                                                                      layer.packed_order, layer.group_size), awq)
+        def other_build(module):
+            return lambda layer: module.awq_gemv(x, layer.qweight, layer.qzeros, layer.scales, layer.packed_order, layer.group_size)
+
+        plain_s = best_per_item_s(other_build(no_avx512), awq) if no_avx512 is not None else float("nan")
+        unprefetched_s = best_per_item_s(other_build(unprefetched), awq)
         reference = x @ dense.T
         diff = (native_call(awq[0], x) - reference).abs().max().item() / reference.abs().max().item()
         bandwidth = template.packed_bytes() / native_s / 1e9
         print(f"{name:<13}{rows:>5}{native_s * 1e3:>11.3f}{native_deq_s * 1e3:>11.3f}{dequant_s * 1e3:>9.3f}{int4_s * 1e3:>9.3f}"
               f"{fp32_s * 1e3:>9.3f}{native_deq_s / native_s:>10.2f}x{dequant_s / native_s:>10.2f}x{int4_s / native_s:>9.2f}x"
-              f"{fp32_s / native_s:>8.2f}x{bandwidth:>7.1f}{diff:>10.1e}{plain_s * 1e3:>10.3f}{plain_s / native_s:>6.2f}x")
+              f"{fp32_s / native_s:>8.2f}x{bandwidth:>7.1f}{diff:>10.1e}{plain_s * 1e3:>10.3f}{plain_s / native_s:>6.2f}x"
+              f"{unprefetched_s * 1e3:>12.3f}{unprefetched_s / native_s:>6.2f}x")
 
 
 if __name__ == "__main__":

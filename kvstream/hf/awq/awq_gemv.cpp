@@ -34,8 +34,17 @@
 // halved the kernel's speed).
 #define UNROLL _Pragma("GCC unroll 16")
 
-// How far down a block's column of words the one-row path asks for lines ahead of use.
+// How far down a block's column of words the paths ask for lines ahead of use.
 constexpr int64_t kRowsAhead = 64;
+
+// Asks for the cache line of ``address`` into L2. KVSTREAM_NO_PREFETCH: the build
+// benchmarks/awq_kernel.py compares against (its ``no prefetch`` column).
+template <typename T>
+static inline void prefetch_l2(const T* address) {
+#if !defined(KVSTREAM_NO_PREFETCH)
+    _mm_prefetch(reinterpret_cast<const char*>(address), _MM_HINT_T1);
+#endif
+}
 
 // ``shifts`` puts column 8j + c's nibble in lane c, so accumulators, scales, zero points and
 // y line up in column order and the per-group epilogue is vector code.
@@ -131,7 +140,7 @@ static inline void awq_tile(const float* x, const float* xs, int64_t in, int64_t
     // layer's 8 rows took 1.7x as long from memory as from cache.
     const bool lead = R > 1 && j0 % 16 == 0;
     for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
-        if (lead) _mm_prefetch(reinterpret_cast<const char*>(q + std::min(i + kRowsAhead, in - 1) * words + j0), _MM_HINT_T1);
+        if (lead) prefetch_l2(q + std::min(i + kRowsAhead, in - 1) * words + j0);
         __m256 xv[R];
         UNROLL for (int r = 0; r < R; ++r) xv[r] = _mm256_broadcast_ss(x + r * in + i);
         const int32_t* row = q + i * words + j0;
@@ -171,7 +180,7 @@ static inline void awq_row8(const float* x, float xsum, const int32_t* q, const 
         // memory 16.8 -> 15.1 ms a token (same-process A/B of the two builds over the
         // 96-layer checkpoint of benchmarks/awq_streaming.py, best of 21; 10.6 -> 10.4 ms
         // hot). ``awq_tile`` does the same for more rows.
-        _mm_prefetch(reinterpret_cast<const char*>(q + std::min(i + kRowsAhead, in - 1) * words + j0), _MM_HINT_T1);
+        prefetch_l2(q + std::min(i + kRowsAhead, in - 1) * words + j0);
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * words + j0));
 #if defined(__AVX512VL__)
         // Nibble n of every word moved to bits 19-22 with one constant shift each.
@@ -281,8 +290,8 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qze
         // different load).
         for (int64_t i = 0; i < std::min(in, kRowsAhead); ++i) {
             for (int64_t j = first; j < last; j += 16)  // 16 words: a cache line
-                _mm_prefetch(reinterpret_cast<const char*>(qp + i * words + j), _MM_HINT_T1);
-            _mm_prefetch(reinterpret_cast<const char*>(qp + i * words + last - 1), _MM_HINT_T1);
+                prefetch_l2(qp + i * words + j);
+            prefetch_l2(qp + i * words + last - 1);
         }
         // Group by group, so that a group's packed words are read from memory once, in runs of
         // (last - first) words, and stay in L1 for every row and tile that needs them.
