@@ -107,6 +107,30 @@ def test_status_shows_the_replicas():
         assert expected in text, expected
 
 
+def test_status_shows_the_in_process_engine_and_its_streamed_weights():
+    console = Console(record=True, width=160, file=io.StringIO())
+    backend = {"type": "hf", "url": "in-process", "model": "./smollm2-awq", "ready": True, "device": "cpu", "dtype": "float32",
+               "kv_dtype": "float32", "steps": 1234, "attention_backend": "native", "matmul_backend": "native",
+               "weights": {"format": "awq", "kernel": "native", "mode": "partial_resident", "resident_bytes": 7_771_392,
+                           "streamed_bytes": 49_600_512, "mapped_bytes": 56_623_104, "mapped_bytes_per_forward": 56_623_104,
+                           "staging": "mapped", "keep_first_k": 2, "keep_last_k": 2, "bytes_staged_per_token": 49_600_512,
+                           "stall_seconds_total": 0.25}}
+    console.print(status_cli.render(SNAPSHOT | {"backend": backend}, None, "http://127.0.0.1:8080"))
+    text = console.export_text()
+    for expected in ("cpu float32, KV float32", "attention native", "matmul native", "1,234 steps", "awq (native kernel)",
+                     "7 MB resident", "54 MB embeddings mapped", "partial_resident, mapped, K 2+2", "47 MB streamed a forward",
+                     "47 MB a token", "stalls 0.25s"):
+        assert expected in text, (expected, text)
+    dense = {"type": "hf", "model": "smol", "ready": True, "weights": {"format": "dense", "resident_bytes": 538_060_288}}
+    console = Console(record=True, width=160, file=io.StringIO())
+    console.print(status_cli.render(SNAPSHOT | {"backend": dense}, None, ""))
+    text = console.export_text()
+    assert "dense" in text and "513 MB resident" in text and "streamed" not in text
+    console = Console(record=True, width=160, file=io.StringIO())
+    console.print(status_cli.render(SNAPSHOT, None, ""))  # a proxied runtime: no engine rows
+    assert "resident" not in console.export_text()
+
+
 def test_status_unreachable_and_json(capsys):
     console = Console(record=True, width=100, file=io.StringIO())
     port = free_port()

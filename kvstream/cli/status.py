@@ -118,6 +118,9 @@ def render(snap: dict[str, Any], history: History | None = None, url: str = "") 
                   Text(f"{inject.get('restore_failures', 0)} failed", style="red" if inject.get("restore_failures") else ""),
                   f"{inject.get('saves', 0)} saves", f"{inject.get('files', 0)} files, {inject.get('bytes_on_disk', 0) / 1e6:,.0f} MB")
         parts.append(t)
+    engine = _in_process_engine(backend)
+    if engine is not None:
+        parts.append(engine)
     replicas = backend.get("replicas")
     if replicas:
         t = Table.grid(padding=(0, 2))
@@ -143,6 +146,38 @@ def render(snap: dict[str, Any], history: History | None = None, url: str = "") 
         spark.add_row("tokens/s", Text(sparkline(history.rate("requests", "generation_tokens")), style="green"))
         parts.append(Panel(spark, title="history", title_align="left"))
     return Group(*parts)
+
+
+def _mb(value: Any) -> str:
+    return "-" if value is None else f"{value / 2**20:,.0f} MB"
+
+
+def _in_process_engine(backend: dict[str, Any]) -> Table | None:
+    """The in-process engine's rows (``--backend hf``): what computes, and the weights (AWQ
+    layer streaming: what stays resident, what is read per token, stalls). None otherwise."""
+    weights = backend.get("weights")
+    if "attention_backend" not in backend and not weights:
+        return None
+    t = Table.grid(padding=(0, 2))
+    if "attention_backend" in backend:
+        t.add_row("engine", "  ".join([f"{backend.get('device')} {backend.get('dtype')}, KV {backend.get('kv_dtype')}",
+                                       f"attention {backend['attention_backend']}", f"matmul {backend.get('matmul_backend')}",
+                                       f"{backend.get('steps', 0):,} steps"]))
+    if weights:
+        kind = weights.get("format", "?") + (f" ({weights['kernel']} kernel)" if weights.get("kernel") else "")
+        cells = [kind, f"{_mb(weights.get('resident_bytes'))} resident"]
+        if weights.get("mapped_bytes"):
+            cells.append(f"{_mb(weights['mapped_bytes'])} embeddings mapped")
+        stalls = Text("")
+        if "staging" in weights:  # layers streamed
+            per_token = weights.get("bytes_staged_per_token")
+            cells += [f"{weights.get('mode')}, {weights['staging']}, K {weights.get('keep_first_k')}+{weights.get('keep_last_k')}",
+                      f"{_mb(weights.get('streamed_bytes'))} streamed a forward",
+                      "-" if per_token is None else f"{_mb(per_token)} a token"]
+            stall_s = weights.get("stall_seconds_total") or 0
+            stalls = Text(f"  stalls {stall_s:.2f}s", style="yellow" if stall_s else "")
+        t.add_row("weights", Text.assemble("  ".join(cells), stalls))
+    return t
 
 
 def render_unreachable(url: str, error: str, retrying: bool = False) -> Panel:

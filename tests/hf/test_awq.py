@@ -943,8 +943,12 @@ def test_kvstream_awq_quantize_makes_a_checkpoint_the_engine_loads(tmp_path):
 
 
 async def test_greedy_text_through_the_server_is_the_same_streamed_and_resident(rtn_folder, start_proxy):
-    from openai import AsyncOpenAI
+    import io
 
+    from openai import AsyncOpenAI
+    from rich.console import Console
+
+    from kvstream.cli import status as status_cli
     from kvstream.hf import HFBackend
 
     answers = {}
@@ -963,7 +967,8 @@ async def test_greedy_text_through_the_server_is_the_same_streamed_and_resident(
                     texts.append(reply.choices[0].message.content)
                 answers[streaming, staging, tables] = texts
                 async with __import__("aiohttp").ClientSession() as http:
-                    weights = (await (await http.get(proxy.url + "/status")).json())["backend"]["weights"]
+                    status = await (await http.get(proxy.url + "/status")).json()
+                    weights = status["backend"]["weights"]
                     metrics = await (await http.get(proxy.url + "/metrics")).text()
         finally:
             await proxy.engine.close()
@@ -977,6 +982,11 @@ async def test_greedy_text_through_the_server_is_the_same_streamed_and_resident(
         assert weights["mapped_bytes"] == float(gauges["kvstream_weights_mapped_bytes"])
         assert weights["mapped_bytes_per_forward"] == float(gauges["kvstream_weights_mapped_bytes_per_forward"])
         assert (weights["mapped_bytes"] > 0) == tables  # tied: resident unless the embeddings are streamed too
+        console = Console(record=True, width=200, file=io.StringIO())  # `kvstream status` on this payload
+        console.print(status_cli.render(status, None, proxy.url))
+        shown = console.export_text()
+        assert f"awq ({weights['kernel']} kernel)" in shown and "resident" in shown
+        assert (f"partial_resident, {staging}, K 2+2" in shown) == streaming and ("embeddings mapped" in shown) == tables
     resident = answers[False, "copy", False]
     assert all(resident) and all(texts == resident for texts in answers.values()), answers
 
