@@ -253,6 +253,8 @@ class HFBackend(InProcessBackend):
             torch.set_num_threads(backend.threads)
         awq = self.settings.awq
         streaming = None
+        if awq.stream_embeddings and not awq.streaming:  # it would be ignored: say so instead
+            raise ValueError("--stream-embeddings (awq.stream_embeddings) needs --awq-streaming (awq.streaming)")
         if awq.streaming:
             from kvstream.hf.awq.streaming import StreamingConfig
 

@@ -927,6 +927,15 @@ def test_serve_with_a_folder_that_is_not_awq_exits_with_one_line(tmp_path):
     assert "layer streaming needs an AWQ checkpoint folder" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_stream_embeddings_without_streaming_exits_with_one_line(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstream.cli.main", "serve", "--backend", "hf", "--stream-embeddings", "--port", "0", "--log-level", "warning"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert out.returncode != 0
+    assert "--stream-embeddings (awq.stream_embeddings) needs --awq-streaming" in out.stderr and "Traceback" not in out.stderr
+
+
 # ------------------------------------------------------------------ making one, serving one
 def test_kvstream_awq_quantize_makes_a_checkpoint_the_engine_loads(tmp_path):
     """The command as users run it, on a short calibration (the search is the slow part)."""
