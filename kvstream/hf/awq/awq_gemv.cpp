@@ -58,9 +58,10 @@ static inline __m256 nibbles_of(int32_t word, __m256i shifts) {
 // the exponent of 1.0 ((a & mask) | one), exact. The one-row kernel is bound by the vector
 // operations that unpack a nibble (shift, mask, convert: the fused multiply-add is the
 // fourth), and this takes one of them away: SmolLM2's projections at one row 1.11-1.20x, in
-// cache and from memory; four rows 1.00x, eight 0.93-0.96x, where the unpacking is shared by
-// the rows and the epilogue's extra work is not (same-process A/Bs of the two builds;
-// benchmarks/awq_kernel.py's ``no avx512`` column, noisier). The accumulator then holds
+// cache and from memory; four rows 1.00x, eight 0.93-0.96x (a later A/B: 1.08x in cache,
+// 0.95x from memory, before the tiles prefetched; the cause of the from-memory loss is not
+// known: the tiles run fewer vector operations this way) (same-process A/Bs of the two
+// builds; benchmarks/awq_kernel.py's ``no avx512`` column, noisier). The accumulator then holds
 // sum x (1 + n/16) = xsum + (sum x n) / 16, and ``add_group`` takes 16 acc - xsum (16 + zero):
 // every path of this build computes so, so a row still gets the same bits alone and batched
 // (a build without AVX-512 rounds differently, in the last bits).
