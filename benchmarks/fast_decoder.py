@@ -6,14 +6,17 @@ engine, same run, rounds alternating: decode milliseconds per token at batch 1 a
 Models: the embedded SmolLM2-135M in float32 (its projections half-stored, ``HalfLinear``),
 SmolLM2 as a round-to-nearest AWQ checkpoint made here, and any ``--folder`` (an AWQ
 checkpoint such as the 96-layer one ``benchmarks/awq_streaming.py`` makes, optionally streamed
-with ``--mapped K``). Both paths run the same kernels (the direct path gives the same tokens,
-checked); what differs is the Python around them. Best and median per path, and the ratio of
-the bests (> 1: the direct path is faster).
+with ``--mapped K``). Three paths, the same kernels (same tokens, checked): transformers'
+layers; the direct path calling each projection on its own; the direct path as installed,
+where a layer's Q/K/V and its gate/up are one kernel call each (AWQ: ``awq_gemv_many``, the
+threads sharing out all their words). Best and median per path, and the ratios of the bests
+(> 1: the direct path is faster; ``fused``: one call against one per projection).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -38,33 +41,54 @@ def rtn_checkpoint(out: Path) -> Path:
     return out
 
 
+def separate_calls(layer: torch.nn.Module) -> fast_decoder.LayerKernels:
+    """The layer's installed kernels with Q/K/V and gate/up called one projection at a time."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return dataclasses.replace(
+        layer._kvstream_kernels,
+        qkv=fast_decoder.projections_call([attention.q_proj, attention.k_proj, attention.v_proj], fuse=False),
+        gate_up=fast_decoder.projections_call([mlp.gate_proj, mlp.up_proj], fuse=False))
+
+
+PATHS = ("transformers", "separate", "fused")
+
+
 def measure(label: str, engine: HFEngine, rounds: int, tokens: int) -> None:
     layers = list(engine.loaded.model.model.layers)
     if engine.engine.decoder.layers != len(layers):
         print(f"{label}: the direct path is not installed: {engine.engine.decoder.why_not}")
         return
+    installed = [layer._kvstream_kernels for layer in layers]
+    kernels = {"transformers": installed, "separate": [separate_calls(layer) for layer in layers], "fused": installed}
     prompt = "Once upon a time there was a"
     batch = [f"Story {i}: once upon a time" for i in range(8)]
     engine.generate("warm up", max_new_tokens=4)
-    times: dict[tuple[bool, int], list[float]] = {(fast, b): [] for fast in (False, True) for b in (1, 8)}
-    outputs: dict[bool, list] = {}
+    times: dict[tuple[str, int], list[float]] = {(path, b): [] for path in PATHS for b in (1, 8)}
+    outputs: dict[str, list] = {}
     try:
         for _ in range(rounds):
-            for fast in (False, True):
-                fast_decoder.switch(layers, fast)
+            for path in PATHS:
+                fast_decoder.switch(layers, path != "transformers")
+                for layer, chosen in zip(layers, kernels[path]):
+                    vars(layer)["_kvstream_kernels"] = chosen
                 one = engine.generate(prompt, max_new_tokens=tokens)
-                times[fast, 1].append((one.total_ms - one.ttft_ms) / (len(one.token_ids) - 1))
+                times[path, 1].append((one.total_ms - one.ttft_ms) / (len(one.token_ids) - 1))
                 many = engine.generate_batch(batch, max_new_tokens=tokens)
                 wall = max(r.total_ms for r in many) - max(r.ttft_ms for r in many)
-                times[fast, 8].append(wall / (sum(len(r.token_ids) for r in many) - len(many)))
-                outputs[fast] = [one.token_ids] + [r.token_ids for r in many]
+                times[path, 8].append(wall / (sum(len(r.token_ids) for r in many) - len(many)))
+                outputs[path] = [one.token_ids] + [r.token_ids for r in many]
     finally:
+        for layer, chosen in zip(layers, installed):
+            vars(layer)["_kvstream_kernels"] = chosen
         fast_decoder.switch(layers, True)
-    same = "same tokens" if outputs[False] == outputs[True] else "TOKENS DIFFER"
+    same = "same tokens" if all(outputs[path] == outputs["transformers"] for path in PATHS) else "TOKENS DIFFER"
     for b in (1, 8):
-        old, new = times[False, b], times[True, b]
-        print(f"{label:<28} b{b}: transformers' layers {min(old):7.2f} ms/token (median {statistics.median(old):6.2f}), "
-              f"direct {min(new):7.2f} (median {statistics.median(new):6.2f}): {min(old) / min(new):.2f}x  [{same}]")
+        best = {path: min(times[path, b]) for path in PATHS}
+        median = {path: statistics.median(times[path, b]) for path in PATHS}
+        print(f"{label:<28} b{b}: transformers' layers {best['transformers']:7.2f} ms/token (median {median['transformers']:6.2f}), "
+              f"direct one call a projection {best['separate']:7.2f} ({median['separate']:6.2f}), "
+              f"direct {best['fused']:7.2f} ({median['fused']:6.2f}): {best['transformers'] / best['fused']:.2f}x, "
+              f"fused {best['separate'] / best['fused']:.2f}x  [{same}]")
 
 
 def main() -> None:

@@ -15,8 +15,10 @@ the O projection, a residual add, the post-attention norm, gate / up, the activa
 up, down, a residual add: the same kernels on the same inputs in the same order as the module tree, so
 the result is bit for bit the same. Each projection's kernel call comes from its own class
 (``direct_call()``: ``AWQLinear``, ``NativeLinear``, ``HalfLinear``), the choices its forward
-makes per call made once; any other module is called as a module. Any other call (no plan, a
-Cache, gradients) runs transformers' forward.
+makes per call made once; any other module is called as a module. Q / K / V, and gate / up,
+share one call where their class fuses projections of one input (``AWQLinear.fused_call``:
+one kernel call, each output bit for bit its own). Any other call (no plan, a Cache,
+gradients) runs transformers' forward.
 
 Eligible: a layer with exactly transformers' Llama structure (``self_attn`` of q/k/v/o
 projections, an MLP of gate/up/down and an activation, two norms; Mistral, Qwen2 and SmolLM2
@@ -52,6 +54,7 @@ MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
+Projections = Callable[[torch.Tensor], list[torch.Tensor]]  # several projections of one input
 
 
 @dataclass
@@ -70,14 +73,11 @@ class LayerKernels:
     """One layer's calls, resolved at install (the layer's own modules' kernels)."""
 
     input_norm: Kernel
-    q: Kernel
-    k: Kernel
-    v: Kernel
+    qkv: Projections  # Q, K and V of the normed input
     o: Kernel
     post_norm: Kernel
-    gate: Kernel
+    gate_up: Projections  # gate and up of the normed input
     act: Kernel
-    up: Kernel
     down: Kernel
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     head_dim: int
@@ -94,17 +94,14 @@ def _fast_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: 
     run: LayerKernels = self._kvstream_kernels
     x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, hidden]: the packed row
     tokens = x.shape[0]
-    h = run.input_norm(x)
     # The layouts transformers' attention passes on: [1, heads, T, head_dim] views.
-    q = run.q(h).view(1, tokens, -1, run.head_dim).transpose(1, 2)
-    k = run.k(h).view(1, tokens, -1, run.head_dim).transpose(1, 2)
-    v = run.v(h).view(1, tokens, -1, run.head_dim).transpose(1, 2)
+    q, k, v = (y.view(1, tokens, -1, run.head_dim).transpose(1, 2) for y in run.qkv(run.input_norm(x)))
     cos, sin = position_embeddings
     q, k = run.rotary(q, k, cos, sin)
     attended, _ = paged_attention(self.self_attn, q, k, v, None, run.scaling, kvstream_plan=plan)
     x = x + run.o(attended.reshape(tokens, -1))
-    h = run.post_norm(x)
-    x = x + run.down(run.act(run.gate(h)) * run.up(h))
+    gate, up = run.gate_up(run.post_norm(x))
+    x = x + run.down(run.act(gate) * up)
     return x.view(hidden_states.shape)
 
 
@@ -142,6 +139,18 @@ def _module_call(module: nn.Module) -> Kernel:
     """The module's own direct kernel call where its class offers one, else the module."""
     direct = getattr(module, "direct_call", None)
     return direct() if callable(direct) else module
+
+
+def projections_call(modules: list[nn.Module], fuse: bool = True) -> Projections:
+    """Several projections of one input: one call where their class can fuse them
+    (``AWQLinear.fused_call``: one kernel call for all) and ``fuse``, else each module's own
+    call (benchmarks/fast_decoder.py compares the two)."""
+    fuser = getattr(type(modules[0]), "fused_call", None)
+    fused = fuser(modules) if fuse and callable(fuser) and all(type(m) is type(modules[0]) for m in modules) else None
+    if fused is not None:
+        return fused
+    calls = [_module_call(m) for m in modules]
+    return lambda x: [call(x) for call in calls]
 
 
 def _norm_call(norm: nn.Module, kernels: Any) -> Kernel:
@@ -183,10 +192,11 @@ def _kernels_for(layer: nn.Module, kernels: Any) -> LayerKernels:
     attention, mlp = layer.self_attn, layer.mlp
     return LayerKernels(
         input_norm=_norm_call(layer.input_layernorm, kernels),
-        q=_module_call(attention.q_proj), k=_module_call(attention.k_proj), v=_module_call(attention.v_proj),
+        qkv=projections_call([attention.q_proj, attention.k_proj, attention.v_proj]),
         o=_module_call(attention.o_proj),
         post_norm=_norm_call(layer.post_attention_layernorm, kernels),
-        gate=_module_call(mlp.gate_proj), act=_activation_call(mlp.act_fn), up=_module_call(mlp.up_proj), down=_module_call(mlp.down_proj),
+        gate_up=projections_call([mlp.gate_proj, mlp.up_proj]),
+        act=_activation_call(mlp.act_fn), down=_module_call(mlp.down_proj),
         rotary=_rotary_call(attention, kernels),
         head_dim=attention.head_dim,
         scaling=attention.scaling,

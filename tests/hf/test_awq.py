@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -135,6 +136,56 @@ def test_the_native_kernel_matches_the_reference_and_a_row_ignores_its_batch(gro
     if why.startswith("AVX2 + FMA"):  # the vector path checks the column layout it relies on
         with pytest.raises(RuntimeError, match="permute"):
             native.gemv(x[:1], *tensors[:3], torch.arange(out).flip(0), group_size)
+
+
+def test_one_kernel_call_for_several_projections_gives_each_its_own_bits():
+    """``gemv_many`` (a layer's Q/K/V or gate/up in one call, the threads sharing out all their
+    words): each output bit for bit what its projection alone gives, for widths that leave a
+    tail after the 8-word units and at every register tile; inputs that cannot share a call
+    are refused."""
+    from kvstream.hf.awq import native
+
+    built_native_kernel()
+    generator = torch.Generator().manual_seed(11)
+    layers = [AWQLinear(quantize_rtn(torch.randn(out, 256, generator=generator), 64)) for out in (320, 72, 8, 328)]
+    tensors = [(m.qweight, m.qzeros, m.scales, m.packed_order) for m in layers]
+    x = torch.randn(native.MAX_ROWS, 256, generator=generator)
+    for rows in (0, 1, 2, 3, 5, native.MAX_ROWS):
+        outputs = native.gemv_many(x[:rows], tensors, 64)
+        assert [tuple(y.shape) for y in outputs] == [(rows, m.out_features) for m in layers]
+        for y, parts in zip(outputs, tensors):
+            assert torch.equal(y, native.gemv(x[:rows], *parts, 64)), rows
+    narrower = AWQLinear(quantize_rtn(torch.randn(64, 128, generator=generator), 64))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        native.gemv_many(x[:1], [tensors[0], (narrower.qweight, narrower.qzeros, narrower.scales, narrower.packed_order)], 64)
+    with pytest.raises(RuntimeError, match="one qweight"):
+        native.gemv_many(x[:1], [], 64)
+
+
+def test_fused_call_gives_each_module_its_forward_and_refuses_what_cannot_share_a_call():
+    """``AWQLinear.fused_call``: decode-sized through one kernel call, past the kernel's rows
+    through each module's own, biases added, bits equal to each module's ``forward``; None
+    for modules of another kernel or group size (the direct decoder then calls them one by one)."""
+    from kvstream.hf.awq import native
+
+    built_native_kernel()
+    generator = torch.Generator().manual_seed(12)
+    packed = [quantize_rtn(torch.randn(out, 128, generator=generator), 64) for out in (96, 32, 32)]
+    packed[1] = type(packed[1])(packed[1].qweight, packed[1].qzeros, packed[1].scales, 64, torch.randn(32, generator=generator))
+    layers = [AWQLinear(p) for p in packed]
+    for layer in layers:
+        layer.kernel = "native"
+    call = AWQLinear.fused_call(layers)
+    x = torch.randn(native.MAX_ROWS + 2, 128, generator=generator)
+    with torch.inference_mode():
+        for rows in (1, 4, native.MAX_ROWS, native.MAX_ROWS + 2):
+            for y, layer in zip(call(x[:rows]), layers):
+                assert torch.equal(y, layer(x[:rows])), rows
+    other_group = AWQLinear(quantize_rtn(torch.randn(32, 128, generator=generator), 32))
+    other_group.kernel = "native"
+    assert AWQLinear.fused_call([layers[0], other_group]) is None
+    layers[2].kernel = "dequant"
+    assert AWQLinear.fused_call(layers) is None
 
 
 def test_the_native_dequantizer_gives_the_reference_weights_for_any_range_of_words():
@@ -1006,10 +1057,11 @@ async def test_greedy_text_through_the_server_is_the_same_streamed_and_resident(
 
 
 @pytest.mark.parametrize("streaming", [None, StreamingConfig("partial_resident", 1, 1, 2)], ids=["resident", "streamed"])
-def test_awq_layers_take_the_direct_decoder_path_with_transformers_tokens(rtn_folder, streaming):
+def test_awq_layers_take_the_direct_decoder_path_with_transformers_tokens(rtn_folder, streaming, monkeypatch):
     """The engine's direct decoder path (fast_decoder.py) on an AWQ model, resident and
     streamed (copy slots re-point the packed tensors every forward, which the direct calls
-    read at each call): the same greedy tokens as transformers' layers; and
+    read at each call), Q/K/V and gate/up each one kernel call: the same greedy tokens as
+    transformers' layers; and
     ``AWQLinear.direct_call`` gives ``forward``'s bits, decode-sized and past the kernel's rows."""
     from kvstream.hf import fast_decoder
     from kvstream.hf.awq import native
@@ -1017,6 +1069,15 @@ def test_awq_layers_take_the_direct_decoder_path_with_transformers_tokens(rtn_fo
     from kvstream.hf.sampling import SamplingParams
 
     built_native_kernel()
+    module, how = native.load()
+    calls = []  # projections per awq_gemv_many call
+
+    def many(*args):
+        calls.append(len(args[1]))
+        return module.awq_gemv_many(*args)
+
+    monkeypatch.setattr(native, "load", lambda: (SimpleNamespace(awq_gemv=module.awq_gemv, awq_gemv_many=many,
+                                                                 awq_dequantize=module.awq_dequantize), how))
     engine = HFEngine.from_pretrained(str(rtn_folder), device="cpu", dtype="float32", max_cache_bytes=64 * 2**20,
                                       streaming=streaming)
     try:
@@ -1026,6 +1087,7 @@ def test_awq_layers_take_the_direct_decoder_path_with_transformers_tokens(rtn_fo
         prompts = [engine.encode(text) for text in ("The capital of France is", "def fibonacci(n):", "Once upon a time " * 20)]
         params = SamplingParams(max_tokens=10, temperature=0.0)
         fast = runner.generate_sync(prompts, params)
+        assert set(calls) == {2, 3} and calls.count(2) == calls.count(3)  # Q/K/V and gate/up: one call each
         fast_decoder.switch(layers, False)
         assert runner.generate_sync(prompts, params) == fast
         fast_decoder.switch(layers, True)

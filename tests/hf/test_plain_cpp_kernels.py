@@ -44,6 +44,10 @@ def test_the_plain_awq_kernel_matches_the_reference_and_a_row_ignores_its_batch(
         assert torch.allclose(batched, x @ weight, atol=1e-4, rtol=1e-4)
         for i in (0, 4, 8):
             assert torch.equal(module.awq_gemv(x[i : i + 1], *tensors, group_size), batched[i : i + 1])
+        narrow = AWQLinear(quantize_rtn(torch.randn(72, 256, generator=generator), group_size))
+        together = module.awq_gemv_many(x, *([t, n] for t, n in zip(tensors, (narrow.qweight, narrow.qzeros, narrow.scales, narrow.packed_order))), group_size)
+        assert torch.equal(together[0], batched)
+        assert torch.equal(together[1], module.awq_gemv(x, narrow.qweight, narrow.qzeros, narrow.scales, narrow.packed_order, group_size))
         buffer = torch.empty(256 * out)
         assert torch.equal(module.awq_dequantize(*tensors, group_size, 0, out // 8, buffer), weight)
         assert torch.equal(module.awq_dequantize(*tensors, group_size, 2, 5, buffer), weight[:, 16:40])

@@ -240,84 +240,55 @@ static inline void awq_rows(const float* x, const float* xs, int64_t in, int64_t
 }
 #endif
 
-torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qzeros, torch::Tensor scales,
-                       torch::Tensor logical, int64_t group_size) {
-    TORCH_CHECK(x.dtype() == torch::kFloat32, "x must be float32");
-    TORCH_CHECK(qweight.dtype() == torch::kInt32 && qzeros.dtype() == torch::kInt32, "qweight and qzeros must be int32");
-    TORCH_CHECK(scales.dtype() == torch::kFloat16, "scales must be float16");
-    TORCH_CHECK(logical.dtype() == torch::kInt64, "logical must be int64");
-    x = x.contiguous();
-    qweight = qweight.contiguous();
-    qzeros = qzeros.contiguous();
-    scales = scales.contiguous();
-    logical = logical.contiguous();
-    const int64_t rows = x.size(0), in = qweight.size(0), words = qweight.size(1), out = words * 8;
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == in && group_size > 0 && in % group_size == 0, "shape mismatch");
-    const int64_t groups = in / group_size;
-    TORCH_CHECK(qzeros.size(0) == groups && qzeros.size(1) == words && scales.size(0) == groups && scales.size(1) == out
-                && logical.numel() == out, "qzeros / scales / logical shape mismatch");
-    auto y = torch::empty({rows, out}, x.options());  // zeroed below: cheaper than a zeros op
-    if (rows == 0) return y;
-    const float* xp = x.data_ptr<float>();
-    const int32_t* qp = qweight.data_ptr<int32_t>();
-    const int32_t* zp = qzeros.data_ptr<int32_t>();
-    const at::Half* sp = scales.data_ptr<at::Half>();
-    const int64_t* lp = logical.data_ptr<int64_t>();
-    // Each row's sum over each group, left to right (plain C++ rather than a torch op: at
-    // decode sizes the op's dispatch cost more than the sums).
-    std::vector<float> xsum(rows * groups);
-    for (int64_t m = 0; m < rows * groups; ++m) {
-        float total = 0.0f;
-        for (int64_t i = 0; i < group_size; ++i) total += xp[m * group_size + i];
-        xsum[m] = total;
-    }
-    const float* xs = xsum.data();
-    float* yp = y.data_ptr<float>();
-    std::fill(yp, yp + rows * out, 0.0f);
+// One projection of a call: its packed tensors (contiguous) and its output.
+struct Projection {
+    const int32_t* q;
+    const int32_t* z;
+    const at::Half* s;
+    const int64_t* logical;
+    int64_t words, out;
+    float* y;
+};
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    int32_t nibble_of[8];
-    const __m256i shifts = column_shifts(lp, out, nibble_of);
-    const __m256i nibble_order = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibble_of));
-    // Units of 8 words (64 columns) split over the threads; within one, rows 4, 2 or 1 at a
-    // time: register tiles of 4 rows x 2 words, 2 x 4 or 1 x 8.
-    const int64_t units = (words + 7) / 8;
-    at::parallel_for(0, units, 1, [&](int64_t first_unit, int64_t last_unit) {
-        const int64_t first = first_unit * 8, last = std::min(words, last_unit * 8);
-        // The in-loop prefetches ask for each block's words kRowsAhead inputs down, so the
-        // first kRowsAhead inputs of every block would come from memory on demand; ask for
-        // all of them now, before the first group (same A/B as ``awq_row8``'s prefetch, one
-        // row, 96 layers from memory: 17.5 -> 16.7 and 23.5 -> 22.0 ms a token in two runs of
-        // different load).
-        for (int64_t i = 0; i < std::min(in, kRowsAhead); ++i) {
-            for (int64_t j = first; j < last; j += 16)  // 16 words: a cache line
-                prefetch_l2(qp + i * words + j);
-            prefetch_l2(qp + i * words + last - 1);
-        }
-        // Group by group, so that a group's packed words are read from memory once, in runs of
-        // (last - first) words, and stay in L1 for every row and tile that needs them.
-        for (int64_t g = 0; g < groups; ++g) {
-            int64_t m = 0;
-            for (; m + 4 <= rows; m += 4)
-                awq_rows<4, 2>(xp + m * in, xs + m * groups, in, groups, qp, zp, sp, words, group_size, first, last, g, shifts, nibble_order, yp + m * out, out);
-            for (; m + 2 <= rows; m += 2)
-                awq_rows<2, 4>(xp + m * in, xs + m * groups, in, groups, qp, zp, sp, words, group_size, first, last, g, shifts, nibble_order, yp + m * out, out);
-            for (; m < rows; ++m)
-                awq_rows<1, 8>(xp + m * in, xs + m * groups, in, groups, qp, zp, sp, words, group_size, first, last, g, shifts, nibble_order, yp + m * out, out);
-        }
-    });
+// Words [first, last) of one projection, every group and row: a thread's share of it.
+static void awq_words(const Projection& p, const float* xp, const float* xs, int64_t rows, int64_t in, int64_t groups,
+                      int64_t group_size, int64_t first, int64_t last, __m256i shifts, __m256i nibble_order) {
+    // The in-loop prefetches ask for each block's words kRowsAhead inputs down, so the
+    // first kRowsAhead inputs of every block would come from memory on demand; ask for
+    // all of them now, before the first group (same A/B as ``awq_row8``'s prefetch, one
+    // row, 96 layers from memory: 17.5 -> 16.7 and 23.5 -> 22.0 ms a token in two runs of
+    // different load).
+    for (int64_t i = 0; i < std::min(in, kRowsAhead); ++i) {
+        for (int64_t j = first; j < last; j += 16)  // 16 words: a cache line
+            prefetch_l2(p.q + i * p.words + j);
+        prefetch_l2(p.q + i * p.words + last - 1);
+    }
+    // Group by group, so that a group's packed words are read from memory once, in runs of
+    // (last - first) words, and stay in L1 for every row and tile that needs them.
+    for (int64_t g = 0; g < groups; ++g) {
+        int64_t m = 0;
+        for (; m + 4 <= rows; m += 4)
+            awq_rows<4, 2>(xp + m * in, xs + m * groups, in, groups, p.q, p.z, p.s, p.words, group_size, first, last, g, shifts, nibble_order, p.y + m * p.out, p.out);
+        for (; m + 2 <= rows; m += 2)
+            awq_rows<2, 4>(xp + m * in, xs + m * groups, in, groups, p.q, p.z, p.s, p.words, group_size, first, last, g, shifts, nibble_order, p.y + m * p.out, p.out);
+        for (; m < rows; ++m)
+            awq_rows<1, 8>(xp + m * in, xs + m * groups, in, groups, p.q, p.z, p.s, p.words, group_size, first, last, g, shifts, nibble_order, p.y + m * p.out, p.out);
+    }
+}
 #else
-    // Plain C++ (no AVX2): columns in tiles whose accumulators (rows x tile) stay within L1.
+// Plain C++ (no AVX2): columns in tiles whose accumulators (rows x tile) stay within L1.
+static void awq_words(const Projection& p, const float* xp, const float* xs, int64_t rows, int64_t in, int64_t groups,
+                      int64_t group_size, int64_t first, int64_t last) {
     const int64_t tile = std::max<int64_t>(1, 512 / rows);
-    at::parallel_for(0, words, 16, [&](int64_t first, int64_t last) {
-      std::vector<float> acc(rows * std::min(tile, last - first) * 8);
-      for (int64_t begin = first; begin < last; begin += tile) {
+    std::vector<float> acc(rows * std::min(tile, last - first) * 8);
+    for (int64_t begin = first; begin < last; begin += tile) {
         const int64_t end = std::min(last, begin + tile);
         const int64_t width = (end - begin) * 8;
         for (int64_t g = 0; g < groups; ++g) {
             std::fill(acc.begin(), acc.begin() + rows * width, 0.0f);
             for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
-                const int32_t* row = qp + i * words;
+                const int32_t* row = p.q + i * p.words;
                 for (int64_t j = begin; j < end; ++j) {
                     const uint32_t word = static_cast<uint32_t>(row[j]);
                     for (int64_t m = 0; m < rows; ++m) {
@@ -328,17 +299,96 @@ torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qze
                 }
             }
             for (int64_t o = 0; o < width; ++o) {
-                const int64_t packed = begin * 8 + o, column = lp[packed];
-                const float scale = static_cast<float>(sp[g * out + column]);
-                const float zero = static_cast<float>((static_cast<uint32_t>(zp[g * words + packed / 8]) >> (4 * (packed % 8))) & 0xF);
+                const int64_t packed = begin * 8 + o, column = p.logical[packed];
+                const float scale = static_cast<float>(p.s[g * p.out + column]);
+                const float zero = static_cast<float>((static_cast<uint32_t>(p.z[g * p.words + packed / 8]) >> (4 * (packed % 8))) & 0xF);
                 for (int64_t m = 0; m < rows; ++m)
-                    yp[m * out + column] += (acc[m * width + o] - zero * xs[m * groups + g]) * scale;
+                    p.y[m * p.out + column] += (acc[m * width + o] - zero * xs[m * groups + g]) * scale;
             }
         }
-      }
-    });
+    }
+}
 #endif
-    return y;
+
+// x [rows, in] times several projections of the same input (a layer's Q, K and V; gate and
+// up), one output each, in one parallel region: the threads split the projections' words
+// together, so a narrow projection (K, V: three units of 8 words) does not leave a thread
+// idle, and a layer pays one call and one team barrier where it paid three: a SmolLM2 AWQ
+// decode step 1.06x at batch 1 and at batch 8 (benchmarks/fast_decoder.py, ``fused``). Each
+// output is the one its projection alone gives, bit for bit (its sums do not depend on the split).
+std::vector<torch::Tensor> awq_gemv_many(torch::Tensor x, std::vector<torch::Tensor> qweights, std::vector<torch::Tensor> qzeros,
+                                         std::vector<torch::Tensor> scales, std::vector<torch::Tensor> logicals, int64_t group_size) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32, "x must be float32");
+    const size_t count = qweights.size();
+    TORCH_CHECK(count > 0 && qzeros.size() == count && scales.size() == count && logicals.size() == count,
+                "one qweight, qzeros, scales and logical per projection");
+    x = x.contiguous();
+    const int64_t rows = x.size(0), in = qweights[0].size(0);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == in && group_size > 0 && in % group_size == 0, "shape mismatch");
+    const int64_t groups = in / group_size;
+    std::vector<torch::Tensor> outputs;
+    std::vector<Projection> projections;
+    for (size_t k = 0; k < count; ++k) {
+        TORCH_CHECK(qweights[k].dtype() == torch::kInt32 && qzeros[k].dtype() == torch::kInt32, "qweight and qzeros must be int32");
+        TORCH_CHECK(scales[k].dtype() == torch::kFloat16, "scales must be float16");
+        TORCH_CHECK(logicals[k].dtype() == torch::kInt64, "logical must be int64");
+        qweights[k] = qweights[k].contiguous();  // the vectors keep any copy alive for the call
+        qzeros[k] = qzeros[k].contiguous();
+        scales[k] = scales[k].contiguous();
+        logicals[k] = logicals[k].contiguous();
+        const int64_t words = qweights[k].size(1), out = words * 8;
+        TORCH_CHECK(qweights[k].dim() == 2 && qweights[k].size(0) == in, "shape mismatch");
+        TORCH_CHECK(qzeros[k].size(0) == groups && qzeros[k].size(1) == words && scales[k].size(0) == groups && scales[k].size(1) == out
+                    && logicals[k].numel() == out, "qzeros / scales / logical shape mismatch");
+        outputs.push_back(torch::empty({rows, out}, x.options()));  // zeroed below: cheaper than a zeros op
+        projections.push_back({qweights[k].data_ptr<int32_t>(), qzeros[k].data_ptr<int32_t>(), scales[k].data_ptr<at::Half>(),
+                               logicals[k].data_ptr<int64_t>(), words, out, outputs.back().data_ptr<float>()});
+    }
+    if (rows == 0) return outputs;
+    const float* xp = x.data_ptr<float>();
+    // Each row's sum over each group, left to right (plain C++ rather than a torch op: at
+    // decode sizes the op's dispatch cost more than the sums).
+    std::vector<float> xsum(rows * groups);
+    for (int64_t m = 0; m < rows * groups; ++m) {
+        float total = 0.0f;
+        for (int64_t i = 0; i < group_size; ++i) total += xp[m * group_size + i];
+        xsum[m] = total;
+    }
+    const float* xs = xsum.data();
+    // Units of 8 words (64 columns), numbered through the projections in turn.
+    std::vector<int64_t> first_unit(count + 1, 0);
+    for (size_t k = 0; k < count; ++k) {
+        std::fill(projections[k].y, projections[k].y + rows * projections[k].out, 0.0f);
+        first_unit[k + 1] = first_unit[k] + (projections[k].words + 7) / 8;
+    }
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    std::vector<__m256i> shifts(count), nibble_order(count);
+    for (size_t k = 0; k < count; ++k) {
+        int32_t nibble_of[8];
+        shifts[k] = column_shifts(projections[k].logical, projections[k].out, nibble_of);
+        nibble_order[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibble_of));
+    }
+#endif
+    // A thread's units, projection by projection; within one, rows 4, 2 or 1 at a time:
+    // register tiles of 4 rows x 2 words, 2 x 4 or 1 x 8.
+    at::parallel_for(0, first_unit[count], 1, [&](int64_t begin, int64_t end) {
+        for (size_t k = 0; k < count; ++k) {
+            const int64_t u0 = std::max(begin, first_unit[k]), u1 = std::min(end, first_unit[k + 1]);
+            if (u0 >= u1) continue;
+            const int64_t first = (u0 - first_unit[k]) * 8, last = std::min(projections[k].words, (u1 - first_unit[k]) * 8);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+            awq_words(projections[k], xp, xs, rows, in, groups, group_size, first, last, shifts[k], nibble_order[k]);
+#else
+            awq_words(projections[k], xp, xs, rows, in, groups, group_size, first, last);
+#endif
+        }
+    });
+    return outputs;
+}
+
+torch::Tensor awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qzeros, torch::Tensor scales,
+                       torch::Tensor logical, int64_t group_size) {
+    return awq_gemv_many(x, {qweight}, {qzeros}, {scales}, {logical}, group_size)[0];
 }
 
 // Words [first, last) of the weights as float32 ``(q - zero) * scale``, [in, 8 * (last - first)]
@@ -402,6 +452,8 @@ torch::Tensor awq_dequantize(torch::Tensor qweight, torch::Tensor qzeros, torch:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("awq_gemv", &awq_gemv, "AWQ int4 matmul for a few rows, from the checkpoint's tensors",
           py::call_guard<py::gil_scoped_release>());  // the server's event loop runs meanwhile
+    m.def("awq_gemv_many", &awq_gemv_many, "awq_gemv for several projections of one input, one output each",
+          py::call_guard<py::gil_scoped_release>());
     m.def("awq_dequantize", &awq_dequantize, "AWQ int4 weights (a range of words) as float32, in column order",
           py::call_guard<py::gil_scoped_release>());
 }

@@ -138,6 +138,32 @@ class AWQLinear(torch.nn.Module):
 
         return call
 
+    @staticmethod
+    def fused_call(modules: list[AWQLinear]) -> Callable[[torch.Tensor], list[torch.Tensor]] | None:
+        """One call for several projections of the same ``[rows, in]`` input (a layer's Q,
+        K and V; gate and up): each module's output, computed by one native kernel call up to
+        ``native.MAX_ROWS`` rows (the threads share out all the projections' words at once)
+        and by each module's own call above. Bit for bit what the modules give one by one.
+        None where they cannot share a call: a kernel other than ``native``, other precisions,
+        input widths or group sizes. Like ``direct_call``, reads the packed tensors at each
+        call (streaming re-points them)."""
+        first = modules[0]
+        if any(not isinstance(m, AWQLinear) or m.kernel != "native" or m.dtype != torch.float32
+               or (m.in_features, m.group_size) != (first.in_features, first.group_size) for m in modules):
+            return None
+        many, group_size = native.load()[0].awq_gemv_many, first.group_size
+        singles = [m.direct_call() for m in modules]
+        orders = [m.packed_order for m in modules]
+        biases = [m.bias for m in modules]
+
+        def call(x: torch.Tensor) -> list[torch.Tensor]:
+            if x.shape[0] > native.MAX_ROWS:
+                return [single(x) for single in singles]
+            ys = many(x, [m.qweight for m in modules], [m.qzeros for m in modules], [m.scales for m in modules], orders, group_size)
+            return [y if bias is None else y + bias for y, bias in zip(ys, biases)]
+
+        return call
+
     def _native_dequant_matmul(self, flat: torch.Tensor) -> torch.Tensor:
         """Prefill chunks and large batches under the native kernel: a bounded block of columns
         at a time dequantized in one C++ pass, already in column order, then BLAS."""

@@ -60,6 +60,15 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: t
     return _built().awq_gemv(x, qweight, qzeros, scales, logical, group_size)
 
 
+def gemv_many(x: torch.Tensor, projections: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+              group_size: int) -> list[torch.Tensor]:
+    """``gemv`` of one input through several projections (``(qweight, qzeros, scales,
+    logical)`` each, the same input width and group size) in one call, one output each: the
+    threads split all their words together (awq_gemv.cpp, ``awq_gemv_many``)."""
+    qweights, qzeros, scales, logicals = ([parts[i] for parts in projections] for i in range(4))
+    return _built().awq_gemv_many(x, qweights, qzeros, scales, logicals, group_size)
+
+
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, logical: torch.Tensor, group_size: int,
                first_word: int, last_word: int, buffer: torch.Tensor) -> torch.Tensor:
     """The float32 weights of packed words ``[first_word, last_word)`` (columns ``8 *
