@@ -41,3 +41,29 @@ def test_an_unknown_backend_is_refused_with_the_known_names(tmp_path):
 def test_llamacpp_without_url_or_model_file_says_what_to_give(tmp_path):
     out = kvstream("serve", "--backend", "llamacpp", "--model", str(tmp_path / "missing.gguf"), cwd=tmp_path)
     assert out.returncode == 2 and "--backend-url" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_flags_that_would_do_nothing_are_refused_with_one_line(tmp_path):
+    """A flag of another backend, or a streaming flag without --awq-streaming, given on the
+    command line: refused at start, naming the flag, rather than silently ignored."""
+    cases = [
+        (["--backend", "llamacpp", "--backend-url", "http://127.0.0.1:9", "--dtype", "float16"], "--dtype is for --backend hf; the llamacpp backend would ignore it"),
+        (["--backend", "ollama", "--attention-backend", "flex"], "--attention-backend is for --backend hf; the ollama backend would ignore it"),
+        (["--backend", "ollama", "--staging", "copy"], "--staging is for --backend hf; the ollama backend would ignore it"),
+        (["--backend", "hf", "--slot-save-path", str(tmp_path)], "--slot-save-path is for --backend llamacpp; the hf backend would ignore it"),
+        (["--backend", "hf", "--keep-first-k", "1"], "--keep-first-k needs --awq-streaming (awq.streaming); without it the flag would be ignored"),
+        # auto may pick hf: only the streaming rule applies
+        (["--staging", "copy"], "--staging needs --awq-streaming (awq.streaming); without it the flag would be ignored"),
+    ]
+    for args, message in cases:
+        out = kvstream("serve", *args, "--port", "0", cwd=tmp_path)
+        assert out.returncode == 2, (args, out.stderr)
+        assert out.stderr.strip().splitlines() == [f"config error: {message}"], (args, out.stderr)
+
+
+def test_a_config_file_may_carry_settings_another_backend_would_use(tmp_path):
+    """A file describes every setting whichever backend runs: hf and streaming values in it
+    do not stop a proxy from starting (here it gets as far as refusing the missing model file)."""
+    (tmp_path / "kvstream.yaml").write_text("memory:\n  dtype: float16\nawq:\n  staging: copy\n  keep_first_k: 1\n")
+    out = kvstream("serve", "--backend", "llamacpp", "--model", str(tmp_path / "missing.gguf"), cwd=tmp_path)
+    assert out.returncode == 2 and "--backend-url" in out.stderr and "would ignore" not in out.stderr

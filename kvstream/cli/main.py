@@ -32,6 +32,42 @@ def _load(cli: dict[str, dict[str, Any]], config: Path | None) -> LoadedSettings
         raise typer.Exit(2) from None
 
 
+# Flags that act only with one backend or one mode, as (section, key) -> flag. Given on the
+# command line where they would do nothing, they are refused rather than ignored: a user who
+# types --staging copy without --awq-streaming, or --dtype in front of Ollama, means something
+# that would not happen. (Config files and the environment may carry them: a file describes
+# every setting, whichever backend runs.)
+HF_FLAGS = {
+    ("backend", "gguf_file"): "--gguf-file", ("backend", "device"): "--device", ("memory", "dtype"): "--dtype",
+    ("memory", "kv_dtype"): "--kv-dtype", ("memory", "half_weights"): "--half-weights/--no-half-weights",
+    ("memory", "kv_cache_bytes"): "--max-cache-bytes", ("memory", "host_cache_bytes"): "--host-cache-bytes",
+    ("memory", "kv_cache_bits"): "--kv-cache-bits", ("memory", "disk_cache_dir"): "--disk-cache-dir",
+    ("prefix_cache", "reuse"): "--reuse", ("prefix_cache", "blend_ratio"): "--blend-ratio",
+    ("attention", "backend"): "--attention-backend", ("matmul", "backend"): "--matmul-backend", ("awq", "streaming"): "--awq-streaming",
+}
+STREAMING_FLAGS = {
+    ("awq", "mode"): "--streaming-mode", ("awq", "keep_first_k"): "--keep-first-k", ("awq", "keep_last_k"): "--keep-last-k",
+    ("awq", "staging_slots"): "--staging-slots", ("awq", "drop_page_cache"): "--drop-page-cache", ("awq", "staging"): "--staging",
+    ("awq", "stream_embeddings"): "--stream-embeddings",
+}
+LLAMACPP_FLAGS = {("backend", "slot_save_path"): "--slot-save-path"}
+
+
+def inert_flag(cli: dict[str, dict[str, Any]], settings: Any) -> str | None:
+    """Why a flag given on the command line would have no effect with these settings, or None.
+    ``auto`` may pick any backend, so nothing is refused for it."""
+    given = {(section, key) for section, values in cli.items() for key, value in values.items() if value is not None}
+    kind = settings.backend.type
+    for flags, backend in ((HF_FLAGS, "hf"), (STREAMING_FLAGS, "hf"), (LLAMACPP_FLAGS, "llamacpp")):
+        stray = [flag for where, flag in flags.items() if where in given]
+        if stray and kind not in (backend, "auto"):
+            return f"{stray[0]} is for --backend {backend}; the {kind} backend would ignore it"
+    stray = [flag for where, flag in STREAMING_FLAGS.items() if where in given]
+    if stray and not settings.awq.streaming:
+        return f"{stray[0]} needs --awq-streaming (awq.streaming); without it the flag would be ignored"
+    return None
+
+
 @app.command()
 def serve(
     backend: Annotated[Optional[str], typer.Option(help="ollama | llamacpp | lmstudio | foundry | openai | hf | auto")] = None,
@@ -93,6 +129,10 @@ def serve(
         },
     }
     loaded = _load(cli, config)
+    why = inert_flag(cli, loaded.settings)
+    if why is not None:
+        print(f"config error: {why}", file=sys.stderr)
+        raise typer.Exit(2)
     from kvstream.cli.serve import run
 
     try:

@@ -984,7 +984,7 @@ def test_stream_embeddings_without_streaming_exits_with_one_line(tmp_path):
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )
     assert out.returncode != 0
-    assert "--stream-embeddings (awq.stream_embeddings) needs --awq-streaming" in out.stderr and "Traceback" not in out.stderr
+    assert "--stream-embeddings needs --awq-streaming" in out.stderr and "Traceback" not in out.stderr
 
 
 # ------------------------------------------------------------------ making one, serving one
