@@ -145,6 +145,11 @@ class GenerateRequest:
     # forwarded as it is by backends that speak the client's protocol natively, so that
     # nothing the runtime understands is lost. None: built from the fields above.
     body: dict[str, Any] | None = None
+    # The client's own request headers that go upstream with ``body`` (end to end ones only:
+    # not hop-by-hop, not those describing the body KVStream re-serializes, not KVStream's own
+    # credentials or controls): a runtime feature keyed by a header (llama-server's
+    # X-Conversation-Id stream sessions) works through KVStream as it does directly.
+    headers: dict[str, str] | None = None
     control: RequestControl = field(default_factory=RequestControl, repr=False, compare=False)
 
     @property

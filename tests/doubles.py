@@ -62,6 +62,7 @@ class Recorder:
     """What a double saw: bodies, concurrency, cancellations."""
 
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[Any] = field(default_factory=list)  # the generation requests' headers (case-insensitive)
     in_flight: int = 0
     max_in_flight: int = 0
     cancelled: int = 0
@@ -104,6 +105,7 @@ def openai_upstream(script: Script, recorder: Recorder, model_id: str = "test-mo
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         chat = request.path.endswith("chat/completions")
+        recorder.headers.append(request.headers.copy())
         with recorder.tracking(body):
             if script.hang:
                 await asyncio.sleep(3600)

@@ -244,6 +244,32 @@ async def test_a_streamed_chat_keeps_every_field_the_runtime_sent(runtime, start
     assert recorder.bodies[-1]["top_logprobs"] == 2 and recorder.bodies[-1]["stream_options"] == {"include_usage": True}
 
 
+async def test_a_managed_chat_carries_the_clients_own_headers_upstream(runtime, start_proxy, http):
+    """A runtime feature keyed by a request header (llama-server's X-Conversation-Id stream
+    sessions) works through KVStream: the client's end-to-end headers go with the forwarded
+    body, without the hop-by-hop ones, the body's own description, KVStream's controls or
+    KVStream's key; the runtime's credential is KVStream's to send."""
+    url, recorder, _, _ = runtime
+    proxy = await start_proxy(OpenAICompatibleBackend(url, api_key="runtime-key"), server={"api_keys": [KEY]})
+    body = {"model": "test-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    sent = {"Authorization": f"Bearer {KEY}", "X-Conversation-Id": "conv-1::m", "OpenAI-Organization": "org-1",
+            "Connection": "keep-alive, X-Drop", "X-Drop": "1", "X-KVStream-Priority": "high", "Accept-Encoding": "br"}
+    for stream in (True, False):
+        async with http.post(proxy.url + "/v1/chat/completions", json=body | {"stream": stream}, headers=sent) as resp:
+            assert resp.status == 200
+            await resp.read()
+        upstream = recorder.headers[-1]
+        assert upstream["X-Conversation-Id"] == "conv-1::m" and upstream["OpenAI-Organization"] == "org-1"
+        assert upstream["Authorization"] == "Bearer runtime-key" and upstream["Content-Type"] == "application/json"
+        assert upstream["X-Request-Id"] == resp.headers["X-Request-Id"]
+        assert "X-Drop" not in upstream and "X-KVStream-Priority" not in upstream and upstream.get("Accept-Encoding") != "br"
+    # The openai client's own headers arrive too (its SDK's X-Stainless-* among them).
+    client = AsyncOpenAI(base_url=proxy.url + "/v1", api_key=KEY, default_headers={"X-Conversation-Id": "conv-2"})
+    await client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
+    assert recorder.headers[-1]["X-Conversation-Id"] == "conv-2" and "X-Stainless-Lang" in recorder.headers[-1]
+    await client.close()
+
+
 async def test_usage_reaches_a_streaming_client_that_asked_for_it(runtime, start_proxy):
     url, _, _, _ = runtime
     proxy = await start_proxy(OpenAICompatibleBackend(url))

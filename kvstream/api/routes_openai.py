@@ -20,7 +20,7 @@ from kvstream.api.body import read_bytes
 from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception, json_body_error
 from kvstream.api.openai_format import DONE, Aggregate, StreamFormatter
 from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest, WarmRequest, forwarded_request
-from kvstream.api.routes_passthrough import forward
+from kvstream.api.routes_passthrough import forward, managed_route_headers
 from kvstream.api.state import CACHE_SALT, STATE, AppState
 from kvstream.api.streaming import GuardedResponse
 from kvstream.types import BackendError, BackendRejected, BackendUnavailable, GenerateRequest, Token
@@ -160,6 +160,7 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[Gen
     if state.engine.backend.forwards_body:
         data = await read_object(request)
         generate = forwarded_request(data, chat, request_id)
+        generate.headers = managed_route_headers(request)
         priority = parse_priority(request, data.get("priority"))
         options = data.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True

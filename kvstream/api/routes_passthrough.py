@@ -82,6 +82,27 @@ def forwarded_headers(request: web.Request, drop_authorization: bool) -> dict[st
     return headers
 
 
+# What the managed routes do not forward of the client's headers besides the hop-by-hop
+# ones: the body's description (KVStream sends the JSON it re-serialized), the encodings it
+# accepts (KVStream reads the answer), and its own controls (X-KVStream-*).
+REWRITTEN_BODY_HEADERS = frozenset({"content-length", "content-type", "content-encoding", "accept-encoding"})
+
+
+def drops_authorization(request: web.Request) -> bool:
+    """Whether the client's Authorization stays here: it was KVStream's own key, or the
+    runtime gets the credential KVStream was configured with."""
+    settings = request.app[STATE].settings
+    return bool(settings.accepted_keys()) or settings.backend.api_key is not None
+
+
+def managed_route_headers(request: web.Request) -> dict[str, str]:
+    """The client's headers that go upstream with a managed route's forwarded body."""
+    return {
+        name: value for name, value in forwarded_headers(request, drops_authorization(request)).items()
+        if name.lower() not in REWRITTEN_BODY_HEADERS and not name.lower().startswith("x-kvstream-")
+    }
+
+
 def route_class(path: str) -> str:
     """The low-cardinality label a passed-through request is counted under."""
     return "passthrough_generation" if path in GENERATION_PATHS | FORWARD_ONLY_PATHS else "passthrough"
@@ -128,8 +149,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
                 await gen.admitted()
             except Exception as exc:
                 raise from_exception(exc) from None
-        drop_auth = bool(state.settings.accepted_keys()) or state.settings.backend.api_key is not None
-        headers = forwarded_headers(request, drop_auth)
+        headers = forwarded_headers(request, drops_authorization(request))
         try:
             # Generations keep the request deadline; the runtime's other routes (a model
             # download, an upload) only the read timeout.

@@ -108,8 +108,9 @@ class UpstreamSession:
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """Send a request; yields the response once its headers arrived.
 
-        ``json_body`` is serialized; ``data`` (bytes, or an async iterator of bytes that is
-        streamed) and ``headers`` go as given; ``raw`` leaves the response's content
+        ``json_body`` is serialized (``headers`` go with it, its Content-Type KVStream's);
+        ``data`` (bytes, or an async iterator of bytes that is streamed) and ``headers`` go
+        as given; ``raw`` leaves the response's content
         encoding alone (a pass-through forwards the bytes it got). ``timeout`` replaces the
         session's deadline for this request; ``deadline=False`` drops it (only the read
         timeout holds: a runtime's admin route, such as a model download, may rightly run
@@ -120,7 +121,7 @@ class UpstreamSession:
         url = self.base_url + path
         kwargs: dict[str, Any] = {}
         if json_body is not None:
-            kwargs = {"data": dumps(json_body), "headers": _JSON_HEADERS}
+            kwargs = {"data": dumps(json_body), "headers": {**headers, **_JSON_HEADERS} if headers else _JSON_HEADERS}
         elif data is not None or headers is not None:
             kwargs = {"data": data, "headers": headers}
         if raw:

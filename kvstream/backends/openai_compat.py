@@ -127,7 +127,7 @@ class OpenAICompatibleBackend(BaseBackend):
         runtime's own chunks (``events``) or, not streaming, its whole answer (``payload``)."""
         path = self.chat_path if request.is_chat else self.completions_path
         forwarded = request.body is not None
-        async with self.http.request("POST", path, json_body=body) as resp:
+        async with self.http.request("POST", path, json_body=body, headers=request.headers) as resp:
             await raise_for_upstream_status(resp)
             # The answer's own type decides how it is read (a runtime may stream for a
             # "stream" value KVStream does not take as true, or not stream at all).
