@@ -5,6 +5,7 @@ resident, the bytes that stay resident, and every bad checkpoint refused with on
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -979,12 +980,17 @@ def test_serve_with_a_folder_that_is_not_awq_exits_with_one_line(tmp_path):
 
 
 def test_stream_embeddings_without_streaming_exits_with_one_line(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "kvstream.cli.main", "serve", "--backend", "hf", "--stream-embeddings", "--port", "0", "--log-level", "warning"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )
+    """Given as a flag, the command line refuses it; set in the environment (or a config
+    file), the hf backend does, at start, before loading anything."""
+    command = [sys.executable, "-m", "kvstream.cli.main", "serve", "--backend", "hf", "--port", "0", "--log-level", "warning"]
+    out = subprocess.run([*command, "--stream-embeddings"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode != 0
     assert "--stream-embeddings needs --awq-streaming" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "KVSTREAM_AWQ__STREAM_EMBEDDINGS": "true"})
+    assert out.returncode != 0
+    assert "--stream-embeddings (awq.stream_embeddings) needs --awq-streaming (awq.streaming)" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 # ------------------------------------------------------------------ making one, serving one
