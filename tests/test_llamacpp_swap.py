@@ -34,9 +34,8 @@ async def start(start_proxy, server, slot_dir, **scheduler):
 
 
 async def stream_text(client, model, chunks: list[str], priority: str, **kw) -> str | None:
-    stream = await client.completions.create(
-        model=model, prompt=COUNTING, temperature=0, stream=True, extra_headers={"X-KVStream-Priority": priority}, **kw
-    )
+    headers = {"X-KVStream-Priority": priority, "X-Conversation-Id": f"conv-{priority}"}
+    stream = await client.completions.create(model=model, prompt=COUNTING, temperature=0, stream=True, extra_headers=headers, **kw)
     finish = None
     async for chunk in stream:
         if chunk.choices:
@@ -51,6 +50,7 @@ async def test_preempted_stream_resumes_where_it_stopped(one_slot_server, start_
     assert proxy.engine.scheduler.preemptible and proxy.engine.scheduler.config.max_batch_size == 1
     reference = await client.completions.create(model=model, prompt=COUNTING, max_tokens=200, temperature=0)
     expected = reference.choices[0].text
+    upstream = record_upstream_headers(backend)
 
     low_chunks: list[str] = []
     low = asyncio.create_task(stream_text(client, model, low_chunks, "low", max_tokens=200))
@@ -74,7 +74,26 @@ async def test_preempted_stream_resumes_where_it_stopped(one_slot_server, start_
     else:
         assert backend.inject.stats.swap_outs == 0
     assert not list(tmp_path.glob("kvstream-swap-*")), "swap files are deleted once resumed"
+    # The resumed leg (llama-server's /completion) carries the client's own headers, as the first leg did.
+    conversations = [(path, h.get("x-conversation-id")) for path, h in upstream]
+    assert conversations[0] == ("/v1/completions", "conv-low") and conversations[-1] == ("/completion", "conv-low")
+    assert all("x-kvstream-priority" not in h for _, h in upstream)
     await wait_idle(proxy)
+
+
+def record_upstream_headers(backend) -> list[tuple[str, dict[str, str]]]:
+    """(path, headers with lower-case names) of every generation request the backend sends
+    from now on."""
+    seen: list[tuple[str, dict[str, str]]] = []
+    send = backend.http.request
+
+    def recording(method, path, **kw):
+        if path in ("/completion", "/v1/completions"):
+            seen.append((path, {name.lower(): value for name, value in (kw.get("headers") or {}).items()}))
+        return send(method, path, **kw)
+
+    backend.http.request = recording
+    return seen
 
 
 async def wait_idle(proxy) -> None:

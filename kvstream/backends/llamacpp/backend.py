@@ -203,7 +203,8 @@ class LlamaCppBackend(OpenAICompatibleBackend):
             if remaining == 0:
                 yield Token(finish_reason="length", usage=Usage(len(prompt), done))
                 return
-            async with self.http.request("POST", "/completion", json_body=body) as resp:
+            # The client's own headers go with the resumed leg too, as with the first.
+            async with self.http.request("POST", "/completion", json_body=body, headers=request.headers) as resp:
                 await raise_for_upstream_status(resp)
                 request.control.on_interrupt(lambda: resp.content.set_exception(BackendInterrupted()))
                 events = EventReader(resp)
