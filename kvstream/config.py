@@ -196,6 +196,7 @@ class ServerSettings(_Section):
     write_timeout_s: float = Field(30.0, gt=0, description="a client that reads nothing of its answer for this long is disconnected, and its request cancelled (its batch slot freed)")
     max_connections: int | None = Field(None, ge=1, description="most client connections open at once; past it a new connection gets 503 and is closed; none = 4096, or 3/4 of the open-file limit if that is lower")
     passthrough: bool = Field(True, description="pass every route KVStream does not manage to the runtime (its admin routes too, behind KVStream's keys); false = 404 for them")
+    runtime_metrics: bool = Field(True, description="carry the runtime's own Prometheus families (llama-server with --metrics, vLLM, SGLang) on /metrics after KVStream's, read at scrape time; several replicas' labelled kvstream_backend")
 
     @field_validator("api_keys", mode="before")
     @classmethod

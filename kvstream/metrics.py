@@ -23,6 +23,7 @@ from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
 
 from kvstream import __version__
+from kvstream.backends import federation
 
 if TYPE_CHECKING:
     from kvstream.engine import Generation, KVStreamEngine
@@ -123,7 +124,19 @@ class Metrics:
         self.e2e.observe(now - gen.submitted_at)
 
     def render(self) -> bytes:
+        """KVStream's own families."""
         return generate_latest(self.registry)
+
+    async def render_with_runtime(self) -> tuple[bytes, dict[str, str]]:
+        """KVStream's families followed by the runtime's own, read now (federation.py), and
+        the headers of the runtime's answer that come along: one runtime's (llama-server's
+        Process-Start-Time-Unix), none for several, which cannot all be one answer's."""
+        own = self.render()
+        scrapes = await self._engine.backend.runtime_metrics() if self._engine is not None else []
+        if not scrapes:
+            return own, {}
+        carried = scrapes[0].headers if len(scrapes) == 1 else {}
+        return federation.merge(own.decode(), scrapes).encode(), carried
 
 
 class _LocalCollector(Collector):

@@ -44,10 +44,14 @@ async def status(request: web.Request) -> web.Response:
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text format (see the metrics table in the README)."""
-    engine = request.app[STATE].engine
-    assert engine.metrics is not None
-    return web.Response(body=engine.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    """Prometheus text format (see the metrics table in the README): KVStream's families,
+    then the runtime's own unless ``server.runtime_metrics`` is off."""
+    state = request.app[STATE]
+    assert state.engine.metrics is not None
+    if not state.settings.server.runtime_metrics:
+        return web.Response(body=state.engine.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    body, carried = await state.engine.metrics.render_with_runtime()
+    return web.Response(body=body, headers=carried | {"Content-Type": CONTENT_TYPE})
 
 
 @routes.get("/openapi.json")

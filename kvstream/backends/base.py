@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvstream.backends import federation
 from kvstream.backends.http import UpstreamSession, split_credentials
 from kvstream.config import ConfigError, Settings
 from kvstream.scheduler import Scheduler, Sequence
@@ -48,6 +49,9 @@ class BaseBackend(abc.ABC):
     # prompt per slot: llama-server, Ollama, LM Studio) or "shared" (one prefix cache over
     # the whole KV pool: vLLM, SGLang).
     cache_model: str = "slots"
+    # The runtime's own Prometheus route, whose families KVStream's /metrics carries after
+    # its own (federation.py); None for a runtime that has none.
+    metrics_path: str | None = None
     # Set by the engine: called when the runtime lost its caches (see runtime_reloaded).
     on_reload: Callable[[str, GenerateRequest | None], None] | None = None
     # Set by the engine: called when a runtime that was saturated may take requests again.
@@ -172,6 +176,12 @@ class BaseBackend(abc.ABC):
     def metric_families(self) -> Iterator[Any]:
         """Prometheus metric families of the backend's own (read at scrape time); none by default."""
         return iter(())
+
+    async def runtime_metrics(self) -> list[federation.RuntimeScrape]:
+        """The runtime's own Prometheus text, read now, for KVStream's /metrics: one entry per
+        runtime that answered (none without a ``metrics_path``)."""
+        scraped = await federation.scrape(self.upstream(), self.metrics_path, self.base_url)
+        return [scraped] if scraped is not None else []
 
 
 class LocalStream(Protocol):

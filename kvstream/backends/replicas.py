@@ -53,6 +53,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstream.backends.affinity import SharedCacheModel, SlotModel
 from kvstream.backends.base import BaseBackend
+from kvstream.backends.federation import RuntimeScrape
 from kvstream.backends.http import UpstreamSession
 from kvstream.config import RoutingSettings, Settings
 from kvstream.kv.hashing import BlockHash, block_hashes, model_key, tenant_root
@@ -391,6 +392,11 @@ class ReplicaSet(BaseBackend):
                 entry["engine"] = engine
             replicas.append(entry)
         return super().describe() | {"routing": self.routing.policy, "replicas": replicas}
+
+    async def runtime_metrics(self) -> list[RuntimeScrape]:
+        """Every replica's own metrics, read at once (federation.merge labels them apart)."""
+        found = await asyncio.gather(*(r.backend.runtime_metrics() for r in self.replicas))
+        return [scraped for each in found for scraped in each]
 
     def metric_families(self) -> Iterator[Any]:
         up = GaugeMetricFamily("kvstream_replica_up", "1 while a replica takes traffic, 0 while ejected.", labels=["backend"])

@@ -48,6 +48,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
     name = "llamacpp"
     default_url = None
     health_path = "/health"
+    metrics_path = "/metrics"  # served when llama-server runs with --metrics (the managed one does)
 
     def __init__(
         self, base_url: str | None = None, model: str | None = None, settings: Settings | None = None, **overrides: Any
