@@ -69,7 +69,9 @@ def test_labelling_a_sample_keeps_its_labels_value_and_timestamp():
     assert labelled('m{a="1"} 2 1700', "k", "u") == 'm{k="u",a="1"} 2 1700'
     assert labelled("m 2", "k", 'x\\"\n') == 'm{k="x\\\\\\"\\n"} 2'
     assert labelled("m{} 2", "k", "u") == 'm{k="u"} 2'
-    assert [name for name, _, _ in families("orphan 1\n# TYPE g gauge\ng 2\n")] == ["orphan", "g"]
+    assert [name for name, _, _ in families("orphan 1\n# TYPE g gauge\ng 2\nstray 3\n# TYPE h histogram\nh_bucket 1\nh_sum 2\n")] == [
+        "orphan", "g", "stray", "h"
+    ]
 
 
 # ---------------------------------------------------------------- through the proxy

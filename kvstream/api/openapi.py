@@ -86,7 +86,7 @@ def build_spec() -> dict[str, Any]:
             "/health": {"get": {"summary": "Liveness", "responses": {"200": _json("The process answers")}}},
             "/ready": {"get": {"summary": "Readiness", "responses": {"200": _json("The runtime answers"), "503": _json("The runtime does not answer"), **_errors(401)}}},
             "/status": {"get": {"summary": "Snapshot", "responses": {"200": _json("Queue, KV pool, counters"), **_errors(401)}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}, **_errors(401)}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics: KVStream's series, then the runtime's own", "responses": {"200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}, **_errors(401)}}},
             "/openapi.json": {"get": {"summary": "This document", "responses": {"200": _json("OpenAPI 3.1")}}},
         },
         "components": {

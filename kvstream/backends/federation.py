@@ -75,7 +75,8 @@ def family_names(text: str) -> set[str]:
 
 def families(text: str) -> list[tuple[str, list[str], list[str]]]:
     """An exposition as (family name, its HELP/TYPE lines, its sample lines), in order. A
-    sample before any header is a family of its own name (untyped)."""
+    sample that is not its family's (one before any header, or another name) starts a
+    family of its own name (untyped)."""
     out: list[tuple[str, list[str], list[str]]] = []
     current: tuple[str, list[str], list[str]] | None = None
     for line in text.splitlines():
@@ -91,11 +92,20 @@ def families(text: str) -> list[tuple[str, list[str], list[str]]]:
                 out.append(current)
             current[1].append(line)
             continue
-        if current is None:
-            current = (_sample_name(line), [], [])
+        name = _sample_name(line)
+        if current is None or not _belongs(name, current[0]):
+            current = (name, [], [])
             out.append(current)
         current[2].append(line)
     return out
+
+
+# What a sample's name may add to its family's (histograms, summaries, counters, info).
+_SUFFIXES = ("", "_bucket", "_sum", "_count", "_total", "_created", "_info", "_gsum", "_gcount")
+
+
+def _belongs(sample: str, family: str) -> bool:
+    return any(sample == family + suffix for suffix in _SUFFIXES)
 
 
 def _sample_name(line: str) -> str:
