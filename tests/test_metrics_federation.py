@@ -84,6 +84,7 @@ async def test_a_real_llama_servers_metrics_are_on_kvstreams_metrics(llama_serve
     async with http.get(proxy.url + "/metrics") as resp:
         assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
         assert int(resp.headers["Process-Start-Time-Unix"]) > 0  # the runtime's header came along
+        assert "Access-Control-Allow-Origin" not in resp.headers  # llama-server's CORS header did not
         text = await resp.text()
     async with http.get(llama_server.url + "/metrics") as resp:
         direct = await resp.text()

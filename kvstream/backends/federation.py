@@ -28,7 +28,9 @@ logger = logging.getLogger(__name__)
 SCRAPE_TIMEOUT_S = 2.0
 MAX_BYTES = 8 * 1024 * 1024
 REPLICA_LABEL = "kvstream_backend"
-# Headers of the runtime's answer that describe KVStream's answer, not the runtime's.
+# Headers of the runtime's answer that describe the connection or the body KVStream sends,
+# not the runtime's metrics; its CORS headers (access-control-*) stay behind too: KVStream's
+# own route answers for its origin policy.
 NOT_CARRIED = frozenset(
     {
         "connection", "keep-alive", "transfer-encoding", "trailer", "upgrade", "content-type", "content-length",
@@ -61,7 +63,9 @@ async def scrape(session: UpstreamSession | None, path: str | None, url: str) ->
             if len(raw) > MAX_BYTES:
                 logger.warning("%s%s is larger than %d bytes: not carried on /metrics", url, path, MAX_BYTES)
                 return None
-            headers = {k: v for k, v in resp.headers.items() if k.lower() not in NOT_CARRIED}
+            headers = {
+                k: v for k, v in resp.headers.items() if k.lower() not in NOT_CARRIED and not k.lower().startswith("access-control-")
+            }
             return RuntimeScrape(url, raw.decode("utf-8", "replace"), headers)
     except Exception as exc:  # noqa: BLE001 - timeouts, refused connections, bad bytes: the scrape adds nothing
         logger.debug("%s%s: %s: not carried on /metrics", url, path, exc)
