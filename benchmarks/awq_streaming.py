@@ -16,12 +16,14 @@ more layers, random weights; made here), in one run:
   from the mapped checkpoint, the next layers' pages faulted in ahead, no copies);
 - mapped K = 2 with ``stream_embeddings`` ("tables"): the embeddings and LM head left in the
   mapped checkpoint too (the head's table read from the page cache every token, counted in
-  the bytes per token);
+  the bytes per token), warm and cold, and cold once more with the head's table not faulted
+  in ahead ("no fault-in": the streamer's fault-in turned off in that row's worker), the
+  baseline of what faulting it in ahead buys;
 - bytes staged per token, and the physical limit of streaming, measured here: the copy
   bandwidth from the mapped checkpoint in the page cache (warm rows) and the read bandwidth
   of the checkpoint file from disk after its pages are dropped (cold row), over those bytes.
 
-    python benchmarks/awq_streaming.py [--layers 96] [--tokens 12] [--repeats 3] [--rounds 2] [--skip-quality]
+    python benchmarks/awq_streaming.py [--layers 96] [--tokens 12] [--repeats 3] [--rounds 2] [--skip-quality] [--only TEXT ...]
 
 Decode tokens/s at batch 1: every row runs once per round (``--rounds``, in turn), each time
 a fresh process decoding ``--repeats`` times; a row reports its best (the worst round's
@@ -59,8 +61,11 @@ def watch():
         peak['anon'] = max(peak['anon'], status('RssAnon')); time.sleep(0.01)
 threading.Thread(target=watch, daemon=True).start()
 staging = 'mapped' if mode.startswith('mapped') else 'copy'
-streaming = (StreamingConfig('partial_resident', k, k, 2, mode.endswith('cold'), staging, stream_embeddings=mode.endswith('tables'))
+streaming = (StreamingConfig('partial_resident', k, k, 2, 'cold' in mode, staging, stream_embeddings='tables' in mode)
              if mode != 'resident' and mode != 'dense' else None)
+if mode.endswith('no-fault-in'):  # the baseline: the head's table left to its own page faults
+    from kvstream.hf.awq.streaming import LayerStreamer
+    LayerStreamer._fault_in_tail = lambda self: None
 engine = HFEngine.from_pretrained(None if folder == '-' else folder, device='cpu', dtype='float32', streaming=streaming,
                                   max_cache_bytes=256 * 2**20, max_batch_size=8)
 vocab = engine.tokenizer.vocab_size
@@ -174,6 +179,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="batch-1 decodes per worker process: its best counts")
     parser.add_argument("--rounds", type=int, default=2, help="passes over all rows: each row reports its best (worst beside it)")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--only", nargs="*", default=[], help="run only the rows whose name contains one of these")
     args = parser.parse_args()
     import torch
 
@@ -209,6 +215,10 @@ def main() -> None:
         runs |= {f"awq mapped K={k}": (str(packed), "mapped", k) for k in (0, 2, 4)}
         runs["awq mapped K=2 cold"] = (str(packed), "mapped-cold", 2)
         runs["awq mapped K=2 tables"] = (str(packed), "mapped-tables", 2)
+        runs["awq mapped K=2 tables cold"] = (str(packed), "mapped-tables-cold", 2)
+        runs["awq mapped K=2 tables cold, no fault-in"] = (str(packed), "mapped-tables-cold-no-fault-in", 2)
+        if args.only:
+            runs = {name: run for name, run in runs.items() if any(text in name for text in args.only)}
         # Every row once per round, rounds one after another: a burst of load on this shared
         # machine lasts minutes and falls on whichever rows run then; each row keeps its best
         # round (the worst beside it).
@@ -222,22 +232,29 @@ def main() -> None:
             rows[name] = max(tries, key=lambda r: r["decode_tps_1"]) | {"worst_tps_1": min(r["decode_tps_1"] for r in tries)}
         results[label] = {"copy_bandwidth": warm, "disk_bandwidth": cold, "rows": rows}
         print(f"\n{label}: bandwidth from the mapped checkpoint: page cache {warm / 1e9:.2f} GB/s, disk {cold / 1e9:.2f} GB/s")
-        print(f"{'run':<22} {'TTFT':>8} {'tok/s b1':>9} {'worst':>7} {'tok/s b8':>9} {'resident':>9} {'peak RSS':>9} {'peak anon':>9} "
+        print(f"{'run':<40} {'TTFT':>8} {'tok/s b1':>9} {'worst':>7} {'tok/s b8':>9} {'resident':>9} {'peak RSS':>9} {'peak anon':>9} "
               f"{'staged/tok b1':>13} {'limit b1':>9} {'of limit b1':>11} {'worst':>6} {'of limit b8':>11} {'kernel':>8}")
-        resident_run = rows["awq resident"]["resident_bytes"]
+        resident_run = rows["awq resident"]["resident_bytes"] if "awq resident" in rows else None
         for name, row in rows.items():
             staged = row["bytes_per_forward"]
-            limit = (cold if name.endswith("cold") else warm) / staged if staged else None  # tokens/s at batch 1
+            limit = (cold if "cold" in name else warm) / staged if staged else None  # tokens/s at batch 1
             share1 = f"{row['decode_tps_1'] / limit:.1%}" if limit else "-"
             worst1 = f"{row['worst_tps_1'] / limit:.0%}" if limit else "-"
             share8 = f"{row['decode_tps_8'] / (8 * limit):.1%}" if limit else "-"  # a forward's bytes serve 8 tokens
             row["limit_tps_1"] = limit
-            print(f"{name:<22} {row['ttft_ms']:>6.0f}ms {row['decode_tps_1']:>9.2f} {row['worst_tps_1']:>7.2f} {row['decode_tps_8']:>9.2f} "
+            print(f"{name:<40} {row['ttft_ms']:>6.0f}ms {row['decode_tps_1']:>9.2f} {row['worst_tps_1']:>7.2f} {row['decode_tps_8']:>9.2f} "
                   f"{row['resident_bytes'] / 2**20:>7.0f}MB {row['peak_rss'] / 2**20:>7.0f}MB {row['peak_anon'] / 2**20:>7.0f}MB "
                   f"{staged / 2**20:>11.1f}MB {'-' if limit is None else f'{limit:.1f}':>9} {share1:>11} {worst1:>6} {share8:>11} {row['kernel']:>8}")
-        k2 = rows["awq mapped K=2"]["resident_bytes"] / resident_run
-        tables = rows["awq mapped K=2 tables"]["resident_bytes"] / resident_run
-        print(f"resident bytes, streamed K=2 / AWQ resident: {k2:.2f}x (target < 0.5x); with the embeddings mapped too: {tables:.2f}x")
+        if {"awq resident", "awq mapped K=2", "awq mapped K=2 tables"} <= rows.keys():
+            k2 = rows["awq mapped K=2"]["resident_bytes"] / resident_run
+            tables = rows["awq mapped K=2 tables"]["resident_bytes"] / resident_run
+            print(f"resident bytes, streamed K=2 / AWQ resident: {k2:.2f}x (target < 0.5x); with the embeddings mapped too: {tables:.2f}x")
+        ahead, alone = rows.get("awq mapped K=2 tables cold"), rows.get("awq mapped K=2 tables cold, no fault-in")
+        if ahead and alone:
+            pairs = zip(rounds["awq mapped K=2 tables cold"], rounds["awq mapped K=2 tables cold, no fault-in"])
+            per_round = ", ".join(f"{a['decode_tps_1'] / b['decode_tps_1']:.2f}x" for a, b in pairs)
+            print(f"cold, head's table faulted in ahead / left to its page faults: {ahead['decode_tps_1'] / alone['decode_tps_1']:.2f}x"
+                  f" (bests; per round {per_round})")
     print(json.dumps(results))
 
 

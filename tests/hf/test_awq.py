@@ -434,9 +434,10 @@ def resident(rtn_folder):
      StreamingConfig("ffn_only_stream", 2, 2, 2, staging="copy"), StreamingConfig("full_stream", 0, 0, 3, staging="copy"),
      StreamingConfig("partial_resident", 2, 2, 2, drop_page_cache=True, staging="copy"),
      StreamingConfig("partial_resident", 2, 2, 2, staging="mapped"), StreamingConfig("full_stream", 0, 0, 1, staging="mapped"),
-     StreamingConfig("ffn_only_stream", 1, 1, 3, drop_page_cache=True, staging="mapped")],
+     StreamingConfig("ffn_only_stream", 1, 1, 3, drop_page_cache=True, staging="mapped"),
+     StreamingConfig("partial_resident", 2, 2, 2, drop_page_cache=True, staging="mapped", stream_embeddings=True)],
     ids=["partial-k2", "partial-k0-one-slot", "ffn-only", "full-stream-3-slots", "pages-dropped", "mapped",
-         "mapped-no-prefetch", "mapped-pages-dropped"],
+         "mapped-no-prefetch", "mapped-pages-dropped", "mapped-head-dropped-too"],
 )
 def test_streamed_and_resident_give_identical_logits(rtn_folder, resident, config):
     ids, expected, full = resident
@@ -625,6 +626,64 @@ def test_warm_mapped_forwards_check_the_page_cache_every_few_and_find_an_evicted
         assert len(checks) == 0
     finally:
         streamer.close()
+
+
+@pytest.mark.parametrize("staging", ["mapped", "copy"])
+def test_a_mapped_head_is_faulted_in_ahead_where_gone_and_dropped_with_the_layers(rtn_folder, monkeypatch, staging):
+    """``stream_embeddings``: the head's table, read whole after the layers every forward, is
+    checked as the first streamed layer starts and faulted in on a thread of its own where it
+    has left the page cache; with ``drop_page_cache`` it is dropped just before (so every
+    forward after the first reads it again), without it left cached."""
+    import gc
+    import os
+
+    from kvstream.hf.awq import streaming
+    from kvstream.hf.awq.streaming import unmap_pages
+
+    gc.collect()  # earlier tests' streamed models: their live mappings would keep dropped pages cached
+    populated: list[int] = []
+    populate = streaming.populate_pages
+    monkeypatch.setattr(streaming, "populate_pages", lambda start, end: (populated.append(start), populate(start, end)))
+    ids = torch.randint(0, 40000, (1, 4), generator=torch.Generator().manual_seed(8))
+    for drop in (True, False):
+        config = StreamingConfig("partial_resident", 2, 2, 2, drop_page_cache=drop, staging=staging, stream_embeddings=True)
+        model, report = load_awq_model(rtn_folder, torch.float32, config)
+        streamer = report.streamer
+        if not report.mapped_bytes_per_forward:
+            streamer.close()
+            pytest.skip(f"the head's table is held in memory here: {report.embeddings}")
+        try:
+            [(head_start, head_end)] = streamer.tail_ranges
+            assert head_end - head_start >= report.mapped_bytes_per_forward and streamer.tail == [model.lm_head.weight]
+            assert (streamer.tail_file_ranges is not None) == drop
+            head_faults = []
+            for _ in range(3):
+                populated.clear()
+                with torch.no_grad():
+                    model(ids, use_cache=False)
+                streamer.drain()
+                head_faults.append(head_start in populated)
+            if drop:
+                # Dropped as each later forward began, faulted in ahead each time (the first
+                # found it where writing the checkpoint left it: in the page cache).
+                assert head_faults[1:] == [True, True]
+            else:
+                assert head_faults[1:] == [False, False]  # still cached: nothing to fault in
+                unmap_pages(model.lm_head.weight)
+                fd = os.open(rtn_folder / "model.safetensors", os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+                populated.clear()
+                with torch.no_grad():
+                    model(ids, use_cache=False)
+                streamer.drain()
+                # Evicted: found gone and faulted in ahead (unless the kernel's read-ahead for
+                # the layers stored beside it brought it back first: then the check finds it).
+                assert head_start in populated or streaming.pages_cached(head_start, head_end)
+        finally:
+            streamer.close()
 
 
 def held_bytes(name: str, ref) -> int:

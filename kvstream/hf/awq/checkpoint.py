@@ -106,6 +106,16 @@ class SafetensorsIndex:
         pointer = tensor.untyped_storage().data_ptr()
         return any(pointer == storage.data_ptr() for storage in self._storages.values())
 
+    def file_range(self, tensor: torch.Tensor) -> tuple[str, int, int]:
+        """(file, start, end): where a tensor that is a view of one of this index's file
+        mappings lies in its file, in bytes."""
+        base = tensor.untyped_storage().data_ptr()
+        for file, storage in self._storages.items():
+            if storage.data_ptr() == base:
+                start = tensor.data_ptr() - base  # a mapping covers its whole file from byte 0
+                return str(file), start, start + tensor.numel() * tensor.element_size()
+        raise ValueError("the tensor is not a view of this checkpoint's mappings")
+
     def load(self, name: str) -> torch.Tensor:
         """The tensor copied into memory."""
         return self.mapped(name).clone()

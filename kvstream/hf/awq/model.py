@@ -177,7 +177,12 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
                         for ref in (index.refs[f"{names[id(layers[layer])]}.{relative}.{part}"] for part in ("qweight", "qzeros", "scales"))]
                 for layer in plan
             }
-        streamer = LayerStreamer(layers, plan, streaming.staging_slots, ranges, mapped=streaming.staging == "mapped")
+        # A mapped head reads its whole table after the layers, every forward: the streamer
+        # faults it in ahead, and drops it with the layers' pages.
+        mapped_head = [head.weight] if report.mapped_bytes_per_forward else []
+        head_ranges = [index.file_range(t) for t in mapped_head] if streaming.drop_page_cache else None
+        streamer = LayerStreamer(layers, plan, streaming.staging_slots, ranges, mapped=streaming.staging == "mapped",
+                                 tail=mapped_head, tail_file_ranges=head_ranges)
         report.streamer, report.streamed_bytes = streamer, streamer.bytes_per_forward
 
         def count_tokens(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

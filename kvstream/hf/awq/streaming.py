@@ -70,8 +70,9 @@ class StreamingConfig:
     staging: Literal["copy", "mapped"] = "mapped"
     # The token embeddings and the LM head read from the mapped checkpoint too (tied or not),
     # instead of held in memory: the head then reads its whole table from the page cache every
-    # forward, as a streamed layer does (the input lookup only its tokens' rows). Never
-    # dropped from the page cache (``drop_page_cache`` is for layers). Off by default: on the
+    # forward, as a streamed layer does (the input lookup only its tokens' rows): faulted in
+    # ahead where it has left the page cache, dropped with ``drop_page_cache`` as the layers
+    # are (the input table, read by rows, is not). Off by default: on the
     # large models streaming is for, the table is a small share of the weights, and a
     # resident head adds nothing to the bytes read from the mapping per token.
     stream_embeddings: bool = False
@@ -122,11 +123,20 @@ class LayerStreamer:
         slots: int,
         file_ranges: dict[int, list[tuple[str, int, int]]] | None = None,
         mapped: bool = False,
+        tail: list[torch.Tensor] | None = None,
+        tail_file_ranges: list[tuple[str, int, int]] | None = None,
     ) -> None:
         """``file_ranges``: per streamed layer, the (file, start, end) byte ranges its packed
         tensors occupy in the checkpoint, whose pages are dropped once staged (``mapped``:
         once computed); None keeps them. ``slots``: how many layers are staged at once (the
-        one computing and ``slots - 1`` ahead), into slot buffers unless ``mapped``."""
+        one computing and ``slots - 1`` ahead), into slot buffers unless ``mapped``.
+        ``tail``: mapped tensors every forward reads whole after the decoder layers (a mapped
+        LM head: ``stream_embeddings``), checked as the first streamed layer starts (one
+        mincore: ~30 us for SmolLM2's 56 MB table) and faulted in on a thread of their own
+        where they have left the page cache, so that the forward's layers hide the read
+        (a bulk fault-in read SmolLM2's table at 1.0-1.4 GB/s here, the head's own page faults
+        at 0.5-0.6); with ``tail_file_ranges`` (their byte ranges in the checkpoint) dropped
+        just before, as a layer's pages are once computed."""
         self.layers = layers
         self.file_ranges = file_ranges
         self.mapped = mapped
@@ -195,6 +205,14 @@ class LayerStreamer:
         self._lock = threading.Lock()
         self.staged_bytes = 0
         self.stall_s = 0.0  # time forwards waited for a copy
+        self.tail = tail or []
+        self.tail_ranges = merged_page_ranges(self.tail)
+        self._tail_vectors = [ctypes.create_string_buffer((end - start) // PAGE) for start, end in self.tail_ranges]
+        self.tail_file_ranges = tail_file_ranges
+        self._tail_pending: Future[None] | None = None
+        self._tail_read = False  # a forward has reached the tail since it was last dropped
+        # Its own thread: the tail's read runs beside the layers' staging, not queued behind it.
+        self._tail_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstream-tail")
         self._hooks = [layers[layer].register_forward_pre_hook(self._make_hook(layer)) for layer in self.order]
 
     @property
@@ -228,14 +246,38 @@ class LayerStreamer:
     def _drop(self, layer: int) -> None:
         """Unmap ``layer``'s checkpoint pages and evict them from the page cache."""
         assert self.file_ranges is not None
-        for _, packed in self.sources[layer]:
-            for source in (packed.qweight, packed.qzeros, packed.scales):
-                unmap_pages(source)
-        for path, start, end in self.file_ranges[layer]:
+        self._evict([t for _, packed in self.sources[layer] for t in (packed.qweight, packed.qzeros, packed.scales)],
+                    self.file_ranges[layer])
+
+    def _evict(self, tensors: list[torch.Tensor], file_ranges: list[tuple[str, int, int]]) -> None:
+        for tensor in tensors:
+            unmap_pages(tensor)
+        for path, start, end in file_ranges:
             fd = self._fds.get(path)
             if fd is None:
                 fd = self._fds[path] = os.open(path, os.O_RDONLY)
             os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+
+    def _before_tail(self, layer: int) -> None:
+        """The tail's pages (see ``__init__``), as a forward reaches its first streamed layer:
+        dropped (the last forward's head has read them), then faulted in where gone, beside
+        the layers' staging, the whole forward ahead of the head."""
+        position = self.position[layer]
+        if position == 0 and self.tail_file_ranges is not None and self._tail_read:
+            if self._tail_pending is not None:
+                self._tail_pending.result()
+                self._tail_pending = None
+            self._evict(self.tail, self.tail_file_ranges)
+            self._tail_read = False
+        if position == 0:
+            if not all(pages_cached(start, end, vector) for (start, end), vector in zip(self.tail_ranges, self._tail_vectors)):
+                self._tail_pending = self._tail_pool.submit(self._fault_in_tail)
+            self._tail_read = True
+
+    def _fault_in_tail(self) -> None:
+        for start, end in self.tail_ranges:
+            if not pages_cached(start, end):
+                populate_pages(start, end)
 
     def _make_hook(self, layer: int):
         def hook(module: torch.nn.Module, args: object) -> None:
@@ -250,6 +292,8 @@ class LayerStreamer:
             self._before_mapped(layer)
         else:
             self._before_copied(layer)
+        if self.tail_ranges:
+            self._before_tail(layer)
 
     def _wait(self, future: Future[int]) -> None:
         started = time.perf_counter()
@@ -318,17 +362,21 @@ class LayerStreamer:
             self._next_slot = (target + 1) % self.depth
 
     def drain(self) -> None:
-        """Wait for every copy in flight and forget it."""
+        """Wait for every copy (and faulting in) in flight and forget it."""
         for future, _ in self._pending.values():
             if future is not None:
                 future.result()
         self._pending.clear()
+        if self._tail_pending is not None:
+            self._tail_pending.result()
+            self._tail_pending = None
 
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self.drain()
         self._pool.shutdown(wait=True)
+        self._tail_pool.shutdown(wait=True)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
