@@ -253,9 +253,10 @@ class LayerStreamer:
         for tensor in tensors:
             unmap_pages(tensor)
         for path, start, end in file_ranges:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            with self._lock:  # the stager (copies) and the engine thread (the tail) both evict
+                fd = self._fds.get(path)
+                if fd is None:
+                    fd = self._fds[path] = os.open(path, os.O_RDONLY)
             os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
 
     def _before_tail(self, layer: int) -> None:
