@@ -1,7 +1,7 @@
 """/metrics carries the runtime's own Prometheus families after KVStream's: a real
 llama-server's through as they came (the scrape target a user had keeps working), several
-vLLM replicas' merged and labelled, and a runtime without metrics, a slow one or one that
-answers HTML adds nothing and delays nothing."""
+vLLM replicas' merged and labelled; a runtime without metrics, a slow one, one that
+answers HTML, and one that is gone add nothing and delay nothing."""
 
 from __future__ import annotations
 
@@ -144,3 +144,10 @@ async def test_a_runtime_without_usable_metrics_adds_nothing_and_delays_little(a
         assert resp.status == 200 and "kvstream_requests_total" in text and "runtime_metric" not in text, answer.__name__
         sample_values(text)
     assert asked == ["disabled", "html", "stuck"]
+    # A runtime that is gone (nothing listens at its port): KVStream's own metrics all the same.
+    gone = await aiohttp_server(quiet_runtime(disabled))
+    url = str(gone.make_url("")).rstrip("/")
+    await gone.close()
+    proxy = await start_proxy(LlamaCppBackend(url))
+    async with http.get(proxy.url + "/metrics", timeout=10) as resp:
+        assert resp.status == 200 and "kvstream_requests_total" in await resp.text()
