@@ -7,8 +7,8 @@ it came (names, types, help and samples untouched, its response headers too, suc
 llama-server's ``Process-Start-Time-Unix``); the families of several replicas are merged, one
 header per family and every sample labelled ``kvstream_backend="<replica URL>"``, since the
 same names from two runtimes would otherwise be two families in one exposition. A family
-whose name KVStream's own output already has (a runtime's ``process_*`` series) is left out:
-a name must mean one thing in one scrape. A runtime that serves no metrics (llama-server
+whose name KVStream's own output already has is left out (none today: KVStream's names all
+start ``kvstream_``): a name must mean one thing in one scrape. A runtime that serves no metrics (llama-server
 without ``--metrics`` answers 501), answers slowly or not at all, or answers something other
 than Prometheus text adds nothing: KVStream's own metrics never wait on it for long.
 """
