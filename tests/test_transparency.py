@@ -270,6 +270,28 @@ async def test_a_managed_chat_carries_the_clients_own_headers_upstream(runtime, 
     await client.close()
 
 
+async def test_a_runtime_behind_url_credentials_gets_them_whatever_authorization_a_client_sends(runtime, start_proxy, http):
+    """No KVStream keys, the runtime's credentials in its URL, and a client that sends its own
+    Authorization (the openai client always does): the managed chat and a passed-through
+    route reach the runtime with the URL's credentials (aiohttp refuses a request carrying
+    both, which had failed every such chat)."""
+    import base64
+
+    url, recorder, seen, _ = runtime
+    proxy = await start_proxy(OpenAICompatibleBackend(url.replace("http://", "http://user:p%40ss@")))
+    basic = "Basic " + base64.b64encode(b"user:p@ss").decode()
+    client = AsyncOpenAI(base_url=proxy.url + "/v1", api_key="the-clients-own", max_retries=0)
+    for stream in (False, True):
+        answer = await client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}], stream=stream)
+        if stream:
+            assert [chunk async for chunk in answer]
+        assert recorder.headers[-1]["Authorization"] == basic
+    await client.close()
+    async with http.get(proxy.url + "/props", headers={"Authorization": "Bearer the-clients-own"}) as resp:
+        assert resp.status == 200
+    assert seen[-1].headers["Authorization"] == basic
+
+
 async def test_usage_reaches_a_streaming_client_that_asked_for_it(runtime, start_proxy):
     url, _, _, _ = runtime
     proxy = await start_proxy(OpenAICompatibleBackend(url))

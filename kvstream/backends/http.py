@@ -88,6 +88,10 @@ class UpstreamSession:
         )
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        # The runtime's own credential (URL credentials or a configured key) wins over one a
+        # caller passes on: aiohttp refuses a request that carries both an Authorization
+        # header and session credentials, and the runtime must see KVStream's configured one.
+        self._own_credentials = auth is not None or any(name.lower() == "authorization" for name in headers)
 
     async def close(self) -> None:
         await self._pooled.close()
@@ -108,7 +112,8 @@ class UpstreamSession:
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """Send a request; yields the response once its headers arrived.
 
-        ``json_body`` is serialized (``headers`` go with it, its Content-Type KVStream's);
+        ``json_body`` is serialized (``headers`` go with it, its Content-Type KVStream's; an
+        Authorization among ``headers`` is dropped when the session has credentials of its own);
         ``data`` (bytes, or an async iterator of bytes that is streamed) and ``headers`` go
         as given; ``raw`` leaves the response's content
         encoding alone (a pass-through forwards the bytes it got). ``timeout`` replaces the
@@ -120,6 +125,8 @@ class UpstreamSession:
         """
         url = self.base_url + path
         kwargs: dict[str, Any] = {}
+        if headers and self._own_credentials:
+            headers = {name: value for name, value in headers.items() if name.lower() != "authorization"}
         if json_body is not None:
             kwargs = {"data": dumps(json_body), "headers": {**headers, **_JSON_HEADERS} if headers else _JSON_HEADERS}
         elif data is not None or headers is not None:
