@@ -49,6 +49,24 @@ async def test_chat_non_streaming_with_the_openai_client(proxied):
     assert proxy.engine.scheduler.bm.is_idle() and proxy.engine.stats.generation_tokens == 4
 
 
+async def test_answers_that_come_back_whole_count_in_the_recent_window(proxied, http):
+    """/status's last-minute figures (and the Retry-After estimate, which reads its median
+    end-to-end time) count non-streamed answers too: they have no first token to time."""
+    proxy, *_ = proxied
+    c = client(proxy)
+    await c.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    async with http.get(proxy.url + "/status") as resp:
+        recent = (await resp.json())["recent"]
+    assert recent["requests"] == 1 and recent["e2e_p50_s"] is not None
+    assert recent["ttft_p50_s"] is None and recent["decode_tokens_per_s_p50"] is None
+    assert proxy.engine.recent_e2e_median_s() == recent["e2e_p50_s"]
+    stream = await c.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}], stream=True)
+    assert [chunk async for chunk in stream]
+    async with http.get(proxy.url + "/status") as resp:
+        recent = (await resp.json())["recent"]
+    assert recent["requests"] == 2 and recent["ttft_p50_s"] is not None
+
+
 async def test_chat_streaming_is_framed_exactly_as_openai(proxied, http):
     proxy, *_ = proxied
     body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "stream": True,

@@ -80,7 +80,8 @@ class EngineStats:
     # Sum of |estimated - reported| prompt tokens for runtimes that cannot tokenize.
     estimate_error: int = 0
     estimated_prompts: int = 0
-    # (finished_at, ttft_s, e2e_s, decode tokens/s) of recent requests, for /status.
+    # (finished_at, ttft_s, e2e_s, decode tokens/s) of recent requests, for /status; ttft and
+    # rate None for an answer that came back whole.
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1024))
 
     def reject(self, code: str) -> None:
@@ -218,10 +219,13 @@ class Generation:
         if outcome == "finished":
             stats.requests_finished += 1
             now = time.monotonic()
+            # A non-streamed answer from a runtime comes back whole: no first token to time,
+            # but its end-to-end time still counts (the Retry-After estimate reads it).
+            ttft = rate = None
             if self.first_token_at is not None:
-                decode = now - self.first_token_at
+                ttft, decode = self.first_token_at - self.arrived_at, now - self.first_token_at
                 rate = (self.num_tokens - 1) / decode if self.num_tokens > 1 and decode > 0 else None
-                stats.recent.append((now, self.first_token_at - self.arrived_at, now - self.arrived_at, rate))
+            stats.recent.append((now, ttft, now - self.arrived_at, rate))
             if engine.metrics is not None:
                 engine.metrics.observe_finished(self)
             if self.usage is not None:
@@ -589,7 +593,7 @@ class KVStreamEngine:
             values = sorted(values)
             return round(values[min(len(values) - 1, int(q * len(values)))], 4)
 
-        ttft = [r[1] for r in rows]
+        ttft = [r[1] for r in rows if r[1] is not None]
         e2e = [r[2] for r in rows]
         rates = [r[3] for r in rows if r[3] is not None]
         return {
