@@ -51,5 +51,8 @@ async def test_auto_skips_a_kvstream_on_llama_servers_old_port(start_upstream, s
     url, _ = await start_upstream(factory=ollama_double)
     proxy = await start_proxy(OllamaBackend(url))  # a KVStream in front of Ollama
     monkeypatch.setattr(auto, "CANDIDATES", [(LlamaCppBackend, proxy.url), (OllamaBackend, proxy.url), (OllamaBackend, url)])
-    found = await auto.probe_runtimes(make_settings())
+    tried: list[str] = []
+    found = await auto.probe_runtimes(make_settings(), tried)
     assert isinstance(found, OllamaBackend) and found.base_url == url
+    # What the log line names: each runtime asked and where.
+    assert tried == [f"llamacpp ({proxy.url})", f"ollama ({proxy.url})", f"ollama ({url})"]

@@ -24,16 +24,19 @@ CANDIDATES: list[tuple[type[BaseBackend], str | None]] = [
 ]
 
 
-async def probe_runtimes(settings: Settings) -> BaseBackend | None:
+async def probe_runtimes(settings: Settings, tried: list[str] | None = None) -> BaseBackend | None:
     """A backend (not yet started) for the first runtime that identifies as itself (by what
     only it answers; an answer relayed by a KVStream does not count), never on KVStream's
-    own port; None when nothing answers."""
+    own port; None when nothing answers. ``tried`` gets each runtime and the address it was
+    asked at (a discovered one: LM Studio's default port or its CLI's, Foundry's CLI)."""
     own_port, model = settings.server.port, settings.backend.model
     for cls, url in CANDIDATES:
         if url is not None and urlsplit(url).port == own_port:
             continue
         probe = cls(url, model, settings)
         await probe.start()
+        if tried is not None:
+            tried.append(f"{cls.name} ({probe.base_url or 'no ' + cls.name + ' CLI found'})")
         try:
             # A discovered URL (Foundry's, LM Studio's CLI) may be KVStream's own port too.
             found = urlsplit(probe.base_url).port != own_port and await probe.identify()

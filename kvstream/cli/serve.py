@@ -9,7 +9,7 @@ import typer
 
 from kvstream.api.server import serve
 from kvstream.backends import get_backend_class
-from kvstream.backends.auto import CANDIDATES, probe_runtimes
+from kvstream.backends.auto import probe_runtimes
 from kvstream.backends.base import BaseBackend
 from kvstream.backends.llamacpp import LlamaCppBackend
 from kvstream.backends.llamacpp.runtime import find_binary
@@ -57,10 +57,11 @@ async def build_backend(settings: Settings) -> BaseBackend:
             logger.error("config error: %s", exc)
             raise typer.Exit(2) from None
     if b.type == "auto":
-        found = await probe_runtimes(settings)
+        attempts: list[str] = []
+        found = await probe_runtimes(settings, attempts)
         if found is not None:
             return found
-        tried = ", ".join(f"{cls.name} ({url or 'foundry CLI'})" for cls, url in CANDIDATES)
+        tried = ", ".join(attempts)
         if find_binary() and embedded_model():
             logger.info("auto: no runtime answered (tried %s); starting llama-server with the embedded SmolLM2", tried)
             return LlamaCppBackend(None, None, settings)
