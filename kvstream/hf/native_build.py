@@ -3,9 +3,12 @@
 Three kernels are compiled this way: the AWQ int4 matmul (``awq/awq_gemv.cpp``), the paged
 decode attention (``paged_decode.cpp``) and the float32 linear layers for decode-sized batches
 (``native_linear.cpp``). Each is built once per machine and cached in
-``build_directory``, named per instruction set (AVX2 + FMA where torch reports AVX2 or
+``build_folder``: named per instruction set (AVX2 + FMA where torch reports AVX2 or
 AVX-512, plain C++ otherwise) so that a cache shared by two kinds of CPU never hands one the
-other's build, with OpenMP (``at::parallel_for`` is inline OpenMP: without ``-fopenmp`` it runs
+other's build, and per source text and flags, the source copied in and compiled there: the
+build's ninja file names the source's path, so two checkouts or installs of the same source
+compiled from where each lies rebuilt each other's cache at every switch (a silent minute at
+``serve``), and a changed source was rebuilt without the "building" line. Built with OpenMP (``at::parallel_for`` is inline OpenMP: without ``-fopenmp`` it runs
 on one thread, as the first two did before the flag was added; not on macOS, whose Apple clang
 has no OpenMP). Compiling needs a C++ compiler and ninja (the ``hf`` extra installs ninja);
 where either is missing ``load_extension`` returns why, and the caller keeps its pure-torch
@@ -15,6 +18,7 @@ path.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -34,12 +38,48 @@ logger = logging.getLogger(__name__)
 
 
 def build_directory(name: str) -> Path:
-    """Where a kernel is built and cached: ``$TORCH_EXTENSIONS_DIR`` or
+    """Where a build name's kernels are cached: ``$TORCH_EXTENSIONS_DIR`` or
     ``~/.cache/torch_extensions``, per Python and torch version (the build links against
     both), one folder per build name."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     abi = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}".replace("+", "_")
     return Path(root) / abi / name
+
+
+def compiler_flags(vector: bool, extra_flags: tuple[str, ...] = ()) -> list[str]:
+    """The flags a kernel is compiled with (``vector``: AVX2 + FMA + F16C)."""
+    # -fopenmp: at::parallel_for is inline OpenMP; compiled without it, a kernel runs on one
+    # thread. The extension then shares the libgomp torch already loaded (same soname).
+    return ["-O3", *openmp_flags(), *(["-mavx2", "-mfma", "-mf16c"] if vector else []), *extra_flags]
+
+
+def openmp_flags() -> list[str]:
+    return [] if sys.platform == "darwin" else ["-fopenmp"]
+
+
+def uses_vector(vector: bool | None) -> bool:
+    """Whether a build is vectorized: where torch reports AVX2 or AVX-512, unless ``vector`` is False."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and vector is not False
+
+
+def build_folder(stem: str, source: Path, vector: bool | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The folder ``load_extension`` builds ``source`` in: the build name's, then one per
+    source text and compiler flags (the first 12 hex digits of their SHA-256)."""
+    vectorized = uses_vector(vector)
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update("\0".join(compiler_flags(vectorized, extra_flags)).encode())
+    return build_directory(build_name(stem, vectorized)) / digest.hexdigest()[:12]
+
+
+def copy_in(source: Path, folder: Path) -> Path:
+    """``source`` copied into ``folder`` (whose name is its hash: once there, it is the same
+    text), written aside and renamed so that a killed copy leaves no partial file."""
+    target = folder / source.name
+    if not target.exists():
+        partial = folder / f".{source.name}.{os.getpid()}"
+        shutil.copyfile(source, partial)
+        os.replace(partial, target)
+    return target
 
 
 @contextlib.contextmanager
@@ -94,24 +134,20 @@ def load_extension(
     warning when it cannot. ``vector``: None builds for this CPU; False builds the plain C++
     branches that a CPU without AVX2 runs (the tests run them here that way).
     ``extra_flags``: more compiler flags for this source (``-ffp-contract=off``)."""
-    capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
-    vector = capability in ("AVX2", "AVX512") and vector is not False
-    # -fopenmp: at::parallel_for is inline OpenMP; compiled without it, a kernel runs on one
-    # thread. The extension then shares the libgomp torch already loaded (same soname).
-    openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
-    flags = ["-O3", *openmp, *(["-mavx2", "-mfma", "-mf16c"] if vector else []), *extra_flags]
+    vector = uses_vector(vector)
     name = build_name(stem, vector)
     try:
         from torch.utils.cpp_extension import load as build
 
         put_ninja_on_path()
-        directory = build_directory(name)
+        directory = build_folder(stem, source, vector, extra_flags)
         directory.mkdir(parents=True, exist_ok=True)
         if not any(directory.glob("*.so")):
-            logger.info("building %s in %s (once per machine, ~40 s here)", source.name, directory)
+            logger.info("building %s in %s (once per machine and version, ~40 s here)", source.name, directory)
         with exclusive(directory):
             module = build(
-                name, [str(source)], extra_cflags=flags, extra_ldflags=openmp, build_directory=str(directory), verbose=False)
+                name, [str(copy_in(source, directory))], extra_cflags=compiler_flags(vector, extra_flags),
+                extra_ldflags=openmp_flags(), build_directory=str(directory), verbose=False)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja surfaces as many types
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         logger.warning("%s not built (%s); using the pure-torch path", source.name, why)

@@ -272,7 +272,8 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_build_waited_
     from kvstream.hf.awq import native
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    folder = native_build.build_directory(f"kvstream_awq_gemv_{torch.backends.cpu.get_cpu_capability().lower()}")
+    avx512 = native.AVX512_FLAGS if torch.backends.cpu.get_cpu_capability() == "AVX512" else ()
+    folder = native_build.build_folder("kvstream_awq_gemv", native.SOURCE, extra_flags=avx512)
     assert folder.is_relative_to(tmp_path)
     folder.mkdir(parents=True)
     (folder / "lock").touch()  # what a killed build leaves
@@ -301,6 +302,46 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_build_waited_
     assert result == [(None, "RuntimeError: stop here")]
     assert calls == [(str(folder), False)]  # the leftover was gone before torch's builder ran
     assert "left by a build that did not finish" in caplog.text
+
+
+def test_a_kernel_build_is_keyed_by_its_source_text_not_where_it_lies(tmp_path, monkeypatch, caplog):
+    """The same source in two checkouts shares one build (torch's ninja file names the path it
+    compiled, so each checkout used to rebuild the other's), a changed source or flag gets a
+    folder of its own, and the builder compiles the copy inside that folder."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from kvstream.hf import native_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    first, second = tmp_path / "a" / "k.cpp", tmp_path / "b" / "k.cpp"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_text("// kernel\n")
+    folder = native_build.build_folder("kvstream_k", first)
+    assert folder == native_build.build_folder("kvstream_k", second)
+    assert folder != native_build.build_folder("kvstream_k", first, extra_flags=("-DX",))
+    assert folder != native_build.build_folder("kvstream_k", first, vector=False)
+    second.write_text("// kernel, changed\n")
+    assert folder != native_build.build_folder("kvstream_k", second)
+    built = []
+
+    def builder(name, sources, build_directory, **kwargs):
+        built.append((name, sources, build_directory))
+        (Path(build_directory) / f"{name}.so").touch()  # what a finished build leaves
+        return SimpleNamespace()
+
+    monkeypatch.setattr(cpp_extension, "load", builder)
+    third = tmp_path / "c" / "k.cpp"
+    third.parent.mkdir()
+    shutil.copyfile(first, third)
+    with caplog.at_level("INFO", logger="kvstream.hf.native_build"):
+        for path in (first, third, second):
+            assert native_build.load_extension("kvstream_k", path)[0] is not None
+    source = folder / "k.cpp"
+    assert built[0][1:] == built[1][1:] == ([str(source)], str(folder)) and source.read_text() == "// kernel\n"
+    assert built[2][2] != str(folder)  # the changed text builds apart
+    # "building" is said where a build is to come: the first time, and for the changed text.
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == ["building k.cpp"] * 2
 
 
 def test_the_kernel_probe_picks_a_correct_kernel_and_says_why():
