@@ -40,7 +40,7 @@ from kvstream.hf.blend import BlendParams
 from kvstream.hf.detokenize import IncrementalDetokenizer
 from kvstream.hf.kv_cache import KVShape, PagedKVCache, auto_batch_size, pool_dtype
 from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
-from kvstream.hf.sampling import SamplingParams, sample
+from kvstream.hf.sampling import History, SamplingParams, TokenLogprobs, logprobs_of, sample
 from kvstream.hf.block_manager import ReuseBlockManager
 from kvstream.scheduler import (
     QueueFull,
@@ -104,6 +104,7 @@ class TokenEvent:
     finish_reason: str | None = None
     error: BaseException | None = None
     logits: torch.Tensor | None = None  # the first token's, when SamplingParams asks for them
+    logprobs: TokenLogprobs | None = None  # this token's, when SamplingParams asks for them
     index: int = 0  # the choice this event belongs to (n > 1)
 
 
@@ -213,6 +214,8 @@ class ModelRunner:
             model, config.matmul != "torch", self.kv_shape, self.kv_dtype, config.block_size, lambda cache, seqs: self._plan(seqs, cache)
         )
         self.eos_ids = self._eos_ids()
+        # The width of a row of logits: what logit_bias may name (tokenizers may list fewer).
+        self.vocab_size: int | None = getattr(model.config, "vocab_size", None)
         self.counters = RunnerCounters()
         self.requests: dict[str, RunnerRequest] = {}
         self._finished: list[RunnerRequest] = []  # finished this step, events not yet sent
@@ -564,12 +567,20 @@ class ModelRunner:
                     rows.append(row)
         if len(rows) > len(logits):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+        params = [r.params for r in sampled]
+        histories = [History(r.seq.prompt_token_ids, r.seq.output_token_ids) if p.adjusts_logits else None
+                     for r, p in zip(sampled, params, strict=True)]
+        tokens = sample(logits, params, [r.generator for r in sampled], histories)
+        wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
+        logprobs = dict(zip(wanted, logprobs_of(
+            logits, wanted, [tokens[row] for row in wanted], [params[row].logprobs for row in wanted]), strict=True))
         for row, (req, token) in enumerate(zip(sampled, tokens, strict=True)):
             first = logits[row].float().cpu() if req.params.keep_first_logits and req.num_generated == 0 else None
             self._emit(req, token)
             if first is not None:
                 req.events[-1].logits = first  # the event _emit just queued
+            if row in logprobs:
+                req.events[-1].logprobs = logprobs[row]
 
     def _plan(self, plan_seqs: list[tuple[list[int], int, int]], cache: PagedKVCache | None = None) -> AttentionPlan:
         """A step's attention plan over the pool (``cache``: another pool, the start-up probes')."""

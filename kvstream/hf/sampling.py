@@ -1,7 +1,13 @@
-"""Per-request sampling over one step's logits: greedy, temperature, top-k, top-p, seed.
+"""Per-request sampling over one step's logits: greedy, temperature, top-k, top-p, min-p,
+seed, the logit adjustments (``logit_bias``, OpenAI's presence and frequency penalties,
+llama.cpp's / Ollama's ``repeat_penalty``), and the log-probabilities a request asks for.
 
 Each request keeps its own ``torch.Generator`` so a seeded request draws the same tokens
 whatever else shares its batch (reproducible per request, as OpenAI's ``seed`` promises).
+Adjustments apply before the choice, greedy included, in the order llama.cpp applies them
+(bias, repeat penalty, then presence/frequency); log-probabilities are the model's own
+distribution (log-softmax of the raw logits, as vLLM reports by default), whatever the
+adjustments and temperature did to the choice.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 @dataclass
 class SamplingParams:
@@ -24,6 +31,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     keep_first_logits: bool = False  # hand the first token's logits back (verification)
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability
+    presence_penalty: float = 0.0  # OpenAI: minus this from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this per time a token was generated
+    repeat_penalty: float = 1.0  # llama.cpp: logits of the last repeat_last_n tokens / (or x) this
+    repeat_last_n: int = 64  # prompt and output, as llama.cpp counts them; -1: the whole context
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely (k <= 20)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -34,6 +48,19 @@ class SamplingParams:
             raise ValueError("top_p must be in [0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repeat_penalty <= 0:
+            raise ValueError("repeat_penalty must be > 0")
+        if self.repeat_last_n < -1:
+            raise ValueError("repeat_last_n must be >= -1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before the choice (bias or a penalty)."""
+        return bool(self.logit_bias) or bool(self.presence_penalty) or bool(self.frequency_penalty) or self.repeat_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -50,16 +77,62 @@ class SamplingParams:
         return generator
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ``[N, vocab]``."""
+@dataclass
+class TokenLogprobs:
+    """The chosen token's log-probability and the ``k`` most likely tokens' (id, logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class History:
+    """What a row's penalties read: its prompt's token ids and those generated so far."""
+
+    prompt: list[int]
+    output: list[int]
+
+
+def adjust(scores: torch.Tensor, p: SamplingParams, history: History | None) -> torch.Tensor:
+    """One row's logits after ``logit_bias`` and the penalties (a new tensor)."""
+    scores = scores.clone()
+    vocab, device = scores.numel(), scores.device
+    if p.logit_bias:
+        known = [i for i in p.logit_bias if i < vocab]  # ids past the logits (padding rows): nothing to bias
+        scores[torch.tensor(known, dtype=torch.long, device=device)] += torch.tensor(
+            [p.logit_bias[i] for i in known], dtype=scores.dtype, device=device)
+    if history is None:
+        return scores
+    if p.repeat_penalty != 1.0:
+        context = history.prompt + history.output
+        recent = context if p.repeat_last_n == -1 else context[len(context) - p.repeat_last_n:] if p.repeat_last_n else []
+        if recent:
+            ids = torch.tensor(sorted(set(recent)), dtype=torch.long, device=device)
+            values = scores[ids]
+            scores[ids] = torch.where(values > 0, values / p.repeat_penalty, values * p.repeat_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and history.output:
+        counts = torch.bincount(torch.tensor(history.output, dtype=torch.long, device=device), minlength=vocab)[:vocab].to(scores.dtype)
+        scores -= counts * p.frequency_penalty + (counts > 0).to(scores.dtype) * p.presence_penalty
+    return scores
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    histories: list[History | None] | None = None,
+) -> list[int]:
+    """One token per row of ``logits`` ``[N, vocab]``; ``histories`` (per row) feed the
+    penalties of the rows that have them."""
     logits = logits.float()
     tokens: list[int] = []
     greedy = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        scores = logits[row]
+        if p.adjusts_logits:
+            scores = adjust(scores, p, histories[row] if histories is not None else None)
         if p.greedy:
-            tokens.append(greedy[row])
+            tokens.append(int(scores.argmax()) if p.adjusts_logits else greedy[row])
             continue
-        scores = logits[row] / p.temperature
+        scores = scores / p.temperature
         if p.top_k:
             kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -72,5 +145,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             drop[0] = False
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if p.min_p > 0:  # after top-p, as llama.cpp orders them (the most likely token always stays)
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         tokens.append(int(torch.multinomial(probs.cpu(), 1, generator=gen).item()))
     return tokens
+
+
+def logprobs_of(logits: torch.Tensor, rows: list[int], tokens: list[int], k: list[int]) -> list[TokenLogprobs]:
+    """For each of ``rows`` of ``logits``: the log-probability of ``tokens[i]`` (the one chosen
+    there) and the ``k[i]`` most likely tokens', under the model's own distribution."""
+    if not rows:
+        return []
+    picked = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(), dim=-1).cpu()
+    widest = max(k)
+    top_values, top_ids = (picked.topk(widest, dim=-1) if widest else (None, None))
+    out = []
+    for i, (token, kk) in enumerate(zip(tokens, k, strict=True)):
+        top = list(zip(top_ids[i, :kk].tolist(), top_values[i, :kk].tolist(), strict=True)) if kk else []
+        out.append(TokenLogprobs(float(picked[i, token]), top))
+    return out

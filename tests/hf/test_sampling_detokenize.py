@@ -9,7 +9,7 @@ from tests.conftest import require_import
 torch = require_import("torch")
 
 from kvstream.hf.detokenize import IncrementalDetokenizer  # noqa: E402
-from kvstream.hf.sampling import SamplingParams, sample  # noqa: E402
+from kvstream.hf.sampling import History, SamplingParams, adjust, logprobs_of, sample  # noqa: E402
 
 
 def logits(rows: int = 3, vocab: int = 50) -> torch.Tensor:
@@ -43,6 +43,69 @@ def test_top_k_never_draws_outside_the_k_best():
     "kwargs", [{"temperature": -1}, {"top_p": -0.1}, {"top_p": 1.5}, {"top_k": -2}, {"max_tokens": 0}]
 )
 def test_invalid_parameters_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_decides_a_greedy_choice_and_can_ban_a_token():
+    x = logits(rows=1)
+    best = int(x[0].argmax())
+    third = int(x[0].argsort(descending=True)[2])
+    assert sample(x, [SamplingParams(temperature=0, logit_bias={third: 100.0})], [None]) == [third]
+    banned = SamplingParams(temperature=0, logit_bias={best: -100.0})
+    assert sample(x, [banned], [None]) != [best]
+    assert banned.adjusts_logits and not SamplingParams().adjusts_logits
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula():
+    """logit[j] - count[j] * frequency - (count[j] > 0) * presence, counted over the output."""
+    x = torch.zeros(6)
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = adjust(x, p, History(prompt=[5, 5, 5], output=[1, 1, 2]))
+    assert out.tolist() == [0.0, -1.0, -0.75, 0.0, 0.0, 0.0]  # the prompt's 5 is not penalized
+    assert x.tolist() == [0.0] * 6  # a new tensor: the batch's logits stay as computed
+
+
+def test_repeat_penalty_divides_positive_and_multiplies_negative_logits_over_the_last_n():
+    x = torch.tensor([2.0, -2.0, 2.0, 2.0])
+    p = SamplingParams(repeat_penalty=2.0, repeat_last_n=3)
+    out = adjust(x, p, History(prompt=[3, 0], output=[1, 0]))  # the last 3: 0, 1, 0
+    assert out.tolist() == [1.0, -4.0, 2.0, 2.0]
+    everything = adjust(x, SamplingParams(repeat_penalty=2.0, repeat_last_n=-1), History(prompt=[3, 0], output=[1]))
+    assert everything.tolist() == [1.0, -4.0, 2.0, 1.0]
+    assert adjust(x, SamplingParams(repeat_penalty=2.0, repeat_last_n=0), History([3], [1])).tolist() == x.tolist()
+
+
+def test_a_greedy_row_with_penalties_reads_its_own_history():
+    x = torch.tensor([[3.0, 2.9, 0.0], [3.0, 2.9, 0.0]])
+    params = [SamplingParams(temperature=0, frequency_penalty=1.0), SamplingParams(temperature=0)]
+    assert sample(x, params, [None, None], [History([], [0]), None]) == [1, 0]
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely():
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.1]]))
+    p = SamplingParams(min_p=0.5, seed=0)
+    gen = p.make_generator()
+    assert {sample(x, [p], [gen])[0] for _ in range(60)} == {0, 1}
+
+
+def test_logprobs_are_the_models_own_distribution_with_the_k_best():
+    x = logits(rows=2)
+    tokens = [3, 7]
+    out = logprobs_of(x, [0, 1], tokens, [2, 0])
+    reference = torch.log_softmax(x, dim=-1)
+    assert out[0].logprob == pytest.approx(float(reference[0, 3]))
+    best = reference[0].topk(2)
+    assert [i for i, _ in out[0].top] == best.indices.tolist()
+    assert [lp for _, lp in out[0].top] == pytest.approx(best.values.tolist())
+    assert out[1].top == [] and out[1].logprob == pytest.approx(float(reference[1, 7]))
+    assert logprobs_of(x, [], [], []) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"min_p": 1.5}, {"repeat_penalty": 0}, {"repeat_last_n": -2}, {"logprobs": 21}, {"logprobs": -1}]
+)
+def test_invalid_new_parameters_are_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
 
