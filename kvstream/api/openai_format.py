@@ -145,8 +145,11 @@ class ChoiceParts:
     reasoning: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: str | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # each token's, as streamed
 
     def add(self, token: Token) -> None:
+        if token.logprobs is not None:
+            self.logprobs.append(token.logprobs)
         delta = token.chat_delta()
         if delta.get("content"):
             self.text.append(delta["content"])
@@ -170,6 +173,21 @@ class ChoiceParts:
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
         return message
+
+
+def join_logprobs(pieces: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A non-streamed choice's logprobs from its chunks': each list field joined in order
+    (chat's ``content``; completions' ``tokens``, ``token_logprobs``, ...). None without any."""
+    if not pieces:
+        return None
+    joined: dict[str, Any] = {}
+    for piece in pieces:
+        for key, value in piece.items():
+            if isinstance(value, list):
+                joined.setdefault(key, []).extend(value)
+            else:
+                joined.setdefault(key, value)
+    return joined
 
 
 @dataclass
@@ -202,14 +220,14 @@ class Aggregate:
 
     def chat_response(self, fmt: StreamFormatter, usage: Usage) -> dict[str, Any]:
         choices = [
-            {"index": i, "message": parts.message(), "logprobs": None, "finish_reason": parts.finish_reason}
+            {"index": i, "message": parts.message(), "logprobs": join_logprobs(parts.logprobs), "finish_reason": parts.finish_reason}
             for i, parts in sorted(self.choices.items())
         ]
         return self._body(fmt, usage, choices)
 
     def completion_response(self, fmt: StreamFormatter, usage: Usage) -> dict[str, Any]:
         choices = [
-            {"index": i, "text": "".join(parts.text), "logprobs": None, "finish_reason": parts.finish_reason}
+            {"index": i, "text": "".join(parts.text), "logprobs": join_logprobs(parts.logprobs), "finish_reason": parts.finish_reason}
             for i, parts in sorted(self.choices.items())
         ]
         return self._body(fmt, usage, choices)

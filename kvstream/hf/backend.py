@@ -37,6 +37,7 @@ from kvstream.types import (
 
 if TYPE_CHECKING:
     from kvstream.hf.loader import LoadedModel
+    from kvstream.hf.logprob_format import LogprobFormatter
     from kvstream.hf.model_runner import ModelRunner, TokenEvent
 
 logger = logging.getLogger(__name__)
@@ -99,8 +100,9 @@ class HFStream:
     last, which ends the stream with usage summed over the choices.
     """
 
-    def __init__(self, backend: HFBackend, seq: Sequence) -> None:
+    def __init__(self, backend: HFBackend, seq: Sequence, logprobs: LogprobFormatter | None = None) -> None:
         loop = asyncio.get_running_loop()
+        self._logprobs = logprobs  # formats each token's log-probabilities, when asked for
         self.admitted: asyncio.Future[None] = loop.create_future()
         self._backend = backend
         self._seq = seq
@@ -134,13 +136,17 @@ class HFStream:
                         err = event.error
                         raise BackendError(str(err), err.status, code=err.code, retryable=err.status >= 429)
                     raise BackendError(f"the engine failed: {event.error!r}", 500, code="engine_error")
+                ended_by_eos = event.finish_reason == "stop" and event.token_id in runner.eos_ids
+                logprobs = None
+                if self._logprobs is not None and event.logprobs is not None and not ended_by_eos:
+                    logprobs = self._logprobs.format(event.token_id, event.logprobs, event.index)  # type: ignore[arg-type]
                 if event.finish_reason is None:
                     generated += 1
-                    yield Token(text=event.text, token_id=event.token_id, index=event.index)
+                    yield Token(text=event.text, token_id=event.token_id, logprobs=logprobs, index=event.index)
                     continue
-                if event.text:
-                    yield Token(text=event.text, token_id=event.token_id, index=event.index)
-                if event.finish_reason == "length" or event.token_id not in runner.eos_ids:
+                if event.text or logprobs is not None:
+                    yield Token(text=event.text, token_id=event.token_id, logprobs=logprobs, index=event.index)
+                if not ended_by_eos:
                     generated += 1
                 open_choices -= 1
                 if open_choices:
@@ -365,12 +371,24 @@ class HFBackend(InProcessBackend):
 
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
+        # Before the request is queued: a field the engine refuses is a 400 at once.
+        self._sampling_params(request, 1)
         tokenizer = self.runner.tokenizer
         if request.is_chat:
+            # Tools go to the template, as the model was trained to see them; with
+            # tool_choice "none" the client wants none called, and they are left out.
+            tools = request.extra.get("tools") if request.extra.get("tool_choice") != "none" else None
             try:
                 # A warm-up prefills the conversation's prefix: no assistant header after it,
                 # which later requests would not share.
-                return chat_token_ids(tokenizer, request.messages or [], generation_prompt=not request.prefix_only)
+                ids = chat_token_ids(tokenizer, request.messages or [], generation_prompt=not request.prefix_only, tools=tools)
+                if tools and ids == chat_token_ids(tokenizer, request.messages or [], generation_prompt=not request.prefix_only):
+                    # Its template drops them: the model would never see them (Ollama's answer too).
+                    raise BackendRejected(f"{self.model_name or 'this model'} does not support tools (its chat template "
+                                          "does not render them)", param="tools", code="unsupported_parameter")
+                return ids
+            except BackendRejected:
+                raise
             except Exception as exc:  # a template that rejects these messages (roles, tools...)
                 raise BackendRejected(f"the model's chat template rejected the messages: {exc}", param="messages") from None
         return list(tokenizer(request.prompt or "").input_ids) or [tokenizer.bos_token_id or 0]
@@ -384,23 +402,21 @@ class HFBackend(InProcessBackend):
             return None
         return BlendParams(blend_ratio=prefix.blend_ratio if request.blend_ratio is None else request.blend_ratio)
 
+    def _sampling_params(self, request: GenerateRequest, max_tokens: int) -> Any:
+        """The request's SamplingParams (request_options.py); 400 for what the engine refuses."""
+        from kvstream.hf.request_options import sampling_params
+
+        assert self.runner is not None
+        return sampling_params(request, max_tokens, self.runner.vocab_size)
+
     def submit(self, request: GenerateRequest, seq: Sequence) -> HFStream:
-        from kvstream.hf.sampling import SamplingParams
+        from kvstream.hf.logprob_format import LogprobFormatter
 
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
-        try:
-            params = SamplingParams(
-                max_tokens=seq.max_tokens,
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=request.top_k or 0,
-                seed=request.seed,
-                stop=list(request.stop),
-            )
-        except ValueError as exc:
-            raise BackendRejected(str(exc)) from None
-        stream = HFStream(self, seq)
+        params = self._sampling_params(request, seq.max_tokens)
+        formatter = LogprobFormatter(self.runner.tokenizer, request.is_chat) if params.logprobs is not None else None
+        stream = HFStream(self, seq, formatter)
         self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
         return stream
 

@@ -57,10 +57,14 @@ class LoadedModel:
         return out | ({"stored": self.stored} if self.stored is not None else {})
 
 
-def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool = True) -> list[int]:
+def chat_token_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     """Token ids of chat messages through the model's template, generation prompt added
-    (without it: the prefix that later conversations starting with these messages share)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False)
+    (without it: the prefix that later conversations starting with these messages share),
+    ``tools`` (OpenAI's function definitions) rendered as the template renders them."""
+    ids = tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False)
     return list(ids["input_ids"] if hasattr(ids, "get") else ids)  # some versions return a BatchEncoding
 
 

@@ -279,3 +279,90 @@ async def test_ollama_front_on_the_in_process_engine(hf_proxy, http):
     async with http.post(hf_proxy.url + "/api/embed", json={"model": "smollm2", "input": "x"}) as resp:
         assert resp.status == 501 and "embeddings" in (await resp.json())["error"]
 
+
+
+async def test_logprobs_are_the_models_own_streamed_or_not_chat_and_completions(oa, smollm2):
+    """The first token's log-probability is log-softmax of the model's logits after the
+    prompt (plain transformers, same weights); the streamed chunks carry what the
+    non-streamed answer joins; completions get OpenAI's legacy shape."""
+    _, reference_model, tokenizer = smollm2
+    messages = [{"role": "user", "content": "Name a planet."}]
+    reply = await oa.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in entries)
+    assert "".join(e.token for e in entries) == reply.choices[0].message.content
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == reply.choices[0].message.content
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    with torch.no_grad():
+        reference = torch.log_softmax(reference_model(torch.tensor([list(ids)])).logits[0, -1].float(), dim=-1)
+    best = reference.topk(3)
+    assert entries[0].token == tokenizer.decode([int(best.indices[0])])  # greedy: the most likely
+    assert entries[0].logprob == pytest.approx(float(best.values[0]), abs=1e-3)
+    assert [t.logprob for t in entries[0].top_logprobs] == pytest.approx(best.values.tolist(), abs=1e-3)
+
+    stream = await oa.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e for chunk in [c async for c in stream] if chunk.choices and chunk.choices[0].logprobs
+                for e in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+
+    plain = await oa.chat.completions.create(model="smollm2", messages=messages, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == reply.choices[0].message.content
+
+    text = await oa.completions.create(model="smollm2", prompt="The sky is", max_tokens=5, temperature=0, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert "".join(lp.tokens) == text.choices[0].text and len(lp.token_logprobs) == len(lp.tokens) == 5
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert all(len(top) <= 2 and token in top for top, token in zip(lp.top_logprobs, lp.tokens, strict=True))
+
+
+async def test_logit_bias_and_penalties_change_the_answer(oa, smollm2):
+    tokenizer = smollm2[2]
+    messages = [{"role": "user", "content": "Say hi."}]
+    greedy = await oa.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=24, temperature=0, logprobs=True)
+    first = greedy.choices[0].logprobs.content[0]
+    [first_id] = tokenizer.convert_tokens_to_ids([tokenizer.tokenize(first.token)[0]])
+    assert tokenizer.decode([first_id]) == first.token
+    banned = await oa.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=24, temperature=0, logprobs=True, logit_bias={str(first_id): -100})
+    assert banned.choices[0].logprobs.content[0].token != first.token
+    penalized = await oa.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=24, temperature=0, frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalized.choices[0].message.content != greedy.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"not-an-id": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"49152": 1}}, "logit_bias"),  # past SmolLM2's vocabulary
+        ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
+        # SmolLM2's template does not render tools: the model would never see them.
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"extra_body": {"min_p": 2}}, "min_p"),
+    ],
+)
+async def test_what_the_engine_cannot_honour_is_a_400_naming_the_field(hf_proxy, oa, kwargs, param):
+    with pytest.raises(BadRequestError) as err:
+        await oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **kwargs)
+    assert err.value.status_code == 400 and err.value.param == param
+    await wait_idle(hf_proxy)
+    assert hf_proxy.engine.scheduler.bm.is_idle()
+
+
+async def test_completions_refuse_echo_and_best_of_and_take_tools_none(oa):
+    for kwargs, param in (({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"logprobs": 6}, "logprobs")):
+        with pytest.raises(BadRequestError) as err:
+            await oa.completions.create(model="smollm2", prompt="x", max_tokens=2, **kwargs)
+        assert err.value.param == param
+    # tool_choice "none": the client wants no call; the tools are left out and it is answered.
+    reply = await oa.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2, tool_choice="none",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], user="someone", metadata={"a": "b"}, store=False)
+    assert reply.choices[0].message.content is not None

@@ -1,0 +1,140 @@
+"""The in-process engine's reading of a request's sampling and output fields.
+
+In front of a runtime, the fields KVStream's schemas do not read (``GenerateRequest.extra``)
+go to the runtime, which judges them. In-process, KVStream is the runtime: each field that
+changes the answer is honoured here or refused with a 400 that names it, never dropped
+silently (a client asking for JSON or for log-probabilities and getting neither would not
+know). Fields that change nothing about the tokens (``user``, ``metadata``, ``store``...)
+are accepted and ignored, as OpenAI-compatible servers do.
+
+Honoured: ``logprobs`` / ``top_logprobs`` (chat: a boolean and 0-20; completions: an
+integer 0-5, as OpenAI takes them), ``logit_bias``, ``presence_penalty``,
+``frequency_penalty``, and from Ollama's options ``repeat_penalty``, ``repeat_last_n``,
+``min_p``. Refused: ``response_format`` other than text (no constrained decoding),
+``tool_choice`` that forces a call, ``echo``, ``suffix``, ``best_of`` > 1, ``typical_p``
+other than 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstream.hf.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from kvstream.types import BackendRejected, GenerateRequest
+
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' integer logprobs
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _number(extra: dict[str, Any], name: str, default: float, low: float | None = None, high: float | None = None) -> float:
+    value = extra.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BackendRejected(f"Invalid type for '{name}': expected a number.", param=name, code="invalid_type")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise BackendRejected(f"Invalid value for '{name}': {value} is outside [{low}, {high}].", param=name, code="invalid_value")
+    return float(value)
+
+
+def _integer(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BackendRejected(f"Invalid type for '{name}': expected an integer.", param=name, code="invalid_type")
+    return value
+
+
+def _unsupported(name: str, why: str) -> BackendRejected:
+    return BackendRejected(f"'{name}' is not supported by the in-process engine: {why}.", param=name, code="unsupported_parameter")
+
+
+def check_unsupported(extra: dict[str, Any]) -> None:
+    """400 for a field whose meaning the engine cannot deliver."""
+    fmt = extra.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise _unsupported("response_format", "it has no constrained decoding (JSON mode or schemas)")
+    choice = extra.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        raise _unsupported("tool_choice", "it cannot force a tool call (tool calls are not parsed from its output)")
+    if extra.get("echo"):
+        raise _unsupported("echo", "the prompt is not returned with the completion")
+    if extra.get("suffix"):
+        raise _unsupported("suffix", "it does not fill in between a prompt and a suffix")
+    best_of = extra.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise _unsupported("best_of", "use n for several choices")
+    typical = extra.get("typical_p")
+    if typical is not None and typical != 1:
+        raise _unsupported("typical_p", "locally typical sampling is not implemented")
+
+
+def logprobs_wanted(request: GenerateRequest) -> int | None:
+    """How many alternatives per token the request asks for (None: no log-probabilities)."""
+    extra = request.extra
+    if request.is_chat:
+        top = extra.get("top_logprobs")
+        wanted = extra.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise BackendRejected("Invalid type for 'logprobs': expected a boolean.", param="logprobs", code="invalid_type")
+        if top is not None:
+            top = _integer(top, "top_logprobs")
+            if not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise BackendRejected(f"Invalid value for 'top_logprobs': {top} is outside [0, {MAX_TOP_LOGPROBS}].",
+                                      param="top_logprobs", code="invalid_value")
+            if not wanted:
+                raise BackendRejected("'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs", code="invalid_value")
+        return (top or 0) if wanted else None
+    wanted = extra.get("logprobs")
+    if wanted is None:
+        return None
+    wanted = _integer(wanted, "logprobs")
+    if not 0 <= wanted <= MAX_COMPLETION_LOGPROBS:
+        raise BackendRejected(f"Invalid value for 'logprobs': {wanted} is outside [0, {MAX_COMPLETION_LOGPROBS}].",
+                              param="logprobs", code="invalid_value")
+    return wanted
+
+
+def logit_bias(extra: dict[str, Any], vocab_size: int | None) -> dict[int, float]:
+    """``logit_bias`` as token id -> bias (ids as JSON object keys are strings)."""
+    raw = extra.get("logit_bias")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise BackendRejected("Invalid type for 'logit_bias': expected an object of token ids to numbers.",
+                              param="logit_bias", code="invalid_type")
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise BackendRejected(f"Invalid key in 'logit_bias': {key!r} is not a token id.", param="logit_bias",
+                                  code="invalid_value") from None
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise BackendRejected(f"Invalid key in 'logit_bias': token {token} is outside the vocabulary of {vocab_size}.",
+                                  param="logit_bias", code="invalid_value")
+        bias[token] = _number({"logit_bias": value}, "logit_bias", 0.0, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+    return bias
+
+
+def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
+    """The request's SamplingParams; BackendRejected (400, naming the field) for a value the
+    engine refuses. ``vocab_size`` None: token ids in ``logit_bias`` are not range-checked."""
+    extra = request.extra
+    check_unsupported(extra)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            seed=request.seed,
+            stop=list(request.stop),
+            min_p=_number(extra, "min_p", 0.0, 0.0, 1.0),
+            presence_penalty=_number(extra, "presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=_number(extra, "frequency_penalty", 0.0, -2.0, 2.0),
+            repeat_penalty=_number(extra, "repeat_penalty", 1.0, 0.0),
+            repeat_last_n=int(_number(extra, "repeat_last_n", 64, -1)),
+            logit_bias=logit_bias(extra, vocab_size),
+            logprobs=logprobs_wanted(request),
+        )
+    except ValueError as exc:
+        raise BackendRejected(str(exc)) from None
