@@ -51,7 +51,7 @@ def check_unsupported(extra: dict[str, Any]) -> None:
     """400 for a field whose meaning the engine cannot deliver."""
     fmt = extra.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _unsupported("response_format", "it has no constrained decoding (JSON mode or schemas)")
+        raise _unsupported("response_format", "it has no constrained decoding for JSON output or schemas (Ollama's 'format')")
     choice = extra.get("tool_choice")
     if choice is not None and choice not in ("auto", "none"):
         raise _unsupported("tool_choice", "it cannot force a tool call (tool calls are not parsed from its output)")
