@@ -138,6 +138,10 @@ class GenerateRequest:
     blend_ratio: float | None = None
     # Choices to generate; the prompt is computed once (backends with ``serves_n``).
     n: int = 1
+    # Each token's log-probability, with this many of the most likely alternatives (0: its
+    # own only); None: none. Read by translating backends (the client's body carries it to
+    # a runtime that speaks OpenAI).
+    logprobs: int | None = None
     # Whether the client streams. Backends that forward the runtime's own answer ask the
     # runtime the same way (and still count tokens); translating backends always stream.
     stream: bool = True
@@ -169,6 +173,17 @@ class Usage:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's log-probability, runtime-neutral: each API renders its own
+    shape (openai_format for chat and completions, routes_ollama for Ollama's)."""
+
+    token: str  # its text (a partial UTF-8 character shows as U+FFFD; ``bytes`` are exact)
+    logprob: float
+    bytes: list[int]
+    top: list[TokenLogprob] = field(default_factory=list)  # the most likely tokens at its place
+
+
+@dataclass
 class Token:
     """One step of a generation stream.
 
@@ -192,6 +207,10 @@ class Token:
     events: list[dict[str, Any]] | None = None
     # On the last Token of a non-streamed forward: the runtime's whole response body.
     payload: dict[str, Any] | None = None
+    # The log-probabilities of the tokens this step's text came from, from a backend that
+    # computes or translates them (the in-process engine; a runtime answering a body KVStream
+    # built); ``logprobs`` above is a runtime's own, forwarded as it came.
+    token_logprobs: list[TokenLogprob] | None = None
     # With n > 1: the choice this step belongs to, and, on a choice's last token while others
     # go on, why that choice ended (the stream's last Token carries ``finish_reason``).
     index: int = 0

@@ -271,6 +271,9 @@ def ollama_double(
                     obj["message"] = {"role": "assistant", "content": text}
                 else:
                     obj["response"] = text
+                if body.get("logprobs"):  # the ollama client's Logprob: token, logprob, top_logprobs
+                    top = [{"token": f"{text}~{k}", "logprob": -1.0 - k} for k in range(body.get("top_logprobs") or 0)]
+                    obj["logprobs"] = [{"token": text, "logprob": -0.25 * (i + 1), "top_logprobs": top}]
                 await resp.write(json.dumps(obj).encode() + b"\n")
             final = dict(chat_template[-1] if chat else gen_template[-1])
             final.update(model=body["model"], done=True, done_reason="length" if script.finish_reason == "length" else "stop")

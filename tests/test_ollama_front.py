@@ -130,6 +130,27 @@ async def test_the_ollama_client_gets_the_same_greedy_text_as_the_openai_route(s
     assert proxy.engine.stats.requests_finished == 3
 
 
+async def test_the_ollama_client_gets_logprobs_from_llama_server(start_proxy, llama_server):
+    """Ollama's logprobs/top_logprobs become OpenAI's for llama-server; its entries come
+    back in the ollama client's Logprob shape, per chunk and whole."""
+    proxy = await start_proxy(LlamaCppBackend(llama_server.url), scheduler={"max_batch_size": 2})
+    client = ollama.AsyncClient(host=proxy.url)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    options = {"temperature": 0, "num_predict": 8}
+    reply = await client.chat(model="any", messages=question, stream=False, options=options, logprobs=True, top_logprobs=2)
+    assert reply.logprobs and len(reply.logprobs) == reply.eval_count
+    assert "".join(e.token for e in reply.logprobs) == reply.message.content
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in reply.logprobs)
+    assert reply.logprobs[0].logprob == pytest.approx(reply.logprobs[0].top_logprobs[0].logprob)  # greedy: the best
+    parts = [p async for p in await client.chat(model="any", messages=question, stream=True, options=options, logprobs=True)]
+    entries = [e for p in parts for e in p.logprobs or ()]
+    assert [e.token for e in entries] == [e.token for e in reply.logprobs]
+    assert all(not e.top_logprobs for e in entries)  # none asked for: none sent (llama-server adds some)
+    plain = await client.chat(model="any", messages=question, stream=False, options=options)
+    assert plain.logprobs is None
+    await wait_released(proxy)
+
+
 async def test_embed_comes_from_the_runtimes_openai_embeddings(start_proxy, aiohttp_server, http):
     from aiohttp import web
 

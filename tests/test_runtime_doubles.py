@@ -50,6 +50,29 @@ async def test_ollama_chat_maps_options_usage_and_done_reason(ollama):
     assert recorder.bodies[1]["prompt"] == "Why"
 
 
+async def test_ollama_logprobs_reach_the_openai_client_in_openais_shapes(ollama):
+    """OpenAI's logprobs/top_logprobs become Ollama's; its per-chunk entries come back as
+    chat's content list (streamed and joined) and as the legacy completions lists."""
+    proxy, _, recorder = ollama
+    oa = client(proxy)
+    out = await oa.chat.completions.create(
+        model="llama3.2:latest", messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2)
+    assert recorder.bodies[-1]["logprobs"] is True and recorder.bodies[-1]["top_logprobs"] == 2
+    content = out.choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in content] == [("The", -0.25), (" sky", -0.5), (" is", -0.75), (" blue", -1.0)]
+    assert content[1].bytes == list(b" sky") and [t.token for t in content[1].top_logprobs] == [" sky~0", " sky~1"]
+    stream = await oa.chat.completions.create(
+        model="llama3.2:latest", messages=[{"role": "user", "content": "hi"}], logprobs=True, stream=True)
+    streamed = [e.token async for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == ["The", " sky", " is", " blue"]
+    text = await oa.completions.create(model="llama3.2:latest", prompt="Why", max_tokens=4, logprobs=1)
+    assert text.choices[0].logprobs.tokens == ["The", " sky", " is", " blue"]
+    assert text.choices[0].logprobs.text_offset == [0, 3, 7, 10]
+    assert text.choices[0].logprobs.top_logprobs[0] == {"The~0": -1.0}
+    plain = await oa.chat.completions.create(model="llama3.2:latest", messages=[{"role": "user", "content": "hi"}])
+    assert plain.choices[0].logprobs is None and "logprobs" not in recorder.bodies[-1]
+
+
 async def test_ollama_streams_and_lists_models(ollama):
     proxy, *_ = ollama
     models = await client(proxy).models.list()

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstream.types import Token, Usage
+from kvstream.types import Token, TokenLogprob, Usage
 from kvstream.jsonfast import dumps
 
 SYSTEM_FINGERPRINT = "kvstream"
@@ -40,6 +40,33 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
     return body
 
 
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """Chat's ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    return {
+        "content": [
+            {"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
+             "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in e.top]}
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions' ``logprobs`` object; ``offset``: where the first token's text
+    starts in the choice's text."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
 @dataclass
 class StreamFormatter:
     """Builds the chunks of one response, chat or completions, with one id and timestamp."""
@@ -51,6 +78,7 @@ class StreamFormatter:
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
     _adopted: bool = field(default=False, init=False)
+    _text_offsets: dict[int, int] = field(default_factory=dict, init=False)  # completions' text_offset, per choice
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -78,14 +106,27 @@ class StreamFormatter:
             chunk["usage"] = None
         return chunk
 
+    def _logprobs(self, token: Token | None) -> dict[str, Any] | None:
+        """A chunk's logprobs: the runtime's own, or the token's rendered in this API's shape."""
+        if token is None:
+            return None
+        entries = token.token_logprobs
+        if entries is None:
+            return token.logprobs
+        if self.chat:
+            return chat_logprobs(entries)
+        offset = self._text_offsets.get(token.index, 0)
+        self._text_offsets[token.index] = offset + sum(len(e.token) for e in entries)
+        return completion_logprobs(entries, offset)
+
     def _choice(self, token: Token | None, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
         if self.chat:
             delta = token.chat_delta() if token is not None else {}
-            return {"index": index, "delta": delta, "logprobs": token.logprobs if token else None, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": self._logprobs(token), "finish_reason": finish_reason}
         return {
             "index": index,
             "text": token.text if token is not None else "",
-            "logprobs": token.logprobs if token else None,
+            "logprobs": self._logprobs(token),
             "finish_reason": finish_reason,
         }
 
@@ -113,7 +154,7 @@ class StreamFormatter:
         )
 
     def token_chunk(self, token: Token) -> bytes:
-        if token.logprobs is not None or token.index:
+        if token.logprobs is not None or token.token_logprobs is not None or token.index:
             return sse(self._chunk([self._choice(token, None, token.index)]))
         value = token.chat_delta() if self.chat else token.text
         return self._head + dumps(value) + self._tail
@@ -145,11 +186,11 @@ class ChoiceParts:
     reasoning: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: str | None = None
-    logprobs: list[dict[str, Any]] = field(default_factory=list)  # each token's, as streamed
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # each token's, when asked for
 
     def add(self, token: Token) -> None:
-        if token.logprobs is not None:
-            self.logprobs.append(token.logprobs)
+        if token.token_logprobs is not None:
+            self.logprobs.extend(token.token_logprobs)
         delta = token.chat_delta()
         if delta.get("content"):
             self.text.append(delta["content"])
@@ -173,21 +214,6 @@ class ChoiceParts:
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
         return message
-
-
-def join_logprobs(pieces: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """A non-streamed choice's logprobs from its chunks': each list field joined in order
-    (chat's ``content``; completions' ``tokens``, ``token_logprobs``, ...). None without any."""
-    if not pieces:
-        return None
-    joined: dict[str, Any] = {}
-    for piece in pieces:
-        for key, value in piece.items():
-            if isinstance(value, list):
-                joined.setdefault(key, []).extend(value)
-            else:
-                joined.setdefault(key, value)
-    return joined
 
 
 @dataclass
@@ -220,14 +246,16 @@ class Aggregate:
 
     def chat_response(self, fmt: StreamFormatter, usage: Usage) -> dict[str, Any]:
         choices = [
-            {"index": i, "message": parts.message(), "logprobs": join_logprobs(parts.logprobs), "finish_reason": parts.finish_reason}
+            {"index": i, "message": parts.message(), "logprobs": chat_logprobs(parts.logprobs) if parts.logprobs else None,
+             "finish_reason": parts.finish_reason}
             for i, parts in sorted(self.choices.items())
         ]
         return self._body(fmt, usage, choices)
 
     def completion_response(self, fmt: StreamFormatter, usage: Usage) -> dict[str, Any]:
         choices = [
-            {"index": i, "text": "".join(parts.text), "logprobs": join_logprobs(parts.logprobs), "finish_reason": parts.finish_reason}
+            {"index": i, "text": "".join(parts.text), "logprobs": completion_logprobs(parts.logprobs) if parts.logprobs else None,
+             "finish_reason": parts.finish_reason}
             for i, parts in sorted(self.choices.items())
         ]
         return self._body(fmt, usage, choices)

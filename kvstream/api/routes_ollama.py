@@ -31,7 +31,7 @@ from kvstream.api.streaming import GuardedResponse
 from kvstream.engine import Generation
 from kvstream.jsonfast import dumps
 from kvstream.scheduler import Priority, SchedulerError
-from kvstream.types import BackendError, GenerateRequest, Token
+from kvstream.types import BackendError, GenerateRequest, Token, TokenLogprob
 
 logger = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -124,6 +124,7 @@ def _request(body: dict[str, Any], request_id: str, messages: list[dict[str, Any
         extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
     if body.get("tools"):
         extra["tools"] = body["tools"]
+    fields["logprobs"] = _logprobs(body)
     try:
         return GenerateRequest(
             model=None, messages=messages, prompt=prompt, extra=extra, request_id=request_id,
@@ -131,6 +132,24 @@ def _request(body: dict[str, Any], request_id: str, messages: list[dict[str, Any
         )
     except TypeError as exc:
         raise OllamaError(400, str(exc)) from None
+
+
+def _logprobs(body: dict[str, Any]) -> int | None:
+    """Ollama's ``logprobs`` (a boolean) and ``top_logprobs`` (0-20) as GenerateRequest.logprobs."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise OllamaError(400, "logprobs must be a boolean")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+        raise OllamaError(400, "top_logprobs must be an integer between 0 and 20")
+    return (top or 0) if wanted else None
+
+
+def _logprob_entry(entry: TokenLogprob) -> dict[str, Any]:
+    """One token's log-probability in Ollama's shape (its client's ``Logprob``)."""
+    return {
+        "token": entry.token, "logprob": entry.logprob, "bytes": entry.bytes,
+        "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in entry.top],
+    }
 
 
 async def _model(state: AppState, body: dict[str, Any]) -> str | None:
@@ -153,6 +172,7 @@ class OllamaAnswer:
         self.chat = chat
         self.text: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.logprobs: list[dict[str, Any]] = []  # every token's, for a non-streamed answer
 
     def piece(self, token: Token) -> dict[str, Any] | None:
         """The object for one token, or None for a tool-call fragment (sent whole at the end)."""
@@ -163,10 +183,15 @@ class OllamaAnswer:
             merged["name"] += function.get("name") or ""
             merged["arguments"] += function.get("arguments") or ""
         text = delta.get("content") or (token.text if token.delta is None else "")
-        if not text:
+        logprobs = [_logprob_entry(e) for e in token.token_logprobs or ()]
+        if not text and not logprobs:
             return None
         self.text.append(text)
-        return self._object(text, done=False)
+        obj = self._object(text, done=False)
+        if logprobs:
+            self.logprobs.extend(logprobs)
+            obj["logprobs"] = logprobs
+        return obj
 
     def _object(self, text: str, done: bool) -> dict[str, Any]:
         obj: dict[str, Any] = {"model": self.model, "created_at": now_iso()}
@@ -185,6 +210,8 @@ class OllamaAnswer:
                 {"function": {"name": call["name"], "arguments": _arguments(call["arguments"])}}
                 for _, call in sorted(self.tool_calls.items())
             ]
+        if whole and self.logprobs:
+            obj["logprobs"] = self.logprobs
         obj["done_reason"] = "length" if finish_reason == "length" else "stop"
         if not self.chat:
             obj["context"] = []  # KVStream keeps the conversation's KV itself; no token context

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvstream.types import GenerateRequest
 
@@ -106,9 +106,18 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):  # as OpenAI refuses it
+            raise ValueError("needs 'logprobs' set to true")
+        return value
 
     def _own_extra(self) -> set[str]:
-        return {"messages", "max_completion_tokens"}
+        return {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 
     def to_generate(self, request_id: str) -> GenerateRequest:
         return GenerateRequest(
@@ -124,6 +133,7 @@ class ChatCompletionRequest(_Sampling):
             request_id=request_id,
             reuse=self.reuse,
             blend_ratio=self.blend_ratio,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
 
 
@@ -131,6 +141,7 @@ class CompletionRequest(_Sampling):
     """Body of POST /v1/completions (a single prompt string)."""
 
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=5)  # the legacy API's: alternatives per token
 
     @field_validator("prompt")
     @classmethod
@@ -140,7 +151,7 @@ class CompletionRequest(_Sampling):
         return value
 
     def _own_extra(self) -> set[str]:
-        return {"prompt"}
+        return {"prompt", "logprobs"}
 
     def to_generate(self, request_id: str) -> GenerateRequest:
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
@@ -157,6 +168,7 @@ class CompletionRequest(_Sampling):
             request_id=request_id,
             reuse=self.reuse,
             blend_ratio=self.blend_ratio,
+            logprobs=self.logprobs,
         )
 
 

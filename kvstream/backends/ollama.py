@@ -21,6 +21,7 @@ from kvstream.backends.base import BaseBackend
 from kvstream.types import BackendError, GenerateRequest, ModelInfo, RuntimeLimits, Token, Usage
 from kvstream.backends.gguf_tokenizer import GGUFTokenizer
 from kvstream.backends.http import EventReader, UpstreamSession, decode_ndjson_line, raise_for_upstream_status
+from kvstream.backends.openai_compat import logprobs_from
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +254,8 @@ class OllamaBackend(BaseBackend):
         body: dict[str, Any] = {"model": request.model or self.model, "stream": True, "options": options}
         if self.keep_alive is not None:
             body["keep_alive"] = self.keep_alive
+        if request.logprobs is not None:
+            body |= {"logprobs": True, "top_logprobs": request.logprobs}
         response_format = request.extra.get("response_format")
         if isinstance(response_format, dict):
             if response_format.get("type") == "json_object":
@@ -276,6 +279,8 @@ class OllamaBackend(BaseBackend):
             objects = EventReader(resp, decode_ndjson_line)
             while batch := await objects.read():
                 for obj in batch:
+                    # Ollama's entries have OpenAI chat's keys (token, logprob, bytes, top_logprobs).
+                    logprobs = logprobs_from({"content": obj["logprobs"]}, request.logprobs) if obj.get("logprobs") else None
                     if request.is_chat:
                         message = obj.get("message") or {}
                         text = message.get("content") or ""
@@ -285,12 +290,12 @@ class OllamaBackend(BaseBackend):
                         if message.get("tool_calls"):
                             delta["tool_calls"] = _openai_tool_calls(message["tool_calls"], tool_calls)
                             tool_calls += len(message["tool_calls"])
-                        if delta:
-                            yield Token(text=text, delta=delta)
+                        if delta or logprobs:
+                            yield Token(text=text, delta=delta, token_logprobs=logprobs)
                     else:
                         text = obj.get("response") or ""
-                        if text:
-                            yield Token(text=text)
+                        if text or logprobs:
+                            yield Token(text=text, token_logprobs=logprobs)
                     if obj.get("done"):
                         reason = obj.get("done_reason") or "stop"
                         if reason not in ("stop", "length"):

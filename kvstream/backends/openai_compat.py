@@ -15,6 +15,7 @@ from kvstream.types import (
     ModelInfo,
     RuntimeLimits,
     Token,
+    TokenLogprob,
     Usage,
     as_burst,
 )
@@ -48,6 +49,48 @@ def with_cached(usage: Usage | None, cached: int | None) -> Usage | None:
     if usage is not None and usage.cached_tokens is None and cached is not None:
         usage.cached_tokens = cached
     return usage
+
+
+def _bytes_of(entry: dict[str, Any], token: str) -> list[int]:
+    raw = entry.get("bytes")
+    return raw if isinstance(raw, list) and all(isinstance(b, int) for b in raw) else list(token.encode())
+
+
+def _entry(entry: Any) -> TokenLogprob | None:
+    if not isinstance(entry, dict) or isinstance(entry.get("logprob"), bool) or not isinstance(entry.get("logprob"), int | float):
+        return None
+    token = str(entry.get("token", ""))
+    return TokenLogprob(token, float(entry["logprob"]), _bytes_of(entry, token))
+
+
+def logprobs_from(value: Any, top: int | None = None) -> list[TokenLogprob] | None:
+    """A runtime's OpenAI ``logprobs`` object (chat's ``content`` list, or the legacy
+    completions lists) as TokenLogprobs, at most ``top`` alternatives each (None: all it
+    sent); None when absent or unreadable."""
+    if not isinstance(value, dict):
+        return None
+    content = value.get("content")
+    if isinstance(content, list):
+        out = []
+        for item in content:
+            entry = _entry(item)
+            if entry is not None:
+                entry.top = [e for e in map(_entry, item.get("top_logprobs") or ()) if e is not None][:top]
+                out.append(entry)
+        return out or None
+    tokens, values = value.get("tokens"), value.get("token_logprobs")
+    if not isinstance(tokens, list) or not isinstance(values, list):
+        return None
+    tops = value.get("top_logprobs")
+    tops = tops if isinstance(tops, list) else [None] * len(tokens)
+    out = []
+    for token, logprob, top in zip(tokens, values, tops, strict=False):
+        entry = _entry({"token": token, "logprob": logprob})
+        if entry is not None:
+            pairs = top.items() if isinstance(top, dict) else ()
+            entry.top = [e for t, lp in pairs if (e := _entry({"token": t, "logprob": lp})) is not None][:top]
+            out.append(entry)
+    return out or None
 
 
 class OpenAICompatibleBackend(BaseBackend):
@@ -114,6 +157,11 @@ class OpenAICompatibleBackend(BaseBackend):
                 body[key] = value
         if request.stop:
             body["stop"] = request.stop
+        if request.logprobs is not None:  # asked through another API (Ollama's): OpenAI's fields
+            # llama-server takes top_logprobs 0 as "no log-probabilities at all": left out then,
+            # and the alternatives it adds anyway are trimmed from its answer (stream below).
+            top = {"top_logprobs": request.logprobs} if request.logprobs else {}
+            body |= {"logprobs": True, **top} if request.is_chat else {"logprobs": request.logprobs}
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         return body
@@ -163,6 +211,8 @@ class OpenAICompatibleBackend(BaseBackend):
                         if token is not None:
                             if forwarded:
                                 token.events, pending = pending, []
+                            elif request.logprobs is not None:  # KVStream's body: the client reads them translated
+                                token.token_logprobs = logprobs_from(token.logprobs, request.logprobs)
                             tokens.append(token)
                         finish_reason = choice.get("finish_reason") or finish_reason
                 if events.ended and finish_reason is not None:

@@ -37,7 +37,7 @@ from kvstream.types import (
 
 if TYPE_CHECKING:
     from kvstream.hf.loader import LoadedModel
-    from kvstream.hf.logprob_format import LogprobFormatter
+    from kvstream.hf.token_bytes import TokenBytes
     from kvstream.hf.model_runner import ModelRunner, TokenEvent
 
 logger = logging.getLogger(__name__)
@@ -100,9 +100,9 @@ class HFStream:
     last, which ends the stream with usage summed over the choices.
     """
 
-    def __init__(self, backend: HFBackend, seq: Sequence, logprobs: LogprobFormatter | None = None) -> None:
+    def __init__(self, backend: HFBackend, seq: Sequence, token_bytes: TokenBytes | None = None) -> None:
         loop = asyncio.get_running_loop()
-        self._logprobs = logprobs  # formats each token's log-probabilities, when asked for
+        self._token_bytes = token_bytes  # spells each token's log-probabilities, when asked for
         self.admitted: asyncio.Future[None] = loop.create_future()
         self._backend = backend
         self._seq = seq
@@ -138,14 +138,14 @@ class HFStream:
                     raise BackendError(f"the engine failed: {event.error!r}", 500, code="engine_error")
                 ended_by_eos = event.finish_reason == "stop" and event.token_id in runner.eos_ids
                 logprobs = None
-                if self._logprobs is not None and event.logprobs is not None and not ended_by_eos:
-                    logprobs = self._logprobs.format(event.token_id, event.logprobs, event.index)  # type: ignore[arg-type]
+                if self._token_bytes is not None and event.logprobs is not None and not ended_by_eos:
+                    logprobs = [self._token_bytes.logprob(event.token_id, event.logprobs)]  # type: ignore[arg-type]
                 if event.finish_reason is None:
                     generated += 1
-                    yield Token(text=event.text, token_id=event.token_id, logprobs=logprobs, index=event.index)
+                    yield Token(text=event.text, token_id=event.token_id, token_logprobs=logprobs, index=event.index)
                     continue
                 if event.text or logprobs is not None:
-                    yield Token(text=event.text, token_id=event.token_id, logprobs=logprobs, index=event.index)
+                    yield Token(text=event.text, token_id=event.token_id, token_logprobs=logprobs, index=event.index)
                 if not ended_by_eos:
                     generated += 1
                 open_choices -= 1
@@ -221,6 +221,7 @@ class HFBackend(InProcessBackend):
             raise ValueError(problem)
         self.preloaded = preloaded
         self.runner: Any = None  # ModelRunner once started
+        self._token_bytes: TokenBytes | None = None  # made when a request first asks for logprobs
         self.loaded: LoadedModel | None = None
         self.model_name: str | None = None
         self._start_lock = asyncio.Lock()
@@ -410,13 +411,14 @@ class HFBackend(InProcessBackend):
         return sampling_params(request, max_tokens, self.runner.vocab_size)
 
     def submit(self, request: GenerateRequest, seq: Sequence) -> HFStream:
-        from kvstream.hf.logprob_format import LogprobFormatter
+        from kvstream.hf.token_bytes import TokenBytes
 
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
         params = self._sampling_params(request, seq.max_tokens)
-        formatter = LogprobFormatter(self.runner.tokenizer, request.is_chat) if params.logprobs is not None else None
-        stream = HFStream(self, seq, formatter)
+        if params.logprobs is not None and self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.runner.tokenizer)
+        stream = HFStream(self, seq, self._token_bytes if params.logprobs is not None else None)
         self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
         return stream
 

@@ -7,8 +7,8 @@ silently (a client asking for JSON or for log-probabilities and getting neither 
 know). Fields that change nothing about the tokens (``user``, ``metadata``, ``store``...)
 are accepted and ignored, as OpenAI-compatible servers do.
 
-Honoured: ``logprobs`` / ``top_logprobs`` (chat: a boolean and 0-20; completions: an
-integer 0-5, as OpenAI takes them), ``logit_bias``, ``presence_penalty``,
+Honoured: ``GenerateRequest.logprobs`` (the schemas read OpenAI's ``logprobs`` /
+``top_logprobs``, the Ollama route Ollama's), ``logit_bias``, ``presence_penalty``,
 ``frequency_penalty``, and from Ollama's options ``repeat_penalty``, ``repeat_last_n``,
 ``min_p``. Refused: ``response_format`` other than text (no constrained decoding),
 ``tool_choice`` that forces a call, ``echo``, ``suffix``, ``best_of`` > 1, ``typical_p``
@@ -19,10 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstream.hf.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from kvstream.hf.sampling import SamplingParams
 from kvstream.types import BackendRejected, GenerateRequest
 
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' integer logprobs
 LOGIT_BIAS_LIMIT = 100.0
 
 
@@ -35,12 +34,6 @@ def _number(extra: dict[str, Any], name: str, default: float, low: float | None 
     if (low is not None and value < low) or (high is not None and value > high):
         raise BackendRejected(f"Invalid value for '{name}': {value} is outside [{low}, {high}].", param=name, code="invalid_value")
     return float(value)
-
-
-def _integer(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BackendRejected(f"Invalid type for '{name}': expected an integer.", param=name, code="invalid_type")
-    return value
 
 
 def _unsupported(name: str, why: str) -> BackendRejected:
@@ -65,32 +58,6 @@ def check_unsupported(extra: dict[str, Any]) -> None:
     typical = extra.get("typical_p")
     if typical is not None and typical != 1:
         raise _unsupported("typical_p", "locally typical sampling is not implemented")
-
-
-def logprobs_wanted(request: GenerateRequest) -> int | None:
-    """How many alternatives per token the request asks for (None: no log-probabilities)."""
-    extra = request.extra
-    if request.is_chat:
-        top = extra.get("top_logprobs")
-        wanted = extra.get("logprobs")
-        if wanted is not None and not isinstance(wanted, bool):
-            raise BackendRejected("Invalid type for 'logprobs': expected a boolean.", param="logprobs", code="invalid_type")
-        if top is not None:
-            top = _integer(top, "top_logprobs")
-            if not 0 <= top <= MAX_TOP_LOGPROBS:
-                raise BackendRejected(f"Invalid value for 'top_logprobs': {top} is outside [0, {MAX_TOP_LOGPROBS}].",
-                                      param="top_logprobs", code="invalid_value")
-            if not wanted:
-                raise BackendRejected("'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs", code="invalid_value")
-        return (top or 0) if wanted else None
-    wanted = extra.get("logprobs")
-    if wanted is None:
-        return None
-    wanted = _integer(wanted, "logprobs")
-    if not 0 <= wanted <= MAX_COMPLETION_LOGPROBS:
-        raise BackendRejected(f"Invalid value for 'logprobs': {wanted} is outside [0, {MAX_COMPLETION_LOGPROBS}].",
-                              param="logprobs", code="invalid_value")
-    return wanted
 
 
 def logit_bias(extra: dict[str, Any], vocab_size: int | None) -> dict[int, float]:
@@ -134,7 +101,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             repeat_penalty=_number(extra, "repeat_penalty", 1.0, 0.0),
             repeat_last_n=int(_number(extra, "repeat_last_n", 64, -1)),
             logit_bias=logit_bias(extra, vocab_size),
-            logprobs=logprobs_wanted(request),
+            logprobs=request.logprobs,
         )
     except ValueError as exc:
         raise BackendRejected(str(exc)) from None

@@ -275,6 +275,13 @@ async def test_ollama_front_on_the_in_process_engine(hf_proxy, http):
     async with http.post(hf_proxy.url + "/api/chat", json=body) as resp:
         reply = await resp.json()
     assert reply["done"] and reply["message"]["content"] and reply["eval_count"] >= 1
+    async with http.post(hf_proxy.url + "/api/chat", json=body | {"logprobs": True, "top_logprobs": 1}) as resp:
+        scored = await resp.json()
+    assert scored["message"]["content"] == reply["message"]["content"]  # greedy both times
+    assert "".join(e["token"] for e in scored["logprobs"]) == reply["message"]["content"]
+    assert all(len(e["top_logprobs"]) == 1 for e in scored["logprobs"])
+    async with http.post(hf_proxy.url + "/api/chat", json=body | {"logprobs": True, "top_logprobs": 21}) as resp:
+        assert resp.status == 400 and "top_logprobs" in (await resp.json())["error"]
     # No runtime with embeddings behind the in-process engine: said plainly, in Ollama's shape.
     async with http.post(hf_proxy.url + "/api/embed", json={"model": "smollm2", "input": "x"}) as resp:
         assert resp.status == 501 and "embeddings" in (await resp.json())["error"]

@@ -250,7 +250,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         # parses out of the text (tool calls, JSON schemas, grammars, logprobs) would be lost.
         # A non-streamed answer is one JSON body: there is no stream to pause.
         fields = request.body if request.body is not None else request.extra
-        return request.stream and not any(key in fields for key in RESUME_BLOCKERS)
+        return request.stream and request.logprobs is None and not any(key in fields for key in RESUME_BLOCKERS)
 
     def forget(self, request: GenerateRequest) -> None:
         name, request.control.saved_state = request.control.saved_state, None

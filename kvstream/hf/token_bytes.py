@@ -1,0 +1,66 @@
+"""The bytes each token id stands for, and a generated token's log-probabilities as a
+runtime-neutral ``TokenLogprob`` (each API renders its own shape).
+
+A byte-level BPE vocabulary (GPT-2's, Llama 3's, SmolLM2's) spells bytes with printable
+characters; its tokens may hold part of a character, so a token's text is its bytes decoded
+(a partial character shows as U+FFFD) and a client joins ``bytes`` for the exact text.
+SentencePiece vocabularies spell bytes as ``<0xHH>`` and spaces as U+2581.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+from kvstream.hf.sampling import TokenLogprobs
+from kvstream.types import TokenLogprob
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """Byte-level BPE's alphabet: printable bytes stand for themselves, the other 68 bytes
+    for the characters from U+0100 up, in byte order (the GPT-2 scheme)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+class TokenBytes:
+    """A tokenizer's token ids -> bytes, remembered as they are asked for."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._bytes: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        cached = self._bytes.get(token_id)
+        if cached is not None:
+            return cached
+        piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""
+        table = _unicode_to_byte()
+        if (match := _BYTE_TOKEN.fullmatch(piece)) is not None:
+            raw = bytes([int(match.group(1), 16)])
+        elif piece and all(ch in table for ch in piece):
+            raw = bytes(table[ch] for ch in piece)
+        else:  # SentencePiece pieces: U+2581 is a space
+            raw = piece.replace("\u2581", " ").encode()
+        self._bytes[token_id] = raw
+        return raw
+
+    def entry(self, token_id: int, logprob: float) -> TokenLogprob:
+        raw = self(token_id)
+        return TokenLogprob(raw.decode("utf-8", errors="replace"), logprob, list(raw))
+
+    def logprob(self, token_id: int, logprobs: TokenLogprobs) -> TokenLogprob:
+        """Token ``token_id``'s log-probability and its alternatives, as the APIs take them."""
+        chosen = self.entry(token_id, logprobs.logprob)
+        chosen.top = [self.entry(tid, lp) for tid, lp in logprobs.top]
+        return chosen
