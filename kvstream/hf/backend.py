@@ -221,7 +221,6 @@ class HFBackend(InProcessBackend):
             raise ValueError(problem)
         self.preloaded = preloaded
         self.runner: Any = None  # ModelRunner once started
-        self._token_bytes: TokenBytes | None = None  # made when a request first asks for logprobs
         self.loaded: LoadedModel | None = None
         self.model_name: str | None = None
         self._start_lock = asyncio.Lock()
@@ -411,14 +410,10 @@ class HFBackend(InProcessBackend):
         return sampling_params(request, max_tokens, self.runner.vocab_size)
 
     def submit(self, request: GenerateRequest, seq: Sequence) -> HFStream:
-        from kvstream.hf.token_bytes import TokenBytes
-
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
         params = self._sampling_params(request, seq.max_tokens)
-        if params.logprobs is not None and self._token_bytes is None:
-            self._token_bytes = TokenBytes(self.runner.tokenizer)
-        stream = HFStream(self, seq, self._token_bytes if params.logprobs is not None else None)
+        stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None)
         self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
         return stream
 

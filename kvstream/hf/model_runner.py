@@ -41,6 +41,8 @@ from kvstream.hf.detokenize import IncrementalDetokenizer
 from kvstream.hf.kv_cache import KVShape, PagedKVCache, auto_batch_size, pool_dtype
 from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
 from kvstream.hf.sampling import History, SamplingParams, TokenLogprobs, logprobs_of, sample
+from kvstream.hf.json_constraint import JsonObjectConstraint
+from kvstream.hf.token_bytes import TokenBytes
 from kvstream.hf.block_manager import ReuseBlockManager
 from kvstream.scheduler import (
     QueueFull,
@@ -130,6 +132,7 @@ class RunnerRequest:
     repaired_tokens: int = 0  # of those, recomputed by the repair
     approx_from: int | None = None  # first position holding moved (approximate) KV
     index: int = 0  # choice index among the request's n (forks carry 1..n-1)
+    constraint: JsonObjectConstraint | None = None  # JSON mode: what may come next
 
 
 @dataclass
@@ -214,6 +217,7 @@ class ModelRunner:
             model, config.matmul != "torch", self.kv_shape, self.kv_dtype, config.block_size, lambda cache, seqs: self._plan(seqs, cache)
         )
         self.eos_ids = self._eos_ids()
+        self.token_bytes = TokenBytes(tokenizer)  # each token's bytes: JSON mode, logprobs
         # The width of a row of logits: what logit_bias may name (tokenizers may list fewer).
         self.vocab_size: int | None = getattr(model.config, "vocab_size", None)
         self.counters = RunnerCounters()
@@ -263,6 +267,10 @@ class ModelRunner:
         self.scheduler.check_fits(seq)
         req = RunnerRequest(seq, params, IncrementalDetokenizer(self.tokenizer, params.stop), sink, params.make_generator())
         req.blend = blend
+        if params.json_object:
+            # Special tokens (end of turn included) never belong to the JSON text: the answer
+            # ends when the object closes.
+            req.constraint = JsonObjectConstraint(self.token_bytes, {*self.tokenizer.all_special_ids, *self.eos_ids})
         with self._lock:
             if len(self.scheduler.waiting) + len(self._inbox) >= self.scheduler.config.max_queue_size:
                 raise QueueFull(f"The queue is full ({self.scheduler.config.max_queue_size} requests waiting).")
@@ -570,7 +578,9 @@ class ModelRunner:
         params = [r.params for r in sampled]
         histories = [History(r.seq.prompt_token_ids, r.seq.output_token_ids) if p.adjusts_logits else None
                      for r, p in zip(sampled, params, strict=True)]
-        tokens = sample(logits, params, [r.generator for r in sampled], histories)
+        constraints = [r.constraint for r in sampled]
+        tokens = sample(logits, params, [r.generator for r in sampled], histories,
+                        constraints if any(c is not None for c in constraints) else None)
         wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
         logprobs = dict(zip(wanted, logprobs_of(
             logits, wanted, [tokens[row] for row in wanted], [params[row].logprobs for row in wanted]), strict=True))
@@ -605,6 +615,7 @@ class ModelRunner:
             fork = RunnerRequest(
                 child, params, IncrementalDetokenizer(self.tokenizer, params.stop), req.sink, params.make_generator(index),
                 num_computed=req.num_computed, admitted=True, index=index,
+                constraint=req.constraint.copy() if req.constraint is not None else None,
             )
             self.requests[child.seq_id] = fork
             forks.append(fork)
@@ -617,8 +628,12 @@ class ModelRunner:
             self._finish(req, TokenEvent("token", token, req.detokenizer.flush(), "stop", index=index))
             return
         text = req.detokenizer.add(token)
+        if req.constraint is not None:
+            req.constraint.advance(token)
         if req.detokenizer.stopped:
             self._finish(req, TokenEvent("token", token, text, "stop", index=index))
+        elif req.constraint is not None and req.constraint.done:  # JSON mode: the object is closed
+            self._finish(req, TokenEvent("token", token, text + req.detokenizer.flush(), "stop", index=index))
         elif req.num_generated >= params.max_tokens:
             self._finish(req, TokenEvent("token", token, text + req.detokenizer.flush(), "length", index=index))
         else:

@@ -8,9 +8,9 @@ know). Fields that change nothing about the tokens (``user``, ``metadata``, ``st
 are accepted and ignored, as OpenAI-compatible servers do.
 
 Honoured: ``GenerateRequest.logprobs`` (the schemas read OpenAI's ``logprobs`` /
-``top_logprobs``, the Ollama route Ollama's), ``logit_bias``, ``presence_penalty``,
-``frequency_penalty``, and from Ollama's options ``repeat_penalty``, ``repeat_last_n``,
-``min_p``. Refused: ``response_format`` other than text (no constrained decoding),
+``top_logprobs``, the Ollama route Ollama's), ``response_format`` ``json_object`` (JSON
+mode, json_constraint.py), ``logit_bias``, ``presence_penalty``, ``frequency_penalty``, and
+from Ollama's options ``repeat_penalty``, ``repeat_last_n``, ``min_p``. Refused: a JSON schema,
 ``tool_choice`` that forces a call, ``echo``, ``suffix``, ``best_of`` > 1, ``typical_p``
 other than 1.
 """
@@ -43,8 +43,9 @@ def _unsupported(name: str, why: str) -> BackendRejected:
 def check_unsupported(extra: dict[str, Any]) -> None:
     """400 for a field whose meaning the engine cannot deliver."""
     fmt = extra.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _unsupported("response_format", "it has no constrained decoding for JSON output or schemas (Ollama's 'format')")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object")):
+        raise _unsupported("response_format", "JSON output is constrained to any JSON object ('json_object', Ollama's "
+                                              "'format': 'json'), not to a schema")
     choice = extra.get("tool_choice")
     if choice is not None and choice not in ("auto", "none"):
         raise _unsupported("tool_choice", "it cannot force a tool call (tool calls are not parsed from its output)")
@@ -102,6 +103,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             repeat_last_n=int(_number(extra, "repeat_last_n", 64, -1)),
             logit_bias=logit_bias(extra, vocab_size),
             logprobs=request.logprobs,
+            json_object=(extra.get("response_format") or {}).get("type") == "json_object",
         )
     except ValueError as exc:
         raise BackendRejected(str(exc)) from None

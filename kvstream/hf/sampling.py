@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -38,6 +39,7 @@ class SamplingParams:
     repeat_last_n: int = 64  # prompt and output, as llama.cpp counts them; -1: the whole context
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely (k <= 20)
+    json_object: bool = False  # JSON mode: only tokens that keep the output one JSON object (json_constraint.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -85,6 +87,44 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
+class Constraint(Protocol):
+    """Which tokens may come next (JSON mode's ``JsonObjectConstraint``)."""
+
+    def accepts(self, token_id: int) -> bool: ...
+
+
+# Candidates a constrained row tries in the model's order before it scans the whole vocabulary.
+CONSTRAINED_TRIES = 64
+
+
+def first_accepted(scores: torch.Tensor, constraint: Constraint) -> int:
+    """The highest-scoring token ``constraint`` accepts (the argmax when it accepts none,
+    which a vocabulary holding every single byte never leaves it)."""
+    top = torch.topk(scores, min(CONSTRAINED_TRIES, scores.numel())).indices.tolist()
+    for token in top:
+        if constraint.accepts(token):
+            return token
+    for token in scores.argsort(descending=True)[len(top):].tolist():
+        if constraint.accepts(token):
+            return token
+    return top[0]
+
+
+def draw_accepted(probs: torch.Tensor, generator: torch.Generator | None, constraint: Constraint) -> int | None:
+    """A draw from ``probs`` restricted to the tokens ``constraint`` accepts: rejected draws
+    are removed and drawn again (the accepted token's odds are those of the restricted
+    distribution). None when the accepted tokens hold none of the mass tried."""
+    probs = probs.clone()
+    for _ in range(CONSTRAINED_TRIES):
+        if float(probs.sum()) <= 0:
+            return None
+        token = int(torch.multinomial(probs, 1, generator=generator).item())
+        if constraint.accepts(token):
+            return token
+        probs[token] = 0.0
+    return None
+
+
 @dataclass
 class History:
     """What a row's penalties read: its prompt's token ids and those generated so far."""
@@ -118,10 +158,10 @@ def adjust(scores: torch.Tensor, p: SamplingParams, history: History | None) -> 
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    histories: list[History | None] | None = None,
+    histories: list[History | None] | None = None, constraints: list[Constraint | None] | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` ``[N, vocab]``; ``histories`` (per row) feed the
-    penalties of the rows that have them."""
+    penalties of the rows that have them, ``constraints`` (per row) limit what they choose."""
     logits = logits.float()
     tokens: list[int] = []
     greedy = logits.argmax(dim=-1).tolist()
@@ -129,8 +169,12 @@ def sample(
         scores = logits[row]
         if p.adjusts_logits:
             scores = adjust(scores, p, histories[row] if histories is not None else None)
+        constraint = constraints[row] if constraints is not None else None
         if p.greedy:
-            tokens.append(int(scores.argmax()) if p.adjusts_logits else greedy[row])
+            if constraint is not None:
+                tokens.append(first_accepted(scores, constraint))
+            else:
+                tokens.append(int(scores.argmax()) if p.adjusts_logits else greedy[row])
             continue
         scores = scores / p.temperature
         if p.top_k:
@@ -147,6 +191,11 @@ def sample(
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         if p.min_p > 0:  # after top-p, as llama.cpp orders them (the most likely token always stays)
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        if constraint is not None:
+            drawn = draw_accepted(probs.cpu(), gen, constraint)
+            # Nothing acceptable where top-k / top-p / min-p left mass: the model's best acceptable.
+            tokens.append(drawn if drawn is not None else first_accepted(scores, constraint))
+            continue
         tokens.append(int(torch.multinomial(probs.cpu(), 1, generator=gen).item()))
     return tokens
 

@@ -104,3 +104,33 @@ def built_kernel(load, what: str):
             pytest.fail(f"{what} did not build: {why}")
         pytest.skip(f"{what} did not build here: {why}")
     return module
+
+
+# The in-process engine behind the proxy (a small pool), and the openai client on it.
+@pytest.fixture
+async def hf_proxy(smollm2, start_proxy):
+    from kvstream.hf import HFBackend
+    from kvstream.hf.loader import LoadedModel
+
+    model, _, tokenizer = smollm2
+    backend = HFBackend(
+        None,
+        None,
+        preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"),
+        block_size=16,
+        num_gpu_blocks=256,
+        num_cpu_blocks=64,
+        max_batch_size=16,
+    )
+    proxy = await start_proxy(backend, scheduler={"max_batch_size": 16})
+    await proxy.engine.start()
+    yield proxy
+    await proxy.engine.close()
+
+
+@pytest.fixture
+async def oa(hf_proxy):
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=hf_proxy.v1, api_key="unused", max_retries=0) as client:
+        yield client

@@ -18,30 +18,6 @@ from kvstream.hf import HFBackend  # noqa: E402
 from kvstream.hf.loader import LoadedModel  # noqa: E402
 
 
-@pytest.fixture
-async def hf_proxy(smollm2, start_proxy):
-    model, _, tokenizer = smollm2
-    backend = HFBackend(
-        None,
-        None,
-        preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"),
-        block_size=16,
-        num_gpu_blocks=256,
-        num_cpu_blocks=64,
-        max_batch_size=16,
-    )
-    proxy = await start_proxy(backend, scheduler={"max_batch_size": 16})
-    await proxy.engine.start()
-    yield proxy
-    await proxy.engine.close()
-
-
-@pytest.fixture
-async def oa(hf_proxy):
-    async with AsyncOpenAI(base_url=hf_proxy.v1, api_key="unused", max_retries=0) as client:
-        yield client
-
-
 async def wait_idle(proxy) -> None:
     engine = proxy.engine.backend.runner
     for _ in range(500):
@@ -345,7 +321,7 @@ async def test_logit_bias_and_penalties_change_the_answer(oa, smollm2):
     [
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, "response_format"),
         ({"logit_bias": {"not-an-id": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"49152": 1}}, "logit_bias"),  # past SmolLM2's vocabulary

@@ -1,0 +1,87 @@
+"""What JSON mode costs the in-process engine: the same prompts generated with
+``response_format: json_object`` and without, the same number of tokens each, same run.
+
+    python benchmarks/json_mode.py [--concurrency 1 8] [--new-tokens 128] [--rounds 3]
+
+For each concurrency c, c chats asking for JSON are generated greedily in JSON mode (the
+answer ends where the object closes, or at --new-tokens); then the same prompts run
+unconstrained with ``ignore_eos`` for exactly as many tokens as JSON mode produced for each,
+so both do the same forwards and only the constrained choice differs. The ratio is
+unconstrained time / JSON-mode time (1.0: free). Best of --rounds per side. Also prints the
+share of JSON-mode answers that parse as a JSON object (those that closed before the limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from kvstream.hf.loader import chat_token_ids, load_model  # noqa: E402
+from kvstream.hf.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from kvstream.hf.sampling import SamplingParams  # noqa: E402
+
+QUESTIONS = [
+    "Describe a cat as JSON with its name, age and favourite food.",
+    "Give three European capitals and their countries as a JSON object.",
+    "A JSON object for a book: title, author, year.",
+    "Return the weather in Paris as JSON.",
+    "List two programming languages with their creators, as JSON.",
+    "A JSON object describing a car.",
+    "Summarize the plot of Hamlet as JSON with keys characters and ending.",
+    "Make a JSON shopping list with quantities.",
+]
+
+
+def timed(engine: ModelRunner, prompts: list[list[int]], params: list[SamplingParams], rounds: int) -> tuple[float, list[list[int]]]:
+    best, outs = float("inf"), []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        outs = engine.generate_sync(prompts, params)
+        best = min(best, time.perf_counter() - start)
+    return best, outs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    loaded = load_model(None, device="cpu")
+    tokenizer = loaded.tokenizer
+    engine = ModelRunner(loaded.model, tokenizer, RunnerConfig(
+        block_size=16, num_blocks=2048, num_cpu_blocks=0, max_num_seqs=max(args.concurrency), enable_prefix_caching=False))
+    print(f"SmolLM2-135M fp32, {torch.get_num_threads()} threads, attention {engine.attention.name}, greedy, "
+          f"up to {args.new_tokens} tokens, best of {args.rounds}")
+    print(f"{'c':>3} {'tokens':>7} {'json ms/tok':>12} {'plain ms/tok':>13} {'plain/json':>11} {'valid objects':>14}")
+    for c in args.concurrency:
+        chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(c)]
+        prompts = [chat_token_ids(tokenizer, chat) for chat in chats]
+        constrained = [SamplingParams(max_tokens=args.new_tokens, temperature=0, json_object=True) for _ in prompts]
+        json_s, outs = timed(engine, prompts, constrained, args.rounds)
+        counts = [len(o) for o in outs]
+        plain = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in counts]
+        plain_s, plain_outs = timed(engine, prompts, plain, args.rounds)
+        assert [len(o) for o in plain_outs] == counts
+        valid = 0
+        for out in outs:
+            try:
+                valid += isinstance(json.loads(tokenizer.decode(out, skip_special_tokens=True)), dict)
+            except ValueError:
+                pass
+        tokens = sum(counts)
+        print(f"{c:>3} {tokens:>7} {json_s / tokens * 1000:>12.2f} {plain_s / tokens * 1000:>13.2f} "
+              f"{plain_s / json_s:>11.2f} {valid:>9} of {c}")
+
+
+if __name__ == "__main__":
+    main()
