@@ -42,7 +42,7 @@ class JsonPrefix:
         self.stack: list[int] = []  # b"{" or b"[" per open container
         self.expect = VALUE
         self.lexer = NONE
-        self.sub = 0  # UNICODE: hex digits left; NUMBER: its sub-state; LITERAL: bytes left
+        self.sub = 0  # UNICODE: hex digits left; NUMBER: its sub-state (N_*)
         self.is_key = False  # the string being lexed is an object key
         self.spaces = 0  # whitespace bytes in a row outside strings
         self.literal = b""  # LITERAL: the bytes of true / false / null still to come

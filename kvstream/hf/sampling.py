@@ -20,6 +20,7 @@ import torch
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
+
 @dataclass
 class SamplingParams:
     """How one request picks its tokens. ``temperature == 0`` is greedy (argmax)."""
@@ -145,7 +146,7 @@ def adjust(scores: torch.Tensor, p: SamplingParams, history: History | None) -> 
         return scores
     if p.repeat_penalty != 1.0:
         context = history.prompt + history.output
-        recent = context if p.repeat_last_n == -1 else context[len(context) - p.repeat_last_n:] if p.repeat_last_n else []
+        recent = context if p.repeat_last_n == -1 else context[-p.repeat_last_n:] if p.repeat_last_n else []
         if recent:
             ids = torch.tensor(sorted(set(recent)), dtype=torch.long, device=device)
             values = scores[ids]
