@@ -1,14 +1,15 @@
-"""What JSON mode costs the in-process engine: the same prompts generated with
-``response_format: json_object`` and without, the same number of tokens each, same run.
+"""What JSON output costs the in-process engine: the same prompts generated with
+``response_format`` ``json_object`` (JSON mode) and ``json_schema`` (a structured output)
+and without, the same number of tokens each, same run.
 
     python benchmarks/json_mode.py [--concurrency 1 8] [--new-tokens 128] [--rounds 3]
 
-For each concurrency c, c chats asking for JSON are generated greedily in JSON mode (the
-answer ends where the object closes, or at --new-tokens); then the same prompts run
-unconstrained with ``ignore_eos`` for exactly as many tokens as JSON mode produced for each,
-so both do the same forwards and only the constrained choice differs. The ratio is
-unconstrained time / JSON-mode time (1.0: free). Best of --rounds per side. Also prints the
-share of JSON-mode answers that parse as a JSON object (those that closed before the limit).
+For each concurrency c and each mode, c chats asking for JSON are generated greedily under
+the constraint (the answer ends where the object closes, or at --new-tokens); then the same
+prompts run unconstrained with ``ignore_eos`` for exactly as many tokens as the constrained
+run produced for each, so both do the same forwards and only the constrained choice
+differs. The ratio is unconstrained time / constrained time (1.0: free). Best of --rounds
+per side. Also prints how many answers parse (as a JSON object; as the schema's object).
 """
 
 from __future__ import annotations
@@ -24,9 +25,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from kvstream.hf.json_schema import compile_schema  # noqa: E402
 from kvstream.hf.loader import chat_token_ids, load_model  # noqa: E402
 from kvstream.hf.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from kvstream.hf.sampling import SamplingParams  # noqa: E402
+
+# A structured output of the kind apps ask for (nested objects, arrays, an enum, a nullable).
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "kind": {"enum": ["animal", "place", "thing"]},
+        "facts": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string"}, "value": {"anyOf": [{"type": "number"}, {"type": "null"}]}}}},
+        "verified": {"type": "boolean"},
+    },
+}
 
 QUESTIONS = [
     "Describe a cat as JSON with its name, age and favourite food.",
@@ -62,25 +76,31 @@ def main() -> None:
         block_size=16, num_blocks=2048, num_cpu_blocks=0, max_num_seqs=max(args.concurrency), enable_prefix_caching=False))
     print(f"SmolLM2-135M fp32, {torch.get_num_threads()} threads, attention {engine.attention.name}, greedy, "
           f"up to {args.new_tokens} tokens, best of {args.rounds}")
-    print(f"{'c':>3} {'tokens':>7} {'json ms/tok':>12} {'plain ms/tok':>13} {'plain/json':>11} {'valid objects':>14}")
+    print(f"{'mode':>12} {'c':>3} {'tokens':>7} {'constrained ms/tok':>19} {'plain ms/tok':>13} {'plain/constrained':>18} {'parsed':>9}")
+    pattern = compile_schema(SCHEMA)
+    modes = {"json_object": {"json_object": True}, "json_schema": {"json_schema": SCHEMA}}
     for c in args.concurrency:
         chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(c)]
         prompts = [chat_token_ids(tokenizer, chat) for chat in chats]
-        constrained = [SamplingParams(max_tokens=args.new_tokens, temperature=0, json_object=True) for _ in prompts]
-        json_s, outs = timed(engine, prompts, constrained, args.rounds)
-        counts = [len(o) for o in outs]
-        plain = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in counts]
-        plain_s, plain_outs = timed(engine, prompts, plain, args.rounds)
-        assert [len(o) for o in plain_outs] == counts
-        valid = 0
-        for out in outs:
-            try:
-                valid += isinstance(json.loads(tokenizer.decode(out, skip_special_tokens=True)), dict)
-            except ValueError:
-                pass
-        tokens = sum(counts)
-        print(f"{c:>3} {tokens:>7} {json_s / tokens * 1000:>12.2f} {plain_s / tokens * 1000:>13.2f} "
-              f"{plain_s / json_s:>11.2f} {valid:>9} of {c}")
+        for mode, fields in modes.items():
+            constrained = [SamplingParams(max_tokens=args.new_tokens, temperature=0, **fields) for _ in prompts]
+            constrained_s, outs = timed(engine, prompts, constrained, args.rounds)
+            counts = [len(o) for o in outs]
+            plain = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in counts]
+            plain_s, plain_outs = timed(engine, prompts, plain, args.rounds)
+            assert [len(o) for o in plain_outs] == counts
+            texts = [tokenizer.decode(out, skip_special_tokens=True) for out in outs]
+            parsed = sum(pattern.fullmatch(t) is not None if mode == "json_schema" else _is_object(t) for t in texts)
+            tokens = sum(counts)
+            print(f"{mode:>12} {c:>3} {tokens:>7} {constrained_s / tokens * 1000:>19.2f} {plain_s / tokens * 1000:>13.2f} "
+                  f"{plain_s / constrained_s:>18.2f} {parsed:>4} of {c}")
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from kvstream.hf.kv_cache import KVShape, PagedKVCache, auto_batch_size, pool_dt
 from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
 from kvstream.hf.sampling import History, SamplingParams, TokenLogprobs, logprobs_of, sample
 from kvstream.hf.json_constraint import JsonObjectConstraint
+from kvstream.hf.json_schema import JsonSchemaConstraint, compile_schema
 from kvstream.hf.token_bytes import TokenBytes
 from kvstream.hf.block_manager import ReuseBlockManager
 from kvstream.scheduler import (
@@ -132,7 +133,7 @@ class RunnerRequest:
     repaired_tokens: int = 0  # of those, recomputed by the repair
     approx_from: int | None = None  # first position holding moved (approximate) KV
     index: int = 0  # choice index among the request's n (forks carry 1..n-1)
-    constraint: JsonObjectConstraint | None = None  # JSON mode: what may come next
+    constraint: JsonObjectConstraint | JsonSchemaConstraint | None = None  # JSON output: what may come next
 
 
 @dataclass
@@ -267,10 +268,12 @@ class ModelRunner:
         self.scheduler.check_fits(seq)
         req = RunnerRequest(seq, params, IncrementalDetokenizer(self.tokenizer, params.stop), sink, params.make_generator())
         req.blend = blend
-        if params.json_object:
+        if params.json_object or params.json_schema is not None:
             # Special tokens (end of turn included) never belong to the JSON text: the answer
             # ends when the object closes.
-            req.constraint = JsonObjectConstraint(self.token_bytes, {*self.tokenizer.all_special_ids, *self.eos_ids})
+            banned = {*self.tokenizer.all_special_ids, *self.eos_ids}
+            req.constraint = (JsonSchemaConstraint(compile_schema(params.json_schema), self.token_bytes, banned)
+                              if params.json_schema is not None else JsonObjectConstraint(self.token_bytes, banned))
         with self._lock:
             if len(self.scheduler.waiting) + len(self._inbox) >= self.scheduler.config.max_queue_size:
                 raise QueueFull(f"The queue is full ({self.scheduler.config.max_queue_size} requests waiting).")

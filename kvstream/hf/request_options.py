@@ -9,16 +9,18 @@ are accepted and ignored, as OpenAI-compatible servers do.
 
 Honoured: ``GenerateRequest.logprobs`` (the schemas read OpenAI's ``logprobs`` /
 ``top_logprobs``, the Ollama route Ollama's), ``response_format`` ``json_object`` (JSON
-mode, json_constraint.py), ``logit_bias``, ``presence_penalty``, ``frequency_penalty``, and
-from Ollama's options ``repeat_penalty``, ``repeat_last_n``, ``min_p``. Refused: a JSON schema,
-``tool_choice`` that forces a call, ``echo``, ``suffix``, ``best_of`` > 1, ``typical_p``
-other than 1.
+mode, json_constraint.py) and ``json_schema`` (structured outputs, json_schema.py, which
+says what schemas it takes), ``logit_bias``, ``presence_penalty``, ``frequency_penalty``,
+and from Ollama's options ``repeat_penalty``, ``repeat_last_n``, ``min_p``. Refused: a
+schema outside what json_schema.py takes, ``tool_choice`` that forces a call, ``echo``,
+``suffix``, ``best_of`` > 1, ``typical_p`` other than 1.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvstream.hf.json_schema import SchemaError, compile_schema
 from kvstream.hf.sampling import SamplingParams
 from kvstream.types import BackendRejected, GenerateRequest
 
@@ -43,9 +45,9 @@ def _unsupported(name: str, why: str) -> BackendRejected:
 def check_unsupported(extra: dict[str, Any]) -> None:
     """400 for a field whose meaning the engine cannot deliver."""
     fmt = extra.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object")):
-        raise _unsupported("response_format", "JSON output is constrained to any JSON object ('json_object', Ollama's "
-                                              "'format': 'json'), not to a schema")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object", "json_schema")):
+        raise BackendRejected("Invalid value for 'response_format': its type is 'text', 'json_object' or 'json_schema'.",
+                              param="response_format", code="invalid_value")
     choice = extra.get("tool_choice")
     if choice is not None and choice not in ("auto", "none"):
         raise _unsupported("tool_choice", "it cannot force a tool call (tool calls are not parsed from its output)")
@@ -83,6 +85,24 @@ def logit_bias(extra: dict[str, Any], vocab_size: int | None) -> dict[int, float
     return bias
 
 
+def json_schema(extra: dict[str, Any]) -> dict[str, Any] | None:
+    """``response_format``'s JSON schema (OpenAI's ``json_schema.schema``), checked now: 400
+    for one the engine cannot constrain its output to (json_schema.py says what it takes)."""
+    fmt = extra.get("response_format")
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        return None
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise BackendRejected("'response_format.json_schema.schema' must be a JSON schema object.",
+                              param="response_format", code="invalid_value")
+    try:
+        compile_schema(schema)
+    except SchemaError as exc:
+        raise _unsupported("response_format", f"its JSON schema is outside what it can constrain to ({exc})") from None
+    return schema
+
+
 def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
     """The request's SamplingParams; BackendRejected (400, naming the field) for a value the
     engine refuses. ``vocab_size`` None: token ids in ``logit_bias`` are not range-checked."""
@@ -104,6 +124,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             logit_bias=logit_bias(extra, vocab_size),
             logprobs=request.logprobs,
             json_object=(extra.get("response_format") or {}).get("type") == "json_object",
+            json_schema=json_schema(extra),
         )
     except ValueError as exc:
         raise BackendRejected(str(exc)) from None

@@ -41,6 +41,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely (k <= 20)
     json_object: bool = False  # JSON mode: only tokens that keep the output one JSON object (json_constraint.py)
+    json_schema: dict | None = None  # structured output: only JSON this schema admits (json_schema.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -136,11 +136,119 @@ async def test_n_choices_each_follow_their_own_json_state(oa):
         assert choice.finish_reason == "length" or isinstance(json.loads(choice.message.content), dict)
 
 
-async def test_ollamas_format_json_is_json_mode_and_a_schema_is_refused(hf_proxy, http):
+async def test_ollamas_format_json_is_json_mode_and_a_schema_it_cannot_follow_is_refused(hf_proxy, http):
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "A cat as JSON."}], "stream": False,
             "format": "json", "options": {"temperature": 0, "num_predict": 200}}
     async with http.post(hf_proxy.url + "/api/chat", json=body) as resp:
         reply = await resp.json()
     assert reply["done_reason"] == "length" or isinstance(json.loads(reply["message"]["content"]), dict)
-    async with http.post(hf_proxy.url + "/api/chat", json=body | {"format": {"type": "object"}}) as resp:
-        assert resp.status == 400 and "schema" in (await resp.json())["error"]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}
+    async with http.post(hf_proxy.url + "/api/chat", json=body | {"format": schema}) as resp:
+        assert resp.status == 400 and "minimum" in (await resp.json())["error"]
+
+
+# ------------------------------------------------------------------------ structured outputs
+from pydantic import BaseModel  # noqa: E402
+
+from kvstream.hf.json_schema import JsonSchemaConstraint, SchemaError, compile_schema, schema_pattern  # noqa: E402
+
+
+class Pet(BaseModel):
+    name: str
+    age: int
+    kind: str
+    owner: str | None = None
+    tags: list[str]
+
+
+class Household(BaseModel):
+    pets: list[Pet]
+    city: str
+    score: float
+    indoor: bool
+
+
+def test_a_schemas_expression_takes_what_it_admits_prefix_by_prefix_and_nothing_else():
+    pattern = compile_schema(Household.model_json_schema())
+    answers = [
+        Household(pets=[Pet(name="Tom", age=3, kind="cat", tags=["a", 'b\\"c'])], city="Paris", score=1.5, indoor=True),
+        Household(pets=[], city="", score=-2e-3, indoor=False),
+        Household(pets=[Pet(name="Rex \u00e9", age=0, kind="dog", owner="Ann", tags=[])], city="Oslo", score=0, indoor=False),
+    ]
+    for answer in answers:
+        for text in (answer.model_dump_json(), answer.model_dump_json(indent=2)):
+            assert pattern.fullmatch(text) is not None, text
+            assert all(pattern.fullmatch(text[:cut], partial=True) for cut in range(len(text)))
+            Household.model_validate_json(text)
+    for wrong in ('{"city": "x"}', '{"pets": [], "city": 1, "score": 1, "indoor": true}',
+                  '{"pets": [{"name": "a"}], "city": "x", "score": 1, "indoor": true}',
+                  '{"pets": [], "city": "x", "score": 1, "indoor": true, "more": 1}'):
+        assert pattern.fullmatch(wrong) is None, wrong
+
+
+@pytest.mark.parametrize(("schema", "complaint"), [
+    ({"type": "string"}, "root must be an object"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}, "'pattern' is not supported"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 3}}}, "'minimum' is not supported"),
+    ({"type": "object", "properties": {"a": {"allOf": [{}]}}}, "'allOf' is not supported"),
+    ({"$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}}, "type": "object",
+      "properties": {"a": {"$ref": "#/$defs/N"}}}, "recursive"),
+    ({"type": "object", "properties": {"a": {"$ref": "https://x/y"}}}, "local references"),
+])
+def test_what_a_schema_asks_beyond_the_expression_is_refused_not_ignored(schema, complaint):
+    with pytest.raises(SchemaError, match=complaint):
+        schema_pattern(schema)
+
+
+def test_the_schema_constraint_spells_tokens_and_ends_at_the_root_objects_close():
+    spelled = {0: b'{"a"', 1: b":", 2: b" 1", 3: b"}", 4: b'"x"', 5: b"\xc3", 6: b"\xa9", 7: b"<|im_end|>"}
+    constraint = JsonSchemaConstraint(
+        compile_schema({"type": "object", "properties": {"a": {"type": "integer"}}}), spelled.__getitem__, banned={7})
+    assert constraint.accepts(0) and not constraint.accepts(4) and not constraint.accepts(7)
+    for token in (0, 1, 2):
+        constraint.advance(token)
+    assert not constraint.done and not constraint.accepts(4) and constraint.accepts(3)
+    constraint.advance(3)
+    assert constraint.done and not constraint.accepts(2)
+    spelled[8] = b'{"s": "'
+    text = JsonSchemaConstraint(compile_schema({"type": "object", "properties": {"s": {"type": "string"}}}), spelled.__getitem__, ())
+    text.advance(8)
+    assert text.accepts(5)  # half of "é": a string may hold it
+    text.advance(5)
+    assert text.accepts(6) and not text.done
+
+
+async def test_the_openai_clients_parse_gets_its_pydantic_model(oa):
+    """``client.chat.completions.parse(response_format=Model)``: the strict schema the client
+    sends is honoured and every answer that closed validates as the model."""
+    from openai import LengthFinishReasonError
+
+    parsed = 0
+    for temperature, seed in ((0.0, 0), (1.0, 1), (1.0, 2), (0.7, 3)):
+        try:
+            reply = await oa.chat.completions.parse(
+                model="smollm2", messages=[{"role": "user", "content": "Describe a household with two pets."}],
+                response_format=Household, max_tokens=400, temperature=temperature, seed=seed)
+        except LengthFinishReasonError as exc:  # cut by max_tokens (a 135M model likes long strings): a prefix
+            text = exc.completion.choices[0].message.content
+            assert compile_schema(Household.model_json_schema()).fullmatch(text, partial=True), text
+            continue
+        assert isinstance(reply.choices[0].message.parsed, Household)
+        parsed += 1
+    assert parsed >= 1, parsed
+
+
+async def test_a_schema_the_engine_cannot_follow_is_a_400_and_ollamas_schema_format_works(hf_proxy, oa, http):
+    from openai import BadRequestError
+
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}}
+    with pytest.raises(BadRequestError) as err:
+        await oa.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert err.value.param == "response_format" and "pattern" in err.value.message
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "A pet."}], "stream": False,
+            "format": Pet.model_json_schema(), "options": {"temperature": 0, "num_predict": 200}}
+    async with http.post(hf_proxy.url + "/api/chat", json=body) as resp:
+        reply = await resp.json()
+    assert reply["done_reason"] == "length" or Pet.model_validate_json(reply["message"]["content"])

@@ -321,7 +321,9 @@ async def test_logit_bias_and_penalties_change_the_answer(oa, smollm2):
     [
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": 2}}}},
+         "response_format"),  # a keyword structured outputs cannot enforce
+        ({"response_format": {"type": "xml"}}, "response_format"),
         ({"logit_bias": {"not-an-id": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"49152": 1}}, "logit_bias"),  # past SmolLM2's vocabulary

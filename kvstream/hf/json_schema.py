@@ -1,0 +1,232 @@
+"""Structured outputs (``response_format: {"type": "json_schema", ...}``, Ollama's ``format``
+as a schema): the answer is constrained to JSON text that a regular expression built from
+the schema accepts, and ends where the root object closes.
+
+``schema_pattern`` writes the expression: strings (``enum``, ``const``, ``minLength`` /
+``maxLength``), integers, numbers, booleans, null, arrays (``items``, ``minItems`` /
+``maxItems``), objects with their ``properties`` written in the schema's order, all of them
+(an optional property present is still valid, and OpenAI's strict mode makes every property
+required anyway), ``anyOf`` / ``oneOf`` / a list of types as alternatives, ``$ref`` into
+``$defs`` / ``definitions`` (not recursive), and any JSON value for a schema that says
+nothing (nested at most ``ANY_DEPTH`` deep). A keyword that would constrain the value in a
+way the expression does not (``pattern``, ``minimum``, ``allOf``, ``patternProperties``,
+...) is refused (``SchemaError``, a 400 naming it), never ignored; annotations (``title``,
+``description``, ``format``, ``default``, ...) are ignored, as they constrain nothing.
+
+``JsonSchemaConstraint`` asks the ``regex`` module (a dependency of transformers) whether
+the text so far plus a candidate token is a prefix of some match (``partial=True``): about
+2 us for a short answer, a few candidates per step.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import regex
+
+WS = r"[ \t\n\r]{0,16}"  # between tokens: as much as JSON mode allows in a row
+STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+INTEGER = r"-?(?:0|[1-9][0-9]*)"
+NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+ANY_DEPTH = 3  # nesting a schema-less value may reach
+# Keywords that only describe: nothing to enforce.
+ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "format", "$schema", "$id", "$comment", "deprecated", "readOnly",
+    "writeOnly", "strict", "name", "additionalProperties", "required", "$defs", "definitions", "contentMediaType",
+})
+HANDLED = frozenset({
+    "type", "properties", "items", "enum", "const", "anyOf", "oneOf", "$ref", "minLength", "maxLength", "minItems", "maxItems",
+})
+
+
+class SchemaError(ValueError):
+    """A schema (or a part of it) the engine cannot constrain its output to."""
+
+
+def _literal(value: Any) -> str:
+    return regex.escape(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+
+def _bounded(unit: str, low: int, high: int | None) -> str:
+    return f"(?:{unit}){{{low},{'' if high is None else high}}}"
+
+
+def _any_object(depth: int) -> str:
+    """Any JSON object whose values nest at most ``depth`` more levels."""
+    member = f'"{STRING_CHAR}*"{WS}:{WS}{_any_value(depth)}'
+    return rf"\{{{WS}(?:{member}(?:{WS},{WS}{member})*)?{WS}\}}"
+
+
+def _any_value(depth: int) -> str:
+    """Any JSON value nesting at most ``depth`` levels of arrays and objects."""
+    options = ['"' + STRING_CHAR + '*"', NUMBER, "true", "false", "null"]
+    if depth > 0:
+        inner = _any_value(depth - 1)
+        options += [rf"\[{WS}(?:{inner}(?:{WS},{WS}{inner})*)?{WS}\]", _any_object(depth - 1)]
+    return "(?:" + "|".join(options) + ")"
+
+
+class _Writer:
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+        self.resolving: list[str] = []
+
+    def value(self, schema: Any, where: str) -> str:
+        if schema is True or schema == {}:
+            return _any_value(ANY_DEPTH)
+        if not isinstance(schema, dict):
+            raise SchemaError(f"{where}: a schema must be an object")
+        unknown = set(schema) - ANNOTATIONS - HANDLED
+        if unknown:
+            raise SchemaError(f"{where}: '{sorted(unknown)[0]}' is not supported")
+        if "$ref" in schema:
+            return self._ref(schema["$ref"], where)
+        if "const" in schema:
+            return _literal(schema["const"])
+        if "enum" in schema:
+            if not isinstance(schema["enum"], list) or not schema["enum"]:
+                raise SchemaError(f"{where}: 'enum' must be a non-empty list")
+            return "(?:" + "|".join(_literal(v) for v in schema["enum"]) + ")"
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                options = schema[key]
+                if not isinstance(options, list) or not options:
+                    raise SchemaError(f"{where}: '{key}' must be a non-empty list")
+                return "(?:" + "|".join(self.value(o, f"{where}.{key}[{i}]") for i, o in enumerate(options)) + ")"
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            return "(?:" + "|".join(self.value({**schema, "type": k}, where) for k in kind) + ")"
+        if kind is None:
+            if "properties" in schema:
+                kind = "object"
+            elif "items" in schema:
+                kind = "array"
+            else:
+                return _any_value(ANY_DEPTH)
+        return self._typed(kind, schema, where)
+
+    def _typed(self, kind: Any, schema: dict[str, Any], where: str) -> str:
+        if kind == "string":
+            return '"' + _bounded(STRING_CHAR, int(schema.get("minLength", 0)), schema.get("maxLength")) + '"'
+        if kind == "integer":
+            return INTEGER
+        if kind == "number":
+            return NUMBER
+        if kind == "boolean":
+            return "(?:true|false)"
+        if kind == "null":
+            return "null"
+        if kind == "array":
+            item = self.value(schema.get("items", {}), f"{where}.items")
+            low, high = int(schema.get("minItems", 0)), schema.get("maxItems")
+            if high == 0:
+                return rf"\[{WS}\]"
+            rest = _bounded(f"{WS},{WS}{item}", max(low - 1, 0), None if high is None else high - 1)
+            items = f"{item}{rest}"
+            return rf"\[{WS}{items if low else f'(?:{items})?'}{WS}\]"
+        if kind == "object":
+            properties = schema.get("properties") or {}
+            if not isinstance(properties, dict):
+                raise SchemaError(f"{where}: 'properties' must be an object")
+            if not properties:  # a free-form object
+                return _any_object(ANY_DEPTH - 1)
+            members = [f"{_literal(name)}{WS}:{WS}{self.value(sub, f'{where}.{name}')}" for name, sub in properties.items()]
+            return rf"\{{{WS}" + f"{WS},{WS}".join(members) + rf"{WS}\}}"
+        raise SchemaError(f"{where}: type {kind!r} is not supported")
+
+    def _ref(self, ref: Any, where: str) -> str:
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            raise SchemaError(f"{where}: only local references ('#/$defs/...') are supported")
+        if ref in self.resolving:
+            raise SchemaError(f"{where}: recursive schemas ({ref}) are not supported")
+        target: Any = self.root
+        for part in ref[2:].split("/"):
+            if not isinstance(target, dict) or part not in target:
+                raise SchemaError(f"{where}: {ref} does not resolve")
+            target = target[part]
+        self.resolving.append(ref)
+        try:
+            return self.value(target, ref)
+        finally:
+            self.resolving.pop()
+
+
+def schema_pattern(schema: Any) -> str:
+    """The regular expression of the JSON texts ``schema`` admits (its root an object)."""
+    if not isinstance(schema, dict):
+        raise SchemaError("the schema must be a JSON object")
+    kind = schema.get("type")
+    if kind not in (None, "object") or ("type" not in schema and "properties" not in schema and "$ref" not in schema):
+        raise SchemaError("the schema's root must be an object (type: object)")
+    return _Writer(schema).value(schema, "schema")
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(text: str) -> Any:
+    return regex.compile(schema_pattern(json.loads(text)))
+
+
+def compile_schema(schema: Any) -> Any:
+    """The compiled expression of ``schema`` (cached by its text: clients resend one schema;
+    not with sorted keys, as the properties' order is the answer's)."""
+    return _compiled(json.dumps(schema))
+
+
+class JsonSchemaConstraint:
+    """One request's structured output: which token may come next, and whether it is done."""
+
+    def __init__(self, pattern: Any, token_bytes: Callable[[int], bytes], banned: Iterable[int]) -> None:
+        self.pattern = pattern
+        self.token_bytes = token_bytes
+        self.banned = frozenset(banned)
+        self.text = b""
+        self.done = False
+        # First bytes already judged in this state: a token that begins with one the text
+        # cannot continue with is refused without matching (most candidates a forced key or
+        # brace turns down share a few first bytes).
+        self._first: dict[int, bool] = {}
+
+    def copy(self) -> JsonSchemaConstraint:
+        other = JsonSchemaConstraint(self.pattern, self.token_bytes, ())
+        other.banned, other.text, other.done = self.banned, self.text, self.done
+        return other
+
+    def _continues(self, data: bytes) -> bool:
+        try:
+            text = self._decoded(self.text + data)
+        except UnicodeDecodeError:
+            return False
+        return self.pattern.fullmatch(text, partial=True) is not None
+
+    @staticmethod
+    def _decoded(data: bytes) -> str:
+        """``data`` as text; an incomplete character at its end stands as one non-ASCII
+        character, which only a string's inside admits."""
+        try:
+            return data.decode()
+        except UnicodeDecodeError as exc:
+            if exc.start < len(data) - 3 or exc.reason != "unexpected end of data":
+                raise
+            return data[: exc.start].decode() + "\u00e9"
+
+    def accepts(self, token_id: int) -> bool:
+        if token_id in self.banned or self.done:
+            return False
+        raw = self.token_bytes(token_id)
+        if not raw:
+            return False
+        first = self._first.get(raw[0])
+        if first is None:
+            first = self._first[raw[0]] = self._continues(raw[:1])
+        return first and (len(raw) == 1 or self._continues(raw))
+
+    def advance(self, token_id: int) -> None:
+        self.text += self.token_bytes(token_id)
+        self._first = {}
+        try:
+            self.done = self.pattern.fullmatch(self.text.decode()) is not None
+        except UnicodeDecodeError:
+            self.done = False
