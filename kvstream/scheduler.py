@@ -167,6 +167,7 @@ class SchedulerStats:
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     append_overflows: int = 0  # non-preemptible appends that found no block (should stay 0)
+    swap_drops: int = 0  # swapped sequences sent back to be recomputed to unstick the engine
 
 
 class Scheduler:
@@ -285,19 +286,11 @@ class Scheduler:
         for seq in sorted(self.swapped, key=lambda s: self._order_key(s, now)):
             if urgent is not None and urgent < seq.priority:
                 break
-            if len(self.running) + self._reserved + self._slots_for(seq) > self.config.max_batch_size:
+            if not self._can_resume(seq):
                 break
-            if not self.bm.can_swap_in(seq.seq_id):
-                break
-            copies = self.bm.swap_in(seq.seq_id)
-            out.swap_in_copies += copies
-            self.stats.swap_ins += 1
-            self.stats.swapped_in_blocks += len(copies)
-            self.swapped.remove(seq)
-            self._reserve_forks(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            out.resumed.append(seq)
+            self._resume(seq, out)
+        if not self.running and self.swapped:
+            self._unstick(out, now)
         if self.swapped and (urgent is None or urgent >= min(s.priority for s in self.swapped)):
             return out  # the preempted resume first; nobody of their class jumps ahead of them
         position = 0  # waiting[:position] wait for a prefix another request is computing
@@ -333,6 +326,46 @@ class Scheduler:
             self.running.append(seq)
             out.admitted.append(seq)
         return out
+
+    def _can_resume(self, seq: Sequence) -> bool:
+        """Whether swapped ``seq`` can come back now and decode at least one token: a slot,
+        its host blocks, and the block its next token opens or copies (``blocks_to_resume``);
+        without that last one it would preempt itself at once, come back, and again, the
+        engine making no progress."""
+        if len(self.running) + self._reserved + self._slots_for(seq) > self.config.max_batch_size:
+            return False
+        return self.bm.blocks_to_resume(seq.seq_id) <= self.bm.num_free_blocks
+
+    def _resume(self, seq: Sequence, out: ScheduleOutput) -> None:
+        copies = self.bm.swap_in(seq.seq_id)
+        out.swap_in_copies += copies
+        self.stats.swap_ins += 1
+        self.stats.swapped_in_blocks += len(copies)
+        self.swapped.remove(seq)
+        self._reserve_forks(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        out.resumed.append(seq)
+
+    def _unstick(self, out: ScheduleOutput, now: float) -> None:
+        """Nothing runs and the first swapped sequence in order cannot come back (the device
+        blocks it needs are pinned by the shared blocks other swapped sequences keep there):
+        holding the order would idle the engine forever. The first that can come back
+        resumes; if none can, the last in order drops its KV (it is recomputed later, mostly
+        from the prefix cache), releasing what it pinned, until one can."""
+        while self.swapped:
+            order = sorted(self.swapped, key=lambda s: self._order_key(s, now))
+            ready = next((s for s in order if self._can_resume(s)), None)
+            if ready is not None:
+                self._resume(ready, out)
+                return
+            dropped = order[-1]
+            self.swapped.remove(dropped)
+            self.bm.free(dropped.seq_id)
+            dropped.status = SeqStatus.WAITING
+            self.waiting.append(dropped)
+            self.waiting.sort(key=lambda s: self._order_key(s, now))
+            self.stats.swap_drops += 1
 
     def _shares_prefix_in_flight(self, seq: Sequence) -> bool:
         """Whether ``seq`` should wait for a running request to compute a prefix it shares."""

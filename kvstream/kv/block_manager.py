@@ -310,6 +310,16 @@ class BlockManager:
         swapped = self.swapped[seq_id]
         return sum(1 for entry in swapped.entries if not isinstance(entry, Block)) <= self.pool.num_free
 
+    def blocks_to_resume(self, seq_id: SeqId) -> int:
+        """Free device blocks a swapped sequence needs to come back and append one token: one
+        per host block, and one more when that token opens a block (the last is full) or
+        copies one (the last is still shared on the device: copy-on-write)."""
+        swapped = self.swapped[seq_id]
+        last = swapped.entries[-1] if swapped.entries else None
+        full = len(swapped.token_ids) % self.block_size == 0
+        shared = isinstance(last, Block) and last.ref_cnt > 1
+        return sum(1 for entry in swapped.entries if not isinstance(entry, Block)) + int(full or shared)
+
     def swap_in(self, seq_id: SeqId) -> list[tuple[int, int]]:
         """Bring a swapped sequence back to the device; returns (cpu_id, gpu_id) copies.
 
