@@ -354,3 +354,39 @@ def test_a_prompt_of_another_tenant_never_waits_for_a_prefix_it_could_not_share(
     sched.add(b)
     assert admitted_ids(sched.schedule()) == [a.seq_id, b.seq_id]
     assert b.num_cached_tokens == 0
+
+
+def test_when_nothing_runs_and_no_swapped_sequence_can_come_back_one_drops_its_kv():
+    """Two pairs of forks fill the pool and are all swapped out: the blocks each pair shares
+    stay on the device, pinned, and every one of them needs a block to copy its shared last
+    block into before it can decode. Nothing runs and nothing could come back: the last in
+    order drops its KV (to be recomputed), which frees its partner's blocks of the share,
+    and that partner resumes."""
+    sched, _ = make(num_blocks=4, block_size=4, cpu=8, max_batch_size=8, preemption_policy="swap")
+    pairs = []
+    for first in (0, 100):
+        parent = seq(6, max_tokens=4, first=first)
+        parent.num_samples = 2
+        sched.add(parent)
+        assert sched.schedule().admitted == [parent]
+        child = Sequence(list(parent.prompt_token_ids), 4, seq_id=f"{parent.seq_id}/1", arrival=parent.arrival)
+        sched.fork(parent, child)
+        pairs.append((parent, child))
+    assert sched.bm.num_free_blocks == 0
+    out = sched.schedule()
+    for victim in [s for pair in pairs for s in pair]:
+        sched._preempt(victim, out)  # memory pressure from outside, as the runner's appends cause
+    assert not sched.running and len(sched.swapped) == 4 and sched.bm.num_free_blocks == 0
+    assert all(sched.bm.blocks_to_resume(s.seq_id) == 1 for s in sched.swapped)  # a copy of the shared last block
+    sched.check_invariants()
+    out = sched.schedule()
+    assert sched.stats.swap_drops == 1 and len(out.resumed) == 1
+    dropped = sched.waiting[0]
+    assert dropped.status is SeqStatus.WAITING and dropped.seq_id not in sched.bm.swapped
+    resumed = out.resumed[0]
+    assert {dropped, resumed} in ({*pairs[0]}, {*pairs[1]})  # the dropped one's partner came back
+    sched.check_invariants()
+    assert not sched.append(resumed, 7).preempted  # and it decodes
+    for s in list(sched.running) + list(sched.swapped) + list(sched.waiting):
+        sched.finish(s)
+    assert sched.bm.is_idle()
