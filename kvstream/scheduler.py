@@ -303,10 +303,13 @@ class Scheduler:
                 continue
             # No free slot or not enough blocks: preempt a running request of a lower class
             # (preemptible backends only), or wait.
-            while (
-                len(self.running) + self._reserved + self._slots_for(seq) > self.config.max_batch_size
-                or self._blocks_to_admit(seq) > self.bm.num_free_blocks - self._headroom
-            ):
+            short = self._shortfall(seq)
+            if short != (0, 0) and not self._preempting_makes_room(seq.priority, *short):
+                # Head of line waits (admitting around it could starve it); preempting
+                # would not make it fit (the victims' blocks shared with swapped sequences
+                # stay), and would only stop work that could finish and free them.
+                return out
+            while self._shortfall(seq) != (0, 0):
                 victim = self._pick_victim(below=seq.priority)
                 if victim is None:
                     return out  # head of line waits; admitting around it could starve it
@@ -326,6 +329,27 @@ class Scheduler:
             self.running.append(seq)
             out.admitted.append(seq)
         return out
+
+    def _shortfall(self, seq: Sequence) -> tuple[int, int]:
+        """(batch slots, device blocks) missing to admit waiting ``seq`` now; (0, 0) if none."""
+        slots = len(self.running) + self._reserved + self._slots_for(seq) - self.config.max_batch_size
+        blocks = self._blocks_to_admit(seq) - (self.bm.num_free_blocks - self._headroom)
+        return max(0, slots), max(0, blocks)
+
+    def _preempting_makes_room(self, below: Priority, slots: int, blocks: int) -> bool:
+        """Whether preempting every running sequence of a class below ``below`` would free
+        ``slots`` slots and ``blocks`` device blocks: a block counts only when the victims
+        hold all of its references (one shared with a swapped or other running sequence
+        stays on the device)."""
+        victims = [s for s in self.running if self.preemptible and s.preemptible and s.priority > below]
+        held: dict[int, int] = {}
+        blocks_by_id = {}
+        for victim in victims:
+            for block in self.bm.tables[victim.seq_id].blocks:
+                held[block.block_id] = held.get(block.block_id, 0) + 1
+                blocks_by_id[block.block_id] = block
+        freed = sum(1 for block_id, refs in held.items() if blocks_by_id[block_id].ref_cnt == refs)
+        return len(victims) + sum(v.unforked for v in victims) >= slots and freed >= blocks
 
     def _can_resume(self, seq: Sequence) -> bool:
         """Whether swapped ``seq`` can come back now and decode at least one token: a slot,

@@ -390,3 +390,28 @@ def test_when_nothing_runs_and_no_swapped_sequence_can_come_back_one_drops_its_k
     for s in list(sched.running) + list(sched.swapped) + list(sched.waiting):
         sched.finish(s)
     assert sched.bm.is_idle()
+
+
+def test_a_preemption_that_cannot_make_room_is_not_made():
+    """A waiting request of a higher class preempts a running one only if that frees what it
+    lacks: blocks the victim shares with a swapped fork stay on the device, so preempting it
+    would stop work that could finish (and free them) for nothing."""
+    sched, _ = make(num_blocks=4, block_size=4, cpu=8, max_batch_size=8, preemption_policy="swap")
+    parent = seq(6, max_tokens=4, priority=Priority.LOW, first=0)
+    parent.num_samples = 2
+    sched.add(parent)
+    sched.schedule()
+    child = Sequence(list(parent.prompt_token_ids), 4, Priority.LOW, seq_id=f"{parent.seq_id}/1")
+    sched.fork(parent, child)
+    sched._preempt(child, sched.schedule())  # the fork swapped out: the pair's two blocks stay, pinned
+    assert sched.bm.num_free_blocks == 2
+    high = seq(9, max_tokens=2, priority=Priority.HIGH, first=500)  # 3 blocks: more than preempting frees
+    sched.add(high)
+    out = sched.schedule()
+    assert not out.preempted and not out.admitted and parent.status is SeqStatus.RUNNING
+    sched.check_invariants()
+    sched.finish(parent)
+    sched.finish(child)  # the pair done: its blocks free, the high request fits
+    assert sched.schedule().admitted == [high]
+    sched.finish(high)
+    assert sched.bm.is_idle()

@@ -70,25 +70,36 @@ def test_random_schedules_keep_every_invariant_and_leak_nothing(smollm2, ops, mo
         assert sorted(finishes) == list(range(choices[seq_id])) or (seq_id in aborted and len(set(finishes)) == len(finishes))
 
 
-# A schedule the random test above once found never draining (swap mode): nothing ran while
-# the first swapped sequence in order came back into exactly the free blocks, found none for
-# its next token, swapped itself out and came back, forever; the blocks the others needed
-# were pinned by the shared blocks swapped forks keep on the device.
-STUCK = [
-    ('step', 3), ('abort', 5), ('add', 24, 7, True, 0, 3), ('step', 2), ('add', 30, 3, True, 1, 2), ('add', 9, 5, True, 0, 2),
-    ('abort', 25), ('add', 21, 3, True, 2, 2), ('abort', 28), ('step', 2), ('add', 18, 4, True, 0, 2), ('abort', 20),
-    ('add', 9, 4, False, 2, 2), ('add', 24, 4, True, 1, 1), ('abort', 36), ('step', 1), ('step', 3), ('step', 1),
-    ('add', 29, 4, True, 2, 2), ('add', 10, 1, True, 1, 3), ('step', 2), ('step', 2), ('add', 13, 8, False, 0, 1),
-    ('add', 5, 2, False, 2, 3), ('step', 2),
-]
+# Schedules the random test above once found never draining (swap mode, forks), each cycling
+# forever with nothing running. "resume": the first swapped sequence in order came back into
+# exactly the free blocks, found none for its next token, swapped itself out and came back.
+# "futile preemption": a waiting request of a higher class preempted each sequence that came
+# back, though that could not make it fit (the blocks it lacked were pinned by swapped forks'
+# shares, which only those forks finishing would free).
+STUCK = {
+    'resume': [
+        ('step', 3), ('abort', 5), ('add', 24, 7, True, 0, 3), ('step', 2), ('add', 30, 3, True, 1, 2), ('add', 9, 5, True, 0, 2),
+        ('abort', 25), ('add', 21, 3, True, 2, 2), ('abort', 28), ('step', 2), ('add', 18, 4, True, 0, 2),
+        ('abort', 20), ('add', 9, 4, False, 2, 2), ('add', 24, 4, True, 1, 1), ('abort', 36), ('step', 1),
+        ('step', 3), ('step', 1), ('add', 29, 4, True, 2, 2), ('add', 10, 1, True, 1, 3), ('step', 2), ('step', 2),
+        ('add', 13, 8, False, 0, 1), ('add', 5, 2, False, 2, 3), ('step', 2),
+    ],
+    'futile preemption': [
+        ('step', 2), ('abort', 38), ('add', 3, 2, False, 1, 3), ('add', 30, 8, True, 2, 1), ('abort', 32),
+        ('add', 20, 2, True, 0, 3), ('add', 25, 8, True, 0, 2), ('add', 22, 4, False, 1, 3), ('step', 2), ('step', 2),
+        ('add', 9, 4, False, 0, 1), ('add', 19, 6, True, 0, 2), ('add', 29, 1, False, 1, 1), ('add', 16, 5, False, 1, 2),
+        ('step', 2), ('step', 3), ('step', 3), ('abort', 4), ('step', 2), ('step', 1),
+    ],
+}
 
 
-def test_a_swapped_sequence_comes_back_only_with_room_to_go_on_and_the_engine_never_stalls(smollm2):
+@pytest.mark.parametrize("schedule", list(STUCK))
+def test_schedules_that_once_stalled_the_engine_drain(smollm2, schedule):
     engine = ModelRunner(smollm2[0], smollm2[2], RunnerConfig(
         block_size=4, num_blocks=14, num_cpu_blocks=12, max_num_seqs=6, preemption_mode="swap",
         max_num_batched_tokens=24, debug_invariants=True))
     ids: list[str] = []
-    for action, *args in STUCK:
+    for action, *args in STUCK[schedule]:
         if action == "add":
             length, max_tokens, shared, priority, n = args
             seq = Sequence((SHARED if shared else []) + [400 + (i * 7 + length) % 500 for i in range(length)], max_tokens, Priority(priority))
