@@ -33,6 +33,8 @@ INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 ANY_DEPTH = 3  # nesting a schema-less value may reach
 # Keywords that only describe: nothing to enforce.
+# (``additionalProperties`` and ``required``: every listed property is written and no other,
+# which both allow; a map, with no properties listed, takes additionalProperties' schema.)
 ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "format", "$schema", "$id", "$comment", "deprecated", "readOnly",
     "writeOnly", "strict", "name", "additionalProperties", "required", "$defs", "definitions", "contentMediaType",
@@ -131,6 +133,10 @@ class _Writer:
             properties = schema.get("properties") or {}
             if not isinstance(properties, dict):
                 raise SchemaError(f"{where}: 'properties' must be an object")
+            extra = schema.get("additionalProperties")
+            if not properties and isinstance(extra, dict) and extra:  # a map: any keys, values of one schema
+                member = f'"{STRING_CHAR}*"{WS}:{WS}{self.value(extra, f"{where}.additionalProperties")}'
+                return rf"\{{{WS}(?:{member}(?:{WS},{WS}{member})*)?{WS}\}}"
             if not properties:  # a free-form object
                 return _any_object(ANY_DEPTH - 1)
             members = [f"{_literal(name)}{WS}:{WS}{self.value(sub, f'{where}.{name}')}" for name, sub in properties.items()]
@@ -166,7 +172,12 @@ def schema_pattern(schema: Any) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _compiled(text: str) -> Any:
-    return regex.compile(schema_pattern(json.loads(text)))
+    try:
+        return regex.compile(schema_pattern(json.loads(text)))
+    except SchemaError:
+        raise
+    except (ValueError, TypeError, RecursionError, regex.error) as exc:  # a malformed bound, an expression too large
+        raise SchemaError(f"the schema cannot be turned into an expression ({exc})") from None
 
 
 def compile_schema(schema: Any) -> Any:

@@ -252,3 +252,13 @@ async def test_a_schema_the_engine_cannot_follow_is_a_400_and_ollamas_schema_for
     async with http.post(hf_proxy.url + "/api/chat", json=body) as resp:
         reply = await resp.json()
     assert reply["done_reason"] == "length" or Pet.model_validate_json(reply["message"]["content"])
+
+
+def test_maps_follow_additional_properties_and_malformed_bounds_are_schema_errors():
+    pattern = compile_schema({"type": "object", "properties": {"m": {"type": "object", "additionalProperties": {"type": "integer"}}}})
+    assert pattern.fullmatch('{"m": {"a": 1, "b": -2}}') and pattern.fullmatch('{"m": {}}')
+    assert pattern.fullmatch('{"m": {"a": "x"}}') is None
+    for bad in ({"type": "object", "properties": {"s": {"type": "string", "minLength": "x"}}},
+                {"type": "object", "properties": {"s": {"type": "string", "maxLength": 10**12}}}):
+        with pytest.raises(SchemaError):
+            compile_schema(bad)
