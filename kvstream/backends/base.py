@@ -159,13 +159,14 @@ class BaseBackend(abc.ABC):
         headers = {}
         if config.api_key is not None:
             headers["Authorization"] = f"Bearer {config.api_key.get_secret_value()}"
+        elif self._url_auth is not None:
+            headers["Authorization"] = self._url_auth
         return UpstreamSession(
             self.base_url,
             connect_timeout=config.connect_timeout_s,
             read_timeout=config.read_timeout_s,
             deadline=config.request_timeout_s,
             headers=headers,
-            auth=self._url_auth,
         )
 
     def upstream(self) -> UpstreamSession | None:

@@ -4,6 +4,7 @@ keep-alive retry, SSE and NDJSON readers, and upstream error bodies mapped to Ba
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 import urllib.parse
@@ -42,16 +43,19 @@ async def cli_output(*args: str, timeout: float = 10.0) -> str | None:
     return out.decode("utf-8", "replace")
 
 
-def split_credentials(url: str) -> tuple[str, aiohttp.BasicAuth | None]:
-    """``url`` without its ``user:password@`` part, and those credentials (None when it has
-    none). KVStream shows, logs and puts in error messages only the first."""
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """``url`` without its ``user:password@`` part, and those credentials as the value of a
+    basic ``Authorization`` header (RFC 7617; None when it has none). KVStream shows, logs
+    and puts in error messages only the first. (aiohttp's BasicAuth and sessions' ``auth``
+    are deprecated, gone in aiohttp 4: the header is sent as a session default.)"""
     parts = urllib.parse.urlsplit(url)
     if "@" not in parts.netloc:
         return url, None
     userinfo, _, hostport = parts.netloc.rpartition("@")
     user, _, password = userinfo.partition(":")
     clean = urllib.parse.urlunsplit(parts._replace(netloc=hostport))
-    return clean, aiohttp.BasicAuth(urllib.parse.unquote(user), urllib.parse.unquote(password))
+    pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}".encode()
+    return clean, "Basic " + base64.b64encode(pair).decode("ascii")
 
 
 class UpstreamSession:
@@ -66,12 +70,12 @@ class UpstreamSession:
         read_timeout: float,
         deadline: float | None = None,
         headers: dict[str, str],
-        auth: aiohttp.BasicAuth | None = None,
     ):
         """``read_timeout``: longest the runtime may send nothing; ``deadline``: longest a
         whole request may take, streaming included (aiohttp's total timeout runs until the
-        body is read); ``auth``: credentials that came in the URL (never shown: ``base_url``
-        is the URL without them)."""
+        body is read); ``headers``: sent with every request, the runtime's credential among
+        them (a configured key, or the URL's user and password: ``base_url`` is the URL
+        without them, as it is shown)."""
         self.base_url = base_url
         self.deadline = deadline
         timeout = aiohttp.ClientTimeout(total=deadline, sock_connect=connect_timeout, sock_read=read_timeout)
@@ -79,19 +83,18 @@ class UpstreamSession:
         # 100 would queue requests the scheduler had admitted). No cookie jar: a proxy must
         # not carry one client's upstream cookies into another client's requests.
         self._pooled = aiohttp.ClientSession(
-            timeout=timeout, headers=headers, auth=auth, connector=aiohttp.TCPConnector(limit=0),
+            timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(limit=0),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         self._fresh = aiohttp.ClientSession(
-            timeout=timeout, headers=headers, auth=auth, connector=aiohttp.TCPConnector(limit=0, force_close=True),
+            timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(limit=0, force_close=True),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         # The runtime's own credential (URL credentials or a configured key) wins over one a
-        # caller passes on: aiohttp refuses a request that carries both an Authorization
-        # header and session credentials, and the runtime must see KVStream's configured one.
-        self._own_credentials = auth is not None or any(name.lower() == "authorization" for name in headers)
+        # caller passes on: the runtime must see KVStream's configured one.
+        self._own_credentials = any(name.lower() == "authorization" for name in headers)
 
     async def close(self) -> None:
         await self._pooled.close()
