@@ -258,6 +258,10 @@ async def test_ollama_front_on_the_in_process_engine(hf_proxy, http):
     assert all(len(e["top_logprobs"]) == 1 for e in scored["logprobs"])
     async with http.post(hf_proxy.url + "/api/chat", json=body | {"logprobs": True, "top_logprobs": 21}) as resp:
         assert resp.status == 400 and "top_logprobs" in (await resp.json())["error"]
+    async with http.post(hf_proxy.url + "/api/chat", json=body | {"logprobs": "yes"}) as resp:
+        assert resp.status == 400 and "logprobs" in (await resp.json())["error"]
+    async with http.post(hf_proxy.url + "/api/chat", json=body | {"options": {"repeat_penalty": 0}}) as resp:
+        assert resp.status == 400 and "repeat_penalty" in (await resp.json())["error"]
     # No runtime with embeddings behind the in-process engine: said plainly, in Ollama's shape.
     async with http.post(hf_proxy.url + "/api/embed", json={"model": "smollm2", "input": "x"}) as resp:
         assert resp.status == 501 and "embeddings" in (await resp.json())["error"]
@@ -331,6 +335,9 @@ async def test_logit_bias_and_penalties_change_the_answer(oa, smollm2):
         # SmolLM2's template does not render tools: the model would never see them.
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"extra_body": {"min_p": 2}}, "min_p"),
+        ({"extra_body": {"repeat_penalty": "strong"}}, "repeat_penalty"),  # Ollama's options arrive unchecked
+        ({"extra_body": {"repeat_last_n": -2}}, "repeat_last_n"),
+        ({"extra_body": {"logit_bias": [5, 1]}}, "logit_bias"),
     ],
 )
 async def test_what_the_engine_cannot_honour_is_a_400_naming_the_field(hf_proxy, oa, kwargs, param):
