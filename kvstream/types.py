@@ -112,6 +112,12 @@ class GenerateRequest:
     model: str | None
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
+    # A completions prompt given as token ids (the in-process engine takes them as they
+    # are; ``prompt`` then holds their text, for counting and logs).
+    prompt_token_ids: list[int] | None = None
+    # Completions' ``echo``: the prompt comes back before the completion (with its tokens'
+    # log-probabilities when ``logprobs`` is set; the first token's is None).
+    echo: bool = False
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -178,7 +184,7 @@ class TokenLogprob:
     shape (openai_format for chat and completions, routes_ollama for Ollama's)."""
 
     token: str  # its text (a partial UTF-8 character shows as U+FFFD; ``bytes`` are exact)
-    logprob: float
+    logprob: float | None  # None only for an echoed prompt's first token: nothing predicts it
     bytes: list[int]
     top: list[TokenLogprob] = field(default_factory=list)  # the most likely tokens at its place
 
@@ -215,6 +221,9 @@ class Token:
     # go on, why that choice ended (the stream's last Token carries ``finish_reason``).
     index: int = 0
     choice_finish_reason: str | None = None
+    # The echoed prompt (completions' ``echo``), sent before the first generated token: not
+    # a generated token (no time-to-first-token, not counted).
+    echo: bool = False
 
     def chat_delta(self) -> dict[str, Any]:
         if self.delta is not None:

@@ -107,6 +107,22 @@ async def test_ollama_errors(ollama):
     assert proxy.engine.scheduler.bm.is_idle()
 
 
+async def test_ollama_refuses_token_prompts_and_echo_by_name(ollama):
+    """Ollama takes text prompts and never returns them: a token-id prompt or echo is a 400
+    naming the field, not a prompt Ollama would read as text or an echo silently dropped."""
+    proxy, _, recorder = ollama
+    c = client(proxy)
+    with pytest.raises(openai.BadRequestError) as err:
+        await c.completions.create(model="llama3.2:latest", prompt=[1, 2, 3], max_tokens=2)
+    assert err.value.body["param"] == "prompt" and "token ids" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        await c.completions.create(model="llama3.2:latest", prompt="hi", max_tokens=2, echo=True)
+    assert err.value.body["param"] == "echo"
+    assert recorder.bodies == []
+    reply = await c.completions.create(model="llama3.2:latest", prompt="hi", max_tokens=2, echo=False)
+    assert reply.choices[0].text
+
+
 def test_ollama_tool_calls_and_images_translate_both_ways():
     from kvstream.backends.ollama import _openai_tool_calls, to_ollama_messages
 

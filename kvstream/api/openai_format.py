@@ -62,7 +62,8 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[st
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        # An echoed prompt's first token has no log-probability and no alternatives: null.
+        "top_logprobs": [None if e.logprob is None else {t.token: t.logprob for t in e.top} for e in entries],
         "text_offset": offsets,
     }
 

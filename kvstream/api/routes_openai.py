@@ -169,6 +169,12 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[Gen
         if body.n != 1 and not state.engine.backend.serves_n:
             raise APIError(400, "This backend serves one choice per request (n must be 1).", param="n", code="unsupported_value")
         generate = body.to_generate(request_id)
+        backend = state.engine.backend
+        if generate.prompt_token_ids is not None and not backend.serves_token_prompts:
+            raise APIError(400, f"The {backend.name} backend takes the prompt as text, not token ids.", param="prompt",
+                           code="unsupported_value")
+        if generate.echo and not backend.serves_echo:
+            raise APIError(400, f"The {backend.name} backend does not echo the prompt.", param="echo", code="unsupported_value")
         generate.stream = body.stream
         generate.n = body.n
         priority = parse_priority(request, body.priority)

@@ -138,26 +138,34 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    """Body of POST /v1/completions (a single prompt string)."""
+    """Body of POST /v1/completions: one prompt, as text or as token ids (a list of one of
+    either is taken too, as the API's batch form of one prompt)."""
 
-    prompt: str | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)  # the legacy API's: alternatives per token
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and len(value) != 1:
-            raise ValueError("KVStream accepts one prompt per request (a string or a list of one string)")
+    def _single_prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            if len(value) != 1:
+                raise ValueError("KVStream takes one prompt per request (text, token ids, or a list of one of either)")
+            value = value[0]
+        if isinstance(value, list) and (not value or min(value) < 0):
+            raise ValueError("a token-id prompt is a non-empty list of token ids (integers >= 0)")
         return value
 
     def _own_extra(self) -> set[str]:
-        return {"prompt", "logprobs"}
+        return {"prompt", "logprobs", "echo"}
 
     def to_generate(self, request_id: str) -> GenerateRequest:
-        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        ids = self.prompt if isinstance(self.prompt, list) else None
         return GenerateRequest(
             model=self.model,
-            prompt=prompt,
+            prompt=self.prompt if isinstance(self.prompt, str) else None,
+            prompt_token_ids=ids,  # type: ignore[arg-type]
+            echo=self.echo,
             max_tokens=self.max_tokens if self.max_tokens is not None else 16,  # OpenAI's default
             temperature=self.temperature,
             top_p=self.top_p,

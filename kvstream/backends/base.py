@@ -45,6 +45,12 @@ class BaseBackend(abc.ABC):
     # Whether the backend generates n > 1 choices of one request itself (the translating
     # routes refuse n > 1 otherwise; a forwarding runtime judges n itself).
     serves_n: bool = False
+    # Whether a translating backend takes a completions prompt as token ids, and returns the
+    # prompt with the completion (``echo``, with the prompt's log-probabilities when asked):
+    # the in-process engine, which holds the tokenizer and the logits. The routes refuse them
+    # (400) for the others; a forwarding runtime judges them itself.
+    serves_token_prompts: bool = False
+    serves_echo: bool = False
     # How the runtime keeps prompt caches, for replica routing's model of it: "slots" (one
     # prompt per slot: llama-server, Ollama, LM Studio) or "shared" (one prefix cache over
     # the whole KV pool: vLLM, SGLang).

@@ -179,7 +179,7 @@ class Generation:
             metrics.overhead.observe(max(0.0, self.upstream_at - self.arrived_at - (self.admitted_at - self.submitted_at)))
         async with contextlib.aclosing(engine.runner.stream(self)) as tokens:
             async for token in tokens:
-                if token.choice_finish_reason is not None:  # one of n choices ended, no token
+                if token.choice_finish_reason is not None or token.echo:  # a choice ended, or the prompt: no token
                     yield token
                     continue
                 if token.finish_reason is None:

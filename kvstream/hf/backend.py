@@ -32,11 +32,13 @@ from kvstream.types import (
     ModelInfo,
     RuntimeLimits,
     Token,
+    TokenLogprob,
     Usage,
 )
 
 if TYPE_CHECKING:
     from kvstream.hf.loader import LoadedModel
+    from kvstream.hf.sampling import TokenLogprobs
     from kvstream.hf.token_bytes import TokenBytes
     from kvstream.hf.model_runner import ModelRunner, TokenEvent
 
@@ -100,9 +102,12 @@ class HFStream:
     last, which ends the stream with usage summed over the choices.
     """
 
-    def __init__(self, backend: HFBackend, seq: Sequence, token_bytes: TokenBytes | None = None) -> None:
+    def __init__(
+        self, backend: HFBackend, seq: Sequence, token_bytes: TokenBytes | None = None, echo: str | None = None
+    ) -> None:
         loop = asyncio.get_running_loop()
         self._token_bytes = token_bytes  # spells each token's log-probabilities, when asked for
+        self._echo = echo  # the prompt's text, sent first in every choice (echo); None once sent
         self.admitted: asyncio.Future[None] = loop.create_future()
         self._backend = backend
         self._seq = seq
@@ -136,6 +141,13 @@ class HFStream:
                         err = event.error
                         raise BackendError(str(err), err.status, code=err.code, retryable=err.status >= 429)
                     raise BackendError(f"the engine failed: {event.error!r}", 500, code="engine_error")
+                if self._echo is not None:
+                    entries = self._prompt_entries(event.prompt_logprobs)
+                    for index in range(seq.num_samples):
+                        yield Token(text=self._echo, token_logprobs=entries, index=index, echo=True)
+                    self._echo = None
+                if event.kind == "prompt":
+                    continue
                 ended_by_eos = event.finish_reason == "stop" and event.token_id in runner.eos_ids
                 logprobs = None
                 if self._token_bytes is not None and event.logprobs is not None and not ended_by_eos:
@@ -146,7 +158,7 @@ class HFStream:
                     continue
                 if event.text or logprobs is not None:
                     yield Token(text=event.text, token_id=event.token_id, token_logprobs=logprobs, index=event.index)
-                if not ended_by_eos:
+                if not ended_by_eos and event.token_id is not None:  # None: echo alone, nothing generated
                     generated += 1
                 open_choices -= 1
                 if open_choices:
@@ -156,6 +168,15 @@ class HFStream:
                 usage = Usage(len(seq.prompt_token_ids), generated, seq.num_cached_tokens)
                 yield Token(finish_reason=event.finish_reason, usage=usage, index=event.index)
                 return
+
+    def _prompt_entries(self, scores: list[TokenLogprobs] | None) -> list[TokenLogprob] | None:
+        """The echoed prompt's tokens with their log-probabilities (the first has none)."""
+        if scores is None or self._token_bytes is None:
+            return None
+        prompt = self._seq.prompt_token_ids
+        entries = [self._token_bytes.entry(prompt[0], None)]
+        entries += [self._token_bytes.logprob(token, score) for token, score in zip(prompt[1:], scores, strict=True)]
+        return entries
 
     def close(self) -> None:
         """Abort the request in the runner unless it finished (frees its blocks there)."""
@@ -203,6 +224,8 @@ class HFBackend(InProcessBackend):
     name = "hf"
     capabilities = Capabilities(preemptible=True)
     serves_n = True  # n choices fork the prompt's blocks (copy-on-write)
+    serves_token_prompts = True
+    serves_echo = True  # the prompt's log-probabilities come from the same forward pass
 
     def __init__(
         self,
@@ -391,6 +414,12 @@ class HFBackend(InProcessBackend):
                 raise
             except Exception as exc:  # a template that rejects these messages (roles, tools...)
                 raise BackendRejected(f"the model's chat template rejected the messages: {exc}", param="messages") from None
+        if request.prompt_token_ids is not None:
+            vocab = self.runner.vocab_size
+            if vocab is not None and max(request.prompt_token_ids) >= vocab:
+                raise BackendRejected(f"Invalid value for 'prompt': token {max(request.prompt_token_ids)} is outside "
+                                      f"the vocabulary of {vocab}.", param="prompt", code="invalid_value")
+            return list(request.prompt_token_ids)
         return list(tokenizer(request.prompt or "").input_ids) or [tokenizer.bos_token_id or 0]
 
     def _blend_params(self, request: GenerateRequest) -> Any:
@@ -398,8 +427,8 @@ class HFBackend(InProcessBackend):
         from kvstream.hf.blend import BlendParams
 
         prefix = self.settings.prefix_cache
-        if (request.reuse or prefix.reuse) != "blend":
-            return None
+        if (request.reuse or prefix.reuse) != "blend" or (request.echo and request.logprobs is not None):
+            return None  # (a scored prompt is computed whole: moved KV would change its scores)
         return BlendParams(blend_ratio=prefix.blend_ratio if request.blend_ratio is None else request.blend_ratio)
 
     def _sampling_params(self, request: GenerateRequest, max_tokens: int) -> Any:
@@ -413,7 +442,10 @@ class HFBackend(InProcessBackend):
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
         params = self._sampling_params(request, seq.max_tokens)
-        stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None)
+        echo = None
+        if request.echo:
+            echo = request.prompt if request.prompt_token_ids is None else self.runner.tokenizer.decode(request.prompt_token_ids)
+        stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None, echo)
         self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
         return stream
 

@@ -145,10 +145,13 @@ class ReuseBlockManager(BlockManager):
         # never entered into the prefix cache.
         self.exact_until: dict[SeqId, int] = {}
 
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], root: BlockHash | None = None) -> int:
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], root: BlockHash | None = None, *, reuse: bool = True) -> int:
         """BlockManager.allocate, then reuse past the pool's hits: blocks the spill tiers
         hold, then the head of a kept partial block. Returns the prompt tokens whose KV is
-        reused (or will be, once ``restores`` and ``partial_copies`` are carried out)."""
+        reused (or will be, once ``restores`` and ``partial_copies`` are carried out);
+        ``reuse`` False: none is, from any tier."""
+        if not reuse:
+            return super().allocate(seq_id, token_ids, root, reuse=False)
         # Found before allocate() runs: it may hand the partial block out (its bytes stay
         # until the copy, which runs before anything writes to the pool).
         partial = self._partial_after_chain(token_ids, root)

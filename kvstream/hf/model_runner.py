@@ -101,7 +101,7 @@ class RunnerConfig:
 class TokenEvent:
     """What one step produced for one request, delivered to its sink."""
 
-    kind: str  # "admitted" | "token" | "error"
+    kind: str  # "admitted" | "prompt" (its tokens' logprobs, echo) | "token" | "error"
     token_id: int | None = None
     text: str = ""
     finish_reason: str | None = None
@@ -109,6 +109,7 @@ class TokenEvent:
     logits: torch.Tensor | None = None  # the first token's, when SamplingParams asks for them
     logprobs: TokenLogprobs | None = None  # this token's, when SamplingParams asks for them
     index: int = 0  # the choice this event belongs to (n > 1)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # "prompt": each prompt token's after the first
 
 
 Sink = Callable[[list[TokenEvent]], None]
@@ -134,6 +135,9 @@ class RunnerRequest:
     approx_from: int | None = None  # first position holding moved (approximate) KV
     index: int = 0  # choice index among the request's n (forks carry 1..n-1)
     constraint: JsonObjectConstraint | JsonSchemaConstraint | None = None  # JSON output: what may come next
+    # Echo with logprobs: entry i scores prompt token i + 1 (filled as prefill chunks run;
+    # kept across a recompute preemption, whose rerun scores nothing twice).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -268,6 +272,8 @@ class ModelRunner:
         self.scheduler.check_fits(seq)
         req = RunnerRequest(seq, params, IncrementalDetokenizer(self.tokenizer, params.stop), sink, params.make_generator())
         req.blend = blend
+        if params.prompt_logprobs is not None:
+            seq.reuse_prefix = False  # a position taken from the cache has no logits to score
         if params.json_object or params.json_schema is not None:
             # Special tokens (end of turn included) never belong to the JSON text: the answer
             # ends when the object closes.
@@ -533,9 +539,17 @@ class ModelRunner:
         plan_seqs = []
         logit_rows: list[int] = []
         sampled: list[RunnerRequest] = []
+        scored: list[tuple[RunnerRequest, int]] = []  # (request, prompt token scored) per prompt row
+        prompt_rows: list[int] = []
         for req, take in batch:
             table = bm.tables[req.seq.seq_id]
             start = req.num_computed
+            if req.params.prompt_logprobs is not None:
+                # The row at position p predicts prompt token p + 1.
+                end = min(start + take, len(req.seq.prompt_token_ids) - 1)
+                for position in range(max(start, len(req.prompt_logprobs)), end):
+                    prompt_rows.append(len(ids) + position - start)
+                    scored.append((req, req.seq.prompt_token_ids[position + 1]))
             ids += table.token_ids[start : start + take]
             positions += range(start, start + take)
             plan_seqs.append(([b.block_id for b in table.blocks], start, take))
@@ -544,7 +558,7 @@ class ModelRunner:
                 sampled.append(req)
         device = self.device
         started = time.perf_counter()
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
+        rows = torch.tensor(logit_rows + prompt_rows, dtype=torch.long, device=device)
         id_row = torch.tensor([ids], dtype=torch.long, device=device)
         position_row = torch.tensor([positions], dtype=torch.long, device=device)
         try:
@@ -566,12 +580,27 @@ class ModelRunner:
                 counters.prefill_tokens += take
             req.num_computed += take
             bm.commit(req.seq.seq_id, req.num_computed)
+        if scored:
+            self._score_prompts(logits[len(logit_rows):], scored)
+            logits = logits[: len(logit_rows)]
         if not sampled:
             return
+        if any(r.params.max_tokens == 0 for r in sampled):  # echo alone: the prompt is all it asked for
+            keep = [row for row, r in enumerate(sampled) if r.params.max_tokens > 0]
+            for req in sampled:
+                if req.params.max_tokens == 0:
+                    self._prompt_done(req)
+                    self._finish(req, TokenEvent("token", finish_reason="length"))
+            sampled = [sampled[row] for row in keep]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            if not sampled:
+                return
         # A request of n choices forks now, its prompt computed: every choice samples its
         # first token from this same row of logits.
         rows = list(range(len(sampled)))
         for row, req in enumerate(list(sampled)):
+            if req.num_generated == 0:
+                self._prompt_done(req)
             if req.seq.unforked:
                 for fork in self._fork(req):
                     sampled.append(fork)
@@ -594,6 +623,21 @@ class ModelRunner:
                 req.events[-1].logits = first  # the event _emit just queued
             if row in logprobs:
                 req.events[-1].logprobs = logprobs[row]
+
+    def _score_prompts(self, logits: torch.Tensor, scored: list[tuple[RunnerRequest, int]]) -> None:
+        """Each scored prompt row's log-probability of the prompt token that follows it, with
+        the request's alternatives (echo with logprobs), in prompt order."""
+        entries = logprobs_of(logits, list(range(len(scored))), [token for _, token in scored],
+                              [req.params.prompt_logprobs or 0 for req, _ in scored])
+        for (req, _), entry in zip(scored, entries, strict=True):
+            req.prompt_logprobs.append(entry)
+
+    def _prompt_done(self, req: RunnerRequest) -> None:
+        """The prompt is computed: hand over its scores (echo with logprobs), once, before
+        the first token; a later re-admission may take its prefix from the cache again."""
+        if req.params.prompt_logprobs is not None and req.seq.reuse_prefix is False:
+            req.events.append(TokenEvent("prompt", prompt_logprobs=req.prompt_logprobs))
+            req.seq.reuse_prefix = True
 
     def _plan(self, plan_seqs: list[tuple[list[int], int, int]], cache: PagedKVCache | None = None) -> AttentionPlan:
         """A step's attention plan over the pool (``cache``: another pool, the start-up probes')."""
@@ -708,8 +752,8 @@ class ModelRunner:
         def sink_for(i: int) -> Sink:
             def sink(events: list[TokenEvent]) -> None:
                 for e in events:
-                    if e.kind == "token":
-                        results[i].append(e.token_id)  # type: ignore[arg-type]
+                    if e.kind == "token" and e.token_id is not None:  # None: max_tokens 0, nothing generated
+                        results[i].append(e.token_id)
                     elif e.kind == "error":
                         errors.append(e.error)  # type: ignore[arg-type]
 

@@ -11,9 +11,11 @@ Honoured: ``GenerateRequest.logprobs`` (the schemas read OpenAI's ``logprobs`` /
 ``top_logprobs``, the Ollama route Ollama's), ``response_format`` ``json_object`` (JSON
 mode, json_constraint.py) and ``json_schema`` (structured outputs, json_schema.py, which
 says what schemas it takes), ``logit_bias``, ``presence_penalty``, ``frequency_penalty``,
-and from Ollama's options ``repeat_penalty``, ``repeat_last_n``, ``min_p``. Refused: a
-schema outside what json_schema.py takes, ``tool_choice`` that forces a call, ``echo``,
-``suffix``, ``best_of`` > 1, ``typical_p`` other than 1.
+and from Ollama's options ``repeat_penalty``, ``repeat_last_n``, ``min_p``; completions'
+``echo`` (``GenerateRequest.echo``: with ``logprobs``, the prompt's tokens are scored too,
+and ``max_tokens`` may be 0). Refused: a schema outside what json_schema.py takes,
+``tool_choice`` that forces a call, ``echo`` in a chat request, ``suffix``, ``best_of`` > 1,
+``typical_p`` other than 1.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def check_unsupported(extra: dict[str, Any]) -> None:
     choice = extra.get("tool_choice")
     if choice is not None and choice not in ("auto", "none"):
         raise _unsupported("tool_choice", "it cannot force a tool call (tool calls are not parsed from its output)")
-    if extra.get("echo"):
-        raise _unsupported("echo", "the prompt is not returned with the completion")
+    if extra.get("echo"):  # completions' own echo is GenerateRequest.echo, not extra
+        raise _unsupported("echo", "a chat request does not echo its messages (completions do)")
     if extra.get("suffix"):
         raise _unsupported("suffix", "it does not fill in between a prompt and a suffix")
     best_of = extra.get("best_of")
@@ -108,6 +110,12 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
     engine refuses. ``vocab_size`` None: token ids in ``logit_bias`` are not range-checked."""
     extra = request.extra
     check_unsupported(extra)
+    if max_tokens == 0 and not request.echo:
+        raise BackendRejected("Invalid value for 'max_tokens': it must be at least 1 (0 only with echo).",
+                              param="max_tokens", code="invalid_value")
+    if max_tokens == 0 and request.n > 1:
+        raise BackendRejected("Invalid value for 'n': with max_tokens 0 there is one choice, the prompt.",
+                              param="n", code="invalid_value")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -123,6 +131,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             repeat_last_n=int(_number(extra, "repeat_last_n", 64, -1)),
             logit_bias=logit_bias(extra, vocab_size),
             logprobs=request.logprobs,
+            prompt_logprobs=request.logprobs if request.echo else None,
             json_object=(extra.get("response_format") or {}).get("type") == "json_object",
             json_schema=json_schema(extra),
         )

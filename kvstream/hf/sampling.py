@@ -25,7 +25,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 class SamplingParams:
     """How one request picks its tokens. ``temperature == 0`` is greedy (argmax)."""
 
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: the prompt is computed (and scored) and nothing is generated
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -40,12 +40,15 @@ class SamplingParams:
     repeat_last_n: int = 64  # prompt and output, as llama.cpp counts them; -1: the whole context
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely (k <= 20)
+    # The same for each prompt token after the first (echo): the whole prompt is computed,
+    # none of it taken from the prefix cache, since a cached position has no logits.
+    prompt_logprobs: int | None = None
     json_object: bool = False  # JSON mode: only tokens that keep the output one JSON object (json_constraint.py)
     json_schema: dict | None = None  # structured output: only JSON this schema admits (json_schema.py)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 <= self.top_p <= 1:
@@ -58,8 +61,9 @@ class SamplingParams:
             raise ValueError("repeat_penalty must be > 0")
         if self.repeat_last_n < -1:
             raise ValueError("repeat_last_n must be >= -1")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        for k in (self.logprobs, self.prompt_logprobs):
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
 
     @property
     def adjusts_logits(self) -> bool:

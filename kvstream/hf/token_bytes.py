@@ -55,7 +55,7 @@ class TokenBytes:
         self._bytes[token_id] = raw
         return raw
 
-    def entry(self, token_id: int, logprob: float) -> TokenLogprob:
+    def entry(self, token_id: int, logprob: float | None) -> TokenLogprob:
         raw = self(token_id)
         return TokenLogprob(raw.decode("utf-8", errors="replace"), logprob, list(raw))
 

@@ -158,17 +158,18 @@ class BlockManager:
         limit = num_tokens - 1
         return limit if self.max_prefix_length is None else min(limit, self.max_prefix_length)
 
-    def blocks_needed(self, token_ids: Sequence[int], root: BlockHash | None = None) -> int:
+    def blocks_needed(self, token_ids: Sequence[int], root: BlockHash | None = None, *, reuse: bool = True) -> int:
         """Free blocks that allocate(token_ids) would consume, counting cached hits that are
         idle (they leave the free queue when taken)."""
-        hits = self.cached_prefix(token_ids, root)
+        hits = self.cached_prefix(token_ids, root) if reuse else []
         idle_hits = sum(1 for b in hits if b.ref_cnt == 0)
         return self.blocks_for(len(token_ids)) - len(hits) + idle_hits
 
     # -------------------------------------------------------------- lifecycle
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], root: BlockHash | None = None) -> int:
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], root: BlockHash | None = None, *, reuse: bool = True) -> int:
         """Give a new sequence blocks for its prompt, sharing cached prefix blocks of the
-        same chain ``root`` (a tenant's salt; None: the shared chain).
+        same chain ``root`` (a tenant's salt; None: the shared chain); ``reuse`` False: none
+        shared, every position computed (its full blocks are still cached once computed).
 
         Returns the number of prompt tokens whose KV is already cached. All or nothing: on
         NoFreeBlocks nothing is held.
@@ -177,8 +178,8 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         if not token_ids:
             raise ValueError("a sequence needs at least one token")
-        hits = self.cached_prefix(token_ids, root)
-        if self.blocks_needed(token_ids, root) > self.pool.num_free:
+        hits = self.cached_prefix(token_ids, root) if reuse else []
+        if self.blocks_needed(token_ids, root, reuse=reuse) > self.pool.num_free:
             raise NoFreeBlocks
         table = BlockTable(root=root)
         for block in hits:

@@ -40,7 +40,7 @@ def test_top_k_never_draws_outside_the_k_best():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"temperature": -1}, {"top_p": -0.1}, {"top_p": 1.5}, {"top_k": -2}, {"max_tokens": 0}]
+    "kwargs", [{"temperature": -1}, {"top_p": -0.1}, {"top_p": 1.5}, {"top_k": -2}, {"max_tokens": -1}, {"prompt_logprobs": 21}]
 )
 def test_invalid_parameters_are_refused(kwargs):
     with pytest.raises(ValueError):

@@ -1,0 +1,135 @@
+"""Completions' ``echo`` and token-id prompts on the in-process engine: the prompt comes back
+before the completion and, with ``logprobs``, each prompt token's log-probability under the
+model (what evaluation harnesses score a text by), equal to plain transformers' over the
+whole prompt, however the prefill is chunked and whatever the prefix cache holds."""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+
+from tests.conftest import require_import
+
+torch = require_import("torch")
+
+from kvstream.hf.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from kvstream.hf.sampling import SamplingParams  # noqa: E402
+from kvstream.scheduler import Sequence  # noqa: E402
+
+TEXT = "The knight rode through the forest and met a dragon who spoke in riddles. " * 4
+
+
+def reference_scores(smollm2, ids: list[int]) -> list[float]:
+    """log p(ids[i + 1] | ids[: i + 1]) from plain transformers, one forward over the prompt."""
+    _, reference_model, _ = smollm2
+    with torch.no_grad():
+        logits = reference_model(torch.tensor([ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(logprobs[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+
+
+def test_prompt_scores_survive_chunked_prefill_and_ignore_the_prefix_cache(smollm2):
+    tokenizer = smollm2[2]
+    ids = list(tokenizer(TEXT).input_ids)
+    assert len(ids) > 60
+    engine = ModelRunner(smollm2[0], tokenizer, RunnerConfig(
+        block_size=8, num_blocks=64, num_cpu_blocks=0, max_num_batched_tokens=16, debug_invariants=True))
+    engine.generate_sync([list(ids)], SamplingParams(max_tokens=1, temperature=0))  # the prompt is now cached
+
+    events: list = []
+    scored = Sequence(list(ids), 0)
+    engine.add_request(scored, SamplingParams(max_tokens=0, prompt_logprobs=2), events.extend)
+    while engine.has_work():
+        engine.step()
+    assert scored.num_cached_tokens == 0  # computed whole, in chunks of 16
+    [prompt] = [e for e in events if e.kind == "prompt"]
+    assert [e.kind for e in events if e.kind != "admitted"] == ["prompt", "token"]
+    assert events[-1].token_id is None and events[-1].finish_reason == "length"
+    got = [entry.logprob for entry in prompt.prompt_logprobs]
+    assert got == pytest.approx(reference_scores(smollm2, ids), abs=1e-3)
+    assert all(len(entry.top) == 2 and entry.top[0][1] >= entry.logprob - 1e-6 for entry in prompt.prompt_logprobs)
+
+    # Its blocks were cached as they were computed: the next plain request reuses them.
+    again = Sequence(list(ids), 1)
+    engine.add_request(again, SamplingParams(max_tokens=1, temperature=0), lambda _: None)
+    engine.step()
+    assert again.num_cached_tokens >= len(ids) - 8
+    while engine.has_work():
+        engine.step()
+    assert engine.is_idle()
+
+
+async def test_echo_returns_the_prompt_with_its_scores(oa, smollm2):
+    tokenizer = smollm2[2]
+    ids = list(tokenizer(TEXT).input_ids)
+    await oa.completions.create(model="smollm2", prompt=TEXT, max_tokens=1)  # caches the prompt
+    scored = await oa.completions.create(model="smollm2", prompt=TEXT, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == TEXT and choice.finish_reason == "length"
+    assert scored.usage.prompt_tokens == len(ids) and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == TEXT and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(reference_scores(smollm2, ids), abs=1e-3)
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+
+    # The same prompt as token ids (bare, and as the API's batch of one): the same scores.
+    for prompt in (ids, [ids]):
+        by_ids = await oa.completions.create(model="smollm2", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+        assert by_ids.choices[0].text == TEXT
+        assert by_ids.choices[0].logprobs.token_logprobs == lp.token_logprobs
+
+    # Echo and a completion: the prompt, then what a plain request generates (greedy).
+    plain = await oa.completions.create(model="smollm2", prompt=TEXT, max_tokens=4, temperature=0, logprobs=0)
+    both = await oa.completions.create(model="smollm2", prompt=TEXT, max_tokens=4, temperature=0, echo=True, logprobs=0)
+    assert both.choices[0].text == TEXT + plain.choices[0].text
+    assert both.usage.completion_tokens == plain.usage.completion_tokens == 4
+    assert both.choices[0].logprobs.tokens == lp.tokens + plain.choices[0].logprobs.tokens
+    assert both.choices[0].logprobs.text_offset[len(ids)] == len(TEXT)
+    echo_only = await oa.completions.create(model="smollm2", prompt=ids[:5], max_tokens=3, temperature=0, echo=True)
+    assert echo_only.choices[0].logprobs is None and echo_only.choices[0].text.startswith(tokenizer.decode(ids[:5]))
+
+    # Streamed: the prompt first, then the tokens; joined, the same text and scores.
+    stream = await oa.completions.create(
+        model="smollm2", prompt=TEXT, max_tokens=4, temperature=0, echo=True, logprobs=0, stream=True)
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].text == TEXT
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == both.choices[0].text
+    assert [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == \
+        both.choices[0].logprobs.token_logprobs
+
+
+async def test_echo_with_several_choices_echoes_each(oa):
+    reply = await oa.completions.create(model="smollm2", prompt="Roses are red,", max_tokens=3, n=2, echo=True, seed=7)
+    assert sorted(c.index for c in reply.choices) == [0, 1]
+    assert all(c.text.startswith("Roses are red,") for c in reply.choices)
+    assert reply.usage.completion_tokens == 6
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": [1, 2, 10**9]}, "prompt"),  # past the vocabulary
+        ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["one", "two"]}, "prompt"),  # one prompt per request
+        ({"prompt": [[1, 2], [3]]}, "prompt"),
+        ({"prompt": [1, True]}, "prompt"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
+        ({"prompt": "hi", "max_tokens": 0, "echo": True, "n": 2}, "n"),
+        ({"prompt": "hi", "echo": "yes"}, "echo"),
+    ],
+)
+async def test_bad_prompts_and_echo_values_are_400s_naming_the_field(hf_proxy, body, param):
+    async with aiohttp.ClientSession() as http, http.post(hf_proxy.v1 + "/completions", json={"model": "smollm2", **body}) as resp:
+        error = (await resp.json())["error"]
+        assert resp.status == 400, error
+        assert error["param"].startswith(param) and error["type"] == "invalid_request_error"
+
+
+async def test_chat_does_not_echo(oa):
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        await oa.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"echo": True})
