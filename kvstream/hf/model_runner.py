@@ -58,6 +58,9 @@ from kvstream.scheduler import (
 logger = logging.getLogger(__name__)
 
 
+SCORE_LOGITS_BYTES = 256 * 2**20  # most memory one step's prompt scoring may hold in logits
+
+
 @dataclass
 class RunnerConfig:
     """Sizes and policies of the in-process engine. Settings it shares with the proxy take
@@ -225,6 +228,9 @@ class ModelRunner:
         self.token_bytes = TokenBytes(tokenizer)  # each token's bytes: JSON mode, logprobs
         # The width of a row of logits: what logit_bias may name (tokenizers may list fewer).
         self.vocab_size: int | None = getattr(model.config, "vocab_size", None)
+        # Prompt positions one step may score (echo with logprobs): each holds a row of
+        # float32 logits, and the log-softmax another, so a long prompt is scored in chunks.
+        self.score_rows = max(16, SCORE_LOGITS_BYTES // (8 * (self.vocab_size or 32_000)))
         self.counters = RunnerCounters()
         self.requests: dict[str, RunnerRequest] = {}
         self._finished: list[RunnerRequest] = []  # finished this step, events not yet sent
@@ -523,10 +529,16 @@ class ModelRunner:
         batch = decodes
         budget = self.config.max_num_batched_tokens - len(decodes)
         prefills.sort(key=lambda item: item[0].seq.admitted_at or 0.0)
+        scoring = self.score_rows  # every scored prompt position carries a row of logits
         for req, todo in prefills:
             if budget <= 0 and batch:
                 break
             take = min(todo, max(budget, 1))
+            if req.params.prompt_logprobs is not None and req.seq.reuse_prefix is False:
+                if scoring <= 0 and batch:
+                    continue
+                take = min(take, max(scoring, 1))
+                scoring -= take
             batch.append((req, take))
             budget -= take
         return batch

@@ -46,8 +46,9 @@ def test_prompt_scores_survive_chunked_prefill_and_ignore_the_prefix_cache(smoll
     [prompt] = [e for e in events if e.kind == "prompt"]
     assert [e.kind for e in events if e.kind != "admitted"] == ["prompt", "token"]
     assert events[-1].token_id is None and events[-1].finish_reason == "length"
+    expected = reference_scores(smollm2, ids)
     got = [entry.logprob for entry in prompt.prompt_logprobs]
-    assert got == pytest.approx(reference_scores(smollm2, ids), abs=1e-3)
+    assert got == pytest.approx(expected, abs=1e-3)
     assert all(len(entry.top) == 2 and entry.top[0][1] >= entry.logprob - 1e-6 for entry in prompt.prompt_logprobs)
 
     # Its blocks were cached as they were computed: the next plain request reuses them.
@@ -57,6 +58,33 @@ def test_prompt_scores_survive_chunked_prefill_and_ignore_the_prefix_cache(smoll
     assert again.num_cached_tokens >= len(ids) - 8
     while engine.has_work():
         engine.step()
+    assert engine.is_idle()
+
+
+def test_scoring_rows_per_step_are_bounded_and_shared(smollm2):
+    """Each scored position holds a row of logits: one step scores at most ``score_rows`` of
+    them across its requests (the rest wait for later steps), and the scores do not change."""
+    tokenizer = smollm2[2]
+    ids = list(tokenizer(TEXT).input_ids)
+    engine = ModelRunner(smollm2[0], tokenizer, RunnerConfig(
+        block_size=8, num_blocks=64, num_cpu_blocks=0, max_num_batched_tokens=256, debug_invariants=True))
+    engine.score_rows = 24
+    prompts = [list(ids), list(ids[:40])]
+    events: list[list] = [[], []]
+    for prompt, sink in zip(prompts, events, strict=True):
+        engine.add_request(Sequence(prompt, 2), SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0), sink.extend)
+    steps = 0
+    while engine.has_work():
+        before = engine.counters.prefill_tokens
+        engine.step()
+        assert engine.counters.prefill_tokens - before <= 24
+        steps += 1
+    assert steps >= (len(ids) + 40) // 24
+    for prompt, sink in zip(prompts, events, strict=True):
+        [scores] = [e.prompt_logprobs for e in sink if e.kind == "prompt"]
+        assert [s.logprob for s in scores] == pytest.approx(reference_scores(smollm2, prompt), abs=1e-3)
+        assert all(s.top == [] for s in scores)
+        assert len([e for e in sink if e.kind == "token"]) == 2
     assert engine.is_idle()
 
 
