@@ -1,6 +1,7 @@
 """What JSON output costs the in-process engine: the same prompts generated with
-``response_format`` ``json_object`` (JSON mode) and ``json_schema`` (a structured output)
-and without, the same number of tokens each, same run.
+``response_format`` ``json_object`` (JSON mode) and ``json_schema`` (a structured output),
+as a forced tool call (``tool_choice`` naming a function: its call's schema), and without,
+the same number of tokens each, same run.
 
     python benchmarks/json_mode.py [--concurrency 1 8] [--new-tokens 128] [--rounds 3]
 
@@ -29,6 +30,7 @@ from kvstream.hf.json_schema import compile_schema  # noqa: E402
 from kvstream.hf.loader import chat_token_ids, load_model  # noqa: E402
 from kvstream.hf.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from kvstream.hf.sampling import SamplingParams  # noqa: E402
+from kvstream.hf.tool_calls import forced_call_schema  # noqa: E402
 
 # A structured output of the kind apps ask for (nested objects, arrays, an enum, a nullable).
 SCHEMA = {
@@ -41,6 +43,12 @@ SCHEMA = {
         "verified": {"type": "boolean"},
     },
 }
+
+# A tool of the kind agents call; a forced call holds the answer to {"name", "arguments"}.
+TOOL = {"type": "function", "function": {"name": "search_products", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string", "maxLength": 40}, "category": {"enum": ["books", "electronics", "food", "clothing"]},
+    "max_price": {"type": "number"}, "in_stock": {"type": "boolean"}}}}}
+TOOL_SCHEMA = forced_call_schema([TOOL], {"type": "function", "function": {"name": "search_products"}})
 
 QUESTIONS = [
     "Describe a cat as JSON with its name, age and favourite food.",
@@ -77,8 +85,8 @@ def main() -> None:
     print(f"SmolLM2-135M fp32, {torch.get_num_threads()} threads, attention {engine.attention.name}, greedy, "
           f"up to {args.new_tokens} tokens, best of {args.rounds}")
     print(f"{'mode':>12} {'c':>3} {'tokens':>7} {'constrained ms/tok':>19} {'plain ms/tok':>13} {'plain/constrained':>18} {'parsed':>9}")
-    pattern = compile_schema(SCHEMA)
-    modes = {"json_object": {"json_object": True}, "json_schema": {"json_schema": SCHEMA}}
+    patterns = {"json_schema": compile_schema(SCHEMA), "tool_call": compile_schema(TOOL_SCHEMA)}
+    modes = {"json_object": {"json_object": True}, "json_schema": {"json_schema": SCHEMA}, "tool_call": {"json_schema": TOOL_SCHEMA}}
     for c in args.concurrency:
         chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(c)]
         prompts = [chat_token_ids(tokenizer, chat) for chat in chats]
@@ -90,7 +98,7 @@ def main() -> None:
             plain_s, plain_outs = timed(engine, prompts, plain, args.rounds)
             assert [len(o) for o in plain_outs] == counts
             texts = [tokenizer.decode(out, skip_special_tokens=True) for out in outs]
-            parsed = sum(pattern.fullmatch(t) is not None if mode == "json_schema" else _is_object(t) for t in texts)
+            parsed = sum(patterns[mode].fullmatch(t) is not None if mode in patterns else _is_object(t) for t in texts)
             tokens = sum(counts)
             print(f"{mode:>12} {c:>3} {tokens:>7} {constrained_s / tokens * 1000:>19.2f} {plain_s / tokens * 1000:>13.2f} "
                   f"{plain_s / constrained_s:>18.2f} {parsed:>4} of {c}")

@@ -103,11 +103,14 @@ class HFStream:
     """
 
     def __init__(
-        self, backend: HFBackend, seq: Sequence, token_bytes: TokenBytes | None = None, echo: str | None = None
+        self, backend: HFBackend, seq: Sequence, token_bytes: TokenBytes | None = None, echo: str | None = None,
+        tool_call: bool = False,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._token_bytes = token_bytes  # spells each token's log-probabilities, when asked for
         self._echo = echo  # the prompt's text, sent first in every choice (echo); None once sent
+        # A forced tool call: each choice's text is held back and sent as one tool_calls delta.
+        self._calls: dict[int, list[str]] | None = {} if tool_call else None
         self.admitted: asyncio.Future[None] = loop.create_future()
         self._backend = backend
         self._seq = seq
@@ -152,22 +155,41 @@ class HFStream:
                 logprobs = None
                 if self._token_bytes is not None and event.logprobs is not None and not ended_by_eos:
                     logprobs = [self._token_bytes.logprob(event.token_id, event.logprobs)]  # type: ignore[arg-type]
+                if self._calls is not None:
+                    self._calls.setdefault(event.index, []).append(event.text)
                 if event.finish_reason is None:
                     generated += 1
-                    yield Token(text=event.text, token_id=event.token_id, token_logprobs=logprobs, index=event.index)
+                    if self._calls is None:
+                        yield Token(text=event.text, token_id=event.token_id, token_logprobs=logprobs, index=event.index)
                     continue
-                if event.text or logprobs is not None:
+                reason = event.finish_reason
+                if self._calls is not None:
+                    call = self._call(event.index)
+                    if call is not None:
+                        yield call
+                        reason = "tool_calls" if reason == "stop" else reason
+                elif event.text or logprobs is not None:
                     yield Token(text=event.text, token_id=event.token_id, token_logprobs=logprobs, index=event.index)
                 if not ended_by_eos and event.token_id is not None:  # None: echo alone, nothing generated
                     generated += 1
                 open_choices -= 1
                 if open_choices:
-                    yield Token(index=event.index, choice_finish_reason=event.finish_reason)
+                    yield Token(index=event.index, choice_finish_reason=reason)
                     continue
                 self._finished = True
                 usage = Usage(len(seq.prompt_token_ids), generated, seq.num_cached_tokens)
-                yield Token(finish_reason=event.finish_reason, usage=usage, index=event.index)
+                yield Token(finish_reason=reason, usage=usage, index=event.index)
                 return
+
+    def _call(self, index: int) -> Token | None:
+        """Choice ``index``'s forced call as a tool_calls delta (its text if it holds none)."""
+        from kvstream.hf.tool_calls import tool_call_delta
+
+        text = "".join(self._calls.pop(index, []))  # type: ignore[union-attr]
+        delta = tool_call_delta(text)
+        if delta is None:
+            return Token(text=text, index=index) if text else None
+        return Token(delta=delta, index=index)
 
     def _prompt_entries(self, scores: list[TokenLogprobs] | None) -> list[TokenLogprob] | None:
         """The echoed prompt's tokens with their log-probabilities (the first has none)."""
@@ -391,6 +413,7 @@ class HFBackend(InProcessBackend):
     # ------------------------------------------------------------ requests
     async def tokenize(self, request: GenerateRequest) -> list[int] | None:
         from kvstream.hf.loader import chat_token_ids
+        from kvstream.hf.request_options import forces_call
 
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
@@ -405,8 +428,11 @@ class HFBackend(InProcessBackend):
                 # A warm-up prefills the conversation's prefix: no assistant header after it,
                 # which later requests would not share.
                 ids = chat_token_ids(tokenizer, request.messages or [], generation_prompt=not request.prefix_only, tools=tools)
-                if tools and ids == chat_token_ids(tokenizer, request.messages or [], generation_prompt=not request.prefix_only):
-                    # Its template drops them: the model would never see them (Ollama's answer too).
+                if tools and not forces_call(request) and ids == chat_token_ids(
+                    tokenizer, request.messages or [], generation_prompt=not request.prefix_only
+                ):
+                    # Its template drops them: the model would never see them (Ollama's answer
+                    # too). A forced call is held to the tool's schema all the same.
                     raise BackendRejected(f"{self.model_name or 'this model'} does not support tools (its chat template "
                                           "does not render them)", param="tools", code="unsupported_parameter")
                 return ids
@@ -439,13 +465,16 @@ class HFBackend(InProcessBackend):
         return sampling_params(request, max_tokens, self.runner.vocab_size)
 
     def submit(self, request: GenerateRequest, seq: Sequence) -> HFStream:
+        from kvstream.hf.request_options import forces_call
+
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
         params = self._sampling_params(request, seq.max_tokens)
         echo = None
         if request.echo:
             echo = request.prompt if request.prompt_token_ids is None else self.runner.tokenizer.decode(request.prompt_token_ids)
-        stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None, echo)
+        stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None, echo,
+                          tool_call=forces_call(request))
         self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
         return stream
 

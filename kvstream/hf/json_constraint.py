@@ -17,6 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import torch
+
+from kvstream.hf.token_bytes import first_byte_mask
+
 # What the recognizer expects next, outside a lexeme.
 VALUE, FIRST_KEY, KEY, COLON, AFTER_VALUE, FIRST_VALUE, DONE = range(7)
 # Lexer states inside a lexeme.
@@ -206,6 +210,10 @@ class JsonObjectConstraint:
             return False
         raw = self.token_bytes(token_id)
         return bool(raw) and self.state.copy().feed(raw)
+
+    def candidates(self, vocab: int) -> torch.Tensor:
+        """A ``[vocab]`` mask of the tokens whose first byte the object can continue with."""
+        return first_byte_mask(self.token_bytes, [b for b in range(256) if self.state.copy().feed(bytes([b]))], vocab)
 
     def advance(self, token_id: int) -> None:
         """Take the token chosen (one ``accepts`` said yes to)."""

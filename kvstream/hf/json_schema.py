@@ -26,6 +26,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import regex
+import torch
+
+from kvstream.hf.token_bytes import first_byte_mask
 
 WS = r"[ \t\n\r]{0,16}"  # between tokens: as much as JSON mode allows in a row
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
@@ -223,16 +226,24 @@ class JsonSchemaConstraint:
                 raise
             return data[: exc.start].decode() + "\u00e9"
 
+    def _first_ok(self, byte: int) -> bool:
+        first = self._first.get(byte)
+        if first is None:
+            first = self._first[byte] = self._continues(bytes([byte]))
+        return first
+
     def accepts(self, token_id: int) -> bool:
         if token_id in self.banned or self.done:
             return False
         raw = self.token_bytes(token_id)
-        if not raw:
-            return False
-        first = self._first.get(raw[0])
-        if first is None:
-            first = self._first[raw[0]] = self._continues(raw[:1])
-        return first and (len(raw) == 1 or self._continues(raw))
+        return bool(raw) and self._first_ok(raw[0]) and (len(raw) == 1 or self._continues(raw))
+
+    def candidates(self, vocab: int) -> torch.Tensor:
+        """A ``[vocab]`` mask of the tokens whose first byte the text can continue with: no
+        other can be accepted (256 first bytes judged, instead of every token)."""
+        if self.done:
+            return torch.zeros(vocab, dtype=torch.bool)
+        return first_byte_mask(self.token_bytes, [b for b in range(256) if self._first_ok(b)], vocab)
 
     def advance(self, token_id: int) -> None:
         self.text += self.token_bytes(token_id)

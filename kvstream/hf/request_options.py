@@ -10,11 +10,12 @@ are accepted and ignored, as OpenAI-compatible servers do.
 Honoured: ``GenerateRequest.logprobs`` (the schemas read OpenAI's ``logprobs`` /
 ``top_logprobs``, the Ollama route Ollama's), ``response_format`` ``json_object`` (JSON
 mode, json_constraint.py) and ``json_schema`` (structured outputs, json_schema.py, which
-says what schemas it takes), ``logit_bias``, ``presence_penalty``, ``frequency_penalty``,
+says what schemas it takes), ``tool_choice`` forcing a call (a schema too, tool_calls.py),
+``logit_bias``, ``presence_penalty``, ``frequency_penalty``,
 and from Ollama's options ``repeat_penalty``, ``repeat_last_n``, ``min_p``; completions'
 ``echo`` (``GenerateRequest.echo``: with ``logprobs``, the prompt's tokens are scored too,
 and ``max_tokens`` may be 0). Refused: a schema outside what json_schema.py takes,
-``tool_choice`` that forces a call, ``echo`` in a chat request, ``suffix``, ``best_of`` > 1,
+``echo`` in a chat request, ``suffix``, ``best_of`` > 1,
 ``typical_p`` other than 1.
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 
 from kvstream.hf.json_schema import SchemaError, compile_schema
 from kvstream.hf.sampling import SamplingParams
+from kvstream.hf.tool_calls import forced_call_schema
 from kvstream.types import BackendRejected, GenerateRequest
 
 LOGIT_BIAS_LIMIT = 100.0
@@ -50,9 +52,6 @@ def check_unsupported(extra: dict[str, Any]) -> None:
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object", "json_schema")):
         raise BackendRejected("Invalid value for 'response_format': its type is 'text', 'json_object' or 'json_schema'.",
                               param="response_format", code="invalid_value")
-    choice = extra.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        raise _unsupported("tool_choice", "it cannot force a tool call (tool calls are not parsed from its output)")
     if extra.get("echo"):  # completions' own echo is GenerateRequest.echo, not extra
         raise _unsupported("echo", "a chat request does not echo its messages (completions do)")
     if extra.get("suffix"):
@@ -105,6 +104,27 @@ def json_schema(extra: dict[str, Any]) -> dict[str, Any] | None:
     return schema
 
 
+def forces_call(request: GenerateRequest) -> bool:
+    """Whether the answer is a tool call (a chat whose ``tool_choice`` forces one)."""
+    return request.is_chat and request.extra.get("tool_choice") not in (None, "auto", "none")
+
+
+def forced_call(extra: dict[str, Any]) -> dict[str, Any] | None:
+    """The JSON schema of the tool call ``tool_choice`` forces (tool_calls.py), checked now;
+    None when the model may answer in text."""
+    schema = forced_call_schema(extra.get("tools"), extra.get("tool_choice"))
+    if schema is None:
+        return None
+    if extra.get("response_format") is not None and extra["response_format"].get("type") != "text":
+        raise BackendRejected("'tool_choice' forcing a call cannot be combined with a JSON 'response_format'.",
+                              param="tool_choice", code="invalid_value")
+    try:
+        compile_schema(schema)
+    except SchemaError as exc:
+        raise _unsupported("tools", f"a forced call's parameters are outside what it can constrain to ({exc})") from None
+    return schema
+
+
 def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
     """The request's SamplingParams; BackendRejected (400, naming the field) for a value the
     engine refuses. ``vocab_size`` None: token ids in ``logit_bias`` are not range-checked."""
@@ -113,6 +133,9 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
     if max_tokens == 0 and not request.echo:
         raise BackendRejected("Invalid value for 'max_tokens': it must be at least 1 (0 only with echo).",
                               param="max_tokens", code="invalid_value")
+    forced = forced_call(extra)
+    if forced is not None and not request.is_chat:
+        raise BackendRejected("'tool_choice' is a chat completions field.", param="tool_choice", code="invalid_value")
     if max_tokens == 0 and request.n > 1:
         raise BackendRejected("Invalid value for 'n': with max_tokens 0 there is one choice, the prompt.",
                               param="n", code="invalid_value")
@@ -133,7 +156,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             logprobs=request.logprobs,
             prompt_logprobs=request.logprobs if request.echo else None,
             json_object=(extra.get("response_format") or {}).get("type") == "json_object",
-            json_schema=json_schema(extra),
+            json_schema=forced or json_schema(extra),
         )
     except ValueError as exc:
         raise BackendRejected(str(exc)) from None

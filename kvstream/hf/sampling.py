@@ -94,23 +94,34 @@ class TokenLogprobs:
 
 
 class Constraint(Protocol):
-    """Which tokens may come next (JSON mode's ``JsonObjectConstraint``)."""
+    """Which tokens may come next (JSON mode's ``JsonObjectConstraint``, structured outputs'
+    ``JsonSchemaConstraint``)."""
 
     def accepts(self, token_id: int) -> bool: ...
 
+    def candidates(self, vocab: int) -> torch.Tensor:
+        """A ``[vocab]`` mask holding every token ``accepts`` may say yes to (a superset)."""
+        ...
 
-# Candidates a constrained row tries in the model's order before it scans the whole vocabulary.
+
+# Draws a constrained sampling row tries before it takes the best acceptable token.
 CONSTRAINED_TRIES = 64
+# Tokens a constrained greedy row tries in the model's order before it masks the vocabulary.
+CONSTRAINED_SCAN = 512
 
 
 def first_accepted(scores: torch.Tensor, constraint: Constraint) -> int:
     """The highest-scoring token ``constraint`` accepts (the argmax when it accepts none,
     which a vocabulary holding every single byte never leaves it)."""
-    top = torch.topk(scores, min(CONSTRAINED_TRIES, scores.numel())).indices.tolist()
+    top = torch.topk(scores, min(CONSTRAINED_SCAN, scores.numel())).indices.tolist()
     for token in top:
         if constraint.accepts(token):
             return token
-    for token in scores.argsort(descending=True)[len(top):].tolist():
+    # Past the model's best few hundred: only the candidates, best first (a forced key or
+    # brace leaves a few hundred of the vocabulary; judging all 256 first bytes costs more
+    # than the few hundred lookups above, most of them refused by a first byte already judged).
+    ids = constraint.candidates(scores.numel()).to(scores.device).nonzero().squeeze(1)
+    for token in ids[scores[ids].argsort(descending=True)].tolist():
         if constraint.accepts(token):
             return token
     return top[0]
@@ -121,13 +132,15 @@ def draw_accepted(probs: torch.Tensor, generator: torch.Generator | None, constr
     are removed and drawn again (the accepted token's odds are those of the restricted
     distribution). None when the accepted tokens hold none of the mass tried."""
     probs = probs.clone()
-    for _ in range(CONSTRAINED_TRIES):
+    for attempt in range(CONSTRAINED_TRIES):
         if float(probs.sum()) <= 0:
             return None
         token = int(torch.multinomial(probs, 1, generator=generator).item())
         if constraint.accepts(token):
             return token
         probs[token] = 0.0
+        if attempt == 0:  # the model's choice is refused: draw among the candidates only
+            probs = probs.masked_fill(~constraint.candidates(probs.numel()).to(probs.device), 0.0)
     return None
 
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import torch
 
 from kvstream.hf.sampling import TokenLogprobs
 from kvstream.types import TokenLogprob
@@ -64,3 +67,24 @@ class TokenBytes:
         chosen = self.entry(token_id, logprobs.logprob)
         chosen.top = [self.entry(tid, lp) for tid, lp in logprobs.top]
         return chosen
+
+
+# id(spelling) -> (spelling, each token id's first byte, 256 for none): the spelling is held
+# so that its id is not reused while the table is cached.
+_FIRST_BYTES: dict[int, tuple[Callable[[int], bytes], torch.Tensor]] = {}
+_FIRST_BYTES_KEPT = 4
+
+
+def first_byte_mask(token_bytes: Callable[[int], bytes], allowed: Iterable[int], vocab: int) -> torch.Tensor:
+    """A ``[vocab]`` boolean mask of the token ids whose first byte is in ``allowed`` (a token
+    with no bytes never is): all a constraint that admits only those bytes next can take.
+    Each id's first byte is read once per spelling and vocabulary size."""
+    entry = _FIRST_BYTES.get(id(token_bytes))
+    if entry is None or entry[0] is not token_bytes or entry[1].numel() != vocab:
+        table = torch.tensor([raw[0] if (raw := token_bytes(i)) else 256 for i in range(vocab)], dtype=torch.long)
+        if len(_FIRST_BYTES) >= _FIRST_BYTES_KEPT:
+            _FIRST_BYTES.pop(next(iter(_FIRST_BYTES)))
+        entry = _FIRST_BYTES[id(token_bytes)] = (token_bytes, table)
+    admitted = torch.zeros(257, dtype=torch.bool)
+    admitted[torch.tensor(sorted(set(allowed)), dtype=torch.long)] = True
+    return admitted[entry[1]]
