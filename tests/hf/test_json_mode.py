@@ -217,6 +217,32 @@ def test_the_schema_constraint_spells_tokens_and_ends_at_the_root_objects_close(
     assert text.accepts(6) and not text.done
 
 
+@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
+def test_the_candidate_mask_holds_every_token_the_constraint_accepts(smollm2, kind):
+    """Past the model's best tokens the choice looks only at the candidates (a first-byte
+    mask): no token outside it is ever accepted, and the choice is the one a scan of the
+    whole vocabulary in the model's order finds."""
+    from kvstream.hf.token_bytes import TokenBytes
+
+    model, _, tokenizer = smollm2
+    spell, vocab = TokenBytes(tokenizer), model.config.vocab_size
+    schema = {"type": "object", "properties": {"title": {"type": "string"}, "kind": {"enum": ["animal", "place"]},
+                                               "facts": {"type": "array", "items": {"type": "integer"}}}}
+    constraint = (JsonObjectConstraint(spell, ()) if kind == "json_object"
+                  else JsonSchemaConstraint(compile_schema(schema), spell, ()))
+    text = '{"title": "Cats é", "kind": "animal", "facts": [4, 20]}'
+    generator = torch.Generator().manual_seed(0)
+    for step, token in enumerate(tokenizer(text).input_ids):
+        mask = constraint.candidates(vocab)
+        assert not any(constraint.accepts(t) for t in (~mask).nonzero().squeeze(1).tolist())
+        assert mask[token]
+        if step % 4 == 0:
+            scores = torch.randn(vocab, generator=generator)
+            scan = next(t for t in scores.argsort(descending=True).tolist() if constraint.accepts(t))
+            assert first_accepted(scores, constraint) == scan
+        constraint.advance(token)
+
+
 async def test_the_openai_clients_parse_gets_its_pydantic_model(oa):
     """``client.chat.completions.parse(response_format=Model)``: the strict schema the client
     sends is honoured and every answer that closed validates as the model."""
