@@ -4,14 +4,14 @@ its own transformers model (``HFLM``), on the same weights (SmolLM2-135M fp32), 
 requests and the same timer. Nobody here wrote either client: the scores must agree, and
 the ratio is the time.
 
-    pip install 'lm_eval[api]' && python benchmarks/lm_eval_scoring.py [--concurrency 8] [--batch-size 8] [--rounds 4]
+    pip install 'lm_eval[api]' && python benchmarks/lm_eval_scoring.py [--concurrency 8] [--client-batch 1] [--batch-size 8] [--rounds 4]
 
 Requests: multiple-choice items in HellaSwag's shape (a context, four endings, each scored as
 ``loglikelihood``: the sum of the ending tokens' log-probabilities and whether each was the
 most likely) and ``loglikelihood_rolling`` over longer texts (a perplexity), the whole set
 ``--rounds`` times, each round's contexts behind a different one-line preamble (no two
 requests are the same; neither side caches scores). lm-eval's
-``local-completions`` sends one prompt per request, ``num_concurrent`` at once; ``HFLM``
+``local-completions`` sends ``--client-batch`` prompts per request, ``num_concurrent`` at once; ``HFLM``
 runs its own batches (``--batch-size``, its best mode on this CPU, and batch 1). The server
 is idle while HFLM runs; both use torch's default threads.
 """
@@ -86,6 +86,7 @@ def timed(model, scored, rolling) -> tuple[float, list, list]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=8, help="local-completions' num_concurrent")
+    parser.add_argument("--client-batch", type=int, default=1, help="local-completions' batch_size (prompts per request)")
     parser.add_argument("--batch-size", type=int, default=8, help="HFLM's batch size (batch 1 runs too)")
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
@@ -115,7 +116,8 @@ def main() -> None:
         wait_http(f"http://127.0.0.1:{port}/health", timeout=300, proc=proc)
         served = LocalCompletionsAPI(
             base_url=f"http://127.0.0.1:{port}/v1/completions", model="SmolLM2-135M-Instruct", tokenizer=folder,
-            tokenizer_backend="huggingface", num_concurrent=args.concurrency, max_retries=1, timeout=600)
+            tokenizer_backend="huggingface", num_concurrent=args.concurrency, batch_size=args.client_batch,
+            max_retries=1, timeout=600)
         timed(served, scored[:4], rolling[:1])  # warm the server's kernels
         kv_seconds, kv_pairs, kv_totals = timed(served, scored, rolling)
     finally:
@@ -143,7 +145,7 @@ def main() -> None:
           f"rolling max difference {rolling_error:.2e}; endings chosen equal: {choices(kv_pairs) == choices(ref_pairs)} "
           f"(correct {sum(c == 0 for c in choices(kv_pairs))}/{len(kv_pairs) // 4})")
     print(f"{'system':<58} {'seconds':>8} {'vs HFLM best':>13}")
-    name = f"local-completions -> kvstream serve --backend hf (c={args.concurrency})"
+    name = f"local-completions -> kvstream serve --backend hf (c={args.concurrency}, batch {args.client_batch})"
     print(f"{name:<58} {kv_seconds:>8.2f} {results[best][0] / kv_seconds:>12.2f}x")
     for batch, (seconds, _, _) in results.items():
         print(f"{'HFLM (transformers) batch ' + str(batch):<58} {seconds:>8.2f} {results[best][0] / seconds:>12.2f}x")

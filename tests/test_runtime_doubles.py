@@ -123,6 +123,35 @@ async def test_ollama_refuses_token_prompts_and_echo_by_name(ollama):
     assert reply.choices[0].text
 
 
+async def test_ollama_serves_a_batch_of_prompts_as_requests_of_their_own(ollama):
+    """The completions batch form in front of a runtime without one: each prompt is its own
+    /api/generate request, the choices numbered in prompt order, the usage summed."""
+    proxy, script, recorder = ollama
+    c = client(proxy)
+    reply = await c.completions.create(model="llama3.2:latest", prompt=["one", "two", "three"], max_tokens=4)
+    assert [ch.index for ch in reply.choices] == [0, 1, 2]
+    assert all(ch.text == "The sky is blue" and ch.finish_reason == "stop" for ch in reply.choices)
+    assert sorted(b["prompt"] for b in recorder.bodies) == ["one", "three", "two"]
+    assert reply.usage.prompt_tokens == 3 * script.prompt_tokens
+    stream = await c.completions.create(model="llama3.2:latest", prompt=["one", "two"], max_tokens=4, stream=True)
+    texts: dict[int, str] = {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {0: "The sky is blue", 1: "The sky is blue"}
+    assert proxy.engine.scheduler.bm.is_idle()
+
+    # One slot: the second prompt waits for the first; past the client's deadline, the batch
+    # is a 503 and nothing is left holding a slot or blocks.
+    script.delay_s = 0.3
+    with pytest.raises(openai.APIStatusError) as err:
+        await c.completions.create(model="llama3.2:latest", prompt=["one", "two"], max_tokens=4,
+                                   extra_headers={"X-KVStream-Deadline-Ms": "200"})
+    assert err.value.status_code == 503 and "queue" in err.value.message
+    script.delay_s = 0.0
+    assert proxy.engine.scheduler.bm.is_idle() and not proxy.engine.scheduler.running
+
+
 def test_ollama_tool_calls_and_images_translate_both_ways():
     from kvstream.backends.ollama import _openai_tool_calls, to_ollama_messages
 

@@ -10,6 +10,7 @@ import functools
 import logging
 import math
 import time
+from dataclasses import replace
 from pathlib import PurePath
 from typing import Any
 
@@ -19,11 +20,12 @@ from pydantic import BaseModel, ValidationError
 from kvstream.api.body import read_bytes
 from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception, json_body_error
 from kvstream.api.openai_format import DONE, Aggregate, StreamFormatter
+from kvstream.api.prompt_batch import PromptBatch
 from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest, WarmRequest, forwarded_request
 from kvstream.api.routes_passthrough import forward, managed_route_headers
 from kvstream.api.state import CACHE_SALT, STATE, AppState
 from kvstream.api.streaming import GuardedResponse
-from kvstream.types import BackendError, BackendRejected, BackendUnavailable, GenerateRequest, Token
+from kvstream.types import BackendError, BackendRejected, BackendUnavailable, GenerateRequest, RequestControl, Token
 from kvstream.engine import Generation
 from kvstream.jsonfast import dumps, loads
 from kvstream.scheduler import Priority, SchedulerError
@@ -149,14 +151,16 @@ def _error_kind(exc: BackendError) -> str:
     return "timeout" if exc.status == 504 else "error"
 
 
-async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[GenerateRequest, Priority, bool, str | None]:
-    """The request as the backend needs it, its priority, whether the client asked for the
-    usage chunk, and the model name the client used (KVStream's own chunks echo it).
+async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[list[GenerateRequest], Priority, bool, str | None]:
+    """The request as the backend needs it (one per prompt of a completions batch), its
+    priority, whether the client asked for the usage chunk, and the model name the client
+    used (KVStream's own chunks echo it).
 
     A runtime that speaks OpenAI itself gets the client's body as it is and judges it; for
     a backend that translates (Ollama's native API, the in-process engine) KVStream
     validates the body first and answers 400 for what it cannot translate."""
     request_id = request[REQUEST_ID]
+    prompts: list[str | list[int]] = []  # a translated completions request's prompts
     if state.engine.backend.forwards_body:
         data = await read_object(request)
         generate = forwarded_request(data, chat, request_id)
@@ -170,7 +174,8 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[Gen
             raise APIError(400, "This backend serves one choice per request (n must be 1).", param="n", code="unsupported_value")
         generate = body.to_generate(request_id)
         backend = state.engine.backend
-        if generate.prompt_token_ids is not None and not backend.serves_token_prompts:
+        prompts = [] if chat else body.prompts()
+        if any(isinstance(p, list) for p in prompts) and not backend.serves_token_prompts:
             raise APIError(400, f"The {backend.name} backend takes the prompt as text, not token ids.", param="prompt",
                            code="unsupported_value")
         if generate.echo and not backend.serves_echo:
@@ -189,7 +194,14 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[Gen
     elif not state.engine.backend.forwards_body and state.engine.backend.model is None:
         # No model named: a translating backend needs one, so the runtime's first serves.
         generate.model = await default_model(state)
-    return generate, priority, include_usage, named
+    batch = [generate]
+    if len(prompts) > 1:
+        # The batch's other prompts: the same request otherwise, each its own generation.
+        for i, prompt in enumerate(prompts[1:], start=1):
+            other = body.to_generate(f"{request_id}.{i}", prompt)
+            batch.append(replace(generate, prompt=other.prompt, prompt_token_ids=other.prompt_token_ids,
+                                 request_id=other.request_id, control=RequestControl()))
+    return batch, priority, include_usage, named
 
 
 def check_message_count(state: AppState, generate: GenerateRequest) -> None:
@@ -214,14 +226,20 @@ async def default_model(state: AppState) -> str | None:
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     arrived_at = time.monotonic()
     state = request.app[STATE]
-    generate, priority, include_usage, named = await _parse(request, state, chat)
+    batch, priority, include_usage, named = await _parse(request, state, chat)
+    generate = batch[0]
     request_id = request[REQUEST_ID]
+    gens: list[Generation] = []
     try:
-        gen = await state.engine.submit(generate, priority, arrived_at)
+        for one in batch:
+            gens.append(await state.engine.submit(one, priority, arrived_at))
     except Exception as exc:
+        for submitted in gens:
+            submitted.close("rejected")
         if isinstance(exc, BackendError):
             state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
         raise from_exception(exc, retry_after(state)) from None
+    gen: Generation | PromptBatch = gens[0] if len(gens) == 1 else PromptBatch(gens, generate.n)
     outcome = "cancelled"
     stream = aiter(gen)
     try:
@@ -242,7 +260,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             headers["X-KVStream-Route"] = generate.control.route or ""
         fmt = StreamFormatter(
             model=named or generate.model or "", chat=chat,
-            include_usage=include_usage, n=generate.n,
+            include_usage=include_usage, n=generate.n * len(batch),
         )
         if first.payload is not None:  # the runtime's own non-streamed answer, as it sent it
             outcome = "finished"
@@ -295,7 +313,8 @@ async def _close_quietly(stream: Any) -> None:
 
 
 async def _write_stream(
-    request: web.Request, response: web.StreamResponse, gen: Generation, stream: Any, first: Token, fmt: StreamFormatter
+    request: web.Request, response: web.StreamResponse, gen: Generation | PromptBatch, stream: Any, first: Token,
+    fmt: StreamFormatter,
 ) -> str:
     """Write the SSE response; returns the outcome (finished, failed, cancelled)."""
     try:

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from kvstream.types import GenerateRequest
 
 Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
+# Choices one request may ask for: n, or prompts x n for a completions batch.
+MAX_BATCH_PROMPTS = 128
 
 
 # strict: a value of the wrong JSON type is refused (400), not coerced: OpenAI refuses
@@ -62,7 +64,7 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
     seed: int | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_BATCH_PROMPTS)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -138,8 +140,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    """Body of POST /v1/completions: one prompt, as text or as token ids (a list of one of
-    either is taken too, as the API's batch form of one prompt)."""
+    """Body of POST /v1/completions: a prompt as text or token ids, or a batch of them (a
+    list of texts or of token-id lists; prompt_batch.py serves each as its own request)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)  # the legacy API's: alternatives per token
@@ -147,23 +149,31 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and value and isinstance(value[0], str | list):
-            if len(value) != 1:
-                raise ValueError("KVStream takes one prompt per request (text, token ids, or a list of one of either)")
-            value = value[0]
-        if isinstance(value, list) and (not value or min(value) < 0):
+    def _prompts(cls, value: Any, info: ValidationInfo) -> Any:
+        batch = value if isinstance(value, list) and value and isinstance(value[0], str | list) else [value]
+        if len(batch) * (info.data.get("n") or 1) > MAX_BATCH_PROMPTS:  # n is validated first
+            raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts per request, each choice counted (prompts x n)")
+        if any(isinstance(p, list) and (not p or min(p) < 0) for p in batch):
             raise ValueError("a token-id prompt is a non-empty list of token ids (integers >= 0)")
         return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or the batch's in order."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
 
     def _own_extra(self) -> set[str]:
         return {"prompt", "logprobs", "echo"}
 
-    def to_generate(self, request_id: str) -> GenerateRequest:
-        ids = self.prompt if isinstance(self.prompt, list) else None
+    def to_generate(self, request_id: str, prompt: str | list[int] | None = None) -> GenerateRequest:
+        """The request for ``prompt`` (default: the first, and for a single prompt the only)."""
+        prompt = self.prompts()[0] if prompt is None else prompt
+        ids = prompt if isinstance(prompt, list) else None
         return GenerateRequest(
             model=self.model,
-            prompt=self.prompt if isinstance(self.prompt, str) else None,
+            prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=ids,  # type: ignore[arg-type]
             echo=self.echo,
             max_tokens=self.max_tokens if self.max_tokens is not None else 16,  # OpenAI's default

@@ -1,7 +1,8 @@
-"""Completions' ``echo`` and token-id prompts on the in-process engine: the prompt comes back
-before the completion and, with ``logprobs``, each prompt token's log-probability under the
-model (what evaluation harnesses score a text by), equal to plain transformers' over the
-whole prompt, however the prefill is chunked and whatever the prefix cache holds."""
+"""Completions' ``echo``, token-id prompts and batches of prompts on the in-process engine:
+the prompt comes back before the completion and, with ``logprobs``, each prompt token's
+log-probability under the model (what evaluation harnesses score a text by), equal to plain
+transformers' over the whole prompt, however the prefill is chunked and whatever the prefix
+cache holds; a batch answers each prompt as a request of its own would."""
 
 from __future__ import annotations
 
@@ -142,8 +143,9 @@ async def test_echo_with_several_choices_echoes_each(oa):
         ({"prompt": [1, 2, 10**9]}, "prompt"),  # past the vocabulary
         ({"prompt": [1, -2]}, "prompt"),
         ({"prompt": []}, "prompt"),
-        ({"prompt": ["one", "two"]}, "prompt"),  # one prompt per request
-        ({"prompt": [[1, 2], [3]]}, "prompt"),
+        ({"prompt": ["x"] * 129}, "prompt"),  # at most 128 prompts
+        ({"prompt": ["x"] * 64, "n": 3}, ""),  # and at most 128 choices in all
+        ({"prompt": [[1, 2], []]}, "prompt"),
         ({"prompt": [1, True]}, "prompt"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
         ({"prompt": "hi", "max_tokens": 0, "echo": True, "n": 2}, "n"),
@@ -161,3 +163,33 @@ async def test_chat_does_not_echo(oa):
     with pytest.raises(openai.BadRequestError, match="echo"):
         await oa.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"echo": True})
+
+
+async def test_a_batch_of_prompts_answers_each_as_alone(oa, smollm2):
+    """The API's batch form: choices numbered prompt by prompt (i * n + j), each prompt's the
+    same as its own request's, usage summed; streamed or not; token ids and echo too (what
+    lm-eval's local-completions sends with batch_size > 1)."""
+    tokenizer = smollm2[2]
+    texts = ["The sky is", "Roses are red,", "1, 2, 3,"]
+    alone = [await oa.completions.create(model="smollm2", prompt=t, max_tokens=5, temperature=0) for t in texts]
+    batch = await oa.completions.create(model="smollm2", prompt=texts, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+
+    stream = await oa.completions.create(model="smollm2", prompt=texts, max_tokens=5, temperature=0, stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    streamed = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)}
+    assert streamed == {i: a.choices[0].text for i, a in enumerate(alone)}
+    finishes = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(f.index for f in finishes) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+    ids = [list(tokenizer(t).input_ids) for t in texts]
+    scored = await oa.completions.create(model="smollm2", prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    for choice, prompt in zip(scored.choices, ids, strict=True):
+        own = await oa.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1)
+        assert choice.text == own.choices[0].text
+        assert choice.logprobs.token_logprobs == pytest.approx(own.choices[0].logprobs.token_logprobs, abs=1e-4)
