@@ -97,10 +97,15 @@ def json_schema(extra: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(schema, dict):
         raise BackendRejected("'response_format.json_schema.schema' must be a JSON schema object.",
                               param="response_format", code="invalid_value")
+    return _checked(schema, "response_format", "its JSON schema")
+
+
+def _checked(schema: dict[str, Any], field: str, what: str) -> dict[str, Any]:
+    """``schema``, once it compiles; else a 400 naming ``field``."""
     try:
         compile_schema(schema)
     except SchemaError as exc:
-        raise _unsupported("response_format", f"its JSON schema is outside what it can constrain to ({exc})") from None
+        raise _unsupported(field, f"{what} is outside what it can constrain to ({exc})") from None
     return schema
 
 
@@ -118,11 +123,7 @@ def forced_call(extra: dict[str, Any]) -> dict[str, Any] | None:
     if extra.get("response_format") is not None and extra["response_format"].get("type") != "text":
         raise BackendRejected("'tool_choice' forcing a call cannot be combined with a JSON 'response_format'.",
                               param="tool_choice", code="invalid_value")
-    try:
-        compile_schema(schema)
-    except SchemaError as exc:
-        raise _unsupported("tools", f"a forced call's parameters are outside what it can constrain to ({exc})") from None
-    return schema
+    return _checked(schema, "tools", "a forced call's parameters")
 
 
 def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
