@@ -4,13 +4,16 @@ its own transformers model (``HFLM``), on the same weights (SmolLM2-135M fp32), 
 requests and the same timer. Nobody here wrote either client: the scores must agree, and
 the ratio is the time.
 
-    pip install 'lm_eval[api]' && python benchmarks/lm_eval_scoring.py [--concurrency 8] [--client-batch 1] [--batch-size 8] [--rounds 4]
+    pip install 'lm_eval[api]' && python benchmarks/lm_eval_scoring.py [--concurrency 8] [--client-batch 1] [--batch-size 8] [--rounds 4] [--few-shot 0]
 
 Requests: multiple-choice items in HellaSwag's shape (a context, four endings, each scored as
 ``loglikelihood``: the sum of the ending tokens' log-probabilities and whether each was the
 most likely) and ``loglikelihood_rolling`` over longer texts (a perplexity), the whole set
 ``--rounds`` times, each round's contexts behind a different one-line preamble (no two
-requests are the same; neither side caches scores). lm-eval's
+requests are the same). ``--few-shot N`` puts N solved items before every question, the
+shape of few-shot evaluation: a long prefix every request shares. KVStream keeps the scores
+of the prompt blocks it has scored, as its prefix cache keeps their KV, so a shared prefix is
+computed once; HFLM computes every request whole. lm-eval's
 ``local-completions`` sends ``--client-batch`` prompts per request, ``num_concurrent`` at once; ``HFLM``
 runs its own batches (``--batch-size``, its best mode on this CPU, and batch 1). The server
 is idle while HFLM runs; both use torch's default threads.
@@ -64,12 +67,21 @@ TEXTS = [
 ]
 
 
-def requests(rounds: int):
+def few_shot_header(shots: int) -> str:
+    """A few-shot header in lm-eval's way: ``shots`` solved items before each question."""
+    if not shots:
+        return ""
+    examples = [context + endings[0] for context, endings in (CONTEXTS * 2)[:shots]]
+    return "Finish each story in the most sensible way.\n\n" + "\n\n".join(examples) + "\n\n"
+
+
+def requests(rounds: int, shots: int = 0):
     from lm_eval.api.instance import Instance
 
     scored, rolling = [], []
+    header = few_shot_header(shots)
     for r in range(rounds):
-        preamble = f"Story {r + 1}. "
+        preamble = f"{header}Story {r + 1}. "
         scored += [Instance("loglikelihood", {}, (preamble + context, ending), i)
                    for context, endings in CONTEXTS for i, ending in enumerate(endings)]
         rolling += [Instance("loglikelihood_rolling", {}, (preamble + text,), 0) for text in TEXTS]
@@ -89,6 +101,7 @@ def main() -> None:
     parser.add_argument("--client-batch", type=int, default=1, help="local-completions' batch_size (prompts per request)")
     parser.add_argument("--batch-size", type=int, default=8, help="HFLM's batch size (batch 1 runs too)")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--few-shot", type=int, default=0, help="solved items before every question (shared by all)")
     args = parser.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
@@ -104,7 +117,7 @@ def main() -> None:
     loaded = load_model(None, device="cpu")  # the embedded model's plain folder (converted once, cached)
     folder = loaded.model.config._name_or_path
     del loaded
-    scored, rolling = requests(args.rounds)
+    scored, rolling = requests(args.rounds, args.few_shot)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokens = sum(len(tokenizer(i.args[0] + i.args[1]).input_ids) for i in scored)
     tokens += sum(len(tokenizer(i.args[0]).input_ids) for i in rolling)
@@ -131,7 +144,8 @@ def main() -> None:
         del hflm
 
     print(f"SmolLM2-135M fp32 on CPU, {torch.get_num_threads()} threads: {len(scored)} loglikelihood requests "
-          f"({len(CONTEXTS)} items x 4 endings x {args.rounds}) + {len(rolling)} rolling texts, {tokens} tokens scored")
+          f"({len(CONTEXTS)} items x 4 endings x {args.rounds}, {args.few_shot}-shot) + {len(rolling)} rolling texts, "
+          f"{tokens} tokens scored")
     best = min(results, key=lambda b: results[b][0])
     _, ref_pairs, ref_totals = results[best]
     pair_error = max(abs(a[0] - b[0]) for a, b in zip(kv_pairs, ref_pairs, strict=True))

@@ -100,9 +100,9 @@ class Sequence:
     num_samples: int = 1
     # The tenant's chain root (kv.hashing.tenant_root): its prefixes match only its own.
     cache_root: bytes | None = None
-    # False: admitted without taking any of its prompt from the prefix cache (a request
-    # scoring its prompt needs every position computed); its blocks are still shared after.
-    reuse_prefix: bool = True
+    # Most prompt tokens taken from the prefix cache at admission (None: as many as are
+    # cached). A request scoring its prompt needs logits where it has no stored scores.
+    max_reused_tokens: int | None = None
     overtaken: int = 0  # lpm: times a later arrival was admitted first
     unforked: int = 0  # forks still to come (reserved slots)
     forked: bool = False  # the forks were made (a re-admitted parent reserves none)
@@ -270,7 +270,7 @@ class Scheduler:
 
     def _blocks_to_admit(self, seq: Sequence) -> int:
         tokens = seq.prompt_token_ids + seq.output_token_ids
-        needed = self.bm.blocks_needed(tokens, seq.cache_root, reuse=seq.reuse_prefix)
+        needed = self.bm.blocks_needed(tokens, seq.cache_root, max_reused=seq.max_reused_tokens)
         if not self.preemptible:
             needed += self.bm.blocks_for(seq.max_total_tokens) - self.bm.blocks_for(len(tokens))
         return needed
@@ -325,7 +325,7 @@ class Scheduler:
                 self.waiting.sort(key=lambda s: self._order_key(s, now))
                 position = 0
             seq.num_cached_tokens = self.bm.allocate(
-                seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, seq.cache_root, reuse=seq.reuse_prefix
+                seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, seq.cache_root, max_reused=seq.max_reused_tokens
             )
             self._reserve_growth(seq)
             self._reserve_forks(seq)
@@ -400,7 +400,7 @@ class Scheduler:
         """Whether ``seq`` should wait for a running request to compute a prefix it shares."""
         least = self.config.wait_for_shared_prefix_tokens
         tokens = seq.prompt_token_ids + seq.output_token_ids
-        return least > 0 and seq.reuse_prefix and self.bm.prefix_in_flight(tokens, seq.cache_root) >= least
+        return least > 0 and seq.max_reused_tokens is None and self.bm.prefix_in_flight(tokens, seq.cache_root) >= least
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start ``child`` as a copy of running ``parent`` (one of its n choices): it shares

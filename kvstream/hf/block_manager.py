@@ -145,13 +145,16 @@ class ReuseBlockManager(BlockManager):
         # never entered into the prefix cache.
         self.exact_until: dict[SeqId, int] = {}
 
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], root: BlockHash | None = None, *, reuse: bool = True) -> int:
+    def allocate(
+        self, seq_id: SeqId, token_ids: Sequence[int], root: BlockHash | None = None, *, max_reused: int | None = None
+    ) -> int:
         """BlockManager.allocate, then reuse past the pool's hits: blocks the spill tiers
         hold, then the head of a kept partial block. Returns the prompt tokens whose KV is
-        reused (or will be, once ``restores`` and ``partial_copies`` are carried out);
-        ``reuse`` False: none is, from any tier."""
-        if not reuse:
-            return super().allocate(seq_id, token_ids, root, reuse=False)
+        reused (or will be, once ``restores`` and ``partial_copies`` are carried out).
+        ``max_reused`` (a request scoring its prompt): the pool's hits only, that many
+        tokens at most."""
+        if max_reused is not None:
+            return super().allocate(seq_id, token_ids, root, max_reused=max_reused)
         # Found before allocate() runs: it may hand the partial block out (its bytes stay
         # until the copy, which runs before anything writes to the pool).
         partial = self._partial_after_chain(token_ids, root)

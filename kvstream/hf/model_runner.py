@@ -43,6 +43,7 @@ from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
 from kvstream.hf.sampling import History, SamplingParams, TokenLogprobs, logprobs_of, sample
 from kvstream.hf.json_constraint import JsonObjectConstraint
 from kvstream.hf.json_schema import JsonSchemaConstraint, compile_schema
+from kvstream.hf.prompt_scores import STORED_TOP, PromptScores
 from kvstream.hf.token_bytes import TokenBytes
 from kvstream.hf.block_manager import ReuseBlockManager
 from kvstream.scheduler import (
@@ -138,9 +139,11 @@ class RunnerRequest:
     approx_from: int | None = None  # first position holding moved (approximate) KV
     index: int = 0  # choice index among the request's n (forks carry 1..n-1)
     constraint: JsonObjectConstraint | JsonSchemaConstraint | None = None  # JSON output: what may come next
-    # Echo with logprobs: entry i scores prompt token i + 1 (filled as prefill chunks run;
-    # kept across a recompute preemption, whose rerun scores nothing twice).
+    # Echo with logprobs: entry i scores prompt token i + 1 (kept scores of its prefix
+    # first, then filled as prefill chunks run; kept across a recompute preemption, whose
+    # rerun scores nothing twice). ``scoring`` until the prompt is scored.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    scoring: bool = False
 
 
 @dataclass
@@ -231,6 +234,7 @@ class ModelRunner:
         # Prompt positions one step may score (echo with logprobs): each holds a row of
         # float32 logits, and the log-softmax another, so a long prompt is scored in chunks.
         self.score_rows = max(16, SCORE_LOGITS_BYTES // (8 * (self.vocab_size or 32_000)))
+        self.prompt_scores = PromptScores(config.block_size, bm.salt)  # scored prompts' blocks, for their prefixes
         self.counters = RunnerCounters()
         self.requests: dict[str, RunnerRequest] = {}
         self._finished: list[RunnerRequest] = []  # finished this step, events not yet sent
@@ -279,7 +283,8 @@ class ModelRunner:
         req = RunnerRequest(seq, params, IncrementalDetokenizer(self.tokenizer, params.stop), sink, params.make_generator())
         req.blend = blend
         if params.prompt_logprobs is not None:
-            seq.reuse_prefix = False  # a position taken from the cache has no logits to score
+            req.scoring = True
+            seq.max_reused_tokens = 0  # until the kept scores say more (_take_inbox)
         if params.json_object or params.json_schema is not None:
             # Special tokens (end of turn included) never belong to the JSON text: the answer
             # ends when the object closes.
@@ -308,6 +313,8 @@ class ModelRunner:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
         for req in inbox:
+            if req.scoring:  # on this thread: the kept scores change as steps run
+                self._resume_scoring(req)
             try:
                 self.scheduler.add(req.seq)
             except SchedulerError as exc:  # the queue filled up between the check and now
@@ -534,7 +541,7 @@ class ModelRunner:
             if budget <= 0 and batch:
                 break
             take = min(todo, max(budget, 1))
-            if req.params.prompt_logprobs is not None and req.seq.reuse_prefix is False:
+            if req.scoring:
                 if scoring <= 0 and batch:
                     continue
                 take = min(take, max(scoring, 1))
@@ -639,17 +646,33 @@ class ModelRunner:
     def _score_prompts(self, logits: torch.Tensor, scored: list[tuple[RunnerRequest, int]]) -> None:
         """Each scored prompt row's log-probability of the prompt token that follows it, with
         the request's alternatives (echo with logprobs), in prompt order."""
+        # At least STORED_TOP alternatives: what is kept serves later requests asking for more.
         entries = logprobs_of(logits, list(range(len(scored))), [token for _, token in scored],
-                              [req.params.prompt_logprobs or 0 for req, _ in scored])
+                              [max(req.params.prompt_logprobs or 0, STORED_TOP) for req, _ in scored])
         for (req, _), entry in zip(scored, entries, strict=True):
             req.prompt_logprobs.append(entry)
 
     def _prompt_done(self, req: RunnerRequest) -> None:
-        """The prompt is computed: hand over its scores (echo with logprobs), once, before
-        the first token; a later re-admission may take its prefix from the cache again."""
-        if req.params.prompt_logprobs is not None and req.seq.reuse_prefix is False:
-            req.events.append(TokenEvent("prompt", prompt_logprobs=req.prompt_logprobs))
-            req.seq.reuse_prefix = True
+        """The prompt is computed: keep its scores for later prompts sharing its blocks, and
+        hand them over (echo with logprobs), once, before the first token; a later
+        re-admission may take its prefix from the cache again."""
+        if not req.scoring:
+            return
+        req.scoring = False
+        seq = req.seq
+        seq.max_reused_tokens = None
+        self.prompt_scores.keep(seq.prompt_token_ids, seq.cache_root, req.prompt_logprobs)
+        k = req.params.prompt_logprobs or 0
+        scores = [s if len(s.top) <= k else TokenLogprobs(s.logprob, s.top[:k]) for s in req.prompt_logprobs]
+        req.events.append(TokenEvent("prompt", prompt_logprobs=scores))
+
+    def _resume_scoring(self, req: RunnerRequest) -> None:
+        """A scored prompt takes the kept scores of its leading blocks, and may reuse the KV
+        of all but the last of those blocks (prompt_scores.py)."""
+        if (req.params.prompt_logprobs or 0) > STORED_TOP:
+            return  # more alternatives than are kept: computed whole
+        req.prompt_logprobs = self.prompt_scores.known_prefix(req.seq.prompt_token_ids, req.seq.cache_root)
+        req.seq.max_reused_tokens = len(req.prompt_logprobs)
 
     def _plan(self, plan_seqs: list[tuple[list[int], int, int]], cache: PagedKVCache | None = None) -> AttentionPlan:
         """A step's attention plan over the pool (``cache``: another pool, the start-up probes')."""

@@ -102,16 +102,19 @@ class BlockManager:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def cached_prefix(self, token_ids: Sequence[int], root: BlockHash | None = None) -> list[Block]:
+    def cached_prefix(self, token_ids: Sequence[int], root: BlockHash | None = None, max_reused: int | None = None) -> list[Block]:
         """The cached blocks that a sequence with these prompt tokens (and chain ``root``)
         would share.
 
         At least one prompt token is always left to compute (a runtime needs a forward pass
-        to produce the next token's logits), and the hit is capped at max_prefix_length.
+        to produce the next token's logits), and the hit is capped at max_prefix_length and
+        at ``max_reused`` tokens (None: no cap of its own).
         """
         if not self.enable_prefix_cache:
             return []
         limit = self.reuse_limit(len(token_ids))
+        if max_reused is not None:
+            limit = min(limit, max_reused)
         hits: list[Block] = []
         parent = root
         for start in range(0, limit - self.block_size + 1, self.block_size):
@@ -158,18 +161,21 @@ class BlockManager:
         limit = num_tokens - 1
         return limit if self.max_prefix_length is None else min(limit, self.max_prefix_length)
 
-    def blocks_needed(self, token_ids: Sequence[int], root: BlockHash | None = None, *, reuse: bool = True) -> int:
+    def blocks_needed(self, token_ids: Sequence[int], root: BlockHash | None = None, *, max_reused: int | None = None) -> int:
         """Free blocks that allocate(token_ids) would consume, counting cached hits that are
         idle (they leave the free queue when taken)."""
-        hits = self.cached_prefix(token_ids, root) if reuse else []
+        hits = self.cached_prefix(token_ids, root, max_reused)
         idle_hits = sum(1 for b in hits if b.ref_cnt == 0)
         return self.blocks_for(len(token_ids)) - len(hits) + idle_hits
 
     # -------------------------------------------------------------- lifecycle
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], root: BlockHash | None = None, *, reuse: bool = True) -> int:
+    def allocate(
+        self, seq_id: SeqId, token_ids: Sequence[int], root: BlockHash | None = None, *, max_reused: int | None = None
+    ) -> int:
         """Give a new sequence blocks for its prompt, sharing cached prefix blocks of the
-        same chain ``root`` (a tenant's salt; None: the shared chain); ``reuse`` False: none
-        shared, every position computed (its full blocks are still cached once computed).
+        same chain ``root`` (a tenant's salt; None: the shared chain), at most ``max_reused``
+        tokens of them (0: every position computed; its full blocks are still cached once
+        computed).
 
         Returns the number of prompt tokens whose KV is already cached. All or nothing: on
         NoFreeBlocks nothing is held.
@@ -178,8 +184,8 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         if not token_ids:
             raise ValueError("a sequence needs at least one token")
-        hits = self.cached_prefix(token_ids, root) if reuse else []
-        if self.blocks_needed(token_ids, root, reuse=reuse) > self.pool.num_free:
+        hits = self.cached_prefix(token_ids, root, max_reused)
+        if self.blocks_needed(token_ids, root, max_reused=max_reused) > self.pool.num_free:
             raise NoFreeBlocks
         table = BlockTable(root=root)
         for block in hits:

@@ -15,7 +15,8 @@ from tests.conftest import require_import
 torch = require_import("torch")
 
 from kvstream.hf.model_runner import ModelRunner, RunnerConfig  # noqa: E402
-from kvstream.hf.sampling import SamplingParams  # noqa: E402
+from kvstream.hf.prompt_scores import PromptScores  # noqa: E402
+from kvstream.hf.sampling import SamplingParams, TokenLogprobs  # noqa: E402
 from kvstream.scheduler import Sequence  # noqa: E402
 
 TEXT = "The knight rode through the forest and met a dragon who spoke in riddles. " * 4
@@ -59,6 +60,63 @@ def test_prompt_scores_survive_chunked_prefill_and_ignore_the_prefix_cache(smoll
     assert again.num_cached_tokens >= len(ids) - 8
     while engine.has_work():
         engine.step()
+    assert engine.is_idle()
+
+
+def test_kept_scores_cover_whole_blocks_and_the_next_blocks_first_token():
+    store = PromptScores(block_size=4, salt=b"model", max_blocks=3)
+    prompt = list(range(100, 114))  # 3 full blocks of 4, and 2 tokens
+    store.keep(prompt, None, [TokenLogprobs(-float(t), []) for t in prompt[1:]])  # entry i: token i + 1
+    assert len(store) == 3
+    # Blocks 0 and 1 shared, block 2 not: reuse block 0, scores of tokens 1..4 (token 4 from block 1).
+    other = prompt[:9] + [7, 7, 7, 7, 7]
+    assert [e.logprob for e in store.known_prefix(other, None)] == [-float(t) for t in prompt[1:5]]
+    assert len(store.known_prefix(prompt, None)) == 8  # three kept: two reused
+    assert len(store.known_prefix(prompt[:8], None)) == 4  # the prompt's last token is always computed
+    assert store.known_prefix(prompt[:5], None) == [] and store.known_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9], None) == []
+    assert store.known_prefix(prompt, b"\x02" * 16) == []  # another tenant's chain
+    store.keep([5] * 8, None, [TokenLogprobs(-1.0, [])] * 7)  # two more blocks: the least recent go
+    assert len(store) == 3 and len(store.known_prefix(prompt, None)) == 0
+
+
+def test_a_scored_prompt_reuses_a_prefix_whose_scores_are_kept(smollm2):
+    """Few-shot evaluation: every question shares a long prefix. The first scored prompt
+    keeps its blocks' scores; the next takes the shared blocks' KV from the prefix cache and
+    their scores from what was kept (all but the last kept block: the token after the
+    reused prefix is scored from that block's kept entry), and its scores are still plain
+    transformers' over the whole prompt."""
+    tokenizer = smollm2[2]
+    shared = list(tokenizer(TEXT).input_ids)
+    first, second = shared + list(tokenizer(" Is it a dragon?").input_ids), shared + list(tokenizer(" Who rode?").input_ids)
+    engine = ModelRunner(smollm2[0], tokenizer, RunnerConfig(
+        block_size=8, num_blocks=64, num_cpu_blocks=0, max_num_batched_tokens=32, debug_invariants=True))
+
+    def score(prompt: list[int], k: int) -> tuple[Sequence, list]:
+        events: list = []
+        seq = Sequence(list(prompt), 0)
+        engine.add_request(seq, SamplingParams(max_tokens=0, prompt_logprobs=k), events.extend)
+        while engine.has_work():
+            engine.step()
+        [scores] = [e.prompt_logprobs for e in events if e.kind == "prompt"]
+        return seq, scores
+
+    seq, scores = score(first, 0)
+    assert seq.num_cached_tokens == 0 and len(engine.prompt_scores) == len(first) // 8
+    assert all(s.top == [] for s in scores)  # five alternatives are kept, none asked for
+    computed = engine.counters.prefill_tokens
+    seq, scores = score(second, 3)
+    kept_blocks = len(shared) // 8  # the blocks wholly inside the shared prefix
+    assert seq.num_cached_tokens == (kept_blocks - 1) * 8
+    assert engine.counters.prefill_tokens - computed == len(second) - seq.num_cached_tokens
+    assert [s.logprob for s in scores] == pytest.approx(reference_scores(smollm2, second), abs=1e-3)
+    assert all(len(s.top) == 3 for s in scores)
+    # Another tenant's chain shares nothing: computed whole.
+    events: list = []
+    other = Sequence(list(second), 0, cache_root=b"\x01" * 16)
+    engine.add_request(other, SamplingParams(max_tokens=0, prompt_logprobs=0), events.extend)
+    while engine.has_work():
+        engine.step()
+    assert other.num_cached_tokens == 0
     assert engine.is_idle()
 
 
