@@ -331,7 +331,9 @@ async def test_logit_bias_and_penalties_change_the_answer(oa, smollm2):
         ({"logit_bias": {"not-an-id": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"49152": 1}}, "logit_bias"),  # past SmolLM2's vocabulary
-        ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
+        # A forced call of a function the request does not list (forced calls: test_tool_calls.py).
+        ({"tool_choice": {"type": "function", "function": {"name": "g"}},
+          "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
         # SmolLM2's template does not render tools: the model would never see them.
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"extra_body": {"min_p": 2}}, "min_p"),
