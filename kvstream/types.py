@@ -112,8 +112,8 @@ class GenerateRequest:
     model: str | None
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
-    # A completions prompt given as token ids (the in-process engine takes them as they
-    # are; ``prompt`` then holds their text, for counting and logs).
+    # A completions prompt given as token ids (``prompt`` is then None): backends that
+    # serve them (``serves_token_prompts``, the in-process engine) take them as they are.
     prompt_token_ids: list[int] | None = None
     # Completions' ``echo``: the prompt comes back before the completion (with its tokens'
     # log-probabilities when ``logprobs`` is set; the first token's is None).
