@@ -399,6 +399,11 @@ class HFBackend(InProcessBackend):
                 "matmul_backend_why": runner.matmul.why_not,
                 "native_ops": runner.native_ops.summary(),
                 "decoder": runner.decoder.summary(),  # the direct decoder path (fast_decoder.py)
+                # Echo with logprobs: prompt tokens scored from computed logits, and from the
+                # scores kept per block (prompt_scores.py), and how many blocks are kept.
+                "prompt_scores": {"scored_tokens": runner.counters.scored_tokens,
+                                  "kept_score_tokens": runner.counters.kept_score_tokens,
+                                  "kept_blocks": len(runner.prompt_scores)},
             }
         if self.loaded is not None:
             info["weights"] = self.loaded.weights_snapshot()

@@ -157,6 +157,8 @@ class RunnerCounters:
     blends: int = 0  # blend prefills run (reuse: blend requests whose moved chunks paid off)
     moved_tokens: int = 0  # tokens whose KV was moved (approximate reuse)
     repaired_tokens: int = 0  # moved tokens recomputed by the repair
+    scored_tokens: int = 0  # prompt tokens scored from logits computed (echo with logprobs)
+    kept_score_tokens: int = 0  # prompt tokens whose scores came from kept blocks instead
 
 
 class ModelRunner:
@@ -651,6 +653,7 @@ class ModelRunner:
                               [max(req.params.prompt_logprobs or 0, STORED_TOP) for req, _ in scored])
         for (req, _), entry in zip(scored, entries, strict=True):
             req.prompt_logprobs.append(entry)
+        self.counters.scored_tokens += len(scored)
 
     def _prompt_done(self, req: RunnerRequest) -> None:
         """The prompt is computed: keep its scores for later prompts sharing its blocks, and
@@ -673,6 +676,7 @@ class ModelRunner:
             return  # more alternatives than are kept: computed whole
         req.prompt_logprobs = self.prompt_scores.known_prefix(req.seq.prompt_token_ids, req.seq.cache_root)
         req.seq.max_reused_tokens = len(req.prompt_logprobs)
+        self.counters.kept_score_tokens += len(req.prompt_logprobs)
 
     def _plan(self, plan_seqs: list[tuple[list[int], int, int]], cache: PagedKVCache | None = None) -> AttentionPlan:
         """A step's attention plan over the pool (``cache``: another pool, the start-up probes')."""

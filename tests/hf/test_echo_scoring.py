@@ -162,11 +162,16 @@ async def test_echo_returns_the_prompt_with_its_scores(oa, smollm2):
     assert all(len(top) == 1 for top in lp.top_logprobs[1:])
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
 
-    # The same prompt as token ids (bare, and as the API's batch of one): the same scores.
+    # The same prompt as token ids (bare, and as the API's batch of one): the same scores,
+    # most of them kept from the first time (the status says how many).
     for prompt in (ids, [ids]):
         by_ids = await oa.completions.create(model="smollm2", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
         assert by_ids.choices[0].text == TEXT
-        assert by_ids.choices[0].logprobs.token_logprobs == lp.token_logprobs
+        assert by_ids.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-4)
+    async with aiohttp.ClientSession() as http, http.get(str(oa.base_url).removesuffix("/v1/") + "/status") as resp:
+        kept = (await resp.json())["backend"]["prompt_scores"]
+    assert kept["kept_blocks"] == len(ids) // 16 and kept["kept_score_tokens"] >= 2 * (len(ids) // 16 - 1) * 16
+    assert kept["scored_tokens"] >= len(ids) - 1
 
     # Echo and a completion: the prompt, then what a plain request generates (greedy).
     plain = await oa.completions.create(model="smollm2", prompt=TEXT, max_tokens=4, temperature=0, logprobs=0)
