@@ -3,6 +3,7 @@ through the proxy by the official openai client."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import stat
@@ -12,7 +13,7 @@ import pytest
 
 from kvstream.backends import FoundryBackend, LMStudioBackend, OllamaBackend
 from kvstream.backends.foundry import parse_status_output, resolve_alias
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_released
 from tests.doubles import PROTOCOLS, Script, foundry_double, lmstudio_double, ollama_double
 
 pytestmark = pytest.mark.timeout(60)
@@ -150,6 +151,27 @@ async def test_ollama_serves_a_batch_of_prompts_as_requests_of_their_own(ollama)
     assert err.value.status_code == 503 and "queue" in err.value.message
     script.delay_s = 0.0
     assert proxy.engine.scheduler.bm.is_idle() and not proxy.engine.scheduler.running
+
+
+async def test_a_client_leaving_a_batch_cancels_every_prompt_and_frees_the_slots(start_upstream, start_proxy):
+    """Mid-stream hang-up: the prompt streaming is cancelled upstream, the ones still queued
+    never reach the runtime, and nothing is left holding a slot or blocks."""
+    import aiohttp
+
+    url, recorder = await start_upstream(Script(tokens=["tok"] * 50, delay_s=0.05), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url))
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(proxy.v1 + "/completions", json={
+            "model": "llama3.2:latest", "prompt": ["one", "two", "three"], "max_tokens": 50, "stream": True})
+        assert (await resp.content.readline()).startswith(b"data: ")
+        resp.close()  # the client hangs up mid-stream
+    for _ in range(200):
+        if recorder.cancelled:
+            break
+        await asyncio.sleep(0.02)
+    await wait_released(proxy)
+    assert recorder.cancelled == 1 and recorder.completed == 0 and len(recorder.bodies) == 1  # one slot: one sent
+    assert proxy.engine.stats.requests_cancelled == 3 and not proxy.engine.scheduler.waiting
 
 
 def test_ollama_tool_calls_and_images_translate_both_ways():
