@@ -256,3 +256,12 @@ async def test_a_batch_of_prompts_answers_each_as_alone(oa, smollm2):
         own = await oa.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1)
         assert choice.text == own.choices[0].text
         assert choice.logprobs.token_logprobs == pytest.approx(own.choices[0].logprobs.token_logprobs, abs=1e-4)
+
+
+async def test_a_batch_with_one_bad_prompt_is_a_400_and_holds_nothing(hf_proxy):
+    """The second prompt is refused after the first was submitted: the first is released."""
+    body = {"model": "smollm2", "prompt": [[1, 2, 3], [1, 10**9]], "max_tokens": 2}
+    async with aiohttp.ClientSession() as http, http.post(hf_proxy.v1 + "/completions", json=body) as resp:
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == "prompt"
+    assert hf_proxy.engine.scheduler.bm.is_idle() and not hf_proxy.engine._generations
