@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstream.backends.base import Capabilities, InProcessBackend
 from kvstream.config import Settings
+from kvstream.hf.tool_call_syntax import ToolCallScanner, call_syntax
 from kvstream.scheduler import Scheduler, SchedulerError, Sequence
 from kvstream.types import (
     BackendError,
@@ -104,13 +105,17 @@ class HFStream:
 
     def __init__(
         self, backend: HFBackend, seq: Sequence, token_bytes: TokenBytes | None = None, echo: str | None = None,
-        tool_call: bool = False,
+        tool_call: bool = False, read_calls: bool = False,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._token_bytes = token_bytes  # spells each token's log-probabilities, when asked for
         self._echo = echo  # the prompt's text, sent first in every choice (echo); None once sent
         # A forced tool call: each choice's text is held back and sent as one tool_calls delta.
         self._calls: dict[int, list[str]] | None = {} if tool_call else None
+        # Tools the model may call (tool_choice "auto"), in a syntax its template shows it:
+        # each choice's text is scanned for calls as it streams (tool_call_syntax.py).
+        self._scanners: dict[int, ToolCallScanner] | None = {} if read_calls else None
+        self._held_logprobs: dict[int, list[TokenLogprob]] = {}  # of text a scanner holds back
         self.admitted: asyncio.Future[None] = loop.create_future()
         self._backend = backend
         self._seq = seq
@@ -159,11 +164,19 @@ class HFStream:
                     self._calls.setdefault(event.index, []).append(event.text)
                 if event.finish_reason is None:
                     generated += 1
-                    if self._calls is None:
+                    if self._scanners is not None:
+                        for token in self._scanned(event.index, event.text, logprobs, end=False):
+                            yield token
+                    elif self._calls is None:
                         yield Token(text=event.text, token_id=event.token_id, token_logprobs=logprobs, index=event.index)
                     continue
                 reason = event.finish_reason
-                if self._calls is not None:
+                if self._scanners is not None:
+                    for token in self._scanned(event.index, event.text, logprobs, end=True):
+                        yield token
+                    if self._scanners.pop(event.index).calls and reason == "stop":
+                        reason = "tool_calls"
+                elif self._calls is not None:
                     call = self._call(event.index)
                     if call is not None:
                         yield call
@@ -180,6 +193,25 @@ class HFStream:
                 usage = Usage(len(seq.prompt_token_ids), generated, seq.num_cached_tokens)
                 yield Token(finish_reason=reason, usage=usage, index=event.index)
                 return
+
+    def _scanned(self, index: int, text: str, logprobs: list[TokenLogprob] | None, end: bool) -> list[Token]:
+        """Choice ``index``'s next text, split into content and tool calls (with ``end``, the
+        rest of it); a token's log-probabilities go out with the content that holds it."""
+        scanner = self._scanners.setdefault(index, ToolCallScanner())  # type: ignore[union-attr]
+        held = self._held_logprobs.setdefault(index, [])
+        held.extend(logprobs or ())
+        pieces = scanner.feed(text) + (scanner.finish() if end else [])
+        tokens = []
+        for piece in pieces:
+            if piece.call is not None:
+                tokens.append(Token(delta={"tool_calls": [piece.call]}, index=index))
+            else:
+                entries = list(held) if self._token_bytes is not None else None
+                tokens.append(Token(text=piece.text, token_logprobs=entries, index=index))
+            held.clear()  # (a call's tokens report none, as a forced call's)
+        if end:
+            self._held_logprobs.pop(index, None)
+        return tokens
 
     def _call(self, index: int) -> Token | None:
         """Choice ``index``'s forced call as a tool_calls delta (its text if it holds none)."""
@@ -469,6 +501,14 @@ class HFBackend(InProcessBackend):
         assert self.runner is not None
         return sampling_params(request, max_tokens, self.runner.vocab_size)
 
+    def _reads_calls(self, request: GenerateRequest) -> bool:
+        """Whether the answer is scanned for the model's own tool calls: a chat offering tools
+        the model may call (tool_choice "auto"), whose template shows it a syntax we read."""
+        assert self.runner is not None
+        return (request.is_chat and bool(request.extra.get("tools"))
+                and request.extra.get("tool_choice") in (None, "auto")
+                and call_syntax(getattr(self.runner.tokenizer, "chat_template", None)) is not None)
+
     def submit(self, request: GenerateRequest, seq: Sequence) -> HFStream:
         from kvstream.hf.request_options import forces_call
 
@@ -479,7 +519,7 @@ class HFBackend(InProcessBackend):
         if request.echo:
             echo = request.prompt if request.prompt_token_ids is None else self.runner.tokenizer.decode(request.prompt_token_ids)
         stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None, echo,
-                          tool_call=forces_call(request))
+                          tool_call=forces_call(request), read_calls=self._reads_calls(request))
         self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
         return stream
 

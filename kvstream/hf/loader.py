@@ -63,8 +63,10 @@ def chat_token_ids(
     """Token ids of chat messages through the model's template, generation prompt added
     (without it: the prefix that later conversations starting with these messages share),
     ``tools`` (OpenAI's function definitions) rendered as the template renders them."""
+    from kvstream.hf.tool_call_syntax import template_messages
+
     ids = tokenizer.apply_chat_template(
-        messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False)
+        template_messages(messages), tools=tools or None, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False)
     return list(ids["input_ids"] if hasattr(ids, "get") else ids)  # some versions return a BatchEncoding
 
 

@@ -7,8 +7,8 @@ vLLM serves a forced call. The model sees the tools where its chat template rend
 where it does not, the schema still holds the call to the tool's parameters, as a
 ``response_format`` schema does.
 
-``tool_choice: "auto"`` (the model decides) is not parsed: a model's own tool-call syntax
-comes back as text.
+With ``tool_choice: "auto"`` the model decides, and its own call syntax is read out of its
+text where its template shows one (tool_call_syntax.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,193 @@
+"""A model's own tool calls (``tool_choice: "auto"``): the Hermes ``<tool_call>`` syntax read
+out of the text as it streams, in any split, and end to end through the official client with
+SmolLM2 under a template that shows it the syntax (tests/fixtures/hermes_tools.jinja)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from kvstream.hf.tool_call_syntax import ToolCallScanner, call_syntax, template_messages
+
+HERMES_TEMPLATE = (Path(__file__).parent.parent / "fixtures" / "hermes_tools.jinja").read_text()
+
+ANSWER = ('Let me look that up.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "get_time", "parameters": {"timezone": "CET"}}\n</tool_call>\n')
+
+
+def scan(text: str, step: int) -> list[tuple[str, dict | None]]:
+    """The scanner's pieces for ``text`` fed ``step`` characters at a time, adjacent texts merged."""
+    scanner, pieces = ToolCallScanner(), []
+    for start in range(0, len(text), step):
+        pieces += scanner.feed(text[start:start + step])
+    pieces += scanner.finish()
+    merged: list[tuple[str, dict | None]] = []
+    for piece in pieces:
+        if piece.call is None and merged and merged[-1][1] is None:
+            merged[-1] = (merged[-1][0] + piece.text, None)
+        else:
+            merged.append((piece.text, piece.call))
+    return merged
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5, 11, 1000])
+def test_calls_and_content_come_out_the_same_in_any_split(step):
+    [(content, _), (_, first), (_, second)] = scan(ANSWER, step)
+    assert content == "Let me look that up."  # the whitespace before a call is layout
+    assert first["index"] == 0 and first["type"] == "function" and first["id"].startswith("call_")
+    assert first["function"]["name"] == "get_weather"
+    assert json.loads(first["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    assert second["index"] == 1 and second["id"] != first["id"]
+    assert second["function"] == {"name": "get_time", "arguments": '{"timezone": "CET"}'}  # "parameters" read too
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_text_that_only_looks_like_a_tag_is_content_unchanged(step):
+    for text in ("Use <tool> or <tool_cal and <b>bold</b>.", "x < y <", "  indented\n\n", "a\n<tool_call>{not json}</tool_call> b",
+                 '<tool_call>["a list"]</tool_call>'):
+        assert scan(text, step) == [(text, None)], text
+
+
+@pytest.mark.parametrize("step", [1, 7, 1000])
+def test_a_call_cut_short_is_partial_and_a_cut_tag_is_text(step):
+    [(_, call)] = scan('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', step)
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+    cut = 'Sure. <tool_call>\n{"name": "get_w'  # not even the name: the text as it was
+    assert scan(cut, step) == [(cut, None)]
+
+
+def test_text_after_a_call_loses_its_leading_layout():
+    assert [(text, call and call["function"]["name"]) for text, call in scan(
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n\nDone.', 3)] == [("", "f"), ("Done.", None)]
+    # Nothing but a call: no content at all.
+    assert [call is not None for _, call in scan('\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n', 1)] == [True]
+
+
+def test_the_syntax_is_read_where_the_template_shows_the_tags():
+    assert call_syntax(HERMES_TEMPLATE) == "hermes"
+    assert call_syntax({"default": "plain", "tool_use": HERMES_TEMPLATE}) == "hermes"
+    assert call_syntax("{{ messages }}") is None and call_syntax(None) is None
+
+
+def test_earlier_calls_reach_the_template_with_object_arguments():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    out = template_messages(messages)
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # the client's copy untouched
+    odd = {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "not json"}}
+    assert template_messages([{"role": "assistant", "tool_calls": [odd]}])[0]["tool_calls"][0] == odd
+
+
+# ------------------------------------------------------------- end to end, SmolLM2 under the template
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+# One worked example in the history is enough for SmolLM2 to answer in the syntax (greedy).
+EXAMPLE = [
+    {"role": "user", "content": "What is the weather in London?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "London"}'}}]},
+]
+ASK = EXAMPLE + [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture
+async def hermes_proxy(smollm2, start_proxy):
+    """The engine's SmolLM2 behind the proxy, its tokenizer's template swapped for the Hermes one."""
+    from kvstream.hf import HFBackend
+    from kvstream.hf.loader import LoadedModel
+
+    model, _, tokenizer = smollm2
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    backend = HFBackend(None, None, preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"), block_size=16,
+                        num_gpu_blocks=256, max_batch_size=8)
+    proxy = await start_proxy(backend)
+    await proxy.engine.start()
+    yield proxy, tokenizer
+    await proxy.engine.close()
+
+
+@pytest.fixture
+async def hermes_oa(hermes_proxy):
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=hermes_proxy[0].v1, api_key="unused", max_retries=0) as client:
+        yield client
+
+
+async def test_the_models_own_call_comes_back_as_tool_calls(hermes_oa):
+    reply = await hermes_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.id.startswith("call_")
+
+    # Streamed: the same call in one delta, no content, the same finish.
+    stream = await hermes_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40,
+                                                     temperature=0, stream=True, logprobs=True)
+    chunks = [c async for c in stream]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    [streamed] = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert streamed.function.name == "get_weather" and json.loads(streamed.function.arguments) == {"city": "Paris"}
+    assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+async def test_an_answer_in_prose_stays_content(hermes_oa):
+    """Offered the tool but asked something else, the model answers in text: content, "stop"."""
+    for stream in (False, True):
+        reply = await hermes_oa.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "What is 2+2?"}], tools=[WEATHER], max_tokens=20,
+            temperature=0, stream=stream, logprobs=True)
+        if stream:
+            chunks = [c async for c in reply]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+            reason = chunks[-1].choices[0].finish_reason
+            assert "".join(e.token for e in entries) == text  # every token's log-probability, with its text
+        else:
+            text, reason = reply.choices[0].message.content, reply.choices[0].finish_reason
+            assert reply.choices[0].message.tool_calls is None
+        assert "4" in text and "<tool_call>" not in text and reason == "stop"
+
+
+async def test_tool_choice_none_leaves_the_tools_out_and_reads_no_call(hermes_oa):
+    reply = await hermes_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="none",
+                                                    max_tokens=40, temperature=0)
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "stop"
+
+
+async def test_a_tool_result_continues_the_conversation_with_object_arguments(hermes_oa, hermes_proxy):
+    """The earlier call's arguments (a JSON string on the wire) reach the template as an
+    object: the prompt is the template's rendering of the object form, token for token."""
+    from kvstream.hf.loader import chat_token_ids
+
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 18, "sky": "clear"}'},
+    ]
+    reply = await hermes_oa.chat.completions.create(model="smollm2", messages=history, tools=[WEATHER], max_tokens=30, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    _, tokenizer = hermes_proxy
+    rendered = tokenizer.decode(chat_token_ids(tokenizer, history, tools=[WEATHER]))
+    assert '"arguments": {"city": "Paris"}' in rendered and '"arguments": "{' not in rendered
+    assert reply.usage.prompt_tokens == len(chat_token_ids(tokenizer, history, tools=[WEATHER]))
+
+
+async def test_the_ollama_client_gets_the_call_too(hermes_proxy):
+    import ollama
+
+    proxy, _ = hermes_proxy
+    client = ollama.AsyncClient(host=proxy.url)
+    messages = [{"role": "user", "content": "What is the weather in London?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "London"}}}]},
+                {"role": "user", "content": "What is the weather in Paris?"}]
+    reply = await client.chat(model="smollm2", messages=messages, tools=[WEATHER], options={"temperature": 0, "num_predict": 40})
+    [call] = reply.message.tool_calls
+    assert call.function.name == "get_weather" and dict(call.function.arguments) == {"city": "Paris"}
