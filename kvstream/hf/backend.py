@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstream.backends.base import Capabilities, InProcessBackend
 from kvstream.config import Settings
-from kvstream.hf.tool_call_syntax import ToolCallScanner, call_syntax
+from kvstream.hf.tool_call_syntax import call_scanner, call_syntax
 from kvstream.scheduler import Scheduler, SchedulerError, Sequence
 from kvstream.types import (
     BackendError,
@@ -105,7 +105,7 @@ class HFStream:
 
     def __init__(
         self, backend: HFBackend, seq: Sequence, token_bytes: TokenBytes | None = None, echo: str | None = None,
-        tool_call: bool = False, read_calls: bool = False,
+        tool_call: bool = False, call_syntax: str | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._token_bytes = token_bytes  # spells each token's log-probabilities, when asked for
@@ -114,7 +114,8 @@ class HFStream:
         self._calls: dict[int, list[str]] | None = {} if tool_call else None
         # Tools the model may call (tool_choice "auto"), in a syntax its template shows it:
         # each choice's text is scanned for calls as it streams (tool_call_syntax.py).
-        self._scanners: dict[int, ToolCallScanner] | None = {} if read_calls else None
+        self._call_syntax = call_syntax
+        self._scanners: dict[int, Any] | None = {} if call_syntax else None
         self._held_logprobs: dict[int, list[TokenLogprob]] = {}  # of text a scanner holds back
         self.admitted: asyncio.Future[None] = loop.create_future()
         self._backend = backend
@@ -197,7 +198,9 @@ class HFStream:
     def _scanned(self, index: int, text: str, logprobs: list[TokenLogprob] | None, end: bool) -> list[Token]:
         """Choice ``index``'s next text, split into content and tool calls (with ``end``, the
         rest of it); a token's log-probabilities go out with the content that holds it."""
-        scanner = self._scanners.setdefault(index, ToolCallScanner())  # type: ignore[union-attr]
+        scanners = self._scanners
+        assert scanners is not None and self._call_syntax is not None
+        scanner = scanners.get(index) or scanners.setdefault(index, call_scanner(self._call_syntax))
         held = self._held_logprobs.setdefault(index, [])
         held.extend(logprobs or ())
         pieces = scanner.feed(text) + (scanner.finish() if end else [])
@@ -501,13 +504,14 @@ class HFBackend(InProcessBackend):
         assert self.runner is not None
         return sampling_params(request, max_tokens, self.runner.vocab_size)
 
-    def _reads_calls(self, request: GenerateRequest) -> bool:
-        """Whether the answer is scanned for the model's own tool calls: a chat offering tools
-        the model may call (tool_choice "auto"), whose template shows it a syntax we read."""
+    def _call_syntax(self, request: GenerateRequest) -> str | None:
+        """The syntax the model's own tool calls are read in (tool_call_syntax.py): a chat
+        offering tools the model may call (tool_choice "auto") under a template that shows the
+        model a syntax we read; None: the answer is not scanned."""
         assert self.runner is not None
-        return (request.is_chat and bool(request.extra.get("tools"))
-                and request.extra.get("tool_choice") in (None, "auto")
-                and call_syntax(getattr(self.runner.tokenizer, "chat_template", None)) is not None)
+        if not request.is_chat or not request.extra.get("tools") or request.extra.get("tool_choice") not in (None, "auto"):
+            return None
+        return call_syntax(getattr(self.runner.tokenizer, "chat_template", None))
 
     def submit(self, request: GenerateRequest, seq: Sequence) -> HFStream:
         from kvstream.hf.request_options import forces_call
@@ -519,7 +523,7 @@ class HFBackend(InProcessBackend):
         if request.echo:
             echo = request.prompt if request.prompt_token_ids is None else self.runner.tokenizer.decode(request.prompt_token_ids)
         stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None, echo,
-                          tool_call=forces_call(request), read_calls=self._reads_calls(request))
+                          tool_call=forces_call(request), call_syntax=self._call_syntax(request))
         self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
         return stream
 

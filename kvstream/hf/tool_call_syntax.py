@@ -12,8 +12,13 @@ its answers are scanned as they stream: the text outside the tags is the message
 each tagged call becomes an OpenAI ``tool_calls`` entry (``finish_reason: "tool_calls"``),
 as vLLM's ``hermes`` parser serves them. Text that might begin a tag is held back until it
 does or cannot; whitespace around calls is not content. A tag whose body is not a call comes
-back as the text it was. Other formats (Llama 3's bare JSON, Mistral's ``[TOOL_CALLS]``)
-are not read: their calls come back as text.
+back as the text it was.
+
+Llama 3.1 and later answer a call with the whole message a JSON object, ``{"name": ...,
+"parameters": {...}}`` (several joined by ``;``), as their templates ask ("Respond in the
+format {"name": function name, "parameters": ..."): an answer that opens with ``{`` is held
+to its end and comes back as calls if it is one, as text if not (vLLM's ``llama3_json``).
+Other formats (Mistral's ``[TOOL_CALLS]``, Qwen3-Coder's XML) are not read: text.
 """
 
 from __future__ import annotations
@@ -26,13 +31,27 @@ from kvstream.hf.tool_calls import call_id, tool_call_delta
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
+# What Llama 3's templates tell the model (3.1, 3.2 and 3.3 alike), and the tag it may open with.
+LLAMA3_FORMAT = 'Respond in the format {"name": function name, "parameters"'
+PYTHON_TAG = "<|python_tag|>"
 
 
 def call_syntax(chat_template: Any) -> str | None:
-    """``"hermes"`` when the chat template (a string, or a tokenizer's named templates) shows
-    the model ``<tool_call>`` tags; None when the model's calls are not read."""
-    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template]
-    return "hermes" if any(isinstance(t, str) and OPEN in t for t in templates) else None
+    """The syntax the chat template (a string, or a tokenizer's named templates) shows the
+    model for its calls: ``"hermes"`` (``<tool_call>`` tags), ``"llama3_json"``; None when
+    the model's calls are not read."""
+    templates = [t for t in (chat_template.values() if isinstance(chat_template, dict) else [chat_template])
+                 if isinstance(t, str)]
+    if any(OPEN in t for t in templates):
+        return "hermes"
+    if any(LLAMA3_FORMAT in t for t in templates):
+        return "llama3_json"
+    return None
+
+
+def call_scanner(syntax: str) -> ToolCallScanner | JsonCallScanner:
+    """A fresh scanner for one choice's text in ``syntax`` (call_syntax's answer)."""
+    return ToolCallScanner() if syntax == "hermes" else JsonCallScanner()
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -171,3 +190,66 @@ def _tag_prefix_length(text: str) -> int:
             break
     head = text[: len(text) - keep]
     return keep + len(head) - len(head.rstrip())
+
+
+@dataclass
+class JsonCallScanner:
+    """One choice's text, where a call is the whole answer as JSON (Llama 3): text that opens
+    otherwise streams as it comes; an answer opening with ``{`` is held to its end."""
+
+    calls: int = 0
+    _pending: str = ""
+    _mode: str | None = None  # "text" or "json", once the answer's first character says
+
+    def feed(self, text: str) -> list[Piece]:
+        if self._mode == "text":
+            return [Piece(text=text)] if text else []
+        self._pending += text
+        if self._mode is None:
+            start = self._pending.lstrip().removeprefix(PYTHON_TAG).lstrip()
+            if not start or PYTHON_TAG.startswith(self._pending.lstrip()):
+                return []  # nothing yet says which
+            self._mode = "json" if start.startswith("{") else "text"
+            if self._mode == "text":
+                text, self._pending = self._pending, ""
+                return [Piece(text=text)]
+        return []
+
+    def finish(self) -> list[Piece]:
+        text, self._pending = self._pending, ""
+        body = text.strip().removeprefix(PYTHON_TAG).strip()
+        if self._mode != "json":
+            return [Piece(text=text)] if text else []
+        calls = [_call(part, i) for i, part in enumerate(_split_calls(body))]
+        if calls and all(call is not None for call in calls):
+            self.calls = len(calls)
+            return [Piece(call=call) for call in calls]
+        cut = None if _whole_object(body) else tool_call_delta(body)
+        if cut is not None:  # cut short (max_tokens) after the name: the call as far as it went
+            self.calls = 1
+            return [Piece(call=cut["tool_calls"][0])]
+        return [Piece(text=text)]
+
+
+def _whole_object(body: str) -> bool:
+    """Whether ``body`` opens with a complete JSON value (an answer that was not cut short)."""
+    try:
+        json.JSONDecoder().raw_decode(body)
+    except ValueError:
+        return False
+    return True
+
+
+def _split_calls(body: str) -> list[str]:
+    """The JSON objects of an answer holding one call or several joined by ``;``."""
+    decoder, parts, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            _, end = decoder.raw_decode(body, at)
+        except ValueError:
+            return [body]  # not a sequence of objects: read whole (and found no call)
+        parts.append(body[at:end])
+        at = end
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return parts

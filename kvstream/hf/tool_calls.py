@@ -21,7 +21,8 @@ from typing import Any
 from kvstream.types import BackendRejected
 
 # A call cut short (max_tokens): the name is whole once the arguments have begun.
-_PARTIAL_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
+# ("parameters": Llama 3's own calls name them so.)
+_PARTIAL_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*)', re.DOTALL)
 
 
 def _invalid(message: str) -> BackendRejected:
@@ -88,7 +89,8 @@ def tool_call_delta(text: str) -> dict[str, Any] | None:
     ``max_tokens``: its arguments as far as they went); None if not even the name is there."""
     try:
         call = json.loads(text)
-        name, arguments = call["name"], json.dumps(call["arguments"], ensure_ascii=False)
+        arguments = call["arguments"] if "arguments" in call else call["parameters"]
+        name, arguments = call["name"], json.dumps(arguments, ensure_ascii=False)
     except (ValueError, KeyError, TypeError):
         partial = _PARTIAL_CALL.match(text)
         if partial is None:

@@ -1,6 +1,7 @@
-"""A model's own tool calls (``tool_choice: "auto"``): the Hermes ``<tool_call>`` syntax read
-out of the text as it streams, in any split, and end to end through the official client with
-SmolLM2 under a template that shows it the syntax (tests/fixtures/hermes_tools.jinja)."""
+"""A model's own tool calls (``tool_choice: "auto"``): the Hermes ``<tool_call>`` syntax and
+Llama 3's bare JSON read out of the text as it streams, in any split, and end to end through
+the official clients with SmolLM2 under templates that show it each syntax
+(tests/fixtures/hermes_tools.jinja, llama3_json_tools.jinja)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from kvstream.hf.tool_call_syntax import ToolCallScanner, call_syntax, template_messages
+from kvstream.hf.tool_call_syntax import JsonCallScanner, ToolCallScanner, call_syntax, template_messages
 
-HERMES_TEMPLATE = (Path(__file__).parent.parent / "fixtures" / "hermes_tools.jinja").read_text()
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+HERMES_TEMPLATE = (FIXTURES / "hermes_tools.jinja").read_text()
+LLAMA3_TEMPLATE = (FIXTURES / "llama3_json_tools.jinja").read_text()
 
 ANSWER = ('Let me look that up.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
           '</tool_call>\n<tool_call>\n{"name": "get_time", "parameters": {"timezone": "CET"}}\n</tool_call>\n')
 
 
-def scan(text: str, step: int) -> list[tuple[str, dict | None]]:
+def scan(text: str, step: int, scanner=None) -> list[tuple[str, dict | None]]:
     """The scanner's pieces for ``text`` fed ``step`` characters at a time, adjacent texts merged."""
-    scanner, pieces = ToolCallScanner(), []
+    scanner, pieces = scanner or ToolCallScanner(), []
     for start in range(0, len(text), step):
         pieces += scanner.feed(text[start:start + step])
     pieces += scanner.finish()
@@ -66,8 +69,22 @@ def test_text_after_a_call_loses_its_leading_layout():
     assert [call is not None for _, call in scan('\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n', 1)] == [True]
 
 
-def test_the_syntax_is_read_where_the_template_shows_the_tags():
-    assert call_syntax(HERMES_TEMPLATE) == "hermes"
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_llama3_answer_that_is_json_is_read_as_its_calls(step):
+    [(_, call)] = scan(' <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', step, JsonCallScanner())
+    assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    two = scan('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}', step, JsonCallScanner())
+    assert [(c["index"], c["function"]["name"]) for _, c in two] == [(0, "a"), (1, "b")]
+    [(_, cut)] = scan('{"name": "get_weather", "parameters": {"city": "Pa', step, JsonCallScanner())
+    assert cut["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+    # Text, JSON that is not a call, a call with text after it, a call cut before its name: text as it was.
+    for text in ("The answer is {4}.", '{"answer": 4}', '{"name": "f", "parameters": {}} and more', '{"name": "get_w',
+                 "<|python", "  4"):
+        assert scan(text, step, JsonCallScanner()) == [(text, None)], text
+
+
+def test_the_syntax_is_read_where_the_template_shows_it():
+    assert call_syntax(HERMES_TEMPLATE) == "hermes" and call_syntax(LLAMA3_TEMPLATE) == "llama3_json"
     assert call_syntax({"default": "plain", "tool_use": HERMES_TEMPLATE}) == "hermes"
     assert call_syntax("{{ messages }}") is None and call_syntax(None) is None
 
@@ -86,7 +103,7 @@ def test_earlier_calls_reach_the_template_with_object_arguments():
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city.",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
-# One worked example in the history is enough for SmolLM2 to answer in the syntax (greedy).
+# One worked example in the history is enough for SmolLM2 to answer in either syntax (greedy).
 EXAMPLE = [
     {"role": "user", "content": "What is the weather in London?"},
     {"role": "assistant", "content": None, "tool_calls": [
@@ -95,15 +112,16 @@ EXAMPLE = [
 ASK = EXAMPLE + [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture
-async def hermes_proxy(smollm2, start_proxy):
-    """The engine's SmolLM2 behind the proxy, its tokenizer's template swapped for the Hermes one."""
+@pytest.fixture(params=["hermes", "llama3_json"])
+async def tools_proxy(request, smollm2, start_proxy):
+    """The engine's SmolLM2 behind the proxy, its tokenizer's template swapped for one showing
+    a tool-call syntax (each test runs under both)."""
     from kvstream.hf import HFBackend
     from kvstream.hf.loader import LoadedModel
 
     model, _, tokenizer = smollm2
     tokenizer = copy.copy(tokenizer)
-    tokenizer.chat_template = HERMES_TEMPLATE
+    tokenizer.chat_template = HERMES_TEMPLATE if request.param == "hermes" else LLAMA3_TEMPLATE
     backend = HFBackend(None, None, preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"), block_size=16,
                         num_gpu_blocks=256, max_batch_size=8)
     proxy = await start_proxy(backend)
@@ -113,15 +131,15 @@ async def hermes_proxy(smollm2, start_proxy):
 
 
 @pytest.fixture
-async def hermes_oa(hermes_proxy):
+async def tools_oa(tools_proxy):
     from openai import AsyncOpenAI
 
-    async with AsyncOpenAI(base_url=hermes_proxy[0].v1, api_key="unused", max_retries=0) as client:
+    async with AsyncOpenAI(base_url=tools_proxy[0].v1, api_key="unused", max_retries=0) as client:
         yield client
 
 
-async def test_the_models_own_call_comes_back_as_tool_calls(hermes_oa):
-    reply = await hermes_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40, temperature=0)
+async def test_the_models_own_call_comes_back_as_tool_calls(tools_oa):
+    reply = await tools_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40, temperature=0)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
@@ -129,7 +147,7 @@ async def test_the_models_own_call_comes_back_as_tool_calls(hermes_oa):
     assert call.id.startswith("call_")
 
     # Streamed: the same call in one delta, no content, the same finish.
-    stream = await hermes_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40,
+    stream = await tools_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40,
                                                      temperature=0, stream=True, logprobs=True)
     chunks = [c async for c in stream]
     deltas = [c.choices[0].delta for c in chunks if c.choices]
@@ -138,10 +156,10 @@ async def test_the_models_own_call_comes_back_as_tool_calls(hermes_oa):
     assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-async def test_an_answer_in_prose_stays_content(hermes_oa):
+async def test_an_answer_in_prose_stays_content(tools_oa):
     """Offered the tool but asked something else, the model answers in text: content, "stop"."""
     for stream in (False, True):
-        reply = await hermes_oa.chat.completions.create(
+        reply = await tools_oa.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "What is 2+2?"}], tools=[WEATHER], max_tokens=20,
             temperature=0, stream=stream, logprobs=True)
         if stream:
@@ -156,13 +174,13 @@ async def test_an_answer_in_prose_stays_content(hermes_oa):
         assert "4" in text and "<tool_call>" not in text and reason == "stop"
 
 
-async def test_tool_choice_none_leaves_the_tools_out_and_reads_no_call(hermes_oa):
-    reply = await hermes_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="none",
+async def test_tool_choice_none_leaves_the_tools_out_and_reads_no_call(tools_oa):
+    reply = await tools_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="none",
                                                     max_tokens=40, temperature=0)
     assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "stop"
 
 
-async def test_a_tool_result_continues_the_conversation_with_object_arguments(hermes_oa, hermes_proxy):
+async def test_a_tool_result_continues_the_conversation_with_object_arguments(tools_oa, tools_proxy):
     """The earlier call's arguments (a JSON string on the wire) reach the template as an
     object: the prompt is the template's rendering of the object form, token for token."""
     from kvstream.hf.loader import chat_token_ids
@@ -172,18 +190,18 @@ async def test_a_tool_result_continues_the_conversation_with_object_arguments(he
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 18, "sky": "clear"}'},
     ]
-    reply = await hermes_oa.chat.completions.create(model="smollm2", messages=history, tools=[WEATHER], max_tokens=30, temperature=0)
+    reply = await tools_oa.chat.completions.create(model="smollm2", messages=history, tools=[WEATHER], max_tokens=30, temperature=0)
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    _, tokenizer = hermes_proxy
+    _, tokenizer = tools_proxy
     rendered = tokenizer.decode(chat_token_ids(tokenizer, history, tools=[WEATHER]))
-    assert '"arguments": {"city": "Paris"}' in rendered and '"arguments": "{' not in rendered
+    assert ': {"city": "Paris"}' in rendered and '"{\\"city' not in rendered
     assert reply.usage.prompt_tokens == len(chat_token_ids(tokenizer, history, tools=[WEATHER]))
 
 
-async def test_the_ollama_client_gets_the_call_too(hermes_proxy):
+async def test_the_ollama_client_gets_the_call_too(tools_proxy):
     import ollama
 
-    proxy, _ = hermes_proxy
+    proxy, _ = tools_proxy
     client = ollama.AsyncClient(host=proxy.url)
     messages = [{"role": "user", "content": "What is the weather in London?"},
                 {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "London"}}}]},
