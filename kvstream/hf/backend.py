@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstream.backends.base import Capabilities, InProcessBackend
 from kvstream.config import Settings
-from kvstream.hf.tool_call_syntax import call_scanner, call_syntax
+from kvstream.hf.tool_call_syntax import CallReading, call_reading
 from kvstream.scheduler import Scheduler, SchedulerError, Sequence
 from kvstream.types import (
     BackendError,
@@ -105,7 +105,7 @@ class HFStream:
 
     def __init__(
         self, backend: HFBackend, seq: Sequence, token_bytes: TokenBytes | None = None, echo: str | None = None,
-        tool_call: bool = False, call_syntax: str | None = None,
+        tool_call: bool = False, calls: CallReading | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._token_bytes = token_bytes  # spells each token's log-probabilities, when asked for
@@ -114,8 +114,8 @@ class HFStream:
         self._calls: dict[int, list[str]] | None = {} if tool_call else None
         # Tools the model may call (tool_choice "auto"), in a syntax its template shows it:
         # each choice's text is scanned for calls as it streams (tool_call_syntax.py).
-        self._call_syntax = call_syntax
-        self._scanners: dict[int, Any] | None = {} if call_syntax else None
+        self._reading = calls
+        self._scanners: dict[int, Any] | None = {} if calls is not None else None
         self._held_logprobs: dict[int, list[TokenLogprob]] = {}  # of text a scanner holds back
         self.admitted: asyncio.Future[None] = loop.create_future()
         self._backend = backend
@@ -166,14 +166,14 @@ class HFStream:
                 if event.finish_reason is None:
                     generated += 1
                     if self._scanners is not None:
-                        for token in self._scanned(event.index, event.text, logprobs, end=False):
+                        for token in self._scanned(event.index, event.token_id, event.text, logprobs, end=False):
                             yield token
                     elif self._calls is None:
                         yield Token(text=event.text, token_id=event.token_id, token_logprobs=logprobs, index=event.index)
                     continue
                 reason = event.finish_reason
                 if self._scanners is not None:
-                    for token in self._scanned(event.index, event.text, logprobs, end=True):
+                    for token in self._scanned(event.index, event.token_id, event.text, logprobs, end=True):
                         yield token
                     if self._scanners.pop(event.index).calls and reason == "stop":
                         reason = "tool_calls"
@@ -195,18 +195,21 @@ class HFStream:
                 yield Token(finish_reason=reason, usage=usage, index=event.index)
                 return
 
-    def _scanned(self, index: int, text: str, logprobs: list[TokenLogprob] | None, end: bool) -> list[Token]:
+    def _scanned(self, index: int, token_id: int | None, text: str, logprobs: list[TokenLogprob] | None,
+                 end: bool) -> list[Token]:
         """Choice ``index``'s next text, split into content and tool calls (with ``end``, the
         rest of it); a token's log-probabilities go out with the content that holds it."""
-        scanners = self._scanners
-        assert scanners is not None and self._call_syntax is not None
-        scanner = scanners.get(index) or scanners.setdefault(index, call_scanner(self._call_syntax))
+        scanners, reading = self._scanners, self._reading
+        assert scanners is not None and reading is not None
+        scanner = scanners.get(index) or scanners.setdefault(index, reading.scanner())
         held = self._held_logprobs.setdefault(index, [])
         held.extend(logprobs or ())
-        pieces = scanner.feed(text) + (scanner.finish() if end else [])
+        pieces = scanner.feed(reading.tag_texts.get(token_id, text)) + (scanner.finish() if end else [])  # type: ignore[arg-type]
         tokens = []
         for piece in pieces:
             if piece.call is not None:
+                if reading.single_call and piece.call["index"]:
+                    continue  # parallel_tool_calls false: the first call only
                 tokens.append(Token(delta={"tool_calls": [piece.call]}, index=index))
             else:
                 entries = list(held) if self._token_bytes is not None else None
@@ -504,15 +507,6 @@ class HFBackend(InProcessBackend):
         assert self.runner is not None
         return sampling_params(request, max_tokens, self.runner.vocab_size)
 
-    def _call_syntax(self, request: GenerateRequest) -> str | None:
-        """The syntax the model's own tool calls are read in (tool_call_syntax.py): a chat
-        offering tools the model may call (tool_choice "auto") under a template that shows the
-        model a syntax we read; None: the answer is not scanned."""
-        assert self.runner is not None
-        if not request.is_chat or not request.extra.get("tools") or request.extra.get("tool_choice") not in (None, "auto"):
-            return None
-        return call_syntax(getattr(self.runner.tokenizer, "chat_template", None))
-
     def submit(self, request: GenerateRequest, seq: Sequence) -> HFStream:
         from kvstream.hf.request_options import forces_call
 
@@ -523,7 +517,8 @@ class HFBackend(InProcessBackend):
         if request.echo:
             echo = request.prompt if request.prompt_token_ids is None else self.runner.tokenizer.decode(request.prompt_token_ids)
         stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None, echo,
-                          tool_call=forces_call(request), call_syntax=self._call_syntax(request))
+                          tool_call=forces_call(request),
+                          calls=call_reading(self.runner.tokenizer, request.extra) if request.is_chat else None)
         self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
         return stream
 

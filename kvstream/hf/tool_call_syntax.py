@@ -49,9 +49,43 @@ def call_syntax(chat_template: Any) -> str | None:
     return None
 
 
-def call_scanner(syntax: str) -> ToolCallScanner | JsonCallScanner:
-    """A fresh scanner for one choice's text in ``syntax`` (call_syntax's answer)."""
-    return ToolCallScanner() if syntax == "hermes" else JsonCallScanner()
+@dataclass(frozen=True)
+class CallReading:
+    """How one request's answers are read for calls: the syntax, the text of tag tokens the
+    tokenizer marks special (the detokenizer skips those: they are put back from their ids,
+    as vLLM keeps special tokens for its parsers), and whether only the first call counts
+    (``parallel_tool_calls: false``)."""
+
+    syntax: str
+    tag_texts: dict[int, str] = field(default_factory=dict)
+    single_call: bool = False
+
+    def scanner(self) -> ToolCallScanner | JsonCallScanner:
+        """A fresh scanner for one choice's text."""
+        return ToolCallScanner() if self.syntax == "hermes" else JsonCallScanner()
+
+
+def call_reading(tokenizer: Any, extra: dict[str, Any]) -> CallReading | None:
+    """How a chat request offering ``extra["tools"]`` has its answers read; None when they
+    are not (no tools, a call forced or refused by ``tool_choice``, no syntax we read)."""
+    if not extra.get("tools") or extra.get("tool_choice") not in (None, "auto"):
+        return None
+    syntax = call_syntax(getattr(tokenizer, "chat_template", None))
+    if syntax is None:
+        return None
+    return CallReading(syntax, special_tag_texts(tokenizer), single_call=extra.get("parallel_tool_calls") is False)
+
+
+def special_tag_texts(tokenizer: Any) -> dict[int, str]:
+    """Token id -> text of the call tags that are single special tokens of ``tokenizer``."""
+    special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    out = {}
+    for tag in (OPEN, CLOSE, PYTHON_TAG):
+        if tag in special:
+            token_id = tokenizer.convert_tokens_to_ids(tag)
+            if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
+                out[token_id] = tag
+    return out
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -209,3 +209,41 @@ async def test_the_ollama_client_gets_the_call_too(tools_proxy):
     reply = await client.chat(model="smollm2", messages=messages, tools=[WEATHER], options={"temperature": 0, "num_predict": 40})
     [call] = reply.message.tool_calls
     assert call.function.name == "get_weather" and dict(call.function.arguments) == {"city": "Paris"}
+
+
+async def test_parallel_calls_and_parallel_tool_calls_false(tools_oa):
+    """Shown two calls for two cities, the model answers with two; ``parallel_tool_calls:
+    false`` keeps the first only."""
+    def weather(city: str, i: int) -> dict:
+        return {"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+
+    messages = [{"role": "user", "content": "What is the weather in London and in Tokyo?"},
+                {"role": "assistant", "content": None, "tool_calls": [weather("London", 0), weather("Tokyo", 1)]},
+                {"role": "user", "content": "What is the weather in Paris and in Rome?"}]
+    both = await tools_oa.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER], max_tokens=80, temperature=0)
+    calls = both.choices[0].message.tool_calls
+    assert len(calls) == 2 and json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert len({call.id for call in calls}) == 2
+    one = await tools_oa.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER], max_tokens=80,
+                                                 temperature=0, parallel_tool_calls=False)
+    [call] = one.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == calls[0].function.arguments
+
+
+def test_call_tags_that_are_special_tokens_are_put_back_from_their_ids(smollm2):
+    """A tokenizer whose call tags are special tokens (the detokenizer skips those) has their
+    text put back by id before the scanner reads it."""
+    from kvstream.hf.tool_call_syntax import call_reading, special_tag_texts
+
+    tokenizer = copy.deepcopy(smollm2[2])
+    assert special_tag_texts(tokenizer) == {}  # SmolLM2's own: the tags are plain text
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    tags = special_tag_texts(tokenizer)
+    assert sorted(tags.values()) == ["</tool_call>", "<tool_call>"]
+    assert all(tokenizer.decode([i], skip_special_tokens=True) == "" for i in tags)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    reading = call_reading(tokenizer, {"tools": [WEATHER]})
+    assert reading.syntax == "hermes" and reading.tag_texts == tags and not reading.single_call
+    assert call_reading(tokenizer, {"tools": [WEATHER], "tool_choice": "none"}) is None
+    assert call_reading(tokenizer, {"tools": [WEATHER], "tool_choice": "required"}) is None  # forced: a schema instead
+    assert call_reading(tokenizer, {"tools": [WEATHER], "parallel_tool_calls": False}).single_call
