@@ -18,7 +18,11 @@ Llama 3.1 and later answer a call with the whole message a JSON object, ``{"name
 "parameters": {...}}`` (several joined by ``;``), as their templates ask ("Respond in the
 format {"name": function name, "parameters": ..."): an answer that opens with ``{`` is held
 to its end and comes back as calls if it is one, as text if not (vLLM's ``llama3_json``).
-Other formats (Mistral's ``[TOOL_CALLS]``, Qwen3-Coder's XML) are not read: text.
+
+Mistral's models mark their calls with ``[TOOL_CALLS]`` (a control token, put back from its id):
+followed by a JSON list of ``{"name", "arguments"}`` (v0.3's tokenizer) or by
+``name[ARGS]{...}``, one per mark (later ones). The text before the mark is content; what
+follows is held to the end. Other formats (Qwen3-Coder's XML...) are not read: text.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from kvstream.hf.tool_calls import call_id, tool_call_delta
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
+MISTRAL_CALLS = "[TOOL_CALLS]"
+MISTRAL_ARGS = "[ARGS]"
 # What Llama 3's templates tell the model (3.1, 3.2 and 3.3 alike), and the tag it may open with.
 LLAMA3_FORMAT = 'Respond in the format {"name": function name, "parameters"'
 PYTHON_TAG = "<|python_tag|>"
@@ -38,14 +44,16 @@ PYTHON_TAG = "<|python_tag|>"
 
 def call_syntax(chat_template: Any) -> str | None:
     """The syntax the chat template (a string, or a tokenizer's named templates) shows the
-    model for its calls: ``"hermes"`` (``<tool_call>`` tags), ``"llama3_json"``; None when
-    the model's calls are not read."""
+    model for its calls: ``"hermes"`` (``<tool_call>`` tags), ``"llama3_json"``,
+    ``"mistral"`` (``[TOOL_CALLS]``); None when the model's calls are not read."""
     templates = [t for t in (chat_template.values() if isinstance(chat_template, dict) else [chat_template])
                  if isinstance(t, str)]
     if any(OPEN in t for t in templates):
         return "hermes"
     if any(LLAMA3_FORMAT in t for t in templates):
         return "llama3_json"
+    if any(MISTRAL_CALLS in t for t in templates):
+        return "mistral"
     return None
 
 
@@ -60,9 +68,11 @@ class CallReading:
     tag_texts: dict[int, str] = field(default_factory=dict)
     single_call: bool = False
 
-    def scanner(self) -> ToolCallScanner | JsonCallScanner:
+    def scanner(self) -> ToolCallScanner | JsonCallScanner | MistralCallScanner:
         """A fresh scanner for one choice's text."""
-        return ToolCallScanner() if self.syntax == "hermes" else JsonCallScanner()
+        if self.syntax == "hermes":
+            return ToolCallScanner()
+        return MistralCallScanner() if self.syntax == "mistral" else JsonCallScanner()
 
 
 def call_reading(tokenizer: Any, extra: dict[str, Any]) -> CallReading | None:
@@ -80,7 +90,7 @@ def special_tag_texts(tokenizer: Any) -> dict[int, str]:
     """Token id -> text of the call tags that are single special tokens of ``tokenizer``."""
     special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
     out = {}
-    for tag in (OPEN, CLOSE, PYTHON_TAG):
+    for tag in (OPEN, CLOSE, PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS):
         if tag in special:
             token_id = tokenizer.convert_tokens_to_ids(tag)
             if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
@@ -214,12 +224,12 @@ class ToolCallScanner:
         return pieces
 
 
-def _tag_prefix_length(text: str) -> int:
-    """How many characters at the end of ``text`` could begin ``<tool_call>``, with the
-    whitespace before them (held back, as a call may follow)."""
+def _tag_prefix_length(text: str, tag: str = OPEN) -> int:
+    """How many characters at the end of ``text`` could begin ``tag``, with the whitespace
+    before them (held back, as a call may follow)."""
     keep = 0
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             keep = n
             break
     head = text[: len(text) - keep]
@@ -287,3 +297,70 @@ def _split_calls(body: str) -> list[str]:
         while at < len(body) and body[at] in " \t\r\n;":
             at += 1
     return parts
+
+
+@dataclass
+class MistralCallScanner:
+    """One choice's text, where calls follow a ``[TOOL_CALLS]`` mark (Mistral): the text
+    before it streams as content, what follows is read at the end."""
+
+    calls: int = 0
+    _pending: str = ""
+    _in_calls: bool = False
+
+    def feed(self, text: str) -> list[Piece]:
+        self._pending += text
+        if self._in_calls:
+            return []
+        start = self._pending.find(MISTRAL_CALLS)
+        if start >= 0:
+            content = self._pending[:start].rstrip()
+            self._pending, self._in_calls = self._pending[start:], True
+            return [Piece(text=content)] if content else []
+        keep = _tag_prefix_length(self._pending, MISTRAL_CALLS)
+        head = self._pending[: len(self._pending) - keep]
+        if not head.strip():
+            return []
+        self._pending = self._pending[len(head):]
+        return [Piece(text=head)]
+
+    def finish(self) -> list[Piece]:
+        text, self._pending = self._pending, ""
+        if not self._in_calls:
+            return [Piece(text=text)] if text else []
+        calls = _mistral_calls(text)
+        if not calls:
+            return [Piece(text=text)]
+        self.calls = len(calls)
+        return [Piece(call=call) for call in calls]
+
+
+def _mistral_calls(text: str) -> list[dict[str, Any]]:
+    """The calls after the ``[TOOL_CALLS]`` marks of ``text``; [] unless all of it reads as calls."""
+    calls: list[dict[str, Any] | None] = []
+    for part in text.split(MISTRAL_CALLS)[1:]:
+        part = part.strip()
+        if part.startswith("["):  # [{"name": ..., "arguments": {...}}, ...]
+            try:
+                listed = json.loads(part)
+            except ValueError:
+                return []
+            if not isinstance(listed, list):
+                return []
+            calls += [_call(json.dumps(item), len(calls) + i) for i, item in enumerate(listed)]
+        else:  # name[ARGS]{...}
+            name, marker, arguments = part.partition(MISTRAL_ARGS)
+            if not marker or not name.strip():
+                return []
+            # (arguments that are not JSON: cut short by max_tokens, kept as far as they went)
+            calls.append(_call(json.dumps({"name": name.strip(), "arguments": _json_or_text(arguments)}), len(calls)))
+    if not calls or any(call is None for call in calls):
+        return []
+    return calls  # type: ignore[return-value]
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text.strip()

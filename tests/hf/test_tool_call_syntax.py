@@ -1,7 +1,7 @@
-"""A model's own tool calls (``tool_choice: "auto"``): the Hermes ``<tool_call>`` syntax and
-Llama 3's bare JSON read out of the text as it streams, in any split, and end to end through
-the official clients with SmolLM2 under templates that show it each syntax
-(tests/fixtures/hermes_tools.jinja, llama3_json_tools.jinja)."""
+"""A model's own tool calls (``tool_choice: "auto"``): the Hermes ``<tool_call>`` syntax,
+Llama 3's bare JSON and Mistral's ``[TOOL_CALLS]`` read out of the text as it streams, in any
+split, and end to end through the official clients with SmolLM2 under templates that show it
+each syntax (tests/fixtures/*_tools.jinja)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from kvstream.hf.tool_call_syntax import JsonCallScanner, ToolCallScanner, call_syntax, template_messages
+from kvstream.hf.tool_call_syntax import (
+    JsonCallScanner,
+    MistralCallScanner,
+    ToolCallScanner,
+    call_syntax,
+    template_messages,
+)
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 HERMES_TEMPLATE = (FIXTURES / "hermes_tools.jinja").read_text()
 LLAMA3_TEMPLATE = (FIXTURES / "llama3_json_tools.jinja").read_text()
+MISTRAL_TEMPLATE = (FIXTURES / "mistral_tools.jinja").read_text()
+TEMPLATES = {"hermes": HERMES_TEMPLATE, "llama3_json": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE}
 
 ANSWER = ('Let me look that up.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
           '</tool_call>\n<tool_call>\n{"name": "get_time", "parameters": {"timezone": "CET"}}\n</tool_call>\n')
@@ -83,8 +91,23 @@ def test_a_llama3_answer_that_is_json_is_read_as_its_calls(step):
         assert scan(text, step, JsonCallScanner()) == [(text, None)], text
 
 
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_mistral_calls_after_the_mark_in_either_form(step):
+    listed = scan('[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]', step, MistralCallScanner())
+    marked = scan('[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}', step, MistralCallScanner())
+    for calls in (listed, marked):
+        assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for _, c in calls] == [
+            (0, "a", {"x": 1}), (1, "b", {})]
+    [(text, _), (_, call)] = scan('Checking. [TOOL_CALLS][{"name": "f", "arguments": {}}]', step, MistralCallScanner())
+    assert text == "Checking." and call["function"]["name"] == "f"
+    [(_, cut)] = scan('[TOOL_CALLS]f[ARGS]{"x": "Pa', step, MistralCallScanner())
+    assert cut["function"] == {"name": "f", "arguments": '{"x": "Pa'}
+    for text in ("Plain [TOOL answer.", "[TOOL_CALLS] not a call", '[TOOL_CALLS] [{"name": "f", "argu'):
+        assert scan(text, step, MistralCallScanner()) == [(text, None)], text
+
+
 def test_the_syntax_is_read_where_the_template_shows_it():
-    assert call_syntax(HERMES_TEMPLATE) == "hermes" and call_syntax(LLAMA3_TEMPLATE) == "llama3_json"
+    assert {name: call_syntax(template) for name, template in TEMPLATES.items()} == {name: name for name in TEMPLATES}
     assert call_syntax({"default": "plain", "tool_use": HERMES_TEMPLATE}) == "hermes"
     assert call_syntax("{{ messages }}") is None and call_syntax(None) is None
 
@@ -103,7 +126,7 @@ def test_earlier_calls_reach_the_template_with_object_arguments():
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city.",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
-# One worked example in the history is enough for SmolLM2 to answer in either syntax (greedy).
+# One worked example in the history is enough for SmolLM2 to answer in each syntax (greedy).
 EXAMPLE = [
     {"role": "user", "content": "What is the weather in London?"},
     {"role": "assistant", "content": None, "tool_calls": [
@@ -112,7 +135,7 @@ EXAMPLE = [
 ASK = EXAMPLE + [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(params=["hermes", "llama3_json"])
+@pytest.fixture(params=list(TEMPLATES))
 async def tools_proxy(request, smollm2, start_proxy):
     """The engine's SmolLM2 behind the proxy, its tokenizer's template swapped for one showing
     a tool-call syntax (each test runs under both)."""
@@ -121,7 +144,7 @@ async def tools_proxy(request, smollm2, start_proxy):
 
     model, _, tokenizer = smollm2
     tokenizer = copy.copy(tokenizer)
-    tokenizer.chat_template = HERMES_TEMPLATE if request.param == "hermes" else LLAMA3_TEMPLATE
+    tokenizer.chat_template = TEMPLATES[request.param]
     backend = HFBackend(None, None, preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"), block_size=16,
                         num_gpu_blocks=256, max_batch_size=8)
     proxy = await start_proxy(backend)
