@@ -87,14 +87,15 @@ def call_reading(tokenizer: Any, extra: dict[str, Any]) -> CallReading | None:
 
 
 def special_tag_texts(tokenizer: Any) -> dict[int, str]:
-    """Token id -> text of the call tags that are single special tokens of ``tokenizer``."""
-    special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    """Token id -> text of the call tags that are single tokens of ``tokenizer`` which the
+    detokenizer skips (special: whether listed among its special tokens or only marked so)."""
     out = {}
     for tag in (OPEN, CLOSE, PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS):
-        if tag in special:
-            token_id = tokenizer.convert_tokens_to_ids(tag)
-            if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
-                out[token_id] = tag
+        token_id = tokenizer.convert_tokens_to_ids(tag)
+        if not isinstance(token_id, int) or token_id == getattr(tokenizer, "unk_token_id", None):
+            continue
+        if tokenizer.convert_ids_to_tokens(token_id) == tag and not tokenizer.decode([token_id], skip_special_tokens=True):
+            out[token_id] = tag
     return out
 
 

@@ -261,8 +261,12 @@ def test_call_tags_that_are_special_tokens_are_put_back_from_their_ids(smollm2):
     tokenizer = copy.deepcopy(smollm2[2])
     assert special_tag_texts(tokenizer) == {}  # SmolLM2's own: the tags are plain text
     tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    # Marked special without being listed among the special tokens (as Mistral's control tokens are).
+    from tokenizers import AddedToken
+
+    tokenizer.add_tokens([AddedToken("[TOOL_CALLS]", special=True)])
     tags = special_tag_texts(tokenizer)
-    assert sorted(tags.values()) == ["</tool_call>", "<tool_call>"]
+    assert sorted(tags.values()) == ["</tool_call>", "<tool_call>", "[TOOL_CALLS]"]
     assert all(tokenizer.decode([i], skip_special_tokens=True) == "" for i in tags)
     tokenizer.chat_template = HERMES_TEMPLATE
     reading = call_reading(tokenizer, {"tools": [WEATHER]})
