@@ -51,6 +51,18 @@ async def test_ollama_chat_maps_options_usage_and_done_reason(ollama):
     assert recorder.bodies[1]["prompt"] == "Why"
 
 
+async def test_ollama_think_from_the_openai_fields_that_say_it(ollama):
+    """Ollama's ``think`` from what an OpenAI client sends: ``chat_template_kwargs``'
+    ``enable_thinking`` (vLLM's and llama-server's), ``reasoning_effort`` (as Ollama's own
+    OpenAI layer maps it); neither: the model's default (no ``think``)."""
+    proxy, _, recorder = ollama
+    messages = [{"role": "user", "content": "hi"}]
+    for extra, think in (({"chat_template_kwargs": {"enable_thinking": False}}, False), ({"reasoning_effort": "high"}, "high"),
+                         ({}, None)):
+        await client(proxy).chat.completions.create(model="llama3.2:latest", messages=messages, max_tokens=4, extra_body=extra)
+        assert recorder.bodies[-1].get("think") == think, extra
+
+
 async def test_ollama_logprobs_reach_the_openai_client_in_openais_shapes(ollama):
     """OpenAI's logprobs/top_logprobs become Ollama's; its per-chunk entries come back as
     chat's content list (streamed and joined) and as the legacy completions lists."""

@@ -124,6 +124,11 @@ def _request(body: dict[str, Any], request_id: str, messages: list[dict[str, Any
         extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
     if body.get("tools"):
         extra["tools"] = body["tools"]
+    think = body.get("think")
+    if think is not None:
+        if not isinstance(think, (bool, str)):
+            raise OllamaError(400, "think must be a boolean or one of \"low\", \"medium\", \"high\"")
+        extra["think"] = think  # a thinking model thinks or not (Ollama's own; the in-process engine's template)
     fields["logprobs"] = _logprobs(body)
     try:
         return GenerateRequest(
@@ -171,6 +176,7 @@ class OllamaAnswer:
         self.model = model
         self.chat = chat
         self.text: list[str] = []
+        self.thinking: list[str] = []  # a reasoning model's (reasoning_content deltas)
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.logprobs: list[dict[str, Any]] = []  # every token's, for a non-streamed answer
 
@@ -183,28 +189,34 @@ class OllamaAnswer:
             merged["name"] += function.get("name") or ""
             merged["arguments"] += function.get("arguments") or ""
         text = delta.get("content") or (token.text if token.delta is None else "")
+        thinking = delta.get("reasoning_content") or ""
         logprobs = [_logprob_entry(e) for e in token.token_logprobs or ()]
-        if not text and not logprobs:
+        if not text and not logprobs and not thinking:
             return None
         self.text.append(text)
-        obj = self._object(text, done=False)
+        self.thinking.append(thinking)
+        obj = self._object(text, done=False, thinking=thinking)
         if logprobs:
             self.logprobs.extend(logprobs)
             obj["logprobs"] = logprobs
         return obj
 
-    def _object(self, text: str, done: bool) -> dict[str, Any]:
+    def _object(self, text: str, done: bool, thinking: str = "") -> dict[str, Any]:
         obj: dict[str, Any] = {"model": self.model, "created_at": now_iso()}
         if self.chat:
             obj["message"] = {"role": "assistant", "content": text}
+            if thinking:
+                obj["message"]["thinking"] = thinking
         else:
             obj["response"] = text
+            if thinking:
+                obj["thinking"] = thinking
         obj["done"] = done
         return obj
 
     def final(self, gen: Generation, finish_reason: str | None, whole: bool) -> dict[str, Any]:
         """The ``done: true`` object: the whole text when not streaming, and the counters."""
-        obj = self._object("".join(self.text) if whole else "", done=True)
+        obj = self._object("".join(self.text) if whole else "", done=True, thinking="".join(self.thinking) if whole else "")
         if self.chat and self.tool_calls:
             obj["message"]["tool_calls"] = [
                 {"function": {"name": call["name"], "arguments": _arguments(call["arguments"])}}

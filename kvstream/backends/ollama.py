@@ -96,6 +96,19 @@ def to_ollama_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def thinking(extra: dict[str, Any]) -> bool | str | None:
+    """Ollama's ``think`` for a request: its own (the Ollama front), ``chat_template_kwargs``'
+    ``enable_thinking`` (vLLM's and llama-server's way), or OpenAI's ``reasoning_effort``
+    (as Ollama's OpenAI layer maps it); None: the model's default."""
+    if extra.get("think") is not None:
+        return extra["think"]
+    kwargs = extra.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and isinstance(kwargs.get("enable_thinking"), bool):
+        return kwargs["enable_thinking"]
+    effort = extra.get("reasoning_effort")
+    return effort if effort in ("low", "medium", "high") else None
+
+
 def _openai_tool_calls(calls: list[dict[str, Any]], start_index: int) -> list[dict[str, Any]]:
     result = []
     for offset, call in enumerate(calls):
@@ -262,6 +275,9 @@ class OllamaBackend(BaseBackend):
                 body["format"] = "json"
             elif response_format.get("type") == "json_schema":
                 body["format"] = (response_format.get("json_schema") or {}).get("schema", "json")
+        think = thinking(request.extra)
+        if think is not None:
+            body["think"] = think
         if request.is_chat:
             body["messages"] = to_ollama_messages(request.messages or [])
             if request.extra.get("tools"):

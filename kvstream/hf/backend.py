@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstream.backends.base import Capabilities, InProcessBackend
 from kvstream.config import Settings
-from kvstream.hf.tool_call_syntax import CallReading, call_reading
+from kvstream.hf.answer_reading import AnswerReader, AnswerReading, answer_reading
 from kvstream.scheduler import Scheduler, SchedulerError, Sequence
 from kvstream.types import (
     BackendError,
@@ -105,18 +105,18 @@ class HFStream:
 
     def __init__(
         self, backend: HFBackend, seq: Sequence, token_bytes: TokenBytes | None = None, echo: str | None = None,
-        tool_call: bool = False, calls: CallReading | None = None,
+        tool_call: bool = False, reading: AnswerReading | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._token_bytes = token_bytes  # spells each token's log-probabilities, when asked for
         self._echo = echo  # the prompt's text, sent first in every choice (echo); None once sent
         # A forced tool call: each choice's text is held back and sent as one tool_calls delta.
         self._calls: dict[int, list[str]] | None = {} if tool_call else None
-        # Tools the model may call (tool_choice "auto"), in a syntax its template shows it:
-        # each choice's text is scanned for calls as it streams (tool_call_syntax.py).
-        self._reading = calls
-        self._scanners: dict[int, Any] | None = {} if calls is not None else None
-        self._held_logprobs: dict[int, list[TokenLogprob]] = {}  # of text a scanner holds back
+        # A reasoning model's thinking, tools the model may call (tool_choice "auto"): each
+        # choice's text is read for them as it streams (answer_reading.py).
+        self._reading = reading
+        self._readers: dict[int, AnswerReader] | None = {} if reading is not None else None
+        self._held_logprobs: dict[int, list[TokenLogprob]] = {}  # of text a reader holds back
         self.admitted: asyncio.Future[None] = loop.create_future()
         self._backend = backend
         self._seq = seq
@@ -165,17 +165,17 @@ class HFStream:
                     self._calls.setdefault(event.index, []).append(event.text)
                 if event.finish_reason is None:
                     generated += 1
-                    if self._scanners is not None:
-                        for token in self._scanned(event.index, event.token_id, event.text, logprobs, end=False):
+                    if self._readers is not None:
+                        for token in self._read(event.index, event.token_id, event.text, logprobs, end=False):
                             yield token
                     elif self._calls is None:
                         yield Token(text=event.text, token_id=event.token_id, token_logprobs=logprobs, index=event.index)
                     continue
                 reason = event.finish_reason
-                if self._scanners is not None:
-                    for token in self._scanned(event.index, event.token_id, event.text, logprobs, end=True):
+                if self._readers is not None:
+                    for token in self._read(event.index, event.token_id, event.text, logprobs, end=True):
                         yield token
-                    if self._scanners.pop(event.index).calls and reason == "stop":
+                    if self._readers.pop(event.index).calls and reason == "stop":
                         reason = "tool_calls"
                 elif self._calls is not None:
                     call = self._call(event.index)
@@ -195,26 +195,27 @@ class HFStream:
                 yield Token(finish_reason=reason, usage=usage, index=event.index)
                 return
 
-    def _scanned(self, index: int, token_id: int | None, text: str, logprobs: list[TokenLogprob] | None,
-                 end: bool) -> list[Token]:
-        """Choice ``index``'s next text, split into content and tool calls (with ``end``, the
-        rest of it); a token's log-probabilities go out with the content that holds it."""
-        scanners, reading = self._scanners, self._reading
-        assert scanners is not None and reading is not None
-        scanner = scanners.get(index) or scanners.setdefault(index, reading.scanner())
+    def _read(self, index: int, token_id: int | None, text: str, logprobs: list[TokenLogprob] | None,
+              end: bool) -> list[Token]:
+        """Choice ``index``'s next token, read into thinking, content and tool calls (with
+        ``end``, the rest of the answer); a token's log-probabilities go out with the content
+        that holds it (thinking and calls report none, as a forced call's tokens)."""
+        readers, reading = self._readers, self._reading
+        assert readers is not None and reading is not None
+        reader = readers.get(index) or readers.setdefault(index, reading.reader())
         held = self._held_logprobs.setdefault(index, [])
         held.extend(logprobs or ())
-        pieces = scanner.feed(reading.tag_texts.get(token_id, text)) + (scanner.finish() if end else [])  # type: ignore[arg-type]
         tokens = []
-        for piece in pieces:
+        for piece in reader.read(token_id, text, end):
             if piece.call is not None:
-                if reading.single_call and piece.call["index"]:
-                    continue  # parallel_tool_calls false: the first call only
                 tokens.append(Token(delta={"tool_calls": [piece.call]}, index=index))
+            elif piece.reasoning:
+                if piece.text:
+                    tokens.append(Token(delta={"reasoning_content": piece.text}, index=index))
             else:
                 entries = list(held) if self._token_bytes is not None else None
                 tokens.append(Token(text=piece.text, token_logprobs=entries, index=index))
-            held.clear()  # (a call's tokens report none, as a forced call's)
+            held.clear()
         if end:
             self._held_logprobs.pop(index, None)
         return tokens
@@ -456,7 +457,7 @@ class HFBackend(InProcessBackend):
     # ------------------------------------------------------------ requests
     async def tokenize(self, request: GenerateRequest) -> list[int] | None:
         from kvstream.hf.loader import chat_token_ids
-        from kvstream.hf.request_options import forces_call
+        from kvstream.hf.request_options import forces_call, template_kwargs
 
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
@@ -470,9 +471,11 @@ class HFBackend(InProcessBackend):
             try:
                 # A warm-up prefills the conversation's prefix: no assistant header after it,
                 # which later requests would not share.
-                ids = chat_token_ids(tokenizer, request.messages or [], generation_prompt=not request.prefix_only, tools=tools)
+                kwargs = template_kwargs(request.extra)
+                ids = chat_token_ids(tokenizer, request.messages or [], generation_prompt=not request.prefix_only, tools=tools,
+                                     template_kwargs=kwargs)
                 if tools and not forces_call(request) and ids == chat_token_ids(
-                    tokenizer, request.messages or [], generation_prompt=not request.prefix_only
+                    tokenizer, request.messages or [], generation_prompt=not request.prefix_only, template_kwargs=kwargs
                 ):
                     # Its template drops them: the model would never see them (Ollama's answer
                     # too). A forced call is held to the tool's schema all the same.
@@ -507,6 +510,19 @@ class HFBackend(InProcessBackend):
         assert self.runner is not None
         return sampling_params(request, max_tokens, self.runner.vocab_size)
 
+    def _answer_reading(self, request: GenerateRequest, seq: Sequence) -> AnswerReading | None:
+        """How the answers of a chat are read for thinking and tool calls; None for the rest
+        (completions, a forced call, a structured output: the constraint shapes the text)."""
+        from kvstream.hf.request_options import forces_call
+
+        assert self.runner is not None
+        extra = request.extra
+        if not request.is_chat or request.prefix_only or forces_call(request):
+            return None
+        if extra.get("response_format") is not None and extra["response_format"].get("type") != "text":
+            return None
+        return answer_reading(self.runner.tokenizer, extra, seq.prompt_token_ids)
+
     def submit(self, request: GenerateRequest, seq: Sequence) -> HFStream:
         from kvstream.hf.request_options import forces_call
 
@@ -517,8 +533,7 @@ class HFBackend(InProcessBackend):
         if request.echo:
             echo = request.prompt if request.prompt_token_ids is None else self.runner.tokenizer.decode(request.prompt_token_ids)
         stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None, echo,
-                          tool_call=forces_call(request),
-                          calls=call_reading(self.runner.tokenizer, request.extra) if request.is_chat else None)
+                          tool_call=forces_call(request), reading=self._answer_reading(request, seq))
         self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
         return stream
 

@@ -59,14 +59,17 @@ class LoadedModel:
 
 def chat_token_ids(
     tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of chat messages through the model's template, generation prompt added
     (without it: the prefix that later conversations starting with these messages share),
-    ``tools`` (OpenAI's function definitions) rendered as the template renders them."""
+    ``tools`` (OpenAI's function definitions) rendered as the template renders them,
+    ``template_kwargs`` passed to the template (e.g. Qwen3's ``enable_thinking``)."""
     from kvstream.hf.tool_call_syntax import template_messages
 
     ids = tokenizer.apply_chat_template(
-        template_messages(messages), tools=tools or None, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False)
+        template_messages(messages), tools=tools or None, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False,
+        **(template_kwargs or {}))
     return list(ids["input_ids"] if hasattr(ids, "get") else ids)  # some versions return a BatchEncoding
 
 

@@ -109,6 +109,29 @@ def _checked(schema: dict[str, Any], field: str, what: str) -> dict[str, Any]:
     return schema
 
 
+def template_kwargs(extra: dict[str, Any]) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` (vLLM's and llama-server's field: arguments for the chat
+    template, such as Qwen3's ``enable_thinking``), checked: 400 for what is not an object of
+    names, or names the engine sets itself. Ollama's ``think: true|false`` is
+    ``enable_thinking``, the templates' name for it."""
+    from kvstream.hf.reasoning import RESERVED_TEMPLATE_ARGS
+
+    kwargs = extra.get("chat_template_kwargs")
+    think = extra.get("think")  # Ollama's: a thinking model thinks or not
+    if kwargs is None:
+        return {"enable_thinking": think} if isinstance(think, bool) else None
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise BackendRejected("Invalid type for 'chat_template_kwargs': expected an object of template arguments.",
+                              param="chat_template_kwargs", code="invalid_type")
+    taken = sorted(RESERVED_TEMPLATE_ARGS.intersection(kwargs))
+    if taken:
+        raise BackendRejected(f"Invalid value for 'chat_template_kwargs': {taken[0]!r} is set by the server.",
+                              param="chat_template_kwargs", code="invalid_value")
+    if isinstance(think, bool):
+        kwargs = {"enable_thinking": think} | kwargs
+    return kwargs
+
+
 def forces_call(request: GenerateRequest) -> bool:
     """Whether the answer is a tool call (a chat whose ``tool_choice`` forces one)."""
     return request.is_chat and request.extra.get("tool_choice") not in (None, "auto", "none")

@@ -19,7 +19,8 @@ Llama 3.1 and later answer a call with the whole message a JSON object, ``{"name
 format {"name": function name, "parameters": ..."): an answer that opens with ``{`` is held
 to its end and comes back as calls if it is one, as text if not (vLLM's ``llama3_json``).
 
-Mistral's models mark their calls with ``[TOOL_CALLS]`` (a control token, put back from its id):
+Mistral's models mark their calls with ``[TOOL_CALLS]`` (a control token, put back from its id
+by answer_reading.py):
 followed by a JSON list of ``{"name", "arguments"}`` (v0.3's tokenizer) or by
 ``name[ARGS]{...}``, one per mark (later ones). The text before the mark is content; what
 follows is held to the end. Other formats (Qwen3-Coder's XML...) are not read: text.
@@ -59,13 +60,10 @@ def call_syntax(chat_template: Any) -> str | None:
 
 @dataclass(frozen=True)
 class CallReading:
-    """How one request's answers are read for calls: the syntax, the text of tag tokens the
-    tokenizer marks special (the detokenizer skips those: they are put back from their ids,
-    as vLLM keeps special tokens for its parsers), and whether only the first call counts
-    (``parallel_tool_calls: false``)."""
+    """How one request's answers are read for calls: the syntax, and whether only the first
+    call counts (``parallel_tool_calls: false``)."""
 
     syntax: str
-    tag_texts: dict[int, str] = field(default_factory=dict)
     single_call: bool = False
 
     def scanner(self) -> ToolCallScanner | JsonCallScanner | MistralCallScanner:
@@ -83,20 +81,7 @@ def call_reading(tokenizer: Any, extra: dict[str, Any]) -> CallReading | None:
     syntax = call_syntax(getattr(tokenizer, "chat_template", None))
     if syntax is None:
         return None
-    return CallReading(syntax, special_tag_texts(tokenizer), single_call=extra.get("parallel_tool_calls") is False)
-
-
-def special_tag_texts(tokenizer: Any) -> dict[int, str]:
-    """Token id -> text of the call tags that are single tokens of ``tokenizer`` which the
-    detokenizer skips (special: whether listed among its special tokens or only marked so)."""
-    out = {}
-    for tag in (OPEN, CLOSE, PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS):
-        token_id = tokenizer.convert_tokens_to_ids(tag)
-        if not isinstance(token_id, int) or token_id == getattr(tokenizer, "unk_token_id", None):
-            continue
-        if tokenizer.convert_ids_to_tokens(token_id) == tag and not tokenizer.decode([token_id], skip_special_tokens=True):
-            out[token_id] = tag
-    return out
+    return CallReading(syntax, single_call=extra.get("parallel_tool_calls") is False)
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -140,10 +125,11 @@ def _call(body: str, index: int) -> dict[str, Any] | None:
 
 @dataclass
 class Piece:
-    """What the scanner releases: content text, or one call (a ``tool_calls`` entry)."""
+    """What a scanner releases: content text, thinking, or one call (a ``tool_calls`` entry)."""
 
     text: str = ""
     call: dict[str, Any] | None = None
+    reasoning: bool = False  # thinking, not content (reasoning.py)
 
 
 @dataclass

@@ -255,22 +255,29 @@ async def test_parallel_calls_and_parallel_tool_calls_false(tools_oa):
 
 def test_call_tags_that_are_special_tokens_are_put_back_from_their_ids(smollm2):
     """A tokenizer whose call tags are special tokens (the detokenizer skips those) has their
-    text put back by id before the scanner reads it."""
-    from kvstream.hf.tool_call_syntax import call_reading, special_tag_texts
+    text put back by id before the answer is read."""
+    from tokenizers import AddedToken
+
+    from kvstream.hf.answer_reading import answer_reading, special_tag_texts
+    from kvstream.hf.tool_call_syntax import call_reading
 
     tokenizer = copy.deepcopy(smollm2[2])
     assert special_tag_texts(tokenizer) == {}  # SmolLM2's own: the tags are plain text
     tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
     # Marked special without being listed among the special tokens (as Mistral's control tokens are).
-    from tokenizers import AddedToken
-
     tokenizer.add_tokens([AddedToken("[TOOL_CALLS]", special=True)])
     tags = special_tag_texts(tokenizer)
     assert sorted(tags.values()) == ["</tool_call>", "<tool_call>", "[TOOL_CALLS]"]
     assert all(tokenizer.decode([i], skip_special_tokens=True) == "" for i in tags)
     tokenizer.chat_template = HERMES_TEMPLATE
-    reading = call_reading(tokenizer, {"tools": [WEATHER]})
-    assert reading.syntax == "hermes" and reading.tag_texts == tags and not reading.single_call
+    reading = answer_reading(tokenizer, {"tools": [WEATHER]}, [1, 2, 3])
+    assert reading.calls.syntax == "hermes" and reading.tag_texts == tags and not reading.calls.single_call
+    # The tags' tokens arrive with no text (skipped): the reader reads them by id.
+    open_id, close_id = (tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>"))
+    reader = reading.reader()
+    pieces = reader.read(open_id, "") + reader.read(7, '{"name": "get_weather", "arguments": {}}') + reader.read(close_id, "")
+    assert [p.call["function"]["name"] for p in pieces if p.call] == ["get_weather"]
+    assert not any(p.text for p in pieces)
     assert call_reading(tokenizer, {"tools": [WEATHER], "tool_choice": "none"}) is None
     assert call_reading(tokenizer, {"tools": [WEATHER], "tool_choice": "required"}) is None  # forced: a schema instead
     assert call_reading(tokenizer, {"tools": [WEATHER], "parallel_tool_calls": False}).single_call
