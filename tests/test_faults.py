@@ -92,3 +92,21 @@ async def test_a_hanging_model_list_delays_no_request(start_upstream, start_prox
         ))
     assert all(r.choices[0].message.content == "Hello, world!" for r in replies)
     assert recorder.models_calls == 3  # probe, first list, then a single refresh for all eight
+
+
+@pytest.mark.parametrize(("signal_name", "said"), [("ILL", "illegal instruction"), ("KILL", "killed by SIGKILL")])
+async def test_a_managed_llama_server_dying_at_start_says_how(tmp_path, signal_name, said):
+    """A llama-server that dies loading (built for CPU instructions the machine will not run:
+    SIGILL, seen with AMX on VMs) is an error that says so, and how to rebuild it."""
+    from kvstream.backends.llamacpp.runtime import ManagedLlamaServer
+
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!/bin/sh\nkill -{signal_name} $$\n")
+    binary.chmod(0o755)
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    server = ManagedLlamaServer(model, binary=str(binary), slot_save_path=tmp_path / "slots")
+    with pytest.raises(RuntimeError, match=said) as err:
+        await server.start(timeout=20)
+    assert ("CMAKE_ARGS" in str(err.value)) == (signal_name == "ILL")
+    await server.stop()

