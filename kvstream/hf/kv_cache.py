@@ -88,6 +88,18 @@ class PagedKVCache:
         self.flat_k = self.k.view(shape.num_layers, num_blocks * block_size, shape.num_kv_heads, shape.head_dim)
         self.flat_v = self.v.view(shape.num_layers, num_blocks * block_size, shape.num_kv_heads, shape.head_dim)
 
+    def release(self) -> None:
+        """Free the pools' memory: the runner is closed and nothing reads them again (a
+        closed backend an application or a test still holds costs nothing)."""
+        self.num_blocks = self.num_cpu_blocks = 0
+        self.k = self.v = self.flat_k = self.flat_v = torch.empty(0, dtype=self.dtype, device=self.device)
+        if self.swap_bits is None:
+            self.host_k = self.host_v = torch.empty(0, dtype=self.dtype)
+        else:
+            self.host_q = SwapStore((self.shape.num_layers, 0, self.block_size, self.shape.num_kv_heads, self.shape.head_dim),
+                                    self.swap_bits, False)
+            self.host_exact.clear()
+
     @property
     def device_bytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2

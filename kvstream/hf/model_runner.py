@@ -442,12 +442,13 @@ class ModelRunner:
         self.store.persist()
 
     def close(self) -> None:
-        """Stop the thread, then persist the cache and close the disk tier."""
+        """Stop the thread, then persist the cache, close the disk tier and free the pools."""
         self.stop()
         if self.store is not None and not self._closed:
-            self._closed = True
             self.persist_cache()
             self.store.close()
+        self._closed = True
+        self.cache.release()
 
     # ---------------------------------------------------------------- blend
     @torch.inference_mode()

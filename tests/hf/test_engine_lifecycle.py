@@ -221,3 +221,14 @@ def test_a_process_that_closes_its_backend_exits_cleanly():
     for _ in range(3):
         out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=300, cwd=root)
         assert out.returncode == 0 and "closed" in out.stdout and "terminate" not in out.stderr, out.stderr[-2000:]
+
+
+async def test_a_closed_backend_still_held_frees_its_pools(smollm2):
+    """An application (or a test) may keep a closed backend referenced: its KV pools, device
+    and host, are freed at close all the same."""
+    from tests.hf.conftest import started_backend
+
+    async with started_backend(smollm2, memory={"num_gpu_blocks": 64, "num_cpu_blocks": 32}) as backend:
+        cache = backend.runner.cache
+        assert cache.device_bytes > 0 and cache.host_bytes > 0
+    assert cache.device_bytes == 0 and cache.host_bytes == 0 and cache.k.numel() == 0

@@ -78,7 +78,7 @@ async def thinking_proxy(smollm2, start_proxy):
     tokenizer = copy.copy(tokenizer)
     tokenizer.chat_template = TEMPLATE
     backend = HFBackend(None, None, preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"), block_size=16,
-                        num_gpu_blocks=256, max_batch_size=8)
+                        num_gpu_blocks=128, num_cpu_blocks=32, max_batch_size=8)
     proxy = await start_proxy(backend)
     await proxy.engine.start()
     yield proxy, tokenizer
