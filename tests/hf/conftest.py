@@ -128,6 +128,28 @@ async def hf_proxy(smollm2, start_proxy):
     await proxy.engine.close()
 
 
+@contextlib.asynccontextmanager
+async def templated_proxy(smollm2, start_proxy, template: str):
+    """The engine's SmolLM2 behind the proxy with its tokenizer's chat template swapped for
+    ``template`` (a template written for a test: tool-call syntaxes, thinking): (proxy, tokenizer)."""
+    import copy
+
+    from kvstream.hf import HFBackend
+    from kvstream.hf.loader import LoadedModel
+
+    model, _, tokenizer = smollm2
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.chat_template = template
+    backend = HFBackend(None, None, preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"), block_size=16,
+                        num_gpu_blocks=128, num_cpu_blocks=32, max_batch_size=8)
+    proxy = await start_proxy(backend)
+    await proxy.engine.start()
+    try:
+        yield proxy, tokenizer
+    finally:
+        await proxy.engine.close()
+
+
 @pytest.fixture
 async def oa(hf_proxy):
     from openai import AsyncOpenAI

@@ -4,7 +4,6 @@ template (tests/fixtures/thinking.jinja), checked against plain transformers' ow
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import openai
@@ -14,6 +13,7 @@ from kvstream.hf.answer_reading import AnswerReading
 from kvstream.hf.reasoning import ThinkingScanner, opened_in_prompt, thinks
 from kvstream.hf.tool_call_syntax import CallReading
 from tests.conftest import require_import
+from tests.hf.conftest import templated_proxy
 
 require_import("torch")
 
@@ -71,18 +71,8 @@ def test_thinking_then_a_tool_call(step):
 # ------------------------------------------------------------- end to end, SmolLM2 under the template
 @pytest.fixture
 async def thinking_proxy(smollm2, start_proxy):
-    from kvstream.hf import HFBackend
-    from kvstream.hf.loader import LoadedModel
-
-    model, _, tokenizer = smollm2
-    tokenizer = copy.copy(tokenizer)
-    tokenizer.chat_template = TEMPLATE
-    backend = HFBackend(None, None, preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"), block_size=16,
-                        num_gpu_blocks=128, num_cpu_blocks=32, max_batch_size=8)
-    proxy = await start_proxy(backend)
-    await proxy.engine.start()
-    yield proxy, tokenizer
-    await proxy.engine.close()
+    async with templated_proxy(smollm2, start_proxy, TEMPLATE) as served:
+        yield served
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from kvstream.hf.tool_call_syntax import (
     call_syntax,
     template_messages,
 )
+from tests.hf.conftest import templated_proxy
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 HERMES_TEMPLATE = (FIXTURES / "hermes_tools.jinja").read_text()
@@ -139,18 +140,8 @@ ASK = EXAMPLE + [{"role": "user", "content": "What is the weather in Paris?"}]
 async def tools_proxy(request, smollm2, start_proxy):
     """The engine's SmolLM2 behind the proxy, its tokenizer's template swapped for one showing
     a tool-call syntax (each test runs under both)."""
-    from kvstream.hf import HFBackend
-    from kvstream.hf.loader import LoadedModel
-
-    model, _, tokenizer = smollm2
-    tokenizer = copy.copy(tokenizer)
-    tokenizer.chat_template = TEMPLATES[request.param]
-    backend = HFBackend(None, None, preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"), block_size=16,
-                        num_gpu_blocks=128, num_cpu_blocks=32, max_batch_size=8)
-    proxy = await start_proxy(backend)
-    await proxy.engine.start()
-    yield proxy, tokenizer
-    await proxy.engine.close()
+    async with templated_proxy(smollm2, start_proxy, TEMPLATES[request.param]) as served:
+        yield served
 
 
 @pytest.fixture
