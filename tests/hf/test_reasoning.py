@@ -156,3 +156,10 @@ async def test_the_ollama_client_gets_thinking_and_can_turn_it_off(thinking_prox
     off = await client.chat(model="smollm2", messages=ASK, think=False, options={"temperature": 0, "num_predict": 30})
     assert not off.message.thinking and off.prompt_eval_count == reference_split(
         smollm2, tokenizer, ASK, 1, enable_thinking=False)[0]
+
+
+async def test_an_ollama_think_that_is_not_a_switch_is_a_400(thinking_proxy, http):
+    proxy, _ = thinking_proxy
+    body = {"model": "smollm2", "messages": ASK, "stream": False, "think": {"on": True}}
+    async with http.post(proxy.url + "/api/chat", json=body) as resp:
+        assert resp.status == 400 and "think" in (await resp.json())["error"]
