@@ -52,6 +52,7 @@ class Script:
     # merged into every chunk / the non-streamed body, per-token logprobs into each choice.
     extra: dict[str, Any] = field(default_factory=dict)
     logprobs: bool = False
+    reasoning: list[str] = field(default_factory=list)  # chat: reasoning_content deltas before the tokens (llama-server's)
     models_hang_after: int | None = None  # /v1/models never answers after this many calls
     load_duration_s: list[float] = field(default_factory=list)  # Ollama: load_duration of the next answers
     expires_in_s: float | None = None  # Ollama: /api/ps lists every model, its lease ending this far ahead
@@ -133,7 +134,8 @@ def openai_upstream(script: Script, recorder: Recorder, model_id: str = "test-mo
                     return web.Response(body=b"{not json", content_type="application/json")
                 text = "".join(script.tokens)
                 choice = {"index": 0, "finish_reason": script.finish_reason, "logprobs": _logprobs(script.tokens) if script.logprobs else None}
-                choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+                message = {"role": "assistant", "content": text} | ({"reasoning_content": "".join(script.reasoning)} if script.reasoning else {})
+                choice |= {"message": message} if chat else {"text": text}
                 recorder.completed += 1
                 return web.json_response(
                     {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": 1, "model": echoed,
@@ -153,6 +155,8 @@ def openai_upstream(script: Script, recorder: Recorder, model_id: str = "test-mo
                 await asyncio.sleep(script.first_delay_s)
             if chat:
                 await resp.write(frame(base | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}))
+                for thought in script.reasoning:
+                    await resp.write(frame(base | {"choices": [{"index": 0, "delta": {"reasoning_content": thought}, "finish_reason": None}]}))
             for i, text in enumerate(script.tokens):
                 if script.die_after is not None and i == script.die_after:
                     await _kill_connection(request)

@@ -53,6 +53,29 @@ async def test_chat_without_streaming_maps_options_format_and_tools(front):
     assert "num_ctx" not in sent  # a load-time option, the runtime's own
 
 
+async def test_think_reaches_an_openai_compatible_runtime_as_its_switch_and_thinking_comes_back(front):
+    """Ollama's ``think`` said the way llama-server and vLLM read it (a runtime ignores
+    ``think``: the model would think anyway), and the runtime's ``reasoning_content``
+    comes back as Ollama's ``thinking``, streamed and whole."""
+    _, script, recorder, client = front
+    script.reasoning = ["The user ", "greets."]
+    ask = [{"role": "user", "content": "hi"}]
+    parts = [part async for part in await client.chat(model="llama3.2", messages=ask, stream=True, think=True)]
+    assert "".join(p.message.thinking or "" for p in parts) == "The user greets."
+    assert "".join(p.message.content for p in parts) == "Hello!"
+    sent = recorder.bodies[-1]
+    assert sent["chat_template_kwargs"] == {"enable_thinking": True} and "think" not in sent
+    reply = await client.chat(model="llama3.2", messages=ask, stream=False, think=False)
+    assert (reply.message.thinking, reply.message.content) == ("The user greets.", "Hello!")  # the double thinks anyway
+    assert recorder.bodies[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+    reply = await client.generate(model="llama3.2", prompt="hi", stream=False, think="high")
+    sent = recorder.bodies[-1]
+    assert sent["reasoning_effort"] == "high" and "think" not in sent and "chat_template_kwargs" not in sent
+    assert reply.thinking == "The user greets." and reply.response == "Hello!"
+    await client.chat(model="llama3.2", messages=ask, stream=False)
+    assert not {"think", "chat_template_kwargs", "reasoning_effort"} & set(recorder.bodies[-1])
+
+
 async def test_generate_templates_the_prompt_as_a_user_turn_unless_raw(front):
     _, script, recorder, client = front
     script.finish_reason = "length"

@@ -126,7 +126,7 @@ def _request(body: dict[str, Any], request_id: str, messages: list[dict[str, Any
         extra["tools"] = body["tools"]
     think = body.get("think")
     if think is not None:
-        if not isinstance(think, (bool, str)):
+        if not isinstance(think, bool) and think not in ("low", "medium", "high"):  # Ollama's own rule
             raise OllamaError(400, "think must be a boolean or one of \"low\", \"medium\", \"high\"")
         extra["think"] = think  # a thinking model thinks or not (Ollama's own; the in-process engine's template)
     fields["logprobs"] = _logprobs(body)

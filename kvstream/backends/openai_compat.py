@@ -93,6 +93,20 @@ def logprobs_from(value: Any, top: int | None = None) -> list[TokenLogprob] | No
     return out or None
 
 
+def with_thinking_switch(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with Ollama's ``think`` (its front's) said the OpenAI-compatible way:
+    ``true``/``false`` as ``chat_template_kwargs.enable_thinking`` (what llama-server, vLLM
+    and SGLang read; Qwen3's and DeepSeek's templates' switch), a level as
+    ``reasoning_effort``. A runtime would ignore ``think``: the model thought anyway."""
+    think = fields.pop("think", None)
+    if isinstance(think, bool):
+        kwargs = fields.get("chat_template_kwargs")
+        fields["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}), "enable_thinking": think}
+    elif think in ("low", "medium", "high"):
+        fields.setdefault("reasoning_effort", think)
+    return fields
+
+
 class OpenAICompatibleBackend(BaseBackend):
     """Streams every request upstream (even when the client did not ask to stream), so that
     tokens are counted as they come and a client that leaves stops the runtime at once."""
@@ -145,7 +159,7 @@ class OpenAICompatibleBackend(BaseBackend):
                 # Anything else is the runtime's to refuse; KVStream then counts without it.
                 body["stream_options"] = {**(options or {}), "include_usage": True}
             return body
-        body = dict(request.extra)
+        body = with_thinking_switch(dict(request.extra))
         body["model"] = request.model or self.model
         if request.is_chat:
             body["messages"] = request.messages

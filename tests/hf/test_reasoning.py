@@ -160,6 +160,7 @@ async def test_the_ollama_client_gets_thinking_and_can_turn_it_off(thinking_prox
 
 async def test_an_ollama_think_that_is_not_a_switch_is_a_400(thinking_proxy, http):
     proxy, _ = thinking_proxy
-    body = {"model": "smollm2", "messages": ASK, "stream": False, "think": {"on": True}}
-    async with http.post(proxy.url + "/api/chat", json=body) as resp:
-        assert resp.status == 400 and "think" in (await resp.json())["error"]
+    for think in ({"on": True}, "extreme", 1):
+        body = {"model": "smollm2", "messages": ASK, "stream": False, "think": think}
+        async with http.post(proxy.url + "/api/chat", json=body) as resp:
+            assert resp.status == 400 and "think" in (await resp.json())["error"], think
