@@ -23,16 +23,22 @@ Mistral's models mark their calls with ``[TOOL_CALLS]`` (a control token, put ba
 by answer_reading.py):
 followed by a JSON list of ``{"name", "arguments"}`` (v0.3's tokenizer) or by
 ``name[ARGS]{...}``, one per mark (later ones). The text before the mark is content; what
-follows is held to the end. Other formats (Qwen3-Coder's XML...) are not read: text.
+follows is held to the end.
+
+Qwen3-Coder's templates (and Qwen3.5's) show the same tags around an XML body,
+``<function=name><parameter=key>value</parameter></function>`` (xml_calls.py reads it, typed
+by the tool's schema). Other formats (DeepSeek's, Granite's...) are not read: text.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstream.hf.tool_calls import call_id, tool_call_delta
+from kvstream.hf.xml_calls import FUNCTION_TAG, PARAMETER_TAG, parameter_schemas, xml_arguments
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -45,10 +51,13 @@ PYTHON_TAG = "<|python_tag|>"
 
 def call_syntax(chat_template: Any) -> str | None:
     """The syntax the chat template (a string, or a tokenizer's named templates) shows the
-    model for its calls: ``"hermes"`` (``<tool_call>`` tags), ``"llama3_json"``,
-    ``"mistral"`` (``[TOOL_CALLS]``); None when the model's calls are not read."""
+    model for its calls: ``"hermes"`` (JSON in ``<tool_call>`` tags), ``"qwen3_xml"`` (XML in
+    them), ``"llama3_json"``, ``"mistral"`` (``[TOOL_CALLS]``); None when the model's calls
+    are not read."""
     templates = [t for t in (chat_template.values() if isinstance(chat_template, dict) else [chat_template])
                  if isinstance(t, str)]
+    if any(OPEN in t and FUNCTION_TAG in t and PARAMETER_TAG in t for t in templates):
+        return "qwen3_xml"
     if any(OPEN in t for t in templates):
         return "hermes"
     if any(LLAMA3_FORMAT in t for t in templates):
@@ -60,16 +69,20 @@ def call_syntax(chat_template: Any) -> str | None:
 
 @dataclass(frozen=True)
 class CallReading:
-    """How one request's answers are read for calls: the syntax, and whether only the first
-    call counts (``parallel_tool_calls: false``)."""
+    """How one request's answers are read for calls: the syntax, whether only the first
+    call counts (``parallel_tool_calls: false``), and the tools' parameter schemas (the XML
+    syntax's values are typed by them)."""
 
     syntax: str
     single_call: bool = False
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def scanner(self) -> ToolCallScanner | JsonCallScanner | MistralCallScanner:
         """A fresh scanner for one choice's text."""
         if self.syntax == "hermes":
             return ToolCallScanner()
+        if self.syntax == "qwen3_xml":
+            return ToolCallScanner(read=XmlTagCall(self.schemas))
         return MistralCallScanner() if self.syntax == "mistral" else JsonCallScanner()
 
 
@@ -81,7 +94,8 @@ def call_reading(tokenizer: Any, extra: dict[str, Any]) -> CallReading | None:
     syntax = call_syntax(getattr(tokenizer, "chat_template", None))
     if syntax is None:
         return None
-    return CallReading(syntax, single_call=extra.get("parallel_tool_calls") is False)
+    return CallReading(syntax, single_call=extra.get("parallel_tool_calls") is False,
+                       schemas=parameter_schemas(extra["tools"]) if syntax == "qwen3_xml" else {})
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -110,17 +124,49 @@ def _object_arguments(call: Any) -> Any:
 
 
 def _call(body: str, index: int) -> dict[str, Any] | None:
-    """The tool_calls entry a tag's body holds; None if it holds no call."""
+    """The tool_calls entry a JSON call (``{"name", "arguments" | "parameters"}``) holds;
+    None if it holds no call."""
     try:
         call = json.loads(body)
     except ValueError:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
-    arguments = call.get("arguments", call.get("parameters", {}))
+    return _entry(call["name"], call.get("arguments", call.get("parameters", {})), index)
+
+
+def _entry(name: str, arguments: Any, index: int) -> dict[str, Any]:
+    """A ``tool_calls`` entry; ``arguments`` as given when a string, else as JSON."""
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"index": index, "id": call_id(), "type": "function", "function": {"name": call["name"], "arguments": arguments}}
+    return {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def json_tag_call(body: str, index: int, partial: bool = False) -> dict[str, Any] | None:
+    """The call a tag's JSON body holds; ``partial``: a body cut short (``max_tokens``),
+    its arguments as far as they went. None when it holds no call (or not even a name)."""
+    if not partial:
+        return _call(body, index)
+    delta = tool_call_delta(body)
+    if delta is None:
+        return None
+    entry = delta["tool_calls"][0]
+    entry["index"] = index
+    return entry
+
+
+@dataclass(frozen=True)
+class XmlTagCall:
+    """Reads a tag's XML body (xml_calls.py) into a call, its values typed by ``schemas``;
+    a JSON body in the same tags is read as one (models fall back on it)."""
+
+    schemas: dict[str, dict[str, Any]]
+
+    def __call__(self, body: str, index: int, partial: bool = False) -> dict[str, Any] | None:
+        if body.lstrip().startswith("{"):
+            return json_tag_call(body, index, partial)
+        read = xml_arguments(body, self.schemas, partial)
+        return None if read is None else _entry(read[0], read[1], index)
 
 
 @dataclass
@@ -135,8 +181,10 @@ class Piece:
 @dataclass
 class ToolCallScanner:
     """One choice's text, split into content and calls as it arrives (``feed``, then
-    ``finish`` at the end of the choice)."""
+    ``finish`` at the end of the choice). ``read`` turns a tag's body into a call (JSON by
+    default)."""
 
+    read: Callable[..., dict[str, Any] | None] = json_tag_call
     calls: int = 0  # calls released so far
     _pending: str = ""  # text not released yet: a possible tag start, whitespace, or a call's body
     _in_call: bool = False
@@ -153,7 +201,7 @@ class ToolCallScanner:
                     break
                 body, self._pending = self._pending[:end], self._pending[end + len(CLOSE):]
                 self._in_call = False
-                call = _call(body, self.calls)
+                call = self.read(body, self.calls)
                 if call is None:
                     self._release(self._layout + OPEN + body + CLOSE)
                 else:
@@ -182,11 +230,9 @@ class ToolCallScanner:
         """The rest at the choice's end: a call cut short (max_tokens) as far as its
         arguments went, or the text held back."""
         if self._in_call:
-            delta = tool_call_delta(self._pending)
-            if delta is not None:
-                entry = delta["tool_calls"][0]
-                entry["index"] = self.calls
-                self._pieces.append(Piece(call=entry))
+            call = self.read(self._pending, self.calls, partial=True)
+            if call is not None:
+                self._pieces.append(Piece(call=call))
                 self.calls += 1
             else:
                 self._release(self._layout + OPEN + self._pending)

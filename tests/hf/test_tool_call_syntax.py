@@ -1,5 +1,6 @@
 """A model's own tool calls (``tool_choice: "auto"``): the Hermes ``<tool_call>`` syntax,
-Llama 3's bare JSON and Mistral's ``[TOOL_CALLS]`` read out of the text as it streams, in any
+Qwen3-Coder's XML in the same tags, Llama 3's bare JSON and Mistral's ``[TOOL_CALLS]`` read
+out of the text as it streams, in any
 split, and end to end through the official clients with SmolLM2 under templates that show it
 each syntax (tests/fixtures/*_tools.jinja)."""
 
@@ -15,16 +16,20 @@ from kvstream.hf.tool_call_syntax import (
     JsonCallScanner,
     MistralCallScanner,
     ToolCallScanner,
+    XmlTagCall,
     call_syntax,
     template_messages,
 )
+from kvstream.hf.xml_calls import parameter_schemas, typed_value
 from tests.hf.conftest import templated_proxy
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 HERMES_TEMPLATE = (FIXTURES / "hermes_tools.jinja").read_text()
 LLAMA3_TEMPLATE = (FIXTURES / "llama3_json_tools.jinja").read_text()
 MISTRAL_TEMPLATE = (FIXTURES / "mistral_tools.jinja").read_text()
-TEMPLATES = {"hermes": HERMES_TEMPLATE, "llama3_json": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE}
+QWEN3_XML_TEMPLATE = (FIXTURES / "qwen3_xml_tools.jinja").read_text()
+TEMPLATES = {"hermes": HERMES_TEMPLATE, "llama3_json": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE,
+             "qwen3_xml": QWEN3_XML_TEMPLATE}
 
 ANSWER = ('Let me look that up.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
           '</tool_call>\n<tool_call>\n{"name": "get_time", "parameters": {"timezone": "CET"}}\n</tool_call>\n')
@@ -105,6 +110,60 @@ def test_mistral_calls_after_the_mark_in_either_form(step):
     assert cut["function"] == {"name": "f", "arguments": '{"x": "Pa'}
     for text in ("Plain [TOOL answer.", "[TOOL_CALLS] not a call", '[TOOL_CALLS] [{"name": "f", "argu'):
         assert scan(text, step, MistralCallScanner()) == [(text, None)], text
+
+
+SCHEMA_TOOLS = [{"type": "function", "function": {"name": "plan_trip", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "budget": {"type": "number"}, "direct": {"type": "boolean"},
+    "stops": {"type": "array"}, "prefs": {"type": "object"}, "note": {"type": ["string", "null"]},
+    "zip": {"type": "string"}, "rooms": {"type": ["integer", "null"]}}}}}]
+XML_ANSWER = ("I will plan it.\n\n<tool_call>\n<function=plan_trip>\n<parameter=city>\nSão Paulo\n</parameter>\n"
+              "<parameter=days>\n3\n</parameter>\n<parameter=budget>\n1250.5\n</parameter>\n<parameter=direct>\nTrue\n</parameter>\n"
+              '<parameter=stops>\n["Rio", "Santos"]\n</parameter>\n<parameter=prefs>\n{"hotel": "quiet"}\n</parameter>\n'
+              "<parameter=note>\nfirst line\n  second line\n</parameter>\n<parameter=zip>\n01310\n</parameter>\n"
+              "<parameter=rooms>\nnull\n</parameter>\n<parameter=extra>\n5\n</parameter>\n</function>\n</tool_call>\n")
+
+
+def xml_scanner() -> ToolCallScanner:
+    return ToolCallScanner(read=XmlTagCall(parameter_schemas(SCHEMA_TOOLS)))
+
+
+@pytest.mark.parametrize("step", [1, 2, 7, 1000])
+def test_qwen3_xml_calls_are_typed_by_the_tools_schema_in_any_split(step):
+    """Each value is raw text: its JSON type comes from the tool's schema; a parameter the
+    schema does not list stays a string (as vLLM's qwen3_coder parser reads them)."""
+    [(content, _), (_, call)] = scan(XML_ANSWER, step, xml_scanner())
+    assert content == "I will plan it." and call["index"] == 0 and call["function"]["name"] == "plan_trip"
+    assert json.loads(call["function"]["arguments"]) == {
+        "city": "São Paulo", "days": 3, "budget": 1250.5, "direct": True, "stops": ["Rio", "Santos"],
+        "prefs": {"hotel": "quiet"}, "note": "first line\n  second line", "zip": "01310", "rooms": None, "extra": "5"}
+    two = scan("<tool_call>\n<function=a>\n</function>\n</tool_call>\n<tool_call>\n<function=b>\n<parameter=x>\n1\n"
+               "</parameter>\n</function>\n</tool_call>", step, xml_scanner())
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for _, c in two] == [(0, "a", "{}"), (1, "b", '{"x": "1"}')]
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_qwen3_xml_cut_short_bodies_that_are_not_calls_and_json_in_the_tags(step):
+    [(_, cut)] = scan("<tool_call>\n<function=plan_trip>\n<parameter=days>\n4\n</parameter>\n<parameter=city>\nSão P",
+                      step, xml_scanner())
+    assert json.loads(cut["function"]["arguments"]) == {"days": 4, "city": "São P"}  # as far as it went
+    [(_, cut)] = scan("<tool_call>\n<function=f>\n<parameter=x>\n1\n</param", step, xml_scanner())
+    assert cut["function"]["arguments"] == '{"x": "1"}'  # less the close tag's start
+    for text in ("<tool_call>\n<function=plan_tr", "<tool_call>\n<function=f>\nprose inside\n</function>\n</tool_call>",
+                 "<tool_call>\n<parameter=x>\n1\n</parameter>\n</tool_call>", "a <function=f> b"):
+        assert scan(text, step, xml_scanner()) == [(text, None)], text
+    [(_, forgiven)] = scan("<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</tool_call>", step, xml_scanner())
+    assert forgiven["function"] == {"name": "f", "arguments": '{"x": "1"}'}  # no </function>: still the call
+    [(_, call)] = scan('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>', step, xml_scanner())
+    assert call["function"] == {"name": "f", "arguments": '{"x": 1}'}  # the JSON form in the same tags
+
+
+def test_a_value_that_does_not_read_as_its_type_stays_text():
+    for text, schema in (("three", {"type": "integer"}), ("2.5", {"type": "integer"}), ("yes", {"type": "boolean"}),
+                         ("[1, 2", {"type": "array"}), ('{"a": 1}', {"type": "array"}), ("true", {"type": "number"}),
+                         ("null", {"type": "string"}), ("42", None), ("42", {"description": "no type"})):
+        assert typed_value(text, schema) == text, (text, schema)
+    assert typed_value("2.0", {"type": "integer"}) == 2 and typed_value(" FALSE ", {"type": "boolean"}) is False
+    assert typed_value("7", {"type": "any-other"}) == 7  # a type it does not know: JSON if it reads
 
 
 def test_the_syntax_is_read_where_the_template_shows_it():
@@ -208,7 +267,8 @@ async def test_a_tool_result_continues_the_conversation_with_object_arguments(to
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
     _, tokenizer = tools_proxy
     rendered = tokenizer.decode(chat_token_ids(tokenizer, history, tools=[WEATHER]))
-    assert ': {"city": "Paris"}' in rendered and '"{\\"city' not in rendered
+    assert ': {"city": "Paris"}' in rendered or "<parameter=city>\nParis\n" in rendered
+    assert '"{\\"city' not in rendered
     assert reply.usage.prompt_tokens == len(chat_token_ids(tokenizer, history, tools=[WEATHER]))
 
 
@@ -242,6 +302,29 @@ async def test_parallel_calls_and_parallel_tool_calls_false(tools_oa):
                                                  temperature=0, parallel_tool_calls=False)
     [call] = one.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and call.function.arguments == calls[0].function.arguments
+
+
+async def test_qwen3_xml_values_come_back_typed_by_the_tools_schema(smollm2, start_proxy):
+    """Qwen3-Coder's syntax end to end: the model writes ``<parameter=days>5</parameter>``,
+    the client gets ``"days": 5`` (an integer, as the schema says), streamed or not."""
+    from openai import AsyncOpenAI
+
+    forecast = {"type": "function", "function": {"name": "get_forecast", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city", "days"]}}}
+    messages = [{"role": "user", "content": "What is the forecast in London for the next 2 days?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0", "type": "function", "function": {
+                    "name": "get_forecast", "arguments": '{"city": "London", "days": 2}'}}]},
+                {"role": "user", "content": "What is the forecast in Paris for the next 5 days?"}]
+    async with templated_proxy(smollm2, start_proxy, QWEN3_XML_TEMPLATE) as (proxy, _):
+        async with AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+            reply = await oa.chat.completions.create(model="smollm2", messages=messages, tools=[forecast], max_tokens=60,
+                                                     temperature=0)
+            [call] = reply.choices[0].message.tool_calls
+            assert call.function.name == "get_forecast" and json.loads(call.function.arguments) == {"city": "Paris", "days": 5}
+            stream = await oa.chat.completions.create(model="smollm2", messages=messages, tools=[forecast], max_tokens=60,
+                                                      temperature=0, stream=True)
+            [streamed] = [c.choices[0].delta.tool_calls[0] async for c in stream if c.choices and c.choices[0].delta.tool_calls]
+            assert streamed.function.arguments == call.function.arguments
 
 
 def test_call_tags_that_are_special_tokens_are_put_back_from_their_ids(smollm2):
