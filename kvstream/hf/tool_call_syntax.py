@@ -32,13 +32,15 @@ by the tool's schema). Other formats (DeepSeek's, Granite's...) are not read: te
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstream.hf.tool_calls import call_id, tool_call_delta
-from kvstream.hf.xml_calls import FUNCTION_TAG, PARAMETER_TAG, parameter_schemas, xml_arguments
+from kvstream.hf.call_streams import CallStream, JsonCallStream, call_entry
+from kvstream.hf.tool_calls import tool_call_delta
+from kvstream.hf.xml_calls import FUNCTION_TAG, PARAMETER_TAG, XmlCallStream, parameter_schemas
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -82,7 +84,7 @@ class CallReading:
         if self.syntax == "hermes":
             return ToolCallScanner()
         if self.syntax == "qwen3_xml":
-            return ToolCallScanner(read=XmlTagCall(self.schemas))
+            return ToolCallScanner(new_call=functools.partial(XmlCallStream, schemas=self.schemas))
         return MistralCallScanner() if self.syntax == "mistral" else JsonCallScanner()
 
 
@@ -132,41 +134,7 @@ def _call(body: str, index: int) -> dict[str, Any] | None:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
-    return _entry(call["name"], call.get("arguments", call.get("parameters", {})), index)
-
-
-def _entry(name: str, arguments: Any, index: int) -> dict[str, Any]:
-    """A ``tool_calls`` entry; ``arguments`` as given when a string, else as JSON."""
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def json_tag_call(body: str, index: int, partial: bool = False) -> dict[str, Any] | None:
-    """The call a tag's JSON body holds; ``partial``: a body cut short (``max_tokens``),
-    its arguments as far as they went. None when it holds no call (or not even a name)."""
-    if not partial:
-        return _call(body, index)
-    delta = tool_call_delta(body)
-    if delta is None:
-        return None
-    entry = delta["tool_calls"][0]
-    entry["index"] = index
-    return entry
-
-
-@dataclass(frozen=True)
-class XmlTagCall:
-    """Reads a tag's XML body (xml_calls.py) into a call, its values typed by ``schemas``;
-    a JSON body in the same tags is read as one (models fall back on it)."""
-
-    schemas: dict[str, dict[str, Any]]
-
-    def __call__(self, body: str, index: int, partial: bool = False) -> dict[str, Any] | None:
-        if body.lstrip().startswith("{"):
-            return json_tag_call(body, index, partial)
-        read = xml_arguments(body, self.schemas, partial)
-        return None if read is None else _entry(read[0], read[1], index)
+    return call_entry(call["name"], call.get("arguments", call.get("parameters", {})), index)
 
 
 @dataclass
@@ -181,13 +149,13 @@ class Piece:
 @dataclass
 class ToolCallScanner:
     """One choice's text, split into content and calls as it arrives (``feed``, then
-    ``finish`` at the end of the choice). ``read`` turns a tag's body into a call (JSON by
-    default)."""
+    ``finish`` at the end of the choice). Each tag's body goes to a ``new_call`` stream
+    (call_streams.py: JSON by default), which streams the call out as it is written."""
 
-    read: Callable[..., dict[str, Any] | None] = json_tag_call
-    calls: int = 0  # calls released so far
+    new_call: Callable[[int], CallStream] = JsonCallStream
+    calls: int = 0  # calls begun so far
     _pending: str = ""  # text not released yet: a possible tag start, whitespace, or a call's body
-    _in_call: bool = False
+    _call: CallStream | None = None  # the call whose body is being read
     _layout: str = ""  # the whitespace before the open tag: content again if the tag holds no call
     _after_call: bool = False  # a call was the last thing released: whitespace next is layout
     _pieces: list[Piece] = field(default_factory=list)
@@ -195,18 +163,18 @@ class ToolCallScanner:
     def feed(self, text: str) -> list[Piece]:
         self._pending += text
         while True:
-            if self._in_call:
+            if self._call is not None:
                 end = self._pending.find(CLOSE)
-                if end < 0:
+                if end < 0:  # the body so far, less what may begin the close tag
+                    self._send(self._call.feed(self._pending[: len(self._pending) - _prefix_length(self._pending, CLOSE)]))
                     break
                 body, self._pending = self._pending[:end], self._pending[end + len(CLOSE):]
-                self._in_call = False
-                call = self.read(body, self.calls)
-                if call is None:
+                call, self._call = self._call, None
+                deltas = call.close(body)
+                if deltas is None:
                     self._release(self._layout + OPEN + body + CLOSE)
                 else:
-                    self._pieces.append(Piece(call=call))
-                    self.calls += 1
+                    self._send(deltas)
                     self._after_call = True
                 continue
             start = self._pending.find(OPEN)
@@ -215,7 +183,7 @@ class ToolCallScanner:
                 self._release(content)
                 self._layout = self._pending[len(content):start]
                 self._pending = self._pending[start + len(OPEN):]
-                self._in_call = True
+                self._call = self.new_call(self.calls)
                 continue
             # Hold back what could still become a tag, and whitespace (around calls it is not content).
             keep = _tag_prefix_length(self._pending)
@@ -229,17 +197,23 @@ class ToolCallScanner:
     def finish(self) -> list[Piece]:
         """The rest at the choice's end: a call cut short (max_tokens) as far as its
         arguments went, or the text held back."""
-        if self._in_call:
-            call = self.read(self._pending, self.calls, partial=True)
-            if call is not None:
-                self._pieces.append(Piece(call=call))
-                self.calls += 1
+        if self._call is not None:
+            deltas = self._call.cut(self._pending)
+            if deltas is not None:
+                self._send(deltas)
             else:
                 self._release(self._layout + OPEN + self._pending)
         elif self._pending.strip() or not self.calls:  # (whitespace after a call is layout)
             self._release(self._pending)
-        self._pending, self._in_call = "", False
+        self._pending, self._call = "", None
         return self._take()
+
+    def _send(self, deltas: list[dict[str, Any]]) -> None:
+        """A call's deltas out; its first (the one with its id) counts the call."""
+        for delta in deltas:
+            if "id" in delta:
+                self.calls += 1
+            self._pieces.append(Piece(call=delta))
 
     def _release(self, text: str) -> None:
         if self._after_call:
@@ -260,13 +234,17 @@ class ToolCallScanner:
 def _tag_prefix_length(text: str, tag: str = OPEN) -> int:
     """How many characters at the end of ``text`` could begin ``tag``, with the whitespace
     before them (held back, as a call may follow)."""
-    keep = 0
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            keep = n
-            break
+    keep = _prefix_length(text, tag)
     head = text[: len(text) - keep]
     return keep + len(head) - len(head.rstrip())
+
+
+def _prefix_length(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could begin ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
 
 
 @dataclass

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from typing import Any
+
+from kvstream.hf.call_streams import CallStream, JsonCallStream
 
 FUNCTION_TAG = "<function="
 PARAMETER_TAG = "<parameter="
@@ -29,6 +32,7 @@ _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 _OPEN_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*)", re.DOTALL)
 _FUNCTION_END = "</function>"
+_PARAMETER_END = "</parameter>"
 
 
 def parameter_schemas(tools: Any) -> dict[str, dict[str, Any]]:
@@ -45,37 +49,93 @@ def parameter_schemas(tools: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def xml_arguments(body: str, schemas: dict[str, dict[str, Any]], partial: bool = False) -> tuple[str, dict[str, Any]] | None:
-    """The function name and typed arguments a tag's ``body`` holds; None when it holds no
-    call (no ``<function=...>`` first, text besides the tags). A missing ``</function>`` is
-    forgiven, as vLLM does. ``partial``: a body cut short (``max_tokens``): the parameters as
-    far as they went, the last one's text so far."""
-    head = _FUNCTION.match(body)
-    if head is None:
-        return None
-    name = head.group(1).strip()
-    inner = body[head.end():]
-    end = inner.rfind(_FUNCTION_END)
-    if end >= 0:
-        if inner[end + len(_FUNCTION_END):].strip():
+@dataclass
+class XmlCallStream(CallStream):
+    """A call in the XML form; its arguments go out as JSON, ``{"key": value, ...}`` in the
+    order written: each parameter once its close tag is read, and a string parameter's text
+    as it comes (less what may be the start of its close tag). A JSON body in the same tags
+    is read as one (models fall back on it)."""
+
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _json: JsonCallStream | None = None  # the body is the JSON form
+    _pairs: list[str] = field(default_factory=list)  # '"key": value' of the parameters read
+    _read_to: int = 0  # where the parameters read end, in the body
+
+    def _progress(self, body: str) -> tuple[str, str] | None:
+        if self._use_json(body):
+            return self._json._progress(body)  # type: ignore[union-attr]
+        head = _FUNCTION.match(body)
+        if head is None:
             return None
-        inner = inner[:end]
-    schema = schemas.get(name, {})
-    arguments: dict[str, Any] = {}
-    at = 0
-    for parameter in _PARAMETER.finditer(inner):
-        if inner[at:parameter.start()].strip():
-            return None  # text between parameters: not a call
-        key = parameter.group(1).strip()
-        arguments[key] = typed_value(_unwrap(parameter.group(2)), schema.get(key))
-        at = parameter.end()
-    rest = inner[at:]
-    if partial and end < 0:
-        cut = _OPEN_PARAMETER.match(rest)
-        if cut is not None:  # the value being written when the tokens ran out: its text so far
-            arguments[cut.group(1).strip()] = _without_cut_close(cut.group(2).removeprefix("\n"))
-        return name, arguments
-    return (name, arguments) if not rest.strip() else None
+        name = head.group(1).strip()
+        rest = self._read_parameters(body, max(self._read_to, head.end()), name)
+        if rest is None:
+            return None  # text among the parameters: nothing more is certain
+        opened = _OPEN_PARAMETER.match(rest)
+        if opened is None:
+            # Nothing is certain of a call before its first parameter (or its end) is read.
+            begun = self._pairs or rest.lstrip().startswith(_FUNCTION_END)
+            return (name, "{" + ", ".join(self._pairs)) if begun else None
+        key, text = opened.group(1).strip(), opened.group(2)
+        if _kind(self._schema(name).get(key)) not in (None, "string"):
+            return name, "{" + ", ".join(self._pairs)  # typed: goes out whole, once read
+        return name, "{" + ", ".join([*self._pairs, _pair(key, _text_so_far(text))])[:-1]  # (open quote)
+
+    def _whole(self, body: str, cut: bool) -> tuple[str, str] | None:
+        if self._use_json(body):
+            return self._json._whole(body, cut)  # type: ignore[union-attr]
+        head = _FUNCTION.match(body)
+        if head is None:
+            return None
+        name = head.group(1).strip()
+        end = body.rfind(_FUNCTION_END)
+        if end >= 0:
+            if body[end + len(_FUNCTION_END):].strip():
+                return None
+            inner_end = end
+        else:
+            inner_end = len(body)  # a missing </function> is forgiven, as vLLM does
+        rest = self._read_parameters(body[:inner_end], max(self._read_to, head.end()), name)
+        if rest is None:
+            return None
+        pairs = list(self._pairs)
+        if cut and end < 0:
+            opened = _OPEN_PARAMETER.match(rest)
+            if opened is not None:  # the value being written when the tokens ran out: its text so far
+                pairs.append(_pair(opened.group(1).strip(), _text_so_far(opened.group(2))))
+        elif rest.strip():
+            return None
+        return name, "{" + ", ".join(pairs) + "}"
+
+    def _use_json(self, body: str) -> bool:
+        if self._json is None and body.lstrip().startswith("{"):
+            self._json = JsonCallStream(self.index)
+        return self._json is not None
+
+    def _read_parameters(self, body: str, at: int, name: str) -> str | None:
+        """Read the parameters whole from ``at`` on into ``_pairs``; the text after them, or
+        None when there is text between them (not a call)."""
+        schema = self._schema(name)
+        for parameter in _PARAMETER.finditer(body, at):
+            if body[at:parameter.start()].strip():
+                return None
+            key = parameter.group(1).strip()
+            self._pairs.append(_pair(key, typed_value(_unwrap(parameter.group(2)), schema.get(key))))
+            at = self._read_to = parameter.end()
+        return body[at:]
+
+    def _schema(self, name: str) -> dict[str, Any]:
+        return self.schemas.get(name, {})
+
+
+def _pair(key: str, value: Any) -> str:
+    return json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+
+
+def _text_so_far(text: str) -> str:
+    """A string value still being written: less the newline after its open tag and what may
+    be the start of its close tag (``"1\\n</para"`` -> ``"1"``)."""
+    return _without_cut_close(text.removeprefix("\n"))
 
 
 def _unwrap(value: str) -> str:
@@ -85,20 +145,28 @@ def _unwrap(value: str) -> str:
 
 
 def _without_cut_close(value: str) -> str:
-    """A value cut short, less the start of its close tag (``"1\\n</para"`` -> ``"1"``)."""
-    close = "\n</parameter>"
-    for n in range(min(len(close), len(value)), 0, -1):
-        if close.startswith(value[-n:]):
+    """``value`` less the longest end of it that may begin its close tag (with the newline
+    before it, or without)."""
+    for n in range(min(len(_PARAMETER_END) + 1, len(value)), 0, -1):
+        end = value[-n:]
+        if ("\n" + _PARAMETER_END).startswith(end) or _PARAMETER_END.startswith(end):
             return value[:-n]
     return value
+
+
+def _kind(schema: Any) -> str | None:
+    """The JSON type a parameter's schema names (of ``["integer", "null"]``, the first
+    that is not null); None when it names none."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    return kind if isinstance(kind, str) else None
 
 
 def typed_value(text: str, schema: Any) -> Any:
     """``text`` as the JSON value its parameter ``schema`` asks for; the text itself when it
     does not read as that type or the schema names none."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if isinstance(kind, list):  # ["integer", "null"]: the first that is not null
-        kind = next((k for k in kind if k != "null"), None)
+    kind = _kind(schema)
     if kind is None or kind == "string":
         return text
     if text.strip().lower() == "null":

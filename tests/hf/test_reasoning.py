@@ -4,6 +4,8 @@ template (tests/fixtures/thinking.jinja), checked against plain transformers' ow
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import openai
@@ -63,8 +65,10 @@ def test_thinking_then_a_tool_call(step):
         pieces += reader.read(None, text[start:start + step])
     pieces += reader.read(None, "", end=True)
     assert "".join(p.text for p in pieces if p.reasoning) == "I could use <tool_call> here."
-    [call] = [p.call for p in pieces if p.call]
+    call, *more = [p.call for p in pieces if p.call]  # (its arguments stream in pieces)
     assert call["function"]["name"] == "get_weather" and reader.calls == 1
+    arguments = call["function"]["arguments"] + "".join(m["function"]["arguments"] for m in more)
+    assert json.loads(arguments) == {"city": "Paris"}
     assert not any(p.text for p in pieces if not p.reasoning and p.call is None)
 
 

@@ -7,6 +7,7 @@ each syntax (tests/fixtures/*_tools.jinja)."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 
@@ -16,11 +17,10 @@ from kvstream.hf.tool_call_syntax import (
     JsonCallScanner,
     MistralCallScanner,
     ToolCallScanner,
-    XmlTagCall,
     call_syntax,
     template_messages,
 )
-from kvstream.hf.xml_calls import parameter_schemas, typed_value
+from kvstream.hf.xml_calls import XmlCallStream, parameter_schemas, typed_value
 from tests.hf.conftest import templated_proxy
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -36,7 +36,9 @@ ANSWER = ('Let me look that up.\n\n<tool_call>\n{"name": "get_weather", "argumen
 
 
 def scan(text: str, step: int, scanner=None) -> list[tuple[str, dict | None]]:
-    """The scanner's pieces for ``text`` fed ``step`` characters at a time, adjacent texts merged."""
+    """The scanner's pieces for ``text`` fed ``step`` characters at a time, adjacent texts
+    merged, and each call's deltas joined as a client joins them (the first carries the
+    call's id and name, the others only more of its arguments)."""
     scanner, pieces = scanner or ToolCallScanner(), []
     for start in range(0, len(text), step):
         pieces += scanner.feed(text[start:start + step])
@@ -45,8 +47,12 @@ def scan(text: str, step: int, scanner=None) -> list[tuple[str, dict | None]]:
     for piece in pieces:
         if piece.call is None and merged and merged[-1][1] is None:
             merged[-1] = (merged[-1][0] + piece.text, None)
+        elif piece.call is not None and "id" not in piece.call:
+            call = merged[-1][1]
+            assert call is not None and call["index"] == piece.call["index"] and set(piece.call) == {"index", "function"}
+            call["function"]["arguments"] += piece.call["function"]["arguments"]
         else:
-            merged.append((piece.text, piece.call))
+            merged.append((piece.text, copy.deepcopy(piece.call)))
     return merged
 
 
@@ -74,6 +80,65 @@ def test_a_call_cut_short_is_partial_and_a_cut_tag_is_text(step):
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
     cut = 'Sure. <tool_call>\n{"name": "get_w'  # not even the name: the text as it was
     assert scan(cut, step) == [(cut, None)]
+
+
+def sent_after_each(text: str, scanner) -> list[str]:
+    """A call's arguments as a client has them after each character of ``text``."""
+    joined, seen = "", []
+    for char in text:
+        for piece in scanner.feed(char):
+            if piece.call is not None:
+                joined += piece.call["function"]["arguments"]
+        seen.append(joined)
+    for piece in scanner.finish():
+        joined += piece.call["function"]["arguments"] if piece.call else ""
+    return seen + [joined]
+
+
+def test_a_json_calls_arguments_stream_as_written_to_their_closing_brace():
+    """Once the name is read and the arguments object has begun, its text goes out as it is
+    written (braces and quotes inside strings followed), never the call's own closing brace."""
+    arguments = '{"path": "a.py", "code": "def f():\\n    return {\\"x\\": [1, 2]}  # }", "opts": {"mode": [1, {}]}}'
+    text = '<tool_call>\n{"name": "write_file", "arguments": ' + arguments + '}\n</tool_call>'
+    seen = sent_after_each(text, ToolCallScanner())
+    begins = text.index('"arguments": ') + len('"arguments": ')
+    assert seen[begins] == "{"  # the header went out with the object's first character
+    for at in range(begins, begins + len(arguments)):
+        assert seen[at] == text[begins:at + 1]  # every character as it comes
+    assert seen[-1] == arguments and json.loads(seen[-1])["opts"] == {"mode": [1, {}]}
+
+
+def test_an_xml_calls_string_values_stream_and_typed_values_go_out_whole():
+    text = ("<tool_call>\n<function=plan_trip>\n<parameter=days>\n12\n</parameter>\n<parameter=note>\n"
+            "line one\nline </two>\n</parameter>\n</function>\n</tool_call>")
+    seen = sent_after_each(text, xml_scanner())
+    assert seen[text.index("<parameter=days>")] == ""  # nothing before its first parameter opens
+    assert seen[text.index("\n</parameter>")] == "{"  # the call is certain once a parameter opens; 12 goes out whole
+    assert all('"days"' not in part or '"days": 12' in part for part in seen)
+    note = text.index("<parameter=note>\n") + len("<parameter=note>\n")
+    assert seen[note + len("line one") - 1] == '{"days": 12, "note": "line one'
+    def after(written: str) -> str:
+        return seen[note + len(written) - 1]
+
+    assert after("line one\nline </") == '{"days": 12, "note": "line one\\nline '  # "</" may close the value
+    assert after("line one\nline </t") == '{"days": 12, "note": "line one\\nline '  # "</t" the call
+    assert after("line one\nline </tw") == '{"days": 12, "note": "line one\\nline </tw'
+    assert all(later.startswith(earlier) for earlier, later in zip(seen, seen[1:]))
+    assert json.loads(seen[-1]) == {"days": 12, "note": "line one\nline </two>"}
+
+
+@pytest.mark.parametrize("step", [1, 1000])
+def test_a_body_that_breaks_after_its_call_began_stands_as_far_as_it_went(step):
+    """What went out cannot be taken back: a call whose body stops reading as one after its
+    arguments began is a call cut short (streamed or not, the same)."""
+    [(_, call)] = scan('<tool_call>{"name": "f", "arguments": {"x": 1} oops</tool_call>', step)
+    assert call["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    [(_, call)] = scan("<tool_call><function=f>\n<parameter=x>\n1\n</parameter>\nprose</function></tool_call>", step,
+                       xml_scanner())
+    assert call["function"] == {"name": "f", "arguments": '{"x": "1"'}
+    # Never begun as a call (no arguments object, no parameter): the text as it was.
+    for text in ('<tool_call>{"name": "f", "arguments": "x"} oops</tool_call>', "<tool_call><function=f> oops</tool_call>"):
+        assert scan(text, step, xml_scanner()) == [(text, None)], text
 
 
 def test_text_after_a_call_loses_its_leading_layout():
@@ -124,7 +189,7 @@ XML_ANSWER = ("I will plan it.\n\n<tool_call>\n<function=plan_trip>\n<parameter=
 
 
 def xml_scanner() -> ToolCallScanner:
-    return ToolCallScanner(read=XmlTagCall(parameter_schemas(SCHEMA_TOOLS)))
+    return ToolCallScanner(new_call=functools.partial(XmlCallStream, schemas=parameter_schemas(SCHEMA_TOOLS)))
 
 
 @pytest.mark.parametrize("step", [1, 2, 7, 1000])
@@ -211,7 +276,7 @@ async def tools_oa(tools_proxy):
         yield client
 
 
-async def test_the_models_own_call_comes_back_as_tool_calls(tools_oa):
+async def test_the_models_own_call_comes_back_as_tool_calls(tools_oa, request):
     reply = await tools_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40, temperature=0)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -219,13 +284,18 @@ async def test_the_models_own_call_comes_back_as_tool_calls(tools_oa):
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     assert call.id.startswith("call_")
 
-    # Streamed: the same call in one delta, no content, the same finish.
+    # Streamed: the call's id and name first, then its arguments as they are written (in
+    # the tagged syntaxes; Llama 3's and Mistral's are read whole at the end), no content.
     stream = await tools_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40,
                                                      temperature=0, stream=True, logprobs=True)
     chunks = [c async for c in stream]
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    [streamed] = [d.tool_calls[0] for d in deltas if d.tool_calls]
-    assert streamed.function.name == "get_weather" and json.loads(streamed.function.arguments) == {"city": "Paris"}
+    first, *more = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert first.id.startswith("call_") and first.function.name == "get_weather" and first.index == 0
+    assert all(m.id is None and m.function.name is None and m.index == 0 for m in more)
+    assert first.function.arguments + "".join(m.function.arguments for m in more) == call.function.arguments
+    streams_arguments = request.node.callspec.params["tools_proxy"] in ("hermes", "qwen3_xml")
+    assert len(more) >= 3 if streams_arguments else not more
     assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -323,8 +393,9 @@ async def test_qwen3_xml_values_come_back_typed_by_the_tools_schema(smollm2, sta
             assert call.function.name == "get_forecast" and json.loads(call.function.arguments) == {"city": "Paris", "days": 5}
             stream = await oa.chat.completions.create(model="smollm2", messages=messages, tools=[forecast], max_tokens=60,
                                                       temperature=0, stream=True)
-            [streamed] = [c.choices[0].delta.tool_calls[0] async for c in stream if c.choices and c.choices[0].delta.tool_calls]
-            assert streamed.function.arguments == call.function.arguments
+            parts = [c.choices[0].delta.tool_calls[0] async for c in stream if c.choices and c.choices[0].delta.tool_calls]
+            assert "".join(part.function.arguments for part in parts) == call.function.arguments
+            assert [part.function.arguments for part in parts][:2] == ['{"city": "', "Paris"]  # a string as it comes
 
 
 def test_call_tags_that_are_special_tokens_are_put_back_from_their_ids(smollm2):

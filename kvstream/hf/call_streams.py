@@ -1,0 +1,172 @@
+"""One tool call's body, turned into ``tool_calls`` deltas while the model is still writing it.
+
+A client streaming an answer sees a call the way OpenAI (and vLLM) stream one: a first delta
+with the call's index, id and function name once the name is known, then its ``arguments``
+in pieces as they are written, all of them joined being the call's arguments. An agent that
+shows a file being written through a tool call sees it grow instead of waiting for the
+whole call; a non-streamed answer joins the same pieces.
+
+What has been sent cannot be taken back, so only what is certain goes out: a JSON call's
+arguments are streamed once ``{"name": ..., "arguments": {`` has been read (the text of the
+object as the model writes it, to its closing brace); an XML call's (xml_calls.py) once
+``<function=name>`` has, its arguments rebuilt as JSON parameter by parameter, a string
+value's text as it comes. A body that never began as a call comes back as text; one that
+began as a call and then stops reading as one stands as far as its arguments went (as a
+call cut short by ``max_tokens`` does), streamed or not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvstream.hf.tool_calls import call_id
+
+# A JSON call whose name is read and whose arguments have begun ("parameters": Llama 3's name).
+_JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def call_entry(name: str, arguments: Any, index: int) -> dict[str, Any]:
+    """A whole ``tool_calls`` entry; ``arguments`` as given when a string, else as JSON."""
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass
+class CallStream:
+    """One call's deltas as its body grows: ``feed`` the body so far, then ``close`` it (its
+    end tag read) or ``cut`` it (the answer ended inside it). Subclasses say what is certain:
+    ``_progress`` (the name and a prefix of the final arguments) and ``_whole``."""
+
+    index: int
+    _header_sent: bool = False
+    _arguments_sent: str = ""
+
+    @property
+    def started(self) -> bool:
+        """Whether any of this call went out (it can no longer become text)."""
+        return self._header_sent
+
+    def feed(self, body: str) -> list[dict[str, Any]]:
+        """The deltas the body so far makes certain."""
+        progress = self._progress(body)
+        return [] if progress is None else self._advance(*progress)
+
+    def close(self, body: str) -> list[dict[str, Any]] | None:
+        """The call's last deltas, its whole body read; None when it holds no call (the
+        caller gives the text back). A body that began as a call and then stopped reading
+        as one is the call as far as it went, whether or not any of it went out yet, so
+        that a streamed answer and a whole one agree."""
+        return self._complete(body, self._whole(body, cut=False))
+
+    def cut(self, body: str) -> list[dict[str, Any]] | None:
+        """As ``close``, for a body the answer ended inside: its arguments as far as they went."""
+        return self._complete(body, self._whole(body, cut=True))
+
+    def _complete(self, body: str, whole: tuple[str, str] | None) -> list[dict[str, Any]] | None:
+        if whole is None:
+            whole = self._progress(body)
+            if whole is None:
+                return [] if self._header_sent else None
+        return self._advance(*whole)
+
+    def _advance(self, name: str, arguments: str) -> list[dict[str, Any]]:
+        """A delta for what ``arguments`` adds to what went out (the header with it, the first time)."""
+        if not self._header_sent:
+            self._header_sent, self._arguments_sent = True, arguments
+            return [{"index": self.index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}]
+        if len(arguments) <= len(self._arguments_sent) or not arguments.startswith(self._arguments_sent):
+            return []  # nothing new (or a body that stopped reading as it began: what went out stands)
+        piece, self._arguments_sent = arguments[len(self._arguments_sent):], arguments
+        return [{"index": self.index, "function": {"arguments": piece}}]
+
+    def _progress(self, body: str) -> tuple[str, str] | None:
+        raise NotImplementedError
+
+    def _whole(self, body: str, cut: bool) -> tuple[str, str] | None:
+        raise NotImplementedError
+
+
+@dataclass
+class JsonCallStream(CallStream):
+    """A call written as JSON, ``{"name": ..., "arguments": {...}}`` (Hermes' tags, and the
+    JSON form in Qwen3-Coder's): the arguments object's text goes out as written, to its
+    closing brace (found by following its nesting, strings and escapes as it streams)."""
+
+    _value_start: int | None = None  # where the arguments object begins in the body
+    _value_end: int | None = None  # just past its closing brace
+    _scanned: int = 0  # body characters followed so far
+    _depth: int = 0
+    _in_string: bool = False
+    _escaped: bool = False
+    _name: str = ""
+
+    def _progress(self, body: str) -> tuple[str, str] | None:
+        if self._value_start is None and not self._find_arguments(body):
+            return None
+        self._follow(body)
+        return self._name, body[self._value_start:self._value_end or len(body)]
+
+    def _find_arguments(self, body: str) -> bool:
+        head = _JSON_HEAD.match(body)
+        if head is None or not body[head.end():].startswith("{"):
+            return False  # arguments not begun, or not an object (a string...): read whole at the end
+        self._name, self._value_start = json.loads(head.group(1)), head.end()
+        self._scanned = head.end()
+        return True
+
+    def _follow(self, body: str) -> None:
+        """Follow the arguments object from where the last call stopped, to its end."""
+        at = self._scanned
+        while self._value_end is None and at < len(body):
+            char = body[at]
+            at += 1
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._value_end = at
+        self._scanned = at
+
+    def _whole(self, body: str, cut: bool) -> tuple[str, str] | None:
+        if cut:
+            if self._value_start is not None:
+                return self._name, body[self._value_start:]
+            return _cut_json_call(body)
+        try:
+            call = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        if self._value_start is not None or self._find_arguments(body):
+            self._follow(body)
+            if self._value_end is not None:  # the object as written, as it streamed
+                return call["name"], body[self._value_start:self._value_end]
+        arguments = call.get("arguments", call.get("parameters", {}))
+        return call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _cut_json_call(body: str) -> tuple[str, str] | None:
+    """A JSON call cut short whose arguments never began as an object: its name and what
+    follows it, or the whole call if it parses; None if not even the name is there."""
+    try:
+        call = json.loads(body)
+        arguments = call["arguments"] if "arguments" in call else call["parameters"]
+        return call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    except (ValueError, KeyError, TypeError):
+        head = _JSON_HEAD.match(body)
+        return None if head is None else (json.loads(head.group(1)), body[head.end():])
