@@ -29,8 +29,7 @@ from kvstream.hf.call_streams import CallStream, JsonCallStream
 FUNCTION_TAG = "<function="
 PARAMETER_TAG = "<parameter="
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
-_OPEN_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*)", re.DOTALL)
+_PARAMETER_HEAD = re.compile(r"\s*<parameter=([^>\n]+)>")
 _FUNCTION_END = "</function>"
 _PARAMETER_END = "</parameter>"
 
@@ -54,88 +53,106 @@ class XmlCallStream(CallStream):
     """A call in the XML form; its arguments go out as JSON, ``{"key": value, ...}`` in the
     order written: each parameter once its close tag is read, and a string parameter's text
     as it comes (less what may be the start of its close tag). A JSON body in the same tags
-    is read as one (models fall back on it)."""
+    is read as one (models fall back on it). Each body character is looked at about once:
+    a long value (a file's content) costs the same per token at its end as at its start."""
 
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
     _json: JsonCallStream | None = None  # the body is the JSON form
-    _pairs: list[str] = field(default_factory=list)  # '"key": value' of the parameters read
-    _read_to: int = 0  # where the parameters read end, in the body
+    _name: str | None = None
+    _pairs: str = ""  # '"key": value, ...' of the parameters read whole
+    _read_to: int = 0  # where they end in the body
+    _open: tuple[str, int] | None = None  # the parameter being written: its key, where its value begins
+    _searched_to: int = 0  # its close tag is not before here
+    _open_sent: tuple[int, str] = (0, "")  # of its value: the raw end that went out, and that text escaped
 
     def _progress(self, body: str) -> tuple[str, str] | None:
         if self._use_json(body):
             return self._json._progress(body)  # type: ignore[union-attr]
-        head = _FUNCTION.match(body)
-        if head is None:
+        if not self._read(body):
             return None
-        name = head.group(1).strip()
-        rest = self._read_parameters(body, max(self._read_to, head.end()), name)
-        if rest is None:
-            return None  # text among the parameters: nothing more is certain
-        opened = _OPEN_PARAMETER.match(rest)
-        if opened is None:
+        if self._open is None:
             # Nothing is certain of a call before its first parameter (or its end) is read.
-            begun = self._pairs or rest.lstrip().startswith(_FUNCTION_END)
-            return (name, "{" + ", ".join(self._pairs)) if begun else None
-        key, text = opened.group(1).strip(), opened.group(2)
-        if _kind(self._schema(name).get(key)) not in (None, "string"):
-            return name, "{" + ", ".join(self._pairs)  # typed: goes out whole, once read
-        return name, "{" + ", ".join([*self._pairs, _pair(key, _text_so_far(text))])[:-1]  # (open quote)
+            begun = self._pairs or body.startswith(_FUNCTION_END, self._after_space(body))
+            return (self._name, "{" + self._pairs) if begun else None  # type: ignore[return-value]
+        key, start = self._open
+        if _kind(self._schema().get(key)) not in (None, "string"):
+            return self._name, "{" + self._pairs  # type: ignore[return-value]  # (typed: goes out whole, once read)
+        head = "{" + self._pairs + (", " if self._pairs else "") + json.dumps(key, ensure_ascii=False) + ': "'
+        return self._name, head + self._escaped_so_far(body, start)  # type: ignore[return-value]
 
     def _whole(self, body: str, cut: bool) -> tuple[str, str] | None:
         if self._use_json(body):
             return self._json._whole(body, cut)  # type: ignore[union-attr]
-        head = _FUNCTION.match(body)
-        if head is None:
-            return None
-        name = head.group(1).strip()
         end = body.rfind(_FUNCTION_END)
-        if end >= 0:
-            if body[end + len(_FUNCTION_END):].strip():
-                return None
-            inner_end = end
-        else:
-            inner_end = len(body)  # a missing </function> is forgiven, as vLLM does
-        rest = self._read_parameters(body[:inner_end], max(self._read_to, head.end()), name)
-        if rest is None:
+        if end >= 0 and body[end + len(_FUNCTION_END):].strip():
             return None
-        pairs = list(self._pairs)
-        if cut and end < 0:
-            opened = _OPEN_PARAMETER.match(rest)
-            if opened is not None:  # the value being written when the tokens ran out: its text so far
-                pairs.append(_pair(opened.group(1).strip(), _text_so_far(opened.group(2))))
-        elif rest.strip():
+        inner = body[:end] if end >= 0 else body  # a missing </function> is forgiven, as vLLM does
+        if not self._read(inner):
             return None
-        return name, "{" + ", ".join(pairs) + "}"
+        pairs = self._pairs
+        if self._open is not None:
+            if not (cut and end < 0):
+                return None  # a parameter never closed
+            key, start = self._open  # the value being written when the tokens ran out: its text so far
+            pairs += (", " if pairs else "") + _pair(key, _without_cut_close(inner[start:].removeprefix("\n")))
+        elif inner[self._read_to:].strip():
+            return None
+        return self._name, "{" + pairs + "}"  # type: ignore[return-value]
 
     def _use_json(self, body: str) -> bool:
         if self._json is None and body.lstrip().startswith("{"):
             self._json = JsonCallStream(self.index)
         return self._json is not None
 
-    def _read_parameters(self, body: str, at: int, name: str) -> str | None:
-        """Read the parameters whole from ``at`` on into ``_pairs``; the text after them, or
-        None when there is text between them (not a call)."""
-        schema = self._schema(name)
-        for parameter in _PARAMETER.finditer(body, at):
-            if body[at:parameter.start()].strip():
-                return None
-            key = parameter.group(1).strip()
-            self._pairs.append(_pair(key, typed_value(_unwrap(parameter.group(2)), schema.get(key))))
-            at = self._read_to = parameter.end()
-        return body[at:]
+    def _read(self, body: str) -> bool:
+        """Read on from where the last call stopped: the function's name, then each
+        parameter whose close tag has come; False until the name is read."""
+        if self._name is None:
+            head = _FUNCTION.match(body)
+            if head is None:
+                return False
+            self._name, self._read_to = head.group(1).strip(), head.end()
+        while True:
+            if self._open is None:
+                opened = _PARAMETER_HEAD.match(body, self._read_to)
+                if opened is None:
+                    return True
+                self._open = opened.group(1).strip(), opened.end()
+                self._searched_to = opened.end()
+            key, start = self._open
+            close = body.find(_PARAMETER_END, self._searched_to)
+            if close < 0:
+                self._searched_to = max(start, len(body) - len(_PARAMETER_END) + 1)
+                return True
+            value = typed_value(_unwrap(body[start:close]), self._schema().get(key))
+            self._pairs += (", " if self._pairs else "") + _pair(key, value)
+            self._read_to, self._open, self._open_sent = close + len(_PARAMETER_END), None, (0, "")
 
-    def _schema(self, name: str) -> dict[str, Any]:
-        return self.schemas.get(name, {})
+    def _escaped_so_far(self, body: str, start: int) -> str:
+        """The open string value as far as it is certain, JSON-escaped, only its new text
+        escaped each time (less the newline after its open tag and what may begin its close)."""
+        if start < len(body) and body[start] == "\n":
+            start += 1
+        tail = max(start, len(body) - len(_PARAMETER_END) - 1)  # what may begin "\n</parameter>"
+        end = tail + len(_without_cut_close(body[tail:]))
+        sent_end, escaped = self._open_sent
+        if end > max(sent_end, start):
+            escaped += json.dumps(body[max(sent_end, start):end], ensure_ascii=False)[1:-1]
+            self._open_sent = (end, escaped)
+        return escaped
+
+    def _after_space(self, body: str) -> int:
+        at = self._read_to
+        while at < len(body) and body[at].isspace():
+            at += 1
+        return at
+
+    def _schema(self) -> dict[str, Any]:
+        return self.schemas.get(self._name or "", {})
 
 
 def _pair(key: str, value: Any) -> str:
     return json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
-
-
-def _text_so_far(text: str) -> str:
-    """A string value still being written: less the newline after its open tag and what may
-    be the start of its close tag (``"1\\n</para"`` -> ``"1"``)."""
-    return _without_cut_close(text.removeprefix("\n"))
 
 
 def _unwrap(value: str) -> str:
