@@ -27,7 +27,10 @@ follows is held to the end.
 
 Qwen3-Coder's templates (and Qwen3.5's) show the same tags around an XML body,
 ``<function=name><parameter=key>value</parameter></function>`` (xml_calls.py reads it, typed
-by the tool's schema). Other formats (DeepSeek's, Granite's...) are not read: text.
+by the tool's schema); a bare ``<function=...>`` without them is a call too. Other formats
+(DeepSeek's, Granite's...) are not read: text.
+
+While a tagged call is written, it streams out (call_streams.py).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Any
 
 from kvstream.hf.call_streams import CallStream, JsonCallStream, call_entry
 from kvstream.hf.tool_calls import tool_call_delta
-from kvstream.hf.xml_calls import FUNCTION_TAG, PARAMETER_TAG, XmlCallStream, parameter_schemas
+from kvstream.hf.xml_calls import FUNCTION_END, FUNCTION_TAG, PARAMETER_TAG, XmlCallStream, parameter_schemas
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -84,7 +87,7 @@ class CallReading:
         if self.syntax == "hermes":
             return ToolCallScanner()
         if self.syntax == "qwen3_xml":
-            return ToolCallScanner(new_call=functools.partial(XmlCallStream, schemas=self.schemas))
+            return ToolCallScanner(new_call=functools.partial(XmlCallStream, schemas=self.schemas), tags=QWEN3_XML_TAGS)
         return MistralCallScanner() if self.syntax == "mistral" else JsonCallScanner()
 
 
@@ -146,16 +149,37 @@ class Piece:
     reasoning: bool = False  # thinking, not content (reasoning.py)
 
 
+@dataclass(frozen=True)
+class CallTags:
+    """The tags around a call; ``in_body``: they are part of the body the call stream reads
+    (a Qwen3-Coder ``<function=...>...</function>`` written without its ``<tool_call>``)."""
+
+    open: str
+    close: str
+    in_body: bool = False
+
+    def wrapped(self, body: str) -> str:
+        """The text the tags and body were."""
+        return body if self.in_body else self.open + body + self.close
+
+
+HERMES_TAGS = (CallTags(OPEN, CLOSE),)
+# vLLM's qwen3_coder parser reads a bare <function=...> too: Qwen3-Coder writes one at times.
+QWEN3_XML_TAGS = (CallTags(OPEN, CLOSE), CallTags(FUNCTION_TAG, FUNCTION_END, in_body=True))
+
+
 @dataclass
 class ToolCallScanner:
     """One choice's text, split into content and calls as it arrives (``feed``, then
-    ``finish`` at the end of the choice). Each tag's body goes to a ``new_call`` stream
+    ``finish`` at the end of the choice). Each tagged body goes to a ``new_call`` stream
     (call_streams.py: JSON by default), which streams the call out as it is written."""
 
     new_call: Callable[[int], CallStream] = JsonCallStream
+    tags: tuple[CallTags, ...] = HERMES_TAGS
     calls: int = 0  # calls begun so far
     _pending: str = ""  # text not released yet: a possible tag start, whitespace, or a call's body
     _call: CallStream | None = None  # the call whose body is being read
+    _in: CallTags = HERMES_TAGS[0]  # the tags around it
     _layout: str = ""  # the whitespace before the open tag: content again if the tag holds no call
     _after_call: bool = False  # a call was the last thing released: whitespace next is layout
     _pieces: list[Piece] = field(default_factory=list)
@@ -164,29 +188,32 @@ class ToolCallScanner:
         self._pending += text
         while True:
             if self._call is not None:
-                end = self._pending.find(CLOSE)
+                close = self._in.close
+                end = self._pending.find(close)
                 if end < 0:  # the body so far, less what may begin the close tag
-                    self._send(self._call.feed(self._pending[: len(self._pending) - _prefix_length(self._pending, CLOSE)]))
+                    self._send(self._call.feed(self._pending[: len(self._pending) - _prefix_length(self._pending, close)]))
                     break
-                body, self._pending = self._pending[:end], self._pending[end + len(CLOSE):]
+                end += len(close) if self._in.in_body else 0
+                body, self._pending = self._pending[:end], self._pending[end + (0 if self._in.in_body else len(close)):]
                 call, self._call = self._call, None
                 deltas = call.close(body)
                 if deltas is None:
-                    self._release(self._layout + OPEN + body + CLOSE)
+                    self._release(self._layout + self._in.wrapped(body))
                 else:
                     self._send(deltas)
                     self._after_call = True
                 continue
-            start = self._pending.find(OPEN)
-            if start >= 0:
+            found = [(at, tags) for tags in self.tags if (at := self._pending.find(tags.open)) >= 0]
+            if found:
+                start, self._in = min(found, key=lambda item: item[0])
                 content = self._pending[:start].rstrip()  # whitespace before a call is layout, not content
                 self._release(content)
                 self._layout = self._pending[len(content):start]
-                self._pending = self._pending[start + len(OPEN):]
+                self._pending = self._pending[start + (0 if self._in.in_body else len(self._in.open)):]
                 self._call = self.new_call(self.calls)
                 continue
             # Hold back what could still become a tag, and whitespace (around calls it is not content).
-            keep = _tag_prefix_length(self._pending)
+            keep = max(_tag_prefix_length(self._pending, tags.open) for tags in self.tags)
             head, tail = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep:]
             if head.strip():
                 self._release(head)
@@ -202,7 +229,7 @@ class ToolCallScanner:
             if deltas is not None:
                 self._send(deltas)
             else:
-                self._release(self._layout + OPEN + self._pending)
+                self._release(self._layout + ("" if self._in.in_body else self._in.open) + self._pending)
         elif self._pending.strip() or not self.calls:  # (whitespace after a call is layout)
             self._release(self._pending)
         self._pending, self._call = "", None

@@ -30,7 +30,7 @@ FUNCTION_TAG = "<function="
 PARAMETER_TAG = "<parameter="
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 _PARAMETER_HEAD = re.compile(r"\s*<parameter=([^>\n]+)>")
-_FUNCTION_END = "</function>"
+FUNCTION_END = "</function>"
 _PARAMETER_END = "</parameter>"
 
 
@@ -72,7 +72,7 @@ class XmlCallStream(CallStream):
             return None
         if self._open is None:
             # Nothing is certain of a call before its first parameter (or its end) is read.
-            begun = self._pairs or body.startswith(_FUNCTION_END, self._after_space(body))
+            begun = self._pairs or body.startswith(FUNCTION_END, self._after_space(body))
             return (self._name, "{" + self._pairs) if begun else None  # type: ignore[return-value]
         key, start = self._open
         if _kind(self._schema().get(key)) not in (None, "string"):
@@ -83,8 +83,8 @@ class XmlCallStream(CallStream):
     def _whole(self, body: str, cut: bool) -> tuple[str, str] | None:
         if self._use_json(body):
             return self._json._whole(body, cut)  # type: ignore[union-attr]
-        end = body.rfind(_FUNCTION_END)
-        if end >= 0 and body[end + len(_FUNCTION_END):].strip():
+        end = body.rfind(FUNCTION_END)
+        if end >= 0 and body[end + len(FUNCTION_END):].strip():
             return None
         inner = body[:end] if end >= 0 else body  # a missing </function> is forgiven, as vLLM does
         if not self._read(inner):

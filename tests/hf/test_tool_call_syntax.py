@@ -7,20 +7,20 @@ each syntax (tests/fixtures/*_tools.jinja)."""
 from __future__ import annotations
 
 import copy
-import functools
 import json
 from pathlib import Path
 
 import pytest
 
 from kvstream.hf.tool_call_syntax import (
+    CallReading,
     JsonCallScanner,
     MistralCallScanner,
     ToolCallScanner,
     call_syntax,
     template_messages,
 )
-from kvstream.hf.xml_calls import XmlCallStream, parameter_schemas, typed_value
+from kvstream.hf.xml_calls import parameter_schemas, typed_value
 from tests.hf.conftest import templated_proxy
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -189,7 +189,7 @@ XML_ANSWER = ("I will plan it.\n\n<tool_call>\n<function=plan_trip>\n<parameter=
 
 
 def xml_scanner() -> ToolCallScanner:
-    return ToolCallScanner(new_call=functools.partial(XmlCallStream, schemas=parameter_schemas(SCHEMA_TOOLS)))
+    return CallReading("qwen3_xml", schemas=parameter_schemas(SCHEMA_TOOLS)).scanner()
 
 
 @pytest.mark.parametrize("step", [1, 2, 7, 1000])
@@ -214,12 +214,24 @@ def test_qwen3_xml_cut_short_bodies_that_are_not_calls_and_json_in_the_tags(step
     [(_, cut)] = scan("<tool_call>\n<function=f>\n<parameter=x>\n1\n</param", step, xml_scanner())
     assert cut["function"]["arguments"] == '{"x": "1"}'  # less the close tag's start
     for text in ("<tool_call>\n<function=plan_tr", "<tool_call>\n<function=f>\nprose inside\n</function>\n</tool_call>",
-                 "<tool_call>\n<parameter=x>\n1\n</parameter>\n</tool_call>", "a <function=f> b"):
+                 "<tool_call>\n<parameter=x>\n1\n</parameter>\n</tool_call>"):
         assert scan(text, step, xml_scanner()) == [(text, None)], text
     [(_, forgiven)] = scan("<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</tool_call>", step, xml_scanner())
     assert forgiven["function"] == {"name": "f", "arguments": '{"x": "1"}'}  # no </function>: still the call
     [(_, call)] = scan('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>', step, xml_scanner())
     assert call["function"] == {"name": "f", "arguments": '{"x": 1}'}  # the JSON form in the same tags
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_a_qwen3_xml_call_without_its_tool_call_tags_is_read_too(step):
+    """Qwen3-Coder writes a bare ``<function=...>`` at times (vLLM reads it): a call; a
+    mention of the tag in prose that holds no call stays text."""
+    text = "Writing it.\n<function=plan_trip>\n<parameter=days>\n2\n</parameter>\n</function>\nDone."
+    [(before, _), (_, call), (after, _)] = scan(text, step, xml_scanner())
+    assert (before, after) == ("Writing it.", "Done.") and call["function"] == {"name": "plan_trip", "arguments": '{"days": 2}'}
+    for prose in ("Use <function=name> tags.", "Use <function=name> and </function>.", "a <functio"):
+        assert scan(prose, step, xml_scanner()) == [(prose, None)], prose
+    assert scan("<function=plan_trip>\n<parameter=city>\nRo", step, xml_scanner())[0][1]["function"]["arguments"] == '{"city": "Ro"}'
 
 
 def test_a_value_that_does_not_read_as_its_type_stays_text():
