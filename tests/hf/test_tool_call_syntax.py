@@ -311,6 +311,20 @@ async def test_the_models_own_call_comes_back_as_tool_calls(tools_oa, request):
     assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+async def test_the_openai_clients_stream_helper_sees_the_arguments_grow(tools_oa, request):
+    """The official client's own stream accumulator (``chat.completions.stream``): its
+    argument-delta events arrive piece by piece, and its final completion holds the call."""
+    async with tools_oa.chat.completions.stream(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40,
+                                                temperature=0) as stream:
+        pieces = [event.arguments_delta async for event in stream if event.type == "tool_calls.function.arguments.delta"]
+        final = await stream.get_final_completion()
+    [call] = final.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert "".join(pieces) == call.function.arguments and final.choices[0].finish_reason == "tool_calls"
+    if request.node.callspec.params["tools_proxy"] in ("hermes", "qwen3_xml"):
+        assert len(pieces) >= 3
+
+
 async def test_an_answer_in_prose_stays_content(tools_oa):
     """Offered the tool but asked something else, the model answers in text: content, "stop"."""
     for stream in (False, True):
