@@ -180,6 +180,7 @@ class ToolCallScanner:
     _pending: str = ""  # text not released yet: a possible tag start, whitespace, or a call's body
     _call: CallStream | None = None  # the call whose body is being read
     _in: CallTags = HERMES_TAGS[0]  # the tags around it
+    _close_from: int = 0  # its close tag is not in the body before here
     _layout: str = ""  # the whitespace before the open tag: content again if the tag holds no call
     _after_call: bool = False  # a call was the last thing released: whitespace next is layout
     _pieces: list[Piece] = field(default_factory=list)
@@ -189,8 +190,9 @@ class ToolCallScanner:
         while True:
             if self._call is not None:
                 close = self._in.close
-                end = self._pending.find(close)
+                end = self._pending.find(close, self._close_from)
                 if end < 0:  # the body so far, less what may begin the close tag
+                    self._close_from = max(0, len(self._pending) - len(close) + 1)
                     self._send(self._call.feed(self._pending[: len(self._pending) - _prefix_length(self._pending, close)]))
                     break
                 end += len(close) if self._in.in_body else 0
@@ -210,7 +212,7 @@ class ToolCallScanner:
                 self._release(content)
                 self._layout = self._pending[len(content):start]
                 self._pending = self._pending[start + (0 if self._in.in_body else len(self._in.open)):]
-                self._call = self.new_call(self.calls)
+                self._call, self._close_from = self.new_call(self.calls), 0
                 continue
             # Hold back what could still become a tag, and whitespace (around calls it is not content).
             keep = max(_tag_prefix_length(self._pending, tags.open) for tags in self.tags)
