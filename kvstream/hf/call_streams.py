@@ -30,9 +30,26 @@ _JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arg
 
 def call_entry(name: str, arguments: Any, index: int) -> dict[str, Any]:
     """A whole ``tool_calls`` entry; ``arguments`` as given when a string, else as JSON."""
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": _text(arguments)}}
+
+
+def json_call(body: str) -> dict[str, Any] | None:
+    """The call a JSON text holds, ``{"name": ..., "arguments" | "parameters": ...}``; None
+    if it holds none."""
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    return call if isinstance(call, dict) and isinstance(call.get("name"), str) else None
+
+
+def call_arguments(call: dict[str, Any]) -> str:
+    """A JSON call's arguments as the ``arguments`` string (Llama 3 names them "parameters")."""
+    return _text(call.get("arguments", call.get("parameters", {})))
+
+
+def _text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 @dataclass
@@ -146,27 +163,21 @@ class JsonCallStream(CallStream):
             if self._value_start is not None:
                 return self._name, body[self._value_start:]
             return _cut_json_call(body)
-        try:
-            call = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        call = json_call(body)
+        if call is None:
             return None
         if self._value_start is not None or self._find_arguments(body):
             self._follow(body)
             if self._value_end is not None:  # the object as written, as it streamed
                 return call["name"], body[self._value_start:self._value_end]
-        arguments = call.get("arguments", call.get("parameters", {}))
-        return call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return call["name"], call_arguments(call)
 
 
 def _cut_json_call(body: str) -> tuple[str, str] | None:
     """A JSON call cut short whose arguments never began as an object: its name and what
     follows it, or the whole call if it parses; None if not even the name is there."""
-    try:
-        call = json.loads(body)
-        arguments = call["arguments"] if "arguments" in call else call["parameters"]
-        return call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    except (ValueError, KeyError, TypeError):
-        head = _JSON_HEAD.match(body)
-        return None if head is None else (json.loads(head.group(1)), body[head.end():])
+    call = json_call(body)
+    if call is not None and ("arguments" in call or "parameters" in call):
+        return call["name"], call_arguments(call)
+    head = _JSON_HEAD.match(body)
+    return None if head is None else (json.loads(head.group(1)), body[head.end():])

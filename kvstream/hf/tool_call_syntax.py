@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstream.hf.call_streams import CallStream, JsonCallStream, call_entry
+from kvstream.hf.call_streams import CallStream, JsonCallStream, call_arguments, call_entry, json_call
 from kvstream.hf.tool_calls import tool_call_delta
 from kvstream.hf.xml_calls import FUNCTION_END, FUNCTION_TAG, PARAMETER_TAG, XmlCallStream, parameter_schemas
 
@@ -131,13 +131,8 @@ def _object_arguments(call: Any) -> Any:
 def _call(body: str, index: int) -> dict[str, Any] | None:
     """The tool_calls entry a JSON call (``{"name", "arguments" | "parameters"}``) holds;
     None if it holds no call."""
-    try:
-        call = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    return call_entry(call["name"], call.get("arguments", call.get("parameters", {})), index)
+    call = json_call(body)
+    return None if call is None else call_entry(call["name"], call_arguments(call), index)
 
 
 @dataclass
