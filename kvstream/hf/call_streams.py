@@ -62,11 +62,6 @@ class CallStream:
     _header_sent: bool = False
     _arguments_sent: str = ""
 
-    @property
-    def started(self) -> bool:
-        """Whether any of this call went out (it can no longer become text)."""
-        return self._header_sent
-
     def feed(self, body: str) -> list[dict[str, Any]]:
         """The deltas the body so far makes certain."""
         progress = self._progress(body)
@@ -160,9 +155,10 @@ class JsonCallStream(CallStream):
 
     def _whole(self, body: str, cut: bool) -> tuple[str, str] | None:
         if cut:
-            if self._value_start is not None:
-                return self._name, body[self._value_start:]
-            return _cut_json_call(body)
+            if self._value_start is None and not self._find_arguments(body):
+                return _cut_json_call(body)
+            self._follow(body)  # (the object may have closed: what follows it is not arguments)
+            return self._name, body[self._value_start:self._value_end or len(body)]
         call = json_call(body)
         if call is None:
             return None

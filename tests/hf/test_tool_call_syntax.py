@@ -78,6 +78,8 @@ def test_text_that_only_looks_like_a_tag_is_content_unchanged(step):
 def test_a_call_cut_short_is_partial_and_a_cut_tag_is_text(step):
     [(_, call)] = scan('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', step)
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+    [(_, call)] = scan('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n', step)  # ended before its close tag
+    assert call["function"] == {"name": "f", "arguments": '{"a": 1}'}
     cut = 'Sure. <tool_call>\n{"name": "get_w'  # not even the name: the text as it was
     assert scan(cut, step) == [(cut, None)]
 
