@@ -14,7 +14,8 @@ Each parameter's value is raw text, so its JSON type comes from the tool's schem
 ``qwen3_coder`` parser reads it): ``"3"`` is the integer 3 where the parameter is an
 integer and the string "3" where it is a string; objects and arrays are JSON. A value that
 does not read as its type, or a parameter the schema does not list, stays a string.
-tool_call_syntax.py finds the tags; this module reads what is inside them.
+tool_call_syntax.py finds the tags; this module reads what is inside them into JSON
+arguments, as they are written (``XmlCallStream``, call_streams.py).
 """
 
 from __future__ import annotations
@@ -180,6 +181,10 @@ def _kind(schema: Any) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: Python reads them, clients would not
+
+
 def typed_value(text: str, schema: Any) -> Any:
     """``text`` as the JSON value its parameter ``schema`` asks for; the text itself when it
     does not read as that type or the schema names none."""
@@ -192,7 +197,7 @@ def typed_value(text: str, schema: Any) -> Any:
         word = text.strip().lower()
         return word == "true" if word in ("true", "false") else text
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_not_json)
     except ValueError:
         return text
     if kind == "integer":

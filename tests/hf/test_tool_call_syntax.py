@@ -239,7 +239,8 @@ def test_a_qwen3_xml_call_without_its_tool_call_tags_is_read_too(step):
 def test_a_value_that_does_not_read_as_its_type_stays_text():
     for text, schema in (("three", {"type": "integer"}), ("2.5", {"type": "integer"}), ("yes", {"type": "boolean"}),
                          ("[1, 2", {"type": "array"}), ('{"a": 1}', {"type": "array"}), ("true", {"type": "number"}),
-                         ("null", {"type": "string"}), ("42", None), ("42", {"description": "no type"})):
+                         ("null", {"type": "string"}), ("42", None), ("42", {"description": "no type"}),
+                         ("NaN", {"type": "number"}), ("-Infinity", {"type": "number"})):
         assert typed_value(text, schema) == text, (text, schema)
     assert typed_value("2.0", {"type": "integer"}) == 2 and typed_value(" FALSE ", {"type": "boolean"}) is False
     assert typed_value("7", {"type": "any-other"}) == 7  # a type it does not know: JSON if it reads
