@@ -73,7 +73,7 @@ class XmlCallStream(CallStream):
             return None
         if self._open is None:
             # Nothing is certain of a call before its first parameter (or its end) is read.
-            begun = self._pairs or body.startswith(FUNCTION_END, self._after_space(body))
+            begun = self._pairs or body[self._read_to:].lstrip().startswith(FUNCTION_END)
             return (self._name, "{" + self._pairs) if begun else None  # type: ignore[return-value]
         key, start = self._open
         if _kind(self._schema().get(key)) not in (None, "string"):
@@ -141,12 +141,6 @@ class XmlCallStream(CallStream):
             escaped += json.dumps(body[max(sent_end, start):end], ensure_ascii=False)[1:-1]
             self._open_sent = (end, escaped)
         return escaped
-
-    def _after_space(self, body: str) -> int:
-        at = self._read_to
-        while at < len(body) and body[at].isspace():
-            at += 1
-        return at
 
     def _schema(self) -> dict[str, Any]:
         return self.schemas.get(self._name or "", {})
