@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from kvstream.backends.base import Capabilities, InProcessBackend
 from kvstream.config import Settings
 from kvstream.hf.answer_reading import AnswerReader, AnswerReading, answer_reading
+from kvstream.hf.call_streams import JsonCallStream
 from kvstream.scheduler import Scheduler, SchedulerError, Sequence
 from kvstream.types import (
     BackendError,
@@ -110,8 +111,9 @@ class HFStream:
         loop = asyncio.get_running_loop()
         self._token_bytes = token_bytes  # spells each token's log-probabilities, when asked for
         self._echo = echo  # the prompt's text, sent first in every choice (echo); None once sent
-        # A forced tool call: each choice's text is held back and sent as one tool_calls delta.
-        self._calls: dict[int, list[str]] | None = {} if tool_call else None
+        # A forced tool call: each choice's text is the call's JSON, streamed out as tool_calls
+        # deltas as it is written (call_streams.py); text only if it never becomes a call.
+        self._calls: dict[int, tuple[str, JsonCallStream]] | None = {} if tool_call else None
         # A reasoning model's thinking, tools the model may call (tool_choice "auto"): each
         # choice's text is read for them as it streams (answer_reading.py).
         self._reading = reading
@@ -161,14 +163,15 @@ class HFStream:
                 logprobs = None
                 if self._token_bytes is not None and event.logprobs is not None and not ended_by_eos:
                     logprobs = [self._token_bytes.logprob(event.token_id, event.logprobs)]  # type: ignore[arg-type]
-                if self._calls is not None:
-                    self._calls.setdefault(event.index, []).append(event.text)
                 if event.finish_reason is None:
                     generated += 1
                     if self._readers is not None:
                         for token in self._read(event.index, event.token_id, event.text, logprobs, end=False):
                             yield token
-                    elif self._calls is None:
+                    elif self._calls is not None:
+                        for token in self._forced(event.index, event.text):
+                            yield token
+                    else:
                         yield Token(text=event.text, token_id=event.token_id, token_logprobs=logprobs, index=event.index)
                     continue
                 reason = event.finish_reason
@@ -178,10 +181,11 @@ class HFStream:
                     if self._readers.pop(event.index).calls and reason == "stop":
                         reason = "tool_calls"
                 elif self._calls is not None:
-                    call = self._call(event.index)
-                    if call is not None:
-                        yield call
-                        reason = "tool_calls" if reason == "stop" else reason
+                    tokens, called = self._end_forced(event.index, event.text, reason)
+                    for token in tokens:
+                        yield token
+                    if called and reason == "stop":
+                        reason = "tool_calls"
                 elif event.text or logprobs is not None:
                     yield Token(text=event.text, token_id=event.token_id, token_logprobs=logprobs, index=event.index)
                 if not ended_by_eos and event.token_id is not None:  # None: echo alone, nothing generated
@@ -220,15 +224,24 @@ class HFStream:
             self._held_logprobs.pop(index, None)
         return tokens
 
-    def _call(self, index: int) -> Token | None:
-        """Choice ``index``'s forced call as a tool_calls delta (its text if it holds none)."""
-        from kvstream.hf.tool_calls import tool_call_delta
+    def _forced(self, index: int, text: str) -> list[Token]:
+        """Choice ``index``'s forced call, ``text`` further: the tool_calls deltas that makes
+        certain (the call's JSON streams out as it is written)."""
+        assert self._calls is not None
+        body, stream = self._calls.pop(index, None) or ("", JsonCallStream(0))
+        self._calls[index] = (body + text, stream)
+        return [Token(delta={"tool_calls": [delta]}, index=index) for delta in stream.feed(body + text)]
 
-        text = "".join(self._calls.pop(index, []))  # type: ignore[union-attr]
-        delta = tool_call_delta(text)
-        if delta is None:
-            return Token(text=text, index=index) if text else None
-        return Token(delta=delta, index=index)
+    def _end_forced(self, index: int, text: str, finish_reason: str) -> tuple[list[Token], bool]:
+        """The end of choice ``index``'s forced call: its last deltas, or its text if it never
+        became a call (cut before its arguments began); and whether it is a call."""
+        assert self._calls is not None
+        body, stream = self._calls.pop(index, None) or ("", JsonCallStream(0))
+        body += text
+        deltas = stream.cut(body) if finish_reason == "length" else stream.close(body)
+        if deltas is None:
+            return ([Token(text=body, index=index)] if body else []), False
+        return [Token(delta={"tool_calls": [delta]}, index=index) for delta in deltas], True
 
     def _prompt_entries(self, scores: list[TokenLogprobs] | None) -> list[TokenLogprob] | None:
         """The echoed prompt's tokens with their log-probabilities (the first has none)."""

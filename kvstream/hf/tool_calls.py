@@ -3,7 +3,7 @@
 The call is structured output: the answer is held to the JSON schema of a call,
 ``{"name": <one of the tools>, "arguments": <that tool's parameters>}`` (json_schema.py), and
 comes back as OpenAI's ``tool_calls`` (``finish_reason: "tool_calls"``, no content), as
-vLLM serves a forced call. The model sees the tools where its chat template renders them;
+vLLM serves a forced call; streamed, its arguments go out as they are written (call_streams.py). The model sees the tools where its chat template renders them;
 where it does not, the schema still holds the call to the tool's parameters, as a
 ``response_format`` schema does.
 
