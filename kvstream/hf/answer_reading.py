@@ -11,6 +11,7 @@ from typing import Any
 from kvstream.hf.reasoning import END_THINK, THINK, ThinkingScanner, opened_in_prompt, thinks
 from kvstream.hf.tool_call_syntax import (
     CLOSE,
+    GRANITE_CALLS,
     MISTRAL_ARGS,
     MISTRAL_CALLS,
     OPEN,
@@ -20,7 +21,7 @@ from kvstream.hf.tool_call_syntax import (
     call_reading,
 )
 
-TAGS = (OPEN, CLOSE, PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS, THINK, END_THINK)
+TAGS = (OPEN, CLOSE, PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS, GRANITE_CALLS, THINK, END_THINK)
 PROMPT_TAIL_TOKENS = 16  # of the prompt, decoded to see whether it opened a thinking block
 
 

@@ -20,15 +20,15 @@ format {"name": function name, "parameters": ..."): an answer that opens with ``
 to its end and comes back as calls if it is one, as text if not (vLLM's ``llama3_json``).
 
 Mistral's models mark their calls with ``[TOOL_CALLS]`` (a control token, put back from its id
-by answer_reading.py):
-followed by a JSON list of ``{"name", "arguments"}`` (v0.3's tokenizer) or by
-``name[ARGS]{...}``, one per mark (later ones). The text before the mark is content; what
-follows is held to the end.
+by answer_reading.py), followed by a JSON list of ``{"name", "arguments"}`` (v0.3's tokenizer)
+or by ``name[ARGS]{...}``, one per mark (later ones); Granite 3.x's with ``<|tool_call|>`` and
+a JSON list (its templates: "respond with <|tool_call|> followed by a JSON list of tools
+used"). The text before the mark is content; what follows is held to the end.
 
 Qwen3-Coder's templates (and Qwen3.5's) show the same tags around an XML body,
 ``<function=name><parameter=key>value</parameter></function>`` (xml_calls.py reads it, typed
 by the tool's schema); a bare ``<function=...>`` without them is a call too. Other formats
-(DeepSeek's, Granite's...) are not read: text.
+(DeepSeek's, pythonic lists...) are not read: text.
 
 While a tagged call is written, it streams out (call_streams.py).
 """
@@ -48,6 +48,7 @@ from kvstream.hf.xml_calls import FUNCTION_END, FUNCTION_TAG, PARAMETER_TAG, Xml
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
+GRANITE_CALLS = "<|tool_call|>"  # Granite 3.x: followed by a JSON list, as Mistral v0.3's mark
 MISTRAL_ARGS = "[ARGS]"
 # What Llama 3's templates tell the model (3.1, 3.2 and 3.3 alike), and the tag it may open with.
 LLAMA3_FORMAT = 'Respond in the format {"name": function name, "parameters"'
@@ -57,8 +58,8 @@ PYTHON_TAG = "<|python_tag|>"
 def call_syntax(chat_template: Any) -> str | None:
     """The syntax the chat template (a string, or a tokenizer's named templates) shows the
     model for its calls: ``"hermes"`` (JSON in ``<tool_call>`` tags), ``"qwen3_xml"`` (XML in
-    them), ``"llama3_json"``, ``"mistral"`` (``[TOOL_CALLS]``); None when the model's calls
-    are not read."""
+    them), ``"llama3_json"``, ``"mistral"`` (``[TOOL_CALLS]``), ``"granite"``
+    (``<|tool_call|>``); None when the model's calls are not read."""
     templates = [t for t in (chat_template.values() if isinstance(chat_template, dict) else [chat_template])
                  if isinstance(t, str)]
     if any(OPEN in t and FUNCTION_TAG in t and PARAMETER_TAG in t for t in templates):
@@ -69,6 +70,8 @@ def call_syntax(chat_template: Any) -> str | None:
         return "llama3_json"
     if any(MISTRAL_CALLS in t for t in templates):
         return "mistral"
+    if any(GRANITE_CALLS in t for t in templates):
+        return "granite"
     return None
 
 
@@ -82,13 +85,15 @@ class CallReading:
     single_call: bool = False
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def scanner(self) -> ToolCallScanner | JsonCallScanner | MistralCallScanner:
+    def scanner(self) -> ToolCallScanner | JsonCallScanner | MarkedCallScanner:
         """A fresh scanner for one choice's text."""
         if self.syntax == "hermes":
             return ToolCallScanner()
         if self.syntax == "qwen3_xml":
             return ToolCallScanner(new_call=functools.partial(XmlCallStream, schemas=self.schemas), tags=QWEN3_XML_TAGS)
-        return MistralCallScanner() if self.syntax == "mistral" else JsonCallScanner()
+        if self.syntax == "granite":
+            return MarkedCallScanner(mark=GRANITE_CALLS)
+        return MarkedCallScanner() if self.syntax == "mistral" else JsonCallScanner()
 
 
 def call_reading(tokenizer: Any, extra: dict[str, Any]) -> CallReading | None:
@@ -335,10 +340,12 @@ def _split_calls(body: str) -> list[str]:
 
 
 @dataclass
-class MistralCallScanner:
-    """One choice's text, where calls follow a ``[TOOL_CALLS]`` mark (Mistral): the text
-    before it streams as content, what follows is read at the end."""
+class MarkedCallScanner:
+    """One choice's text, where calls follow a ``mark`` (Mistral's ``[TOOL_CALLS]``,
+    Granite's ``<|tool_call|>``): the text before it streams as content, what follows is
+    read at the end."""
 
+    mark: str = MISTRAL_CALLS
     calls: int = 0
     _pending: str = ""
     _in_calls: bool = False
@@ -347,12 +354,12 @@ class MistralCallScanner:
         self._pending += text
         if self._in_calls:
             return []
-        start = self._pending.find(MISTRAL_CALLS)
+        start = self._pending.find(self.mark)
         if start >= 0:
             content = self._pending[:start].rstrip()
             self._pending, self._in_calls = self._pending[start:], True
             return [Piece(text=content)] if content else []
-        keep = _tag_prefix_length(self._pending, MISTRAL_CALLS)
+        keep = _tag_prefix_length(self._pending, self.mark)
         head = self._pending[: len(self._pending) - keep]
         if not head.strip():
             return []
@@ -363,17 +370,17 @@ class MistralCallScanner:
         text, self._pending = self._pending, ""
         if not self._in_calls:
             return [Piece(text=text)] if text else []
-        calls = _mistral_calls(text)
+        calls = _marked_calls(text, self.mark)
         if not calls:
             return [Piece(text=text)]
         self.calls = len(calls)
         return [Piece(call=call) for call in calls]
 
 
-def _mistral_calls(text: str) -> list[dict[str, Any]]:
-    """The calls after the ``[TOOL_CALLS]`` marks of ``text``; [] unless all of it reads as calls."""
+def _marked_calls(text: str, mark: str) -> list[dict[str, Any]]:
+    """The calls after the ``mark``s of ``text``; [] unless all of it reads as calls."""
     calls: list[dict[str, Any] | None] = []
-    for part in text.split(MISTRAL_CALLS)[1:]:
+    for part in text.split(mark)[1:]:
         part = part.strip()
         if part.startswith("["):  # [{"name": ..., "arguments": {...}}, ...]
             try:

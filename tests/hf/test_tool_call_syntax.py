@@ -15,7 +15,7 @@ import pytest
 from kvstream.hf.tool_call_syntax import (
     CallReading,
     JsonCallScanner,
-    MistralCallScanner,
+    MarkedCallScanner,
     ToolCallScanner,
     call_syntax,
     template_messages,
@@ -28,8 +28,9 @@ HERMES_TEMPLATE = (FIXTURES / "hermes_tools.jinja").read_text()
 LLAMA3_TEMPLATE = (FIXTURES / "llama3_json_tools.jinja").read_text()
 MISTRAL_TEMPLATE = (FIXTURES / "mistral_tools.jinja").read_text()
 QWEN3_XML_TEMPLATE = (FIXTURES / "qwen3_xml_tools.jinja").read_text()
+GRANITE_TEMPLATE = (FIXTURES / "granite_tools.jinja").read_text()
 TEMPLATES = {"hermes": HERMES_TEMPLATE, "llama3_json": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE,
-             "qwen3_xml": QWEN3_XML_TEMPLATE}
+             "qwen3_xml": QWEN3_XML_TEMPLATE, "granite": GRANITE_TEMPLATE}
 
 ANSWER = ('Let me look that up.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
           '</tool_call>\n<tool_call>\n{"name": "get_time", "parameters": {"timezone": "CET"}}\n</tool_call>\n')
@@ -166,17 +167,27 @@ def test_a_llama3_answer_that_is_json_is_read_as_its_calls(step):
 
 @pytest.mark.parametrize("step", [1, 4, 1000])
 def test_mistral_calls_after_the_mark_in_either_form(step):
-    listed = scan('[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]', step, MistralCallScanner())
-    marked = scan('[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}', step, MistralCallScanner())
+    listed = scan('[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]', step, MarkedCallScanner())
+    marked = scan('[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}', step, MarkedCallScanner())
     for calls in (listed, marked):
         assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for _, c in calls] == [
             (0, "a", {"x": 1}), (1, "b", {})]
-    [(text, _), (_, call)] = scan('Checking. [TOOL_CALLS][{"name": "f", "arguments": {}}]', step, MistralCallScanner())
+    [(text, _), (_, call)] = scan('Checking. [TOOL_CALLS][{"name": "f", "arguments": {}}]', step, MarkedCallScanner())
     assert text == "Checking." and call["function"]["name"] == "f"
-    [(_, cut)] = scan('[TOOL_CALLS]f[ARGS]{"x": "Pa', step, MistralCallScanner())
+    [(_, cut)] = scan('[TOOL_CALLS]f[ARGS]{"x": "Pa', step, MarkedCallScanner())
     assert cut["function"] == {"name": "f", "arguments": '{"x": "Pa'}
     for text in ("Plain [TOOL answer.", "[TOOL_CALLS] not a call", '[TOOL_CALLS] [{"name": "f", "argu'):
-        assert scan(text, step, MistralCallScanner()) == [(text, None)], text
+        assert scan(text, step, MarkedCallScanner()) == [(text, None)], text
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_granite_calls_after_its_mark(step):
+    granite = CallReading("granite").scanner
+    [(text, _), (_, a), (_, b)] = scan('Let me see. <|tool_call|>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", '
+                                       '"arguments": {}}]', step, granite())
+    assert text == "Let me see." and [(c["index"], c["function"]["name"]) for c in (a, b)] == [(0, "a"), (1, "b")]
+    for text in ("Use <|tool", "<|tool_call|> no list", "[TOOL_CALLS] [] is Mistral's"):
+        assert scan(text, step, granite()) == [(text, None)], text
 
 
 SCHEMA_TOOLS = [{"type": "function", "function": {"name": "plan_trip", "parameters": {"type": "object", "properties": {
