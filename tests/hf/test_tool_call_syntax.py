@@ -339,6 +339,24 @@ async def test_the_openai_clients_stream_helper_sees_the_arguments_grow(tools_oa
         assert len(pieces) >= 3
 
 
+async def test_each_choice_of_n_streams_its_own_call(tools_oa):
+    """n=2, sampled: each choice's call is read on its own (its deltas under its choice index,
+    each starting at call index 0), streamed and joined alike."""
+    reply = await tools_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40,
+                                                   temperature=0.3, seed=5, n=2)
+    stream = await tools_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40,
+                                                    temperature=0.3, seed=5, n=2, stream=True)
+    joined: dict[int, dict[int, str]] = {0: {}, 1: {}}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            for part in choice.delta.tool_calls or ():
+                joined[choice.index][part.index] = joined[choice.index].get(part.index, "") + part.function.arguments
+    for choice in reply.choices:
+        calls = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and calls[0].function.name == "get_weather"
+        assert joined[choice.index] == {i: call.function.arguments for i, call in enumerate(calls)}  # the same seed
+
+
 async def test_an_answer_in_prose_stays_content(tools_oa):
     """Offered the tool but asked something else, the model answers in text: content, "stop"."""
     for stream in (False, True):
