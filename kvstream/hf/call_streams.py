@@ -1,16 +1,17 @@
 """One tool call's body, turned into ``tool_calls`` deltas while the model is still writing it.
 
 A client streaming an answer sees a call the way OpenAI (and vLLM) stream one: a first delta
-with the call's index, id and function name once the name is known, then its ``arguments``
+with the call's index, id and function name once the call is certain, then its ``arguments``
 in pieces as they are written, all of them joined being the call's arguments. An agent that
 shows a file being written through a tool call sees it grow instead of waiting for the
 whole call; a non-streamed answer joins the same pieces.
 
+Used for the calls in ``<tool_call>`` tags, Llama 3's bare JSON call and forced calls.
 What has been sent cannot be taken back, so only what is certain goes out: a JSON call's
 arguments are streamed once ``{"name": ..., "arguments": {`` has been read (the text of the
 object as the model writes it, to its closing brace); an XML call's (xml_calls.py) once
-``<function=name>`` has, its arguments rebuilt as JSON parameter by parameter, a string
-value's text as it comes. A body that never began as a call comes back as text; one that
+``<function=name>`` and its first parameter's tag (or its end) have, its arguments rebuilt
+as JSON parameter by parameter, a string value's text as it comes. A body that never began as a call comes back as text; one that
 began as a call and then stops reading as one stands as far as its arguments went (as a
 call cut short by ``max_tokens`` does), streamed or not.
 """
@@ -61,6 +62,11 @@ class CallStream:
     index: int
     _header_sent: bool = False
     _arguments_sent: str = ""
+
+    @property
+    def started(self) -> bool:
+        """Whether any of this call went out (it can no longer become text)."""
+        return self._header_sent
 
     def feed(self, body: str) -> list[dict[str, Any]]:
         """The deltas the body so far makes certain."""

@@ -16,8 +16,9 @@ back as the text it was.
 
 Llama 3.1 and later answer a call with the whole message a JSON object, ``{"name": ...,
 "parameters": {...}}`` (several joined by ``;``), as their templates ask ("Respond in the
-format {"name": function name, "parameters": ..."): an answer that opens with ``{`` is held
-to its end and comes back as calls if it is one, as text if not (vLLM's ``llama3_json``).
+format {"name": function name, "parameters": ..."): an answer that opens with ``{`` is a call
+once its name and the start of its parameters are read (they then stream), text if it never
+begins as one (vLLM's ``llama3_json``).
 
 Mistral's models mark their calls with ``[TOOL_CALLS]`` (a control token, put back from its id
 by answer_reading.py), followed by a JSON list of ``{"name", "arguments"}`` (v0.3's tokenizer)
@@ -42,7 +43,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstream.hf.call_streams import CallStream, JsonCallStream, call_arguments, call_entry, json_call
-from kvstream.hf.tool_calls import tool_call_delta
 from kvstream.hf.xml_calls import FUNCTION_END, FUNCTION_TAG, PARAMETER_TAG, XmlCallStream, parameter_schemas
 
 OPEN = "<tool_call>"
@@ -279,11 +279,16 @@ def _prefix_length(text: str, tag: str) -> int:
 @dataclass
 class JsonCallScanner:
     """One choice's text, where a call is the whole answer as JSON (Llama 3): text that opens
-    otherwise streams as it comes; an answer opening with ``{`` is held to its end."""
+    otherwise streams as it comes; an answer opening with ``{`` is a call once its name and
+    the start of its parameters are read, and its first call's arguments stream as written
+    (call_streams.py); calls joined after it by ``;`` are read at the end."""
 
     calls: int = 0
     _pending: str = ""
     _mode: str | None = None  # "text" or "json", once the answer's first character says
+    _start: int = 0  # json: where the first object begins in the text
+    _stream: JsonCallStream = field(default_factory=lambda: JsonCallStream(0))
+    _pieces: list[Piece] = field(default_factory=list)
 
     def feed(self, text: str) -> list[Piece]:
         if self._mode == "text":
@@ -297,31 +302,50 @@ class JsonCallScanner:
             if self._mode == "text":
                 text, self._pending = self._pending, ""
                 return [Piece(text=text)]
-        return []
+            self._start = len(self._pending) - len(start)
+        self._send(self._stream.feed(self._pending[self._start:]))
+        return self._take()
 
     def finish(self) -> list[Piece]:
         text, self._pending = self._pending, ""
-        body = text.strip().removeprefix(PYTHON_TAG).strip()
         if self._mode != "json":
             return [Piece(text=text)] if text else []
-        calls = [_call(part, i) for i, part in enumerate(_split_calls(body))]
+        body = text[self._start:].rstrip()
+        parts = _split_calls(body)
+        calls = [_call(part, i) for i, part in enumerate(parts)]
         if calls and all(call is not None for call in calls):
-            self.calls = len(calls)
-            return [Piece(call=call) for call in calls]
-        cut = None if _whole_object(body) else tool_call_delta(body)
+            self._send(self._stream.close(parts[0]) or [])  # the first call's last deltas
+            for call in calls[1:]:
+                self._send([call])  # type: ignore[list-item]
+            return self._take()
+        end = _object_end(body)
+        if self._stream.started and end is not None:  # a call, and what follows it: content
+            self._send(self._stream.close(body[:end]) or [])
+            rest = body[end:].lstrip(" \t\r\n;")
+            return self._take() + ([Piece(text=rest)] if rest else [])
+        cut = None if end is not None else self._stream.cut(body)
         if cut is not None:  # cut short (max_tokens) after the name: the call as far as it went
-            self.calls = 1
-            return [Piece(call=cut["tool_calls"][0])]
+            self._send(cut)
+            return self._take()
         return [Piece(text=text)]
 
+    def _send(self, deltas: list[dict[str, Any]]) -> None:
+        """A call's deltas out; its first (the one with its id) counts the call."""
+        for delta in deltas:
+            self.calls += "id" in delta
+            self._pieces.append(Piece(call=delta))
 
-def _whole_object(body: str) -> bool:
-    """Whether ``body`` opens with a complete JSON value (an answer that was not cut short)."""
+    def _take(self) -> list[Piece]:
+        pieces, self._pieces = self._pieces, []
+        return pieces
+
+
+def _object_end(body: str) -> int | None:
+    """Where the JSON value ``body`` opens with ends; None if it does not (cut short, not JSON)."""
     try:
-        json.JSONDecoder().raw_decode(body)
+        return json.JSONDecoder().raw_decode(body)[1]
     except ValueError:
-        return False
-    return True
+        return None
 
 
 def _split_calls(body: str) -> list[str]:

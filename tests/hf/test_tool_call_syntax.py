@@ -29,6 +29,7 @@ LLAMA3_TEMPLATE = (FIXTURES / "llama3_json_tools.jinja").read_text()
 MISTRAL_TEMPLATE = (FIXTURES / "mistral_tools.jinja").read_text()
 QWEN3_XML_TEMPLATE = (FIXTURES / "qwen3_xml_tools.jinja").read_text()
 GRANITE_TEMPLATE = (FIXTURES / "granite_tools.jinja").read_text()
+STREAMED = ("hermes", "qwen3_xml", "llama3_json")  # syntaxes whose calls stream (the others: read at the end)
 TEMPLATES = {"hermes": HERMES_TEMPLATE, "llama3_json": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE,
              "qwen3_xml": QWEN3_XML_TEMPLATE, "granite": GRANITE_TEMPLATE}
 
@@ -159,10 +160,21 @@ def test_a_llama3_answer_that_is_json_is_read_as_its_calls(step):
     assert [(c["index"], c["function"]["name"]) for _, c in two] == [(0, "a"), (1, "b")]
     [(_, cut)] = scan('{"name": "get_weather", "parameters": {"city": "Pa', step, JsonCallScanner())
     assert cut["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
-    # Text, JSON that is not a call, a call with text after it, a call cut before its name: text as it was.
-    for text in ("The answer is {4}.", '{"answer": 4}', '{"name": "f", "parameters": {}} and more', '{"name": "get_w',
+    # Text, JSON that is not a call, a call cut before its name: text as it was.
+    for text in ("The answer is {4}.", '{"answer": 4}', '{"name": "get_w', '{"name": "f", "parameters": "x"} no',
                  "<|python", "  4"):
         assert scan(text, step, JsonCallScanner()) == [(text, None)], text
+    # A call with text after it: once its parameters began it is a call (it streamed); the text is content.
+    [(_, call), (rest, _)] = scan('{"name": "f", "parameters": {"x": [1]}} and more', step, JsonCallScanner())
+    assert call["function"] == {"name": "f", "arguments": '{"x": [1]}'} and rest == "and more"
+
+
+def test_a_llama3_calls_parameters_stream_as_written():
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'
+    seen = sent_after_each(text, JsonCallScanner())
+    begins = text.index('"parameters": ') + len('"parameters": ')
+    assert seen[begins - 1] == "" and seen[begins] == "{"
+    assert seen[begins + len('{"city": "Par') - 1] == '{"city": "Par' and seen[-1] == '{"city": "Paris", "days": 3}'
 
 
 @pytest.mark.parametrize("step", [1, 4, 1000])
@@ -311,7 +323,7 @@ async def test_the_models_own_call_comes_back_as_tool_calls(tools_oa, request):
     assert call.id.startswith("call_")
 
     # Streamed: the call's id and name first, then its arguments as they are written (in
-    # the tagged syntaxes; Llama 3's and Mistral's are read whole at the end), no content.
+    # the syntaxes that stream; Mistral's and Granite's are read whole at the end), no content.
     stream = await tools_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40,
                                                      temperature=0, stream=True, logprobs=True)
     chunks = [c async for c in stream]
@@ -320,7 +332,7 @@ async def test_the_models_own_call_comes_back_as_tool_calls(tools_oa, request):
     assert first.id.startswith("call_") and first.function.name == "get_weather" and first.index == 0
     assert all(m.id is None and m.function.name is None and m.index == 0 for m in more)
     assert first.function.arguments + "".join(m.function.arguments for m in more) == call.function.arguments
-    streams_arguments = request.node.callspec.params["tools_proxy"] in ("hermes", "qwen3_xml")
+    streams_arguments = request.node.callspec.params["tools_proxy"] in STREAMED
     assert len(more) >= 3 if streams_arguments else not more
     assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "tool_calls"
 
@@ -335,7 +347,7 @@ async def test_the_openai_clients_stream_helper_sees_the_arguments_grow(tools_oa
     [call] = final.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     assert "".join(pieces) == call.function.arguments and final.choices[0].finish_reason == "tool_calls"
-    if request.node.callspec.params["tools_proxy"] in ("hermes", "qwen3_xml"):
+    if request.node.callspec.params["tools_proxy"] in STREAMED:
         assert len(pieces) >= 3
 
 
