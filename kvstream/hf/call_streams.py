@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,7 @@ def _text(arguments: Any) -> str:
 
 
 @dataclass
-class CallStream:
+class CallStream(ABC):
     """One call's deltas as its body grows: ``feed`` the body so far, then ``close`` it (its
     end tag read) or ``cut`` it (the answer ended inside it). Subclasses say what is certain:
     ``_progress`` (the name and a prefix of the final arguments) and ``_whole``."""
@@ -101,11 +102,15 @@ class CallStream:
         piece, self._arguments_sent = arguments[len(self._arguments_sent):], arguments
         return [{"index": self.index, "function": {"arguments": piece}}]
 
+    @abstractmethod
     def _progress(self, body: str) -> tuple[str, str] | None:
-        raise NotImplementedError
+        """The name and the part of the final arguments that the body so far makes certain;
+        None while nothing is."""
 
+    @abstractmethod
     def _whole(self, body: str, cut: bool) -> tuple[str, str] | None:
-        raise NotImplementedError
+        """The name and the final arguments of a whole body (``cut``: one the answer ended
+        inside); None when it holds no call."""
 
 
 @dataclass
