@@ -149,6 +149,24 @@ class Piece:
     reasoning: bool = False  # thinking, not content (reasoning.py)
 
 
+@dataclass
+class _CallPieces:
+    """What a scanner has to release: pieces in order, and how many calls it began."""
+
+    calls: int = 0  # calls begun so far
+    _pieces: list[Piece] = field(default_factory=list)
+
+    def _send(self, deltas: list[dict[str, Any]]) -> None:
+        """A call's deltas out; its first (the one with its id) counts the call."""
+        for delta in deltas:
+            self.calls += "id" in delta
+            self._pieces.append(Piece(call=delta))
+
+    def _take(self) -> list[Piece]:
+        pieces, self._pieces = self._pieces, []
+        return pieces
+
+
 @dataclass(frozen=True)
 class CallTags:
     """The tags around a call; ``in_body``: they are part of the body the call stream reads
@@ -169,21 +187,19 @@ QWEN3_XML_TAGS = (CallTags(OPEN, CLOSE), CallTags(FUNCTION_TAG, FUNCTION_END, in
 
 
 @dataclass
-class ToolCallScanner:
+class ToolCallScanner(_CallPieces):
     """One choice's text, split into content and calls as it arrives (``feed``, then
     ``finish`` at the end of the choice). Each tagged body goes to a ``new_call`` stream
     (call_streams.py: JSON by default), which streams the call out as it is written."""
 
     new_call: Callable[[int], CallStream] = JsonCallStream
     tags: tuple[CallTags, ...] = HERMES_TAGS
-    calls: int = 0  # calls begun so far
     _pending: str = ""  # text not released yet: a possible tag start, whitespace, or a call's body
     _call: CallStream | None = None  # the call whose body is being read
     _in: CallTags = HERMES_TAGS[0]  # the tags around it
     _close_from: int = 0  # its close tag is not in the body before here
     _layout: str = ""  # the whitespace before the open tag: content again if the tag holds no call
     _after_call: bool = False  # a call was the last thing released: whitespace next is layout
-    _pieces: list[Piece] = field(default_factory=list)
 
     def feed(self, text: str) -> list[Piece]:
         self._pending += text
@@ -237,13 +253,6 @@ class ToolCallScanner:
         self._pending, self._call = "", None
         return self._take()
 
-    def _send(self, deltas: list[dict[str, Any]]) -> None:
-        """A call's deltas out; its first (the one with its id) counts the call."""
-        for delta in deltas:
-            if "id" in delta:
-                self.calls += 1
-            self._pieces.append(Piece(call=delta))
-
     def _release(self, text: str) -> None:
         if self._after_call:
             text = text.lstrip()
@@ -254,10 +263,6 @@ class ToolCallScanner:
             self._pieces[-1].text += text
         else:
             self._pieces.append(Piece(text=text))
-
-    def _take(self) -> list[Piece]:
-        pieces, self._pieces = self._pieces, []
-        return pieces
 
 
 def _tag_prefix_length(text: str, tag: str = OPEN) -> int:
@@ -277,18 +282,16 @@ def _prefix_length(text: str, tag: str) -> int:
 
 
 @dataclass
-class JsonCallScanner:
+class JsonCallScanner(_CallPieces):
     """One choice's text, where a call is the whole answer as JSON (Llama 3): text that opens
     otherwise streams as it comes; an answer opening with ``{`` is a call once its name and
     the start of its parameters are read, and its first call's arguments stream as written
     (call_streams.py); calls joined after it by ``;`` are read at the end."""
 
-    calls: int = 0
     _pending: str = ""
     _mode: str | None = None  # "text" or "json", once the answer's first character says
     _start: int = 0  # json: where the first object begins in the text
     _stream: JsonCallStream = field(default_factory=lambda: JsonCallStream(0))
-    _pieces: list[Piece] = field(default_factory=list)
 
     def feed(self, text: str) -> list[Piece]:
         if self._mode == "text":
@@ -328,17 +331,6 @@ class JsonCallScanner:
             self._send(cut)
             return self._take()
         return [Piece(text=text)]
-
-    def _send(self, deltas: list[dict[str, Any]]) -> None:
-        """A call's deltas out; its first (the one with its id) counts the call."""
-        for delta in deltas:
-            self.calls += "id" in delta
-            self._pieces.append(Piece(call=delta))
-
-    def _take(self) -> list[Piece]:
-        pieces, self._pieces = self._pieces, []
-        return pieces
-
 
 def _object_end(body: str) -> int | None:
     """Where the JSON value ``body`` opens with ends; None if it does not (cut short, not JSON)."""
