@@ -13,17 +13,10 @@ text where its template shows one (tool_call_syntax.py).
 
 from __future__ import annotations
 
-import json
-import re
 import secrets
 from typing import Any
 
 from kvstream.types import BackendRejected
-
-# A call cut short (max_tokens): the name is whole once the arguments have begun.
-# ("parameters": Llama 3's own calls name them so.)
-_PARTIAL_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*)', re.DOTALL)
-
 
 def _invalid(message: str) -> BackendRejected:
     return BackendRejected(message, param="tool_choice", code="invalid_value")
@@ -82,19 +75,3 @@ def forced_call_schema(tools: Any, choice: Any) -> dict[str, Any] | None:
 
 def call_id() -> str:
     return "call_" + secrets.token_hex(12)
-
-
-def tool_call_delta(text: str) -> dict[str, Any] | None:
-    """The chat delta of the call the answer ``text`` holds (whole, or cut short by
-    ``max_tokens``: its arguments as far as they went); None if not even the name is there."""
-    try:
-        call = json.loads(text)
-        arguments = call["arguments"] if "arguments" in call else call["parameters"]
-        name, arguments = call["name"], json.dumps(arguments, ensure_ascii=False)
-    except (ValueError, KeyError, TypeError):
-        partial = _PARTIAL_CALL.match(text)
-        if partial is None:
-            return None
-        name, arguments = json.loads(partial.group(1)), partial.group(2)
-    function = {"name": name, "arguments": arguments}
-    return {"tool_calls": [{"index": 0, "id": call_id(), "type": "function", "function": function}]}

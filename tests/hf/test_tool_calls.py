@@ -12,7 +12,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from kvstream.hf.tool_calls import forced_call_schema, tool_call_delta
+from kvstream.hf.call_streams import JsonCallStream
+from kvstream.hf.tool_calls import forced_call_schema
 from kvstream.types import BackendRejected
 from tests.conftest import require_import
 
@@ -62,14 +63,15 @@ def test_the_forced_call_schema():
 
 
 def test_a_call_is_read_whole_or_as_far_as_it_went():
-    whole = tool_call_delta('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}')
-    [call] = whole["tool_calls"]
+    """A forced call's text, read by the stream that serves it (call_streams.py), given whole."""
+    [call] = JsonCallStream(0).close('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}')
     assert call["type"] == "function" and call["id"].startswith("call_") and call["index"] == 0
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
-    cut = tool_call_delta('{"name": "get_weather", "arguments": {"city": "Par')
-    assert cut["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
-    assert tool_call_delta('{"name": "get_wea') is None and tool_call_delta("") is None
+    [cut] = JsonCallStream(0).cut('{"name": "get_weather", "arguments": {"city": "Par')
+    assert cut["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
+    assert JsonCallStream(0).cut('{"name": "get_wea') is None and JsonCallStream(0).cut("") is None
+    assert JsonCallStream(0).close('{"name": "get_wea') is None and JsonCallStream(0).close("") is None
 
 
 async def test_a_named_call_comes_back_as_tool_calls(oa):
