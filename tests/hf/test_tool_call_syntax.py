@@ -259,6 +259,19 @@ def test_a_qwen3_xml_call_without_its_tool_call_tags_is_read_too(step):
     assert scan("<function=plan_trip>\n<parameter=city>\nRo", step, xml_scanner())[0][1]["function"]["arguments"] == '{"city": "Ro"}'
 
 
+def test_tools_that_are_not_functions_with_properties_give_no_schema():
+    """Whatever a client sends as tools, the XML reading gets a schema per named function
+    (none where its parameters list none) and never fails on the rest."""
+    tools = [{"type": "function", "function": {"name": "ok", "parameters": {"properties": {"x": {"type": "integer"}}}}},
+             {"type": "function", "function": {"name": "bare"}}, {"type": "function", "function": {"name": "odd", "parameters": []}},
+             {"type": "function", "function": {"parameters": {}}}, {"function": "not an object"}, "a string", None, 7]
+    assert parameter_schemas(tools) == {"ok": {"x": {"type": "integer"}}, "bare": {}, "odd": {}}
+    assert parameter_schemas("not a list") == {} and parameter_schemas(None) == {}
+    reading = CallReading("qwen3_xml", schemas=parameter_schemas(tools))
+    [(_, call)] = scan("<tool_call><function=bare><parameter=x>1</parameter></function></tool_call>", 3, reading.scanner())
+    assert call["function"] == {"name": "bare", "arguments": '{"x": "1"}'}
+
+
 def test_a_value_that_does_not_read_as_its_type_stays_text():
     for text, schema in (("three", {"type": "integer"}), ("2.5", {"type": "integer"}), ("yes", {"type": "boolean"}),
                          ("[1, 2", {"type": "array"}), ('{"a": 1}', {"type": "array"}), ("true", {"type": "number"}),
