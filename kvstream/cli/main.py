@@ -39,6 +39,7 @@ def _load(cli: dict[str, dict[str, Any]], config: Path | None) -> LoadedSettings
 # every setting, whichever backend runs.)
 HF_FLAGS = {
     ("backend", "gguf_file"): "--gguf-file", ("backend", "device"): "--device", ("memory", "dtype"): "--dtype",
+    ("backend", "chat_template"): "--chat-template", ("backend", "tool_call_syntax"): "--tool-call-syntax",
     ("memory", "kv_dtype"): "--kv-dtype", ("memory", "half_weights"): "--half-weights/--no-half-weights",
     ("memory", "kv_cache_bytes"): "--max-cache-bytes", ("memory", "host_cache_bytes"): "--host-cache-bytes",
     ("memory", "kv_cache_bits"): "--kv-cache-bits", ("memory", "disk_cache_dir"): "--disk-cache-dir",
@@ -75,6 +76,8 @@ def serve(
     routing: Annotated[Optional[str], typer.Option(help="with several replicas: cache_aware | least_loaded | round_robin")] = None,
     model: Annotated[Optional[str], typer.Option(help="model to serve (default: the runtime's); llamacpp: a .gguf to run; hf: a folder, hub id or .gguf (default: the embedded SmolLM2)")] = None,
     gguf_file: Annotated[Optional[str], typer.Option(help="hf: the .gguf file inside the --model folder")] = None,
+    chat_template: Annotated[Optional[Path], typer.Option(help="hf: a Jinja chat template file to use instead of the model's own")] = None,
+    tool_call_syntax: Annotated[Optional[str], typer.Option(help="hf: how the model's tool calls are read: auto (what its template shows) | hermes | qwen3_xml | llama3_json | mistral | granite | deepseek | none")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="hf: auto | float32 | float16 | bfloat16")] = None,
     device: Annotated[Optional[str], typer.Option(help="hf: auto | cpu | cuda")] = None,
     kv_dtype: Annotated[Optional[str], typer.Option(help="hf: the KV pool's dtype: auto (the model's) | float32 | float16 | bfloat16 (half the pool bytes under a float32 model)")] = None,
@@ -112,7 +115,7 @@ def serve(
             "type": backend, "base_url": backend_url[0] if backend_url else None,
             "replicas": backend_url if backend_url and len(backend_url) > 1 else None,
             "model": model, "slot_save_path": slot_save_path,
-            "gguf_file": gguf_file, "device": device,
+            "gguf_file": gguf_file, "device": device, "chat_template": chat_template, "tool_call_syntax": tool_call_syntax,
         },
         "server": {"host": host, "port": port},
         "routing": {"policy": routing},

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstream.hf import deepseek_calls
 from kvstream.hf.reasoning import END_THINK, THINK, ThinkingScanner, opened_in_prompt, thinks
 from kvstream.hf.tool_call_syntax import (
     CLOSE,
@@ -21,7 +22,7 @@ from kvstream.hf.tool_call_syntax import (
     call_reading,
 )
 
-TAGS = (OPEN, CLOSE, PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS, GRANITE_CALLS, THINK, END_THINK)
+TAGS = (OPEN, CLOSE, PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS, GRANITE_CALLS, THINK, END_THINK, *deepseek_calls.TAGS)
 PROMPT_TAIL_TOKENS = 16  # of the prompt, decoded to see whether it opened a thinking block
 
 
@@ -40,11 +41,12 @@ class AnswerReading:
         return AnswerReader(self)
 
 
-def answer_reading(tokenizer: Any, extra: dict[str, Any], prompt_ids: list[int]) -> AnswerReading | None:
+def answer_reading(tokenizer: Any, extra: dict[str, Any], prompt_ids: list[int], call_syntax: str = "auto") -> AnswerReading | None:
     """How a chat request's answers are read (``extra``: its fields beyond the core ones,
-    ``prompt_ids``: its rendered prompt); None when there is nothing to read."""
+    ``prompt_ids``: its rendered prompt, ``call_syntax``: as call_reading takes it); None
+    when there is nothing to read."""
     template = getattr(tokenizer, "chat_template", None)
-    calls = call_reading(tokenizer, extra)
+    calls = call_reading(tokenizer, extra, call_syntax)
     opened = None
     if thinks(template):
         opened = opened_in_prompt(tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))

@@ -13,6 +13,8 @@ is told in one line which extra to install.
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import importlib.util
 import logging
 from collections.abc import AsyncIterator, Iterator
@@ -347,7 +349,7 @@ class HFBackend(InProcessBackend):
         import torch
 
         from kvstream.hf.kv_cache import auto_num_blocks, pool_dtype
-        from kvstream.hf.loader import load_model
+        from kvstream.hf.loader import load_model, read_chat_template
         from kvstream.hf.model_runner import ModelRunner, RunnerConfig
 
         backend, memory, sched = self.settings.backend, self.settings.memory, self.settings.scheduler
@@ -363,7 +365,12 @@ class HFBackend(InProcessBackend):
 
             streaming = StreamingConfig(awq.mode, awq.keep_first_k, awq.keep_last_k, awq.staging_slots, awq.drop_page_cache, awq.staging,
                                         awq.stream_embeddings)
+        # (Read before the model loads: a template that cannot be used fails the start at once.)
+        template = read_chat_template(backend.chat_template) if backend.chat_template is not None else None
         loaded = self.preloaded or load_model(self.model, backend.gguf_file, memory.dtype, backend.device, streaming, memory.half_weights)
+        if template is not None:  # the user's template instead of the model's (a copy: a preloaded one is shared)
+            loaded = dataclasses.replace(loaded, tokenizer=copy.copy(loaded.tokenizer))
+            loaded.tokenizer.chat_template = template
         self.loaded = loaded
         self.model_name = loaded.name
         context = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 0) or None
@@ -445,6 +452,9 @@ class HFBackend(InProcessBackend):
                 "forward_tokens": runner.counters.forward_tokens,
                 "prefill_tokens": runner.counters.prefill_tokens,
                 "decode_tokens": runner.counters.decode_tokens,
+                # How the model's own tool calls are read (tool_call_syntax.py), None: not at all.
+                "tool_call_syntax": self._call_syntax(),
+                "chat_template": str(self.settings.backend.chat_template or "the model's"),
                 "attention_backend": runner.attention.name,
                 "attention_backend_why": runner.attention.why_not,  # why each faster tier is not running
                 "matmul_backend": runner.matmul.name,
@@ -460,6 +470,14 @@ class HFBackend(InProcessBackend):
         if self.loaded is not None:
             info["weights"] = self.loaded.weights_snapshot()
         return info
+
+    def _call_syntax(self) -> str | None:
+        from kvstream.hf.tool_call_syntax import call_syntax
+
+        chosen = self.settings.backend.tool_call_syntax
+        if chosen == "auto":
+            return call_syntax(getattr(self.runner.tokenizer, "chat_template", None))
+        return None if chosen == "none" else chosen
 
     def metric_families(self) -> Iterator[Any]:
         if self.runner is not None:
@@ -493,7 +511,8 @@ class HFBackend(InProcessBackend):
                     # Its template drops them: the model would never see them (Ollama's answer
                     # too). A forced call is held to the tool's schema all the same.
                     raise BackendRejected(f"{self.model_name or 'this model'} does not support tools (its chat template "
-                                          "does not render them)", param="tools", code="unsupported_parameter")
+                                          "does not render them; --chat-template can give it one that does)",
+                                          param="tools", code="unsupported_parameter")
                 return ids
             except BackendRejected:
                 raise
@@ -534,7 +553,7 @@ class HFBackend(InProcessBackend):
             return None
         if extra.get("response_format") is not None and extra["response_format"].get("type") != "text":
             return None
-        return answer_reading(self.runner.tokenizer, extra, seq.prompt_token_ids)
+        return answer_reading(self.runner.tokenizer, extra, seq.prompt_token_ids, self.settings.backend.tool_call_syntax)
 
     def submit(self, request: GenerateRequest, seq: Sequence) -> HFStream:
         from kvstream.hf.request_options import forces_call

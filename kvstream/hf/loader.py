@@ -64,13 +64,45 @@ def chat_token_ids(
     """Token ids of chat messages through the model's template, generation prompt added
     (without it: the prefix that later conversations starting with these messages share),
     ``tools`` (OpenAI's function definitions) rendered as the template renders them,
-    ``template_kwargs`` passed to the template (e.g. Qwen3's ``enable_thinking``)."""
+    ``template_kwargs`` passed to the template (e.g. Qwen3's ``enable_thinking``).
+
+    Earlier calls' arguments reach the template as objects (template_messages), as most
+    templates expect them; a template that fails on that form (DeepSeek's concatenate them
+    as strings) gets them as the JSON strings the client sent."""
     from kvstream.hf.tool_call_syntax import template_messages
 
-    ids = tokenizer.apply_chat_template(
-        template_messages(messages), tools=tools or None, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False,
-        **(template_kwargs or {}))
-    return list(ids["input_ids"] if hasattr(ids, "get") else ids)  # some versions return a BatchEncoding
+    def render(chat: list[dict[str, Any]]) -> list[int]:
+        ids = tokenizer.apply_chat_template(
+            chat, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False,
+            **(template_kwargs or {}))
+        return list(ids["input_ids"] if hasattr(ids, "get") else ids)  # some versions return a BatchEncoding
+
+    converted = template_messages(messages)
+    if converted == messages:
+        return render(messages)
+    try:
+        return render(converted)
+    except Exception:  # noqa: BLE001 - whatever the template raised, the client's own form is tried next
+        return render(messages)
+
+
+def read_chat_template(path: Path) -> str:
+    """The Jinja chat template in the file ``path``, checked to compile (as transformers
+    compiles it: a sandboxed environment). Raises ValueError naming the file (and the line)."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template {path}: cannot read it ({exc})") from None
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]).from_string(text)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template {path}: not a Jinja template (line {exc.lineno}: {exc.message})") from None
+    if not text.strip():
+        raise ValueError(f"--chat-template {path}: the file is empty")
+    return text
 
 
 def pick_device(device: str) -> torch.device:

@@ -28,8 +28,10 @@ used"). The text before the mark is content; what follows is held to the end.
 
 Qwen3-Coder's templates (and Qwen3.5's) show the same tags around an XML body,
 ``<function=name><parameter=key>value</parameter></function>`` (xml_calls.py reads it, typed
-by the tool's schema); a bare ``<function=...>`` without them is a call too. Other formats
-(DeepSeek's, pythonic lists...) are not read: text.
+by the tool's schema); a bare ``<function=...>`` without them is a call too. DeepSeek's
+(V3, R1 and its distillations, V3.1) sit between ``<｜tool▁call▁begin｜>`` tags inside
+``<｜tool▁calls▁begin｜>`` ... ``<｜tool▁calls▁end｜>`` (deepseek_calls.py reads them). Other
+formats (pythonic lists...) are not read: text.
 
 While a tagged call is written, it streams out (call_streams.py).
 """
@@ -42,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstream.hf import deepseek_calls
 from kvstream.hf.call_streams import CallStream, JsonCallStream, call_arguments, call_entry, json_call
 from kvstream.hf.xml_calls import FUNCTION_END, FUNCTION_TAG, PARAMETER_TAG, XmlCallStream, parameter_schemas
 
@@ -53,13 +56,15 @@ MISTRAL_ARGS = "[ARGS]"
 # What Llama 3's templates tell the model (3.1, 3.2 and 3.3 alike), and the tag it may open with.
 LLAMA3_FORMAT = 'Respond in the format {"name": function name, "parameters"'
 PYTHON_TAG = "<|python_tag|>"
+# The syntaxes read, in the order a template is matched against them (call_syntax).
+SYNTAXES = ("qwen3_xml", "hermes", "llama3_json", "mistral", "granite", "deepseek")
 
 
 def call_syntax(chat_template: Any) -> str | None:
     """The syntax the chat template (a string, or a tokenizer's named templates) shows the
     model for its calls: ``"hermes"`` (JSON in ``<tool_call>`` tags), ``"qwen3_xml"`` (XML in
     them), ``"llama3_json"``, ``"mistral"`` (``[TOOL_CALLS]``), ``"granite"``
-    (``<|tool_call|>``); None when the model's calls are not read."""
+    (``<|tool_call|>``), ``"deepseek"``; None when the model's calls are not read."""
     templates = [t for t in (chat_template.values() if isinstance(chat_template, dict) else [chat_template])
                  if isinstance(t, str)]
     if any(OPEN in t and FUNCTION_TAG in t and PARAMETER_TAG in t for t in templates):
@@ -72,6 +77,8 @@ def call_syntax(chat_template: Any) -> str | None:
         return "mistral"
     if any(GRANITE_CALLS in t for t in templates):
         return "granite"
+    if any(deepseek_calls.CALLS_BEGIN in t for t in templates):
+        return "deepseek"
     return None
 
 
@@ -93,15 +100,20 @@ class CallReading:
             return ToolCallScanner(new_call=functools.partial(XmlCallStream, schemas=self.schemas), tags=QWEN3_XML_TAGS)
         if self.syntax == "granite":
             return MarkedCallScanner(mark=GRANITE_CALLS)
+        if self.syntax == "deepseek":
+            return ToolCallScanner(new_call=deepseek_calls.DeepSeekCallStream, tags=DEEPSEEK_TAGS, marks=DEEPSEEK_MARKS)
         return MarkedCallScanner() if self.syntax == "mistral" else JsonCallScanner()
 
 
-def call_reading(tokenizer: Any, extra: dict[str, Any]) -> CallReading | None:
+def call_reading(tokenizer: Any, extra: dict[str, Any], syntax: str = "auto") -> CallReading | None:
     """How a chat request offering ``extra["tools"]`` has its answers read; None when they
-    are not (no tools, a call forced or refused by ``tool_choice``, no syntax we read)."""
-    if not extra.get("tools") or extra.get("tool_choice") not in (None, "auto"):
+    are not (no tools, a call forced or refused by ``tool_choice``, no syntax we read).
+    ``syntax``: one of SYNTAXES, or ``"auto"`` (the one the chat template shows), or
+    ``"none"`` (calls are not read)."""
+    if not extra.get("tools") or extra.get("tool_choice") not in (None, "auto") or syntax == "none":
         return None
-    syntax = call_syntax(getattr(tokenizer, "chat_template", None))
+    if syntax == "auto":
+        syntax = call_syntax(getattr(tokenizer, "chat_template", None))
     if syntax is None:
         return None
     return CallReading(syntax, single_call=extra.get("parallel_tool_calls") is False,
@@ -184,16 +196,21 @@ class CallTags:
 HERMES_TAGS = (CallTags(OPEN, CLOSE),)
 # vLLM's qwen3_coder parser reads a bare <function=...> too: Qwen3-Coder writes one at times.
 QWEN3_XML_TAGS = (CallTags(OPEN, CLOSE), CallTags(FUNCTION_TAG, FUNCTION_END, in_body=True))
+DEEPSEEK_TAGS = (CallTags(deepseek_calls.CALL_BEGIN, deepseek_calls.CALL_END),)
+DEEPSEEK_MARKS = (deepseek_calls.CALLS_BEGIN, deepseek_calls.CALLS_END)  # around the calls: layout
 
 
 @dataclass
 class ToolCallScanner(_CallPieces):
     """One choice's text, split into content and calls as it arrives (``feed``, then
     ``finish`` at the end of the choice). Each tagged body goes to a ``new_call`` stream
-    (call_streams.py: JSON by default), which streams the call out as it is written."""
+    (call_streams.py: JSON by default), which streams the call out as it is written.
+    ``marks``: tags around a group of calls (DeepSeek's), neither content nor a call: dropped
+    next to a call, as whitespace is."""
 
     new_call: Callable[[int], CallStream] = JsonCallStream
     tags: tuple[CallTags, ...] = HERMES_TAGS
+    marks: tuple[str, ...] = ()
     _pending: str = ""  # text not released yet: a possible tag start, whitespace, or a call's body
     _call: CallStream | None = None  # the call whose body is being read
     _in: CallTags = HERMES_TAGS[0]  # the tags around it
@@ -224,14 +241,16 @@ class ToolCallScanner(_CallPieces):
             found = [(at, tags) for tags in self.tags if (at := self._pending.find(tags.open)) >= 0]
             if found:
                 start, self._in = min(found, key=lambda item: item[0])
-                content = self._pending[:start].rstrip()  # whitespace before a call is layout, not content
+                content = _strip_layout(self._pending[:start], self.marks, end=True)  # (layout, not content)
                 self._release(content)
                 self._layout = self._pending[len(content):start]
                 self._pending = self._pending[start + (0 if self._in.in_body else len(self._in.open)):]
                 self._call, self._close_from = self.new_call(self.calls), 0
                 continue
-            # Hold back what could still become a tag, and whitespace (around calls it is not content).
-            keep = max(_tag_prefix_length(self._pending, tags.open) for tags in self.tags)
+            # Hold back what could still become a tag, and whitespace and marks (around calls
+            # they are not content).
+            keep = max(_tag_prefix_length(self._pending, tag) for tag in (*(tags.open for tags in self.tags), *self.marks))
+            keep = len(self._pending) - len(_strip_layout(self._pending[: len(self._pending) - keep], self.marks, end=True))
             head, tail = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep:]
             if head.strip():
                 self._release(head)
@@ -255,7 +274,7 @@ class ToolCallScanner(_CallPieces):
 
     def _release(self, text: str) -> None:
         if self._after_call:
-            text = text.lstrip()
+            text = _strip_layout(text, self.marks)
         if not text:
             return
         self._after_call = False
@@ -263,6 +282,17 @@ class ToolCallScanner(_CallPieces):
             self._pieces[-1].text += text
         else:
             self._pieces.append(Piece(text=text))
+
+
+def _strip_layout(text: str, marks: tuple[str, ...], end: bool = False) -> str:
+    """``text`` less the whitespace and ``marks`` at its start (``end``: at its end)."""
+    while True:
+        stripped = text.rstrip() if end else text.lstrip()
+        for mark in marks:
+            stripped = stripped.removesuffix(mark) if end else stripped.removeprefix(mark)
+        if stripped == text:
+            return text
+        text = stripped
 
 
 def _tag_prefix_length(text: str, tag: str = OPEN) -> int:

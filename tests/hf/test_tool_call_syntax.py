@@ -1,8 +1,8 @@
 """A model's own tool calls (``tool_choice: "auto"``): the Hermes ``<tool_call>`` syntax,
-Qwen3-Coder's XML in the same tags, Llama 3's bare JSON and Mistral's ``[TOOL_CALLS]`` read
-out of the text as it streams, in any
-split, and end to end through the official clients with SmolLM2 under templates that show it
-each syntax (tests/fixtures/*_tools.jinja)."""
+Qwen3-Coder's XML in the same tags, Llama 3's bare JSON, Mistral's ``[TOOL_CALLS]``, Granite's
+``<|tool_call|>`` and DeepSeek's tags read out of the text as it streams, in any split, and
+end to end through the official clients with SmolLM2 under templates that show it each
+syntax (tests/fixtures/*_tools.jinja)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ LLAMA3_TEMPLATE = (FIXTURES / "llama3_json_tools.jinja").read_text()
 MISTRAL_TEMPLATE = (FIXTURES / "mistral_tools.jinja").read_text()
 QWEN3_XML_TEMPLATE = (FIXTURES / "qwen3_xml_tools.jinja").read_text()
 GRANITE_TEMPLATE = (FIXTURES / "granite_tools.jinja").read_text()
+DEEPSEEK_TEMPLATE = (FIXTURES / "deepseek_tools.jinja").read_text()
 STREAMED = ("hermes", "qwen3_xml", "llama3_json")  # syntaxes whose calls stream (the others: read at the end)
 TEMPLATES = {"hermes": HERMES_TEMPLATE, "llama3_json": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE,
              "qwen3_xml": QWEN3_XML_TEMPLATE, "granite": GRANITE_TEMPLATE}
@@ -200,6 +201,61 @@ def test_granite_calls_after_its_mark(step):
     assert text == "Let me see." and [(c["index"], c["function"]["name"]) for c in (a, b)] == [(0, "a"), (1, "b")]
     for text in ("Use <|tool", "<|tool_call|> no list", "[TOOL_CALLS] [] is Mistral's"):
         assert scan(text, step, granite()) == [(text, None)], text
+
+
+CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP = (
+    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
+
+
+def deepseek_v3_call(name: str, arguments: str) -> str:
+    return f"{CALL_BEGIN}function{SEP}{name}\n```json\n{arguments}\n```{CALL_END}"
+
+
+def deepseek_scanner() -> ToolCallScanner:
+    return CallReading("deepseek").scanner()
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_deepseek_calls_in_v3s_fenced_form_and_v31s_bare_one(step):
+    """DeepSeek-V3 / R1 write ``function<sep>name``, then the arguments in a JSON fence;
+    V3.1 ``name<sep>{...}``: both read, the marks around the calls neither content nor call."""
+    v3 = (f"Let me check.\n{CALLS_BEGIN}" + deepseek_v3_call("get_weather", '{"city": "Paris"}') + "\n"
+          + deepseek_v3_call("get_time", '{"zone": "CET", "opts": {"h24": true}}') + CALLS_END)
+    v31 = f'Let me check.{CALLS_BEGIN}{CALL_BEGIN}get_weather{SEP}{{"city": "Paris"}}{CALL_END}{CALL_BEGIN}get_time{SEP}' \
+          f'{{"zone": "CET", "opts": {{"h24": true}}}}{CALL_END}{CALLS_END}'
+    for text in (v3, v31):
+        [(content, _), (_, a), (_, b)] = scan(text, step, deepseek_scanner())
+        assert content == "Let me check."
+        assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in (a, b)] == [
+            (0, "get_weather", '{"city": "Paris"}'), (1, "get_time", '{"zone": "CET", "opts": {"h24": true}}')]
+        assert a["id"] != b["id"] and a["type"] == "function"
+    # Text after the calls is content; a call alone leaves none.
+    assert [(t, c and c["function"]["name"]) for t, c in scan(
+        CALLS_BEGIN + deepseek_v3_call("f", "{}") + CALLS_END + "\nDone.", step, deepseek_scanner())] == [("", "f"), ("Done.", None)]
+    assert [c is not None for _, c in scan(CALLS_BEGIN + deepseek_v3_call("f", "{}") + CALLS_END, step, deepseek_scanner())] == [True]
+
+
+def test_a_deepseek_calls_arguments_stream_as_written_and_never_its_fence():
+    arguments = '{"path": "a.py", "code": "x = {\\"k\\": [1]}\\n"}'
+    text = CALLS_BEGIN + deepseek_v3_call("write_file", arguments) + CALLS_END
+    seen = sent_after_each(text, deepseek_scanner())
+    begins = text.index("```json\n") + len("```json\n")
+    assert seen[begins - 1] == "" and seen[begins] == "{"  # certain once the object opens
+    for at in range(begins, begins + len(arguments)):
+        written = text[begins:at + 1]
+        assert seen[at] in (written, written.rstrip())  # (whitespace between values: with what follows it)
+    assert seen[-1] == arguments and json.loads(seen[-1])["code"] == 'x = {"k": [1]}\n'
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_deepseek_calls_cut_short_and_bodies_that_are_not_calls(step):
+    [(_, cut)] = scan(CALLS_BEGIN + CALL_BEGIN + "function" + SEP + 'get_weather\n```json\n{"city": "Pa', step, deepseek_scanner())
+    assert cut["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}  # as far as it went
+    [(_, unclosed)] = scan(CALL_BEGIN + "function" + SEP + 'f\n```json\n{"x": 1\n```' + CALL_END, step, deepseek_scanner())
+    assert unclosed["function"] == {"name": "f", "arguments": '{"x": 1'}  # never closed: as far as it went, less the fence
+    for text in ("Plain <｜tool answer.", CALLS_BEGIN + CALL_BEGIN + "function" + SEP + "get_wea",
+                 CALL_BEGIN + "no separator" + CALL_END, CALL_BEGIN + "function" + SEP + "f\nnot fenced" + CALL_END):
+        assert scan(text, step, deepseek_scanner()) == [(text, None)], text
 
 
 SCHEMA_TOOLS = [{"type": "function", "function": {"name": "plan_trip", "parameters": {"type": "object", "properties": {
@@ -509,3 +565,118 @@ def test_call_tags_that_are_special_tokens_are_put_back_from_their_ids(smollm2):
     assert call_reading(tokenizer, {"tools": [WEATHER], "tool_choice": "none"}) is None
     assert call_reading(tokenizer, {"tools": [WEATHER], "tool_choice": "required"}) is None  # forced: a schema instead
     assert call_reading(tokenizer, {"tools": [WEATHER], "parallel_tool_calls": False}).single_call
+
+
+# ------------------------------------------------- DeepSeek's syntax, --chat-template, --tool-call-syntax
+def deepseek_backend(smollm2, tmp_path, **settings):
+    """SmolLM2 served with DeepSeek's call syntax shown by a template given as a file (the
+    model's own shows it no tools), as ``--chat-template`` gives it."""
+    import copy as copy_module
+
+    from kvstream.hf import HFBackend
+    from kvstream.hf.loader import LoadedModel
+
+    template = tmp_path / "deepseek.jinja"
+    template.write_text(DEEPSEEK_TEMPLATE)
+    model, _, tokenizer = smollm2
+    return HFBackend(None, None, preloaded=LoadedModel(model, copy_module.copy(tokenizer), "smollm2", "hf:test"),
+                     block_size=16, num_gpu_blocks=128, num_cpu_blocks=32, max_batch_size=8, chat_template=str(template),
+                     **settings)
+
+
+async def test_deepseek_calls_end_to_end_under_a_template_given_as_a_file(smollm2, start_proxy, tmp_path):
+    """DeepSeek's syntax through the server: SmolLM2 under a DeepSeek-style template given with
+    ``chat_template`` (its tags are many tokens in SmolLM2's vocabulary, one each in
+    DeepSeek's: hence 100 tokens), the call streamed as written, the history's earlier call
+    rendered with string arguments (the template joins them with ``+``), the Ollama client."""
+    import ollama
+    from openai import AsyncOpenAI
+
+    from kvstream.hf.loader import chat_token_ids
+
+    proxy = await start_proxy(deepseek_backend(smollm2, tmp_path))
+    await proxy.engine.start()
+    try:
+        async with AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+            reply = await oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=100, temperature=0)
+            choice = reply.choices[0]
+            [call] = choice.message.tool_calls
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            assert call.function.name == "get_weather" and call.function.arguments == '{"city": "Paris"}'
+            stream = await oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=100,
+                                                      temperature=0, stream=True)
+            deltas = [c.choices[0].delta async for c in stream if c.choices]
+            first, *more = [d.tool_calls[0] for d in deltas if d.tool_calls]
+            assert first.id.startswith("call_") and first.function.name == "get_weather" and len(more) >= 3
+            assert first.function.arguments + "".join(m.function.arguments for m in more) == call.function.arguments
+            assert not any(d.content for d in deltas)
+
+            history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 18}'}]
+            after = await oa.chat.completions.create(model="smollm2", messages=history, tools=[WEATHER], max_tokens=20, temperature=0)
+            tokenizer = proxy.engine.backend.runner.tokenizer
+            ids = chat_token_ids(tokenizer, history, tools=[WEATHER])
+            assert after.usage.prompt_tokens == len(ids) and '```json\n{"city": "Paris"}\n```' in tokenizer.decode(ids)
+        client = ollama.AsyncClient(host=proxy.url)
+        messages = [{"role": "user", "content": "What is the weather in London?"},
+                    {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "London"}}}]},
+                    {"role": "user", "content": "What is the weather in Paris?"}]
+        answer = await client.chat(model="smollm2", messages=messages, tools=[WEATHER], options={"temperature": 0, "num_predict": 100})
+        [ollama_call] = answer.message.tool_calls
+        assert ollama_call.function.name == "get_weather" and dict(ollama_call.function.arguments) == {"city": "Paris"}
+        described = proxy.engine.backend.describe()
+        assert described["tool_call_syntax"] == "deepseek" and described["chat_template"].endswith("deepseek.jinja")
+    finally:
+        await proxy.engine.close()
+
+
+async def test_a_chosen_call_syntax_overrides_the_templates(smollm2, start_proxy, tmp_path):
+    """``tool_call_syntax: none`` leaves the model's calls as its text; another syntax than the
+    template's reads none of them either (the model writes DeepSeek's)."""
+    from openai import AsyncOpenAI
+
+    for syntax in ("none", "hermes"):
+        proxy = await start_proxy(deepseek_backend(smollm2, tmp_path, tool_call_syntax=syntax))
+        await proxy.engine.start()
+        try:
+            async with AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+                reply = await oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=100,
+                                                         temperature=0)
+            choice = reply.choices[0]
+            assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+            assert choice.message.content.startswith(CALLS_BEGIN + CALL_BEGIN + "function" + SEP + "get_weather")
+            assert proxy.engine.backend.describe()["tool_call_syntax"] == (None if syntax == "none" else syntax)
+        finally:
+            await proxy.engine.close()
+
+
+def test_a_chat_template_file_that_cannot_be_used_is_one_error_naming_it(tmp_path):
+    from kvstream.hf.loader import read_chat_template
+
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m.content }\n")
+    for path, why in ((tmp_path / "missing.jinja", "cannot read it"), (broken, "not a Jinja template (line 2")):
+        with pytest.raises(ValueError, match=f"--chat-template {path}: {why}".replace("(", r"\(")):
+            read_chat_template(path)
+    (tmp_path / "empty.jinja").write_text(" \n")
+    with pytest.raises(ValueError, match="empty"):
+        read_chat_template(tmp_path / "empty.jinja")
+
+
+def test_the_configured_syntaxes_are_the_ones_read():
+    from typing import get_args
+
+    from kvstream.config import BackendSettings
+    from kvstream.hf.tool_call_syntax import SYNTAXES
+
+    assert set(get_args(BackendSettings.model_fields["tool_call_syntax"].annotation)) == {"auto", "none", *SYNTAXES}
+    assert call_syntax(DEEPSEEK_TEMPLATE) == "deepseek"
+
+
+def test_serve_with_a_chat_template_it_cannot_read_stops_at_once_naming_it(tmp_path):
+    from tests.test_cli import kvstream
+
+    out = kvstream("serve", "--backend", "hf", "--chat-template", str(tmp_path / "missing.jinja"), "--port", "0", cwd=tmp_path)
+    assert out.returncode == 1 and f"--chat-template {tmp_path / 'missing.jinja'}: cannot read it" in out.stderr
+    assert "Traceback" not in out.stderr
