@@ -5,7 +5,7 @@ the end (what the engine did before calls streamed), same run, same text.
 
 For each argument size, one answer writing a file through a call (``path`` and ``content``,
 the content that many characters of code) is fed to the scanner a token's worth of characters
-at a time, in the Hermes JSON form and in Qwen3-Coder's XML form: "streamed" is today's
+at a time, in the Hermes JSON form, Qwen3-Coder's XML form and DeepSeek-V3's fenced form: "streamed" is today's
 scanner (each call's arguments go out as they are written); "at the end" is the same text fed
 to a scanner that holds the body and reads it whole when its close tag arrives (the pre-stream
 reading, kept here as the baseline). Both run on the event loop's thread in the server, once
@@ -23,8 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvstream.hf import deepseek_calls  # noqa: E402
 from kvstream.hf.tool_call_syntax import CLOSE, OPEN, CallReading  # noqa: E402
 
+# Where each syntax's call ends (the baseline reads the body once this arrives).
+CLOSES = {"hermes": CLOSE, "qwen3_xml": CLOSE, "deepseek": deepseek_calls.CALL_END}
 LINE = 'def handler(event):\n    return {"status": 200, "body": event["path"]}  # </b> & "quotes"\n'
 
 
@@ -32,6 +35,9 @@ def answer(syntax: str, size: int) -> str:
     content = (LINE * (size // len(LINE) + 1))[:size]
     if syntax == "hermes":
         return OPEN + "\n" + json.dumps({"name": "write_file", "arguments": {"path": "app.py", "content": content}}) + "\n" + CLOSE
+    if syntax == "deepseek":
+        return (deepseek_calls.CALLS_BEGIN + deepseek_calls.CALL_BEGIN + "function" + deepseek_calls.SEP + "write_file\n```json\n"
+                + json.dumps({"path": "app.py", "content": content}) + "\n```" + deepseek_calls.CALL_END + deepseek_calls.CALLS_END)
     return (OPEN + "\n<function=write_file>\n<parameter=path>\napp.py\n</parameter>\n<parameter=content>\n" + content
             + "\n</parameter>\n</function>\n" + CLOSE)
 
@@ -49,15 +55,15 @@ def streamed(syntax: str, text: str, step: int) -> str:
 
 def at_the_end(syntax: str, text: str, step: int) -> str:
     """The baseline: hold the text, look for the close tag at each token, read the body once."""
-    pending, arguments = "", ""
+    pending, arguments, close = "", "", CLOSES[syntax]
     for start in range(0, len(text), step):
         pending += text[start:start + step]
-        end = pending.find(CLOSE)
+        end = pending.find(close)
         if end >= 0:
             scanner = CallReading(syntax).scanner()
-            for piece in scanner.feed(pending[:end + len(CLOSE)]) + scanner.finish():
+            for piece in scanner.feed(pending[:end + len(close)]) + scanner.finish():
                 arguments += piece.call["function"]["arguments"] if piece.call else ""
-            pending = pending[end + len(CLOSE):]
+            pending = pending[end + len(close):]
     return arguments
 
 
@@ -77,7 +83,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     print(f"{'syntax':<10}{'chars':>8}{'tokens':>8}{'streamed us/tok':>17}{'at the end us/tok':>19}{'ratio':>8}")
-    for syntax in ("hermes", "qwen3_xml"):
+    for syntax in CLOSES:
         for size in args.sizes:
             text = answer(syntax, size)
             tokens = -(-len(text) // args.chars_per_token)

@@ -30,7 +30,6 @@ SEP = "<｜tool▁sep｜>"
 TAGS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 # V3 / R1: after the separator, the name's line, then the fence that opens the arguments.
 _NAME_AND_FENCE = re.compile(r"([^\n`]+)\n```(?:json)?[ \t]*\n\s*")
-_TRAILING_FENCE = re.compile(r"\s*`{0,3}\Z")
 
 
 @dataclass
@@ -71,4 +70,10 @@ class DeepSeekCallStream(JsonCallStream):
         back while it streams: an object that never closes does not take the fence in)."""
         if self._value_end is not None or self._in_string:
             return arguments
-        return _TRAILING_FENCE.sub("", arguments)
+        # (By hand, from the end: a regex anchored at the end still tries every position.)
+        end = len(arguments)
+        while end > len(arguments) - 3 and end and arguments[end - 1] == "`":
+            end -= 1
+        while end and arguments[end - 1].isspace():
+            end -= 1
+        return arguments if end == len(arguments) else arguments[:end]
