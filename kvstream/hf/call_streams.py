@@ -114,70 +114,108 @@ class CallStream(ABC):
 
 
 @dataclass
-class JsonCallStream(CallStream):
-    """A call written as JSON, ``{"name": ..., "arguments": {...}}`` (Hermes' tags, and the
-    JSON form in Qwen3-Coder's): the arguments object's text goes out as written, to its
-    closing brace (found by following its nesting, strings and escapes as it streams)."""
+class JsonFollower:
+    """Where a JSON object or list that begins at ``start`` of a growing text ends, followed
+    as the text grows (nesting, strings and escapes): each character is looked at once."""
 
-    _value_start: int | None = None  # where the arguments object begins in the body
-    _value_end: int | None = None  # just past its closing brace
-    _scanned: int = 0  # body characters followed so far
+    start: int
+    end: int | None = None  # just past its closing bracket, once read
+    in_string: bool = False  # the text so far ends inside a string
+    _at: int = -1  # characters followed so far (-1: none)
     _depth: int = 0
-    _in_string: bool = False
     _escaped: bool = False
-    _name: str = ""
 
-    def _progress(self, body: str) -> tuple[str, str] | None:
-        if self._value_start is None and not self._find_arguments(body):
-            return None
-        self._follow(body)
-        return self._name, body[self._value_start:self._value_end or len(body)]
-
-    def _find_arguments(self, body: str) -> bool:
-        head = _JSON_HEAD.match(body)
-        if head is None or not body[head.end():].startswith("{"):
-            return False  # arguments not begun, or not an object (a string...): read whole at the end
-        self._name, self._value_start = json.loads(head.group(1)), head.end()
-        self._scanned = head.end()
-        return True
-
-    def _follow(self, body: str) -> None:
-        """Follow the arguments object from where the last call stopped, to its end."""
-        at = self._scanned
-        while self._value_end is None and at < len(body):
-            char = body[at]
+    def follow(self, text: str) -> int | None:
+        """Follow ``text`` (the same text, grown) from where the last call stopped; the end, once read."""
+        at = self.start if self._at < 0 else self._at
+        while self.end is None and at < len(text):
+            char = text[at]
             at += 1
-            if self._in_string:
+            if self.in_string:
                 if self._escaped:
                     self._escaped = False
                 elif char == "\\":
                     self._escaped = True
                 elif char == '"':
-                    self._in_string = False
+                    self.in_string = False
             elif char == '"':
-                self._in_string = True
+                self.in_string = True
             elif char in "{[":
                 self._depth += 1
             elif char in "}]":
                 self._depth -= 1
                 if self._depth == 0:
-                    self._value_end = at
-        self._scanned = at
+                    self.end = at
+        self._at = at
+        return self.end
+
+    def value(self, text: str) -> str:
+        """The value's text as far as it went."""
+        return text[self.start:self.end or len(text)]
+
+
+@dataclass
+class JsonCallStream(CallStream):
+    """A call written as JSON, ``{"name": ..., "arguments": {...}}`` (Hermes' tags, and the
+    JSON form in Qwen3-Coder's): the arguments object's text goes out as written, to its
+    closing brace."""
+
+    _name: str = ""
+    _value: JsonFollower | None = None  # the arguments object, once it began
+
+    def _progress(self, body: str) -> tuple[str, str] | None:
+        if self._value is None and not self._find_arguments(body):
+            return None
+        self._value.follow(body)  # type: ignore[union-attr]
+        return self._name, self._value.value(body)  # type: ignore[union-attr]
+
+    def _begin(self, name: str, start: int) -> None:
+        """The call's name is read and its arguments object begins at ``start`` of the body."""
+        self._name, self._value = name, JsonFollower(start)
+
+    def _find_arguments(self, body: str) -> bool:
+        head = _JSON_HEAD.match(body)
+        if head is None or not body[head.end():].startswith("{"):
+            return False  # arguments not begun, or not an object (a string...): read whole at the end
+        self._begin(json.loads(head.group(1)), head.end())
+        return True
 
     def _whole(self, body: str, cut: bool) -> tuple[str, str] | None:
         if cut:
-            if self._value_start is None and not self._find_arguments(body):
+            if self._value is None and not self._find_arguments(body):
                 return _cut_json_call(body)
-            self._follow(body)  # (the object may have closed: what follows it is not arguments)
-            return self._name, body[self._value_start:self._value_end or len(body)]
+            self._value.follow(body)  # type: ignore[union-attr]  # (the object may have closed: what follows it is not arguments)
+            return self._name, self._value.value(body)  # type: ignore[union-attr]
         call = json_call(body)
         if call is None:
             return None
-        if self._value_start is not None or self._find_arguments(body):
-            self._follow(body)
-            if self._value_end is not None:  # the object as written, as it streamed
-                return call["name"], body[self._value_start:self._value_end]
+        if (self._value is not None or self._find_arguments(body)) and self._value.follow(body) is not None:  # type: ignore[union-attr]
+            return call["name"], self._value.value(body)  # type: ignore[union-attr]  # the object as written, as it streamed
         return call["name"], call_arguments(call)
+
+
+@dataclass
+class SeparatedCallStream(JsonCallStream):
+    """A call whose name comes before a ``separator`` and whose arguments object follows it,
+    ``name<separator>{...}`` (Mistral's ``[ARGS]``, DeepSeek-V3.1's ``<｜tool▁sep｜>``); a
+    body whose arguments never begin as an object holds no call."""
+
+    separator: str = ""
+
+    def _find_arguments(self, body: str) -> bool:
+        name, separator, rest = body.partition(self.separator)
+        bare = rest.lstrip()
+        if not separator or not name.strip() or not bare.startswith("{"):
+            return False
+        self._begin(name.strip(), len(body) - len(bare))
+        return True
+
+    def _whole(self, body: str, cut: bool) -> tuple[str, str] | None:
+        if self._value is None and not self._find_arguments(body):
+            return None
+        if self._value.follow(body) is not None or cut:  # type: ignore[union-attr]
+            return self._name, self._value.value(body)  # type: ignore[union-attr]
+        return self._name, self._value.value(body).rstrip()  # type: ignore[union-attr]  # never closed: as far as it went
 
 
 def _cut_json_call(body: str) -> tuple[str, str] | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvstream.hf.call_streams import JsonCallStream
+from kvstream.hf.call_streams import SeparatedCallStream
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -33,24 +33,17 @@ _NAME_AND_FENCE = re.compile(r"([^\n`]+)\n```(?:json)?[ \t]*\n\s*")
 
 
 @dataclass
-class DeepSeekCallStream(JsonCallStream):
+class DeepSeekCallStream(SeparatedCallStream):
     """One call's body between DeepSeek's call tags, V3's fenced form or V3.1's bare one."""
+
+    separator: str = SEP
 
     def _find_arguments(self, body: str) -> bool:
         head, sep, rest = body.partition(SEP)
-        if not sep:
-            return False
-        bare = rest.lstrip()
-        if bare.startswith("{"):  # V3.1: name<sep>{...}
-            name, start = head.strip(), len(body) - len(bare)
-        else:  # V3 / R1: type<sep>name, then the fence
-            fenced = _NAME_AND_FENCE.match(rest)
-            if fenced is None or not rest[fenced.end():].startswith("{"):
-                return False  # not certain yet (or arguments that are not an object: not a call)
-            name, start = fenced.group(1).strip(), len(head) + len(sep) + fenced.end()
-        if not name:
-            return False
-        self._name, self._value_start, self._scanned = name, start, start
+        fenced = _NAME_AND_FENCE.match(rest) if sep else None
+        if fenced is None or not fenced.group(1).strip() or not rest[fenced.end():].startswith("{"):
+            return super()._find_arguments(body)  # V3.1 (or not certain yet)
+        self._begin(fenced.group(1).strip(), len(head) + len(sep) + fenced.end())  # V3 / R1: type<sep>name, the fence
         return True
 
     def _progress(self, body: str) -> tuple[str, str] | None:
@@ -58,17 +51,13 @@ class DeepSeekCallStream(JsonCallStream):
         return None if progress is None else (progress[0], self._less_fence(progress[1]))
 
     def _whole(self, body: str, cut: bool) -> tuple[str, str] | None:
-        if self._value_start is None and not self._find_arguments(body):
-            return None
-        self._follow(body)
-        if self._value_end is not None:  # the object as written, as it streamed
-            return self._name, body[self._value_start:self._value_end]
-        return self._name, self._less_fence(body[self._value_start:])  # never closed: as far as it went
+        whole = super()._whole(body, cut)
+        return None if whole is None else (whole[0], self._less_fence(whole[1]))
 
     def _less_fence(self, arguments: str) -> str:
         """Arguments whose object has not closed, less what may be the fence after it (held
         back while it streams: an object that never closes does not take the fence in)."""
-        if self._value_end is not None or self._in_string:
+        if self._value is None or self._value.end is not None or self._value.in_string:
             return arguments
         # (By hand, from the end: a regex anchored at the end still tries every position.)
         end = len(arguments)

@@ -24,7 +24,7 @@ Mistral's models mark their calls with ``[TOOL_CALLS]`` (a control token, put ba
 by answer_reading.py), followed by a JSON list of ``{"name", "arguments"}`` (v0.3's tokenizer)
 or by ``name[ARGS]{...}``, one per mark (later ones); Granite 3.x's with ``<|tool_call|>`` and
 a JSON list (its templates: "respond with <|tool_call|> followed by a JSON list of tools
-used"). The text before the mark is content; what follows is held to the end.
+used"). The text before the mark is content; each call after it streams.
 
 Qwen3-Coder's templates (and Qwen3.5's) show the same tags around an XML body,
 ``<function=name><parameter=key>value</parameter></function>`` (xml_calls.py reads it, typed
@@ -45,7 +45,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstream.hf import deepseek_calls
-from kvstream.hf.call_streams import CallStream, JsonCallStream, call_arguments, call_entry, json_call
+from kvstream.hf.call_streams import (
+    CallStream,
+    JsonCallStream,
+    JsonFollower,
+    SeparatedCallStream,
+    call_arguments,
+    call_entry,
+    json_call,
+)
 from kvstream.hf.xml_calls import FUNCTION_END, FUNCTION_TAG, PARAMETER_TAG, XmlCallStream, parameter_schemas
 
 OPEN = "<tool_call>"
@@ -386,69 +394,114 @@ def _split_calls(body: str) -> list[str]:
 
 
 @dataclass
-class MarkedCallScanner:
+class MarkedCallScanner(_CallPieces):
     """One choice's text, where calls follow a ``mark`` (Mistral's ``[TOOL_CALLS]``,
-    Granite's ``<|tool_call|>``): the text before it streams as content, what follows is
-    read at the end."""
+    Granite's ``<|tool_call|>``): the text before it streams as content; after it, each call
+    streams as it is written (call_streams.py), whether the mark is followed by a JSON list
+    of ``{"name", "arguments"}`` objects or by ``name[ARGS]{...}`` (one call per mark). What
+    follows the calls, or text where the next call should be, is content; an answer whose
+    first call never begins is its text."""
 
     mark: str = MISTRAL_CALLS
-    calls: int = 0
-    _pending: str = ""
+    _pending: str = ""  # before the mark: text held back; after it: the text after the first mark
     _in_calls: bool = False
+    _form: str = ""  # after the mark: "list" or "args" once its first character says, "done" after the calls
+    _at: int = 0  # in _pending: where the call being read (or the next) begins
+    _call: JsonCallStream | None = None  # the call being read
+    _element: JsonFollower | None = None  # list form: the call object being read
 
     def feed(self, text: str) -> list[Piece]:
         self._pending += text
-        if self._in_calls:
-            return []
-        start = self._pending.find(self.mark)
-        if start >= 0:
+        if not self._in_calls:
+            start = self._pending.find(self.mark)
+            if start < 0:
+                keep = _tag_prefix_length(self._pending, self.mark)
+                head = self._pending[: len(self._pending) - keep]
+                if not head.strip():
+                    return []
+                self._pending = self._pending[len(head):]
+                return [Piece(text=head)]
             content = self._pending[:start].rstrip()
-            self._pending, self._in_calls = self._pending[start:], True
-            return [Piece(text=content)] if content else []
-        keep = _tag_prefix_length(self._pending, self.mark)
-        head = self._pending[: len(self._pending) - keep]
-        if not head.strip():
-            return []
-        self._pending = self._pending[len(head):]
-        return [Piece(text=head)]
+            self._pending, self._in_calls = self._pending[start + len(self.mark):], True
+            if content:
+                self._pieces.append(Piece(text=content))
+        self._read(end=False)
+        return self._take()
 
     def finish(self) -> list[Piece]:
-        text, self._pending = self._pending, ""
         if not self._in_calls:
+            text, self._pending = self._pending, ""
             return [Piece(text=text)] if text else []
-        calls = _marked_calls(text, self.mark)
-        if not calls:
-            return [Piece(text=text)]
-        self.calls = len(calls)
-        return [Piece(call=call) for call in calls]
+        self._read(end=True)
+        if not self.calls:  # no call began: the text as it was
+            self._pieces.append(Piece(text=self.mark + self._pending))
+        self._pending = ""
+        return self._take()
 
+    def _read(self, end: bool) -> None:
+        """Stream the calls in the text after the mark as far as it goes (``end``: all of it)."""
+        text = self._pending
+        if not self._form:
+            head = text.lstrip()
+            if not head:
+                return
+            self._form = "list" if head.startswith("[") else "args"
+            self._at = len(text) - len(head) + (self._form == "list")
+        while self._form != "done":
+            if self._form == "list":
+                more = self._read_element(text, end)
+            else:
+                more = self._read_marked(text, end)
+            if not more:
+                return
+        if end and text[self._at:].strip() and self.calls:  # what follows the calls
+            self._pieces.append(Piece(text=text[self._at:].strip()))
 
-def _marked_calls(text: str, mark: str) -> list[dict[str, Any]]:
-    """The calls after the ``mark``s of ``text``; [] unless all of it reads as calls."""
-    calls: list[dict[str, Any] | None] = []
-    for part in text.split(mark)[1:]:
-        part = part.strip()
-        if part.startswith("["):  # [{"name": ..., "arguments": {...}}, ...]
-            try:
-                listed = json.loads(part)
-            except ValueError:
-                return []
-            if not isinstance(listed, list):
-                return []
-            calls += [_call(json.dumps(item), len(calls) + i) for i, item in enumerate(listed)]
-        else:  # name[ARGS]{...}
-            name, marker, arguments = part.partition(MISTRAL_ARGS)
-            if not marker or not name.strip():
-                return []
-            # (arguments that are not JSON: cut short by max_tokens, kept as far as they went)
-            calls.append(_call(json.dumps({"name": name.strip(), "arguments": _json_or_text(arguments)}), len(calls)))
-    if not calls or any(call is None for call in calls):
-        return []
-    return calls  # type: ignore[return-value]
+    def _read_element(self, text: str, end: bool) -> bool:
+        """List form: the next call object; whether to go on."""
+        if self._call is None:
+            at = self._at
+            while at < len(text) and text[at] in " \t\r\n,":
+                at += 1
+            if at == len(text):
+                return False
+            self._at = at
+            if text[at] == "]":
+                self._form, self._at = "done", at + 1
+                return True
+            if text[at] != "{":
+                self._form = "done"  # not a call where one should be: the rest is content
+                return True
+            self._call, self._element = JsonCallStream(self.calls), JsonFollower(at)
+        closed = self._element.follow(text)  # type: ignore[union-attr]
+        body = text[self._at:closed or len(text)]
+        if closed is None and not end:
+            self._send(self._call.feed(body))
+            return False
+        deltas = self._call.close(body) if closed is not None else self._call.cut(body)
+        self._call = None
+        if deltas is None:  # an object that is not a call: it and the rest are content
+            self._form = "done"
+            return True
+        self._send(deltas)
+        self._at = closed if closed is not None else len(text)
+        return True
 
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text.strip()
+    def _read_marked(self, text: str, end: bool) -> bool:
+        """``name[ARGS]{...}`` form: the call up to the next mark (or the end); whether to go on."""
+        if self._call is None:
+            self._call = SeparatedCallStream(self.calls, separator=MISTRAL_ARGS)
+        after = text.find(self.mark, self._at)
+        if after < 0 and not end:
+            self._send(self._call.feed(text[self._at: len(text) - _prefix_length(text, self.mark)]))
+            return False
+        body = text[self._at:] if after < 0 else text[self._at:after]
+        deltas = self._call.close(body) if after >= 0 else self._call.cut(body)
+        self._call = None
+        if deltas is None:
+            self._form = "done"
+            return True
+        self._send(deltas)
+        self._at = len(text) if after < 0 else after + len(self.mark)
+        self._form = "done" if after < 0 else "args"
+        return True

@@ -30,7 +30,6 @@ MISTRAL_TEMPLATE = (FIXTURES / "mistral_tools.jinja").read_text()
 QWEN3_XML_TEMPLATE = (FIXTURES / "qwen3_xml_tools.jinja").read_text()
 GRANITE_TEMPLATE = (FIXTURES / "granite_tools.jinja").read_text()
 DEEPSEEK_TEMPLATE = (FIXTURES / "deepseek_tools.jinja").read_text()
-STREAMED = ("hermes", "qwen3_xml", "llama3_json")  # syntaxes whose calls stream (the others: read at the end)
 TEMPLATES = {"hermes": HERMES_TEMPLATE, "llama3_json": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE,
              "qwen3_xml": QWEN3_XML_TEMPLATE, "granite": GRANITE_TEMPLATE}
 
@@ -191,6 +190,34 @@ def test_mistral_calls_after_the_mark_in_either_form(step):
     assert cut["function"] == {"name": "f", "arguments": '{"x": "Pa'}
     for text in ("Plain [TOOL answer.", "[TOOL_CALLS] not a call", '[TOOL_CALLS] [{"name": "f", "argu'):
         assert scan(text, step, MarkedCallScanner()) == [(text, None)], text
+
+
+def test_marked_calls_stream_as_written_in_either_form():
+    """After the mark, each call's arguments go out as the model writes them: a JSON list's
+    elements one after another (Mistral v0.3, Granite), or ``name[ARGS]{...}`` per mark."""
+    code = '{"path": "a.py", "code": "x = [1, {\\"k\\": \\"]\\"}]"}'
+    listed = '[TOOL_CALLS] [{"name": "write", "arguments": ' + code + '}, {"name": "b", "arguments": {"y": 2}}]'
+    marked = "[TOOL_CALLS]write[ARGS]" + code + '[TOOL_CALLS]b[ARGS]{"y": 2}'
+    for text in (listed, marked):
+        scanner = MarkedCallScanner()
+        seen = sent_after_each(text, scanner)
+        begins = text.index(code)
+        assert seen[begins - 1] == "" and seen[begins] == "{"
+        for at in range(begins, begins + len(code)):
+            written = text[begins:at + 1]  # every character as it comes (in the marked form, less a "[" that may begin a mark)
+            assert seen[at] in (written, written.removesuffix("[") if text is marked else written)
+        assert seen[-1] == code + '{"y": 2}' and scanner.calls == 2  # (both calls' arguments, joined)
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_what_follows_marked_calls_or_breaks_them_is_content(step):
+    [(_, call), (rest, _)] = scan('[TOOL_CALLS][{"name": "f", "arguments": {}}]\nThat is all.', step, MarkedCallScanner())
+    assert call["function"] == {"name": "f", "arguments": "{}"} and rest == "That is all."
+    [(_, call), (rest, _)] = scan('[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"not": "a call"}]', step, MarkedCallScanner())
+    assert call["function"]["arguments"] == '{"x": 1}' and rest == '{"not": "a call"}]'  # what went out stands
+    [(_, a), (_, b)] = scan('[TOOL_CALLS][{"arguments": {"x": 1}, "name": "a"}, {"name": "b", "arguments": "{}"}]', step,
+                            MarkedCallScanner())
+    assert (a["function"], b["function"]) == ({"name": "a", "arguments": '{"x": 1}'}, {"name": "b", "arguments": "{}"})
 
 
 @pytest.mark.parametrize("step", [1, 4, 1000])
@@ -383,7 +410,7 @@ async def tools_oa(tools_proxy):
         yield client
 
 
-async def test_the_models_own_call_comes_back_as_tool_calls(tools_oa, request):
+async def test_the_models_own_call_comes_back_as_tool_calls(tools_oa):
     reply = await tools_oa.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40, temperature=0)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -401,12 +428,11 @@ async def test_the_models_own_call_comes_back_as_tool_calls(tools_oa, request):
     assert first.id.startswith("call_") and first.function.name == "get_weather" and first.index == 0
     assert all(m.id is None and m.function.name is None and m.index == 0 for m in more)
     assert first.function.arguments + "".join(m.function.arguments for m in more) == call.function.arguments
-    streams_arguments = request.node.callspec.params["tools_proxy"] in STREAMED
-    assert len(more) >= 3 if streams_arguments else not more
+    assert len(more) >= 3
     assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-async def test_the_openai_clients_stream_helper_sees_the_arguments_grow(tools_oa, request):
+async def test_the_openai_clients_stream_helper_sees_the_arguments_grow(tools_oa):
     """The official client's own stream accumulator (``chat.completions.stream``): its
     argument-delta events arrive piece by piece, and its final completion holds the call."""
     async with tools_oa.chat.completions.stream(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40,
@@ -416,8 +442,7 @@ async def test_the_openai_clients_stream_helper_sees_the_arguments_grow(tools_oa
     [call] = final.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     assert "".join(pieces) == call.function.arguments and final.choices[0].finish_reason == "tool_calls"
-    if request.node.callspec.params["tools_proxy"] in STREAMED:
-        assert len(pieces) >= 3
+    assert len(pieces) >= 3
 
 
 async def test_each_choice_of_n_streams_its_own_call(tools_oa):
