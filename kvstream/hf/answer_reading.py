@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstream.hf import deepseek_calls
+from kvstream.hf import deepseek_calls, pythonic_calls
 from kvstream.hf.reasoning import END_THINK, THINK, ThinkingScanner, opened_in_prompt, thinks
 from kvstream.hf.tool_call_syntax import (
     CLOSE,
@@ -22,7 +22,8 @@ from kvstream.hf.tool_call_syntax import (
     call_reading,
 )
 
-TAGS = (OPEN, CLOSE, PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS, GRANITE_CALLS, THINK, END_THINK, *deepseek_calls.TAGS)
+TAGS = (OPEN, CLOSE, PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS, GRANITE_CALLS, THINK, END_THINK, *deepseek_calls.TAGS,
+        pythonic_calls.PYTHON_START, pythonic_calls.PYTHON_END)
 PROMPT_TAIL_TOKENS = 16  # of the prompt, decoded to see whether it opened a thinking block
 
 

@@ -30,6 +30,16 @@ from kvstream.hf.tool_calls import call_id
 _JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
+@dataclass
+class Piece:
+    """What a scanner releases: content text, thinking, or one call (a ``tool_calls`` entry,
+    or a delta of one)."""
+
+    text: str = ""
+    call: dict[str, Any] | None = None
+    reasoning: bool = False  # thinking, not content (reasoning.py)
+
+
 def call_entry(name: str, arguments: Any, index: int) -> dict[str, Any]:
     """A whole ``tool_calls`` entry; ``arguments`` as given when a string, else as JSON."""
     return {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": _text(arguments)}}

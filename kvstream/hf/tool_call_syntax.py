@@ -30,8 +30,9 @@ Qwen3-Coder's templates (and Qwen3.5's) show the same tags around an XML body,
 ``<function=name><parameter=key>value</parameter></function>`` (xml_calls.py reads it, typed
 by the tool's schema); a bare ``<function=...>`` without them is a call too. DeepSeek's
 (V3, R1 and its distillations, V3.1) sit between ``<｜tool▁call▁begin｜>`` tags inside
-``<｜tool▁calls▁begin｜>`` ... ``<｜tool▁calls▁end｜>`` (deepseek_calls.py reads them). Other
-formats (pythonic lists...) are not read: text.
+``<｜tool▁calls▁begin｜>`` ... ``<｜tool▁calls▁end｜>`` (deepseek_calls.py reads them). The
+"pythonic" templates (Llama 3.2 and 4's, Gemma 3's) ask for a Python list of calls
+(pythonic_calls.py). Other formats are not read: text.
 
 While a tagged call is written, it streams out (call_streams.py).
 """
@@ -44,11 +45,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstream.hf import deepseek_calls
+from kvstream.hf import deepseek_calls, pythonic_calls
 from kvstream.hf.call_streams import (
     CallStream,
     JsonCallStream,
     JsonFollower,
+    Piece,
     SeparatedCallStream,
     call_arguments,
     call_entry,
@@ -65,20 +67,23 @@ MISTRAL_ARGS = "[ARGS]"
 LLAMA3_FORMAT = 'Respond in the format {"name": function name, "parameters"'
 PYTHON_TAG = "<|python_tag|>"
 # The syntaxes read, in the order a template is matched against them (call_syntax).
-SYNTAXES = ("qwen3_xml", "hermes", "llama3_json", "mistral", "granite", "deepseek")
+SYNTAXES = ("qwen3_xml", "hermes", "pythonic", "llama3_json", "mistral", "granite", "deepseek")
 
 
 def call_syntax(chat_template: Any) -> str | None:
     """The syntax the chat template (a string, or a tokenizer's named templates) shows the
     model for its calls: ``"hermes"`` (JSON in ``<tool_call>`` tags), ``"qwen3_xml"`` (XML in
     them), ``"llama3_json"``, ``"mistral"`` (``[TOOL_CALLS]``), ``"granite"``
-    (``<|tool_call|>``), ``"deepseek"``; None when the model's calls are not read."""
+    (``<|tool_call|>``), ``"deepseek"``, ``"pythonic"`` (a Python list of calls); None when
+    the model's calls are not read."""
     templates = [t for t in (chat_template.values() if isinstance(chat_template, dict) else [chat_template])
                  if isinstance(t, str)]
     if any(OPEN in t and FUNCTION_TAG in t and PARAMETER_TAG in t for t in templates):
         return "qwen3_xml"
     if any(OPEN in t for t in templates):
         return "hermes"
+    if any(pythonic_calls.FORMAT_HINT in t for t in templates):
+        return "pythonic"
     if any(LLAMA3_FORMAT in t for t in templates):
         return "llama3_json"
     if any(MISTRAL_CALLS in t for t in templates):
@@ -100,8 +105,10 @@ class CallReading:
     single_call: bool = False
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def scanner(self) -> ToolCallScanner | JsonCallScanner | MarkedCallScanner:
+    def scanner(self) -> ToolCallScanner | JsonCallScanner | MarkedCallScanner | pythonic_calls.PythonicCallScanner:
         """A fresh scanner for one choice's text."""
+        if self.syntax == "pythonic":
+            return pythonic_calls.PythonicCallScanner()
         if self.syntax == "hermes":
             return ToolCallScanner()
         if self.syntax == "qwen3_xml":
@@ -158,15 +165,6 @@ def _call(body: str, index: int) -> dict[str, Any] | None:
     None if it holds no call."""
     call = json_call(body)
     return None if call is None else call_entry(call["name"], call_arguments(call), index)
-
-
-@dataclass
-class Piece:
-    """What a scanner releases: content text, thinking, or one call (a ``tool_calls`` entry)."""
-
-    text: str = ""
-    call: dict[str, Any] | None = None
-    reasoning: bool = False  # thinking, not content (reasoning.py)
 
 
 @dataclass
