@@ -44,7 +44,7 @@ SCHEMA = {
     },
 }
 
-# A tool of the kind agents call; a forced call holds the answer to {"name", "arguments"}.
+# A tool of the kind agents call; a forced call naming it holds the answer to its arguments schema.
 TOOL = {"type": "function", "function": {"name": "search_products", "parameters": {"type": "object", "properties": {
     "query": {"type": "string", "maxLength": 40}, "category": {"enum": ["books", "electronics", "food", "clothing"]},
     "max_price": {"type": "number"}, "in_stock": {"type": "boolean"}}}}}

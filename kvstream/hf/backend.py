@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 from kvstream.backends.base import Capabilities, InProcessBackend
 from kvstream.config import Settings
 from kvstream.hf.answer_reading import AnswerReader, AnswerReading, answer_reading
-from kvstream.hf.call_streams import JsonCallStream
+from kvstream.hf.call_streams import ArgumentsCallStream, JsonCallStream, call_entry
+from kvstream.hf.tool_calls import ForcedNames
 from kvstream.scheduler import Scheduler, SchedulerError, Sequence
 from kvstream.types import (
     BackendError,
@@ -108,13 +109,14 @@ class HFStream:
 
     def __init__(
         self, backend: HFBackend, seq: Sequence, token_bytes: TokenBytes | None = None, echo: str | None = None,
-        tool_call: bool = False, reading: AnswerReading | None = None,
+        tool_call: ForcedNames | None = None, reading: AnswerReading | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._token_bytes = token_bytes  # spells each token's log-probabilities, when asked for
         self._echo = echo  # the prompt's text, sent first in every choice (echo); None once sent
-        # A forced tool call: each choice's text is the call's JSON, streamed out as tool_calls
-        # deltas as it is written (call_streams.py); text only if it never becomes a call.
+        # A forced tool call: each choice's text is the call's JSON (a named call's: its
+        # arguments alone), streamed out as tool_calls deltas as it is written (call_streams.py).
+        self._forced_names = tool_call
         self._calls: dict[int, tuple[str, JsonCallStream]] | None = {} if tool_call else None
         # A reasoning model's thinking, tools the model may call (tool_choice "auto"): each
         # choice's text is read for them as it streams (answer_reading.py).
@@ -230,17 +232,27 @@ class HFStream:
         """Choice ``index``'s forced call, ``text`` further: the tool_calls deltas that makes
         certain (the call's JSON streams out as it is written)."""
         assert self._calls is not None
-        body, stream = self._calls.pop(index, None) or ("", JsonCallStream(0))
+        body, stream = self._calls.pop(index, None) or ("", self._forced_stream())
         self._calls[index] = (body + text, stream)
         return [Token(delta={"tool_calls": [delta]}, index=index) for delta in stream.feed(body + text)]
 
+    def _forced_stream(self) -> JsonCallStream:
+        names = self._forced_names
+        assert names is not None
+        return ArgumentsCallStream(0, name=names.names[0]) if names.named else JsonCallStream(0)
+
     def _end_forced(self, index: int, text: str, finish_reason: str) -> tuple[list[Token], bool]:
-        """The end of choice ``index``'s forced call: its last deltas, or its text if it never
-        became a call (cut before its arguments began); and whether it is a call."""
-        assert self._calls is not None
-        body, stream = self._calls.pop(index, None) or ("", JsonCallStream(0))
+        """The end of choice ``index``'s forced call: its last deltas, or, cut before its
+        arguments began, the call with none where its function is known, else its text; and
+        whether it is a call."""
+        from kvstream.hf.tool_calls import cut_call_name
+
+        assert self._calls is not None and self._forced_names is not None
+        body, stream = self._calls.pop(index, None) or ("", self._forced_stream())
         body += text
         deltas = stream.cut(body) if finish_reason == "length" else stream.close(body)
+        if deltas is None and finish_reason == "length" and (name := cut_call_name(body, self._forced_names.names)):
+            deltas = [call_entry(name, "", 0)]
         if deltas is None:
             return ([Token(text=body, index=index)] if body else []), False
         return [Token(delta={"tool_calls": [delta]}, index=index) for delta in deltas], True
@@ -557,6 +569,7 @@ class HFBackend(InProcessBackend):
 
     def submit(self, request: GenerateRequest, seq: Sequence) -> HFStream:
         from kvstream.hf.request_options import forces_call
+        from kvstream.hf.tool_calls import forced_names
 
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
@@ -565,7 +578,8 @@ class HFBackend(InProcessBackend):
         if request.echo:
             echo = request.prompt if request.prompt_token_ids is None else self.runner.tokenizer.decode(request.prompt_token_ids)
         stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None, echo,
-                          tool_call=forces_call(request), reading=self._answer_reading(request, seq))
+                          tool_call=forced_names(request.extra.get("tools"), request.extra.get("tool_choice")) if forces_call(request) else None,
+                          reading=self._answer_reading(request, seq))
         self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
         return stream
 

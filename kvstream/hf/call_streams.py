@@ -6,7 +6,8 @@ in pieces as they are written, all of them joined being the call's arguments. An
 shows a file being written through a tool call sees it grow instead of waiting for the
 whole call; a non-streamed answer joins the same pieces.
 
-Used for the calls in ``<tool_call>`` tags, Llama 3's bare JSON call and forced calls.
+Used for the calls in ``<tool_call>`` tags (and DeepSeek's, Mistral's...), Llama 3's bare
+JSON call and forced calls.
 What has been sent cannot be taken back, so only what is certain goes out: a JSON call's
 arguments are streamed once ``{"name": ..., "arguments": {`` has been read (the text of the
 object as the model writes it, to its closing brace); an XML call's (xml_calls.py) once
@@ -202,6 +203,27 @@ class JsonCallStream(CallStream):
         if (self._value is not None or self._find_arguments(body)) and self._value.follow(body) is not None:  # type: ignore[union-attr]
             return call["name"], self._value.value(body)  # type: ignore[union-attr]  # the object as written, as it streamed
         return call["name"], call_arguments(call)
+
+
+@dataclass
+class ArgumentsCallStream(JsonCallStream):
+    """A call whose name is known before a word of it is written (a forced call naming its
+    function): the body is its arguments object alone, and the header goes out with the
+    first token."""
+
+    name: str = ""
+
+    def _progress(self, body: str) -> tuple[str, str] | None:
+        if self._value is None:
+            bare = body.lstrip()
+            if not bare.startswith("{"):
+                return self.name, ""
+            self._begin(self.name, len(body) - len(bare))
+        self._value.follow(body)  # type: ignore[union-attr]
+        return self.name, self._value.value(body)  # type: ignore[union-attr]
+
+    def _whole(self, body: str, cut: bool) -> tuple[str, str] | None:
+        return self._progress(body)
 
 
 @dataclass

@@ -1,9 +1,12 @@
 """Forced tool calls on the in-process engine: ``tool_choice: "required"`` or a named function.
 
-The call is structured output: the answer is held to the JSON schema of a call,
-``{"name": <one of the tools>, "arguments": <that tool's parameters>}`` (json_schema.py), and
-comes back as OpenAI's ``tool_calls`` (``finish_reason: "tool_calls"``, no content), as
-vLLM serves a forced call; streamed, its arguments go out as they are written (call_streams.py). The model sees the tools where its chat template renders them;
+The call is structured output (json_schema.py): a choice naming the function holds the
+answer to that function's parameters, the arguments alone (the name is the request's, as vLLM
+serves a named call: no tokens spent writing it, and the call is certain from the first
+token); ``"required"`` to the schema of any one call, ``{"name": <one of the tools>,
+"arguments": <that tool's parameters>}``. It comes back as OpenAI's ``tool_calls``
+(``finish_reason: "tool_calls"``, no content); streamed, its arguments go out as they are
+written (call_streams.py). The model sees the tools where its chat template renders them;
 where it does not, the schema still holds the call to the tool's parameters, as a
 ``response_format`` schema does.
 
@@ -13,7 +16,9 @@ text where its template shows one (tool_call_syntax.py).
 
 from __future__ import annotations
 
+import re
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 from kvstream.types import BackendRejected
@@ -37,23 +42,45 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
     return functions
 
 
-def forced_call_schema(tools: Any, choice: Any) -> dict[str, Any] | None:
-    """The JSON schema the answer is held to when ``choice`` forces a call; None when the
-    model may answer in text (``"auto"``, ``"none"``, no choice). BackendRejected (400) for a
-    choice naming no listed function, or a tool whose parameters reuse another's ``$defs`` name."""
+@dataclass(frozen=True)
+class ForcedNames:
+    """The functions a forced call may be; ``named``: the choice names it (``names`` is that
+    one), and the answer's text is its arguments alone."""
+
+    names: tuple[str, ...]
+    named: bool
+
+
+def forced_names(tools: Any, choice: Any) -> ForcedNames | None:
+    """Which functions ``choice`` forces the call to be; None when the model may answer in
+    text (``"auto"``, ``"none"``, no choice). BackendRejected (400) for a choice naming no
+    listed function, or one that is not a choice."""
     if choice is None or choice in ("auto", "none"):
         return None
     functions = _functions(tools)
     if choice == "required":
-        names = list(functions)
-    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        return ForcedNames(tuple(functions), named=False)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in functions:
             raise _invalid(f"Invalid value for 'tool_choice': no function named {name!r} in 'tools'.")
-        names = [name]
-    else:
-        raise _invalid("Invalid value for 'tool_choice': 'none', 'auto', 'required' or {\"type\": \"function\", "
-                       "\"function\": {\"name\": ...}}.")
+        return ForcedNames((name,), named=True)
+    raise _invalid("Invalid value for 'tool_choice': 'none', 'auto', 'required' or {\"type\": \"function\", "
+                   "\"function\": {\"name\": ...}}.")
+
+
+def forced_call_schema(tools: Any, choice: Any) -> dict[str, Any] | None:
+    """The JSON schema the answer is held to when ``choice`` forces a call: a named function's
+    parameters, or (``"required"``) any one call of the tools; None when the model may answer
+    in text. BackendRejected (400) as forced_names, or for tools whose parameters reuse
+    another's ``$defs`` name differently."""
+    forced = forced_names(tools, choice)
+    if forced is None:
+        return None
+    functions = _functions(tools)
+    if forced.named:
+        return dict(functions[forced.names[0]].get("parameters") or {"type": "object"})
+    names = forced.names
     definitions: dict[str, Any] = {}
     calls = []
     for name in names:
@@ -71,6 +98,21 @@ def forced_call_schema(tools: Any, choice: Any) -> dict[str, Any] | None:
         key, def_name = path.split("/", 1)
         schema.setdefault(key, {})[def_name] = definition
     return schema
+
+
+_PARTIAL_NAME = re.compile(r'\s*\{\s*(?:"name"\s*:\s*"((?:[^"\\]|\\.)*))?')
+
+
+def cut_call_name(body: str, names: tuple[str, ...]) -> str | None:
+    """The function a ``{"name": ..., "arguments": ...}`` call cut short before its arguments
+    began is calling: the one of ``names`` its name so far begins (or the only one); None
+    where that is not one function."""
+    head = _PARTIAL_NAME.match(body)
+    if head is None:
+        return None
+    written = head.group(1) or ""
+    candidates = [name for name in names if name.startswith(written)]
+    return candidates[0] if len(candidates) == 1 else None
 
 
 def call_id() -> str:

@@ -12,8 +12,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from kvstream.hf.call_streams import JsonCallStream
-from kvstream.hf.tool_calls import forced_call_schema
+from kvstream.hf.call_streams import ArgumentsCallStream, JsonCallStream
+from kvstream.hf.tool_calls import ForcedNames, cut_call_name, forced_call_schema, forced_names
 from kvstream.types import BackendRejected
 from tests.conftest import require_import
 
@@ -41,9 +41,11 @@ class Person(BaseModel):
 
 
 def test_the_forced_call_schema():
+    # A named function: its arguments alone (the name is the request's, as vLLM serves it).
     named = forced_call_schema([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}})
-    assert named == {"type": "object", "properties": {"name": {"const": "get_time"},
-                                                       "arguments": TIME["function"]["parameters"]}}
+    assert named == TIME["function"]["parameters"]
+    assert forced_names([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}) == ForcedNames(("get_time",), True)
+    assert forced_names([WEATHER, TIME], "required") == ForcedNames(("get_weather", "get_time"), False)
     required = forced_call_schema([WEATHER, TIME], "required")
     assert [o["properties"]["name"]["const"] for o in required["anyOf"]] == ["get_weather", "get_time"]
     assert forced_call_schema([WEATHER], "auto") is None and forced_call_schema([WEATHER], "none") is None
@@ -52,6 +54,7 @@ def test_the_forced_call_schema():
     tool = openai.pydantic_function_tool(Person)
     schema = forced_call_schema([tool], "required")
     assert "Address" in schema["$defs"] and "$defs" not in schema["properties"]["arguments"]
+    assert "Address" in forced_call_schema([tool], {"type": "function", "function": {"name": "Person"}})["$defs"]  # already at the root
     for tools, choice in (
         ([], "required"),  # nothing to call
         ([WEATHER], {"type": "function", "function": {"name": "nope"}}),
@@ -72,6 +75,17 @@ def test_a_call_is_read_whole_or_as_far_as_it_went():
     assert cut["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
     assert JsonCallStream(0).cut('{"name": "get_wea') is None and JsonCallStream(0).cut("") is None
     assert JsonCallStream(0).close('{"name": "get_wea') is None and JsonCallStream(0).close("") is None
+    # A named call's body is its arguments alone: a call from its first token.
+    [header] = ArgumentsCallStream(0, name="get_weather").feed("{")
+    assert header["function"] == {"name": "get_weather", "arguments": "{"}
+    [whole] = ArgumentsCallStream(0, name="get_weather").close(' {"city": "Paris"} ')
+    assert whole["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    [cut] = ArgumentsCallStream(0, name="f").cut("")
+    assert cut["function"] == {"name": "f", "arguments": ""}
+    # "required", cut before the arguments: the call where its name so far says which.
+    assert cut_call_name('{\n"name": "get_w', ("get_weather", "get_time")) == "get_weather"
+    assert cut_call_name('{"name": "get_', ("get_weather", "get_time")) is None
+    assert cut_call_name("{", ("only",)) == "only" and cut_call_name("", ("a", "b")) is None
 
 
 async def test_a_named_call_comes_back_as_tool_calls(oa):
@@ -123,23 +137,26 @@ async def test_the_official_parse_helper_reads_the_call_into_its_model(oa):
 
 
 async def test_a_call_cut_by_max_tokens_is_partial_and_says_length(oa):
-    """Cut before its name is whole, the answer is the text so far; after, a call whose
-    arguments go as far as they went (as OpenAI's do). The full call takes 45 tokens."""
-    partial_calls = 0
-    for max_tokens in (12, 24, 30, 36):
+    """A named call is a call from its first token: cut anywhere, its arguments go as far as
+    they went (as OpenAI's do). "required" with two tools, cut before the name says which:
+    the text so far."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = await oa.chat.completions.create(model="smollm2", messages=MESSAGES, tools=[WEATHER], max_tokens=60,
+                                             temperature=0, tool_choice=named)
+    arguments = whole.choices[0].message.tool_calls[0].function.arguments
+    for max_tokens in (1, 3, 6, 10):
         reply = await oa.chat.completions.create(
-            model="smollm2", messages=MESSAGES, tools=[WEATHER], max_tokens=max_tokens, temperature=0,
-            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+            model="smollm2", messages=MESSAGES, tools=[WEATHER], max_tokens=max_tokens, temperature=0, tool_choice=named)
         choice = reply.choices[0]
-        assert choice.finish_reason == "length"
-        if choice.message.tool_calls is None:
-            assert choice.message.content.lstrip().startswith('{') and "arguments" not in choice.message.content
-            continue
-        partial_calls += 1
-        assert choice.message.tool_calls[0].function.name == "get_weather"
+        assert choice.finish_reason == "length" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and arguments.startswith(call.function.arguments)  # greedy
         with pytest.raises(ValueError):
-            json.loads(choice.message.tool_calls[0].function.arguments)
-    assert partial_calls
+            json.loads(call.function.arguments)
+    cut = await oa.chat.completions.create(model="smollm2", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=1,
+                                           temperature=0, tool_choice="required")
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
+    assert cut.choices[0].message.content.lstrip() == "{"
 
 
 @pytest.mark.parametrize(
@@ -161,3 +178,33 @@ async def test_calls_that_cannot_be_forced_are_400s_naming_the_field(oa, kwargs,
 async def test_auto_is_still_refused_where_the_template_drops_the_tools(oa):
     with pytest.raises(openai.BadRequestError, match="does not support tools"):
         await oa.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=8, tools=[WEATHER])
+
+
+async def test_a_client_leaving_in_the_middle_of_a_streamed_call_frees_everything(hf_proxy, oa):
+    """The client closes its stream after the call's first deltas (an agent cancelled while
+    a long argument is written): the sequence is aborted, its blocks freed, nothing else
+    disturbed; the next call streams whole."""
+    import aiohttp
+
+    from tests.hf.test_serving import wait_idle
+
+    note = {"type": "function", "function": {"name": "write_note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Write a long note about the sea."}],
+            "tools": [note], "tool_choice": {"type": "function", "function": {"name": "write_note"}},
+            "max_tokens": 300, "temperature": 0, "stream": True}
+    runner = hf_proxy.engine.backend.runner
+    before = runner.counters.decode_tokens
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(hf_proxy.v1 + "/chat/completions", json=body)
+        seen = 0
+        async for line in resp.content:
+            seen += b'"tool_calls"' in line
+            if seen >= 3:  # the header and a couple of argument pieces
+                break
+        resp.close()
+    await wait_idle(hf_proxy)
+    assert runner.counters.decode_tokens - before < 300
+    stream = await oa.chat.completions.create(**{**body, "max_tokens": 20})
+    parts = [c.choices[0].delta.tool_calls[0] async for c in stream if c.choices and c.choices[0].delta.tool_calls]
+    assert parts[0].function.name == "write_note" and parts[0].function.arguments.startswith("{")
