@@ -73,7 +73,7 @@ class BackendSettings(_Section):
     gguf_file: str | None = Field(None, description="hf: the .gguf file inside the --model folder, for transformers' GGUF loader")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="hf: where the model runs; auto = cuda when available")
     threads: int | None = Field(None, ge=1, description="hf: torch CPU threads; none = torch's default")
-    chat_template: Path | None = Field(None, description="hf: a Jinja chat template file used instead of the model's own (vLLM's --chat-template, llama-server's --chat-template-file): for a model whose template does not show it tools, e.g. DeepSeek-R1's distillations")
+    chat_template: Path | None = Field(None, description="hf, or a llama-server KVStream starts: a Jinja chat template file used instead of the model's own (vLLM's --chat-template, llama-server's --chat-template-file): for a model whose template does not show it tools, e.g. DeepSeek-R1's distillations")
     tool_call_syntax: Literal["auto", "hermes", "qwen3_xml", "llama3_json", "mistral", "granite", "deepseek", "pythonic", "none"] = Field(
         "auto", description="hf: how the model's own tool calls are read from its text (vLLM's --tool-call-parser); auto = the syntax its chat template shows; none = never (calls stay text)")
 

@@ -50,7 +50,7 @@ def test_flags_that_would_do_nothing_are_refused_with_one_line(tmp_path):
         (["--backend", "llamacpp", "--backend-url", "http://127.0.0.1:9", "--dtype", "float16"], "--dtype is for --backend hf; the llamacpp backend would ignore it"),
         (["--backend", "ollama", "--attention-backend", "flex"], "--attention-backend is for --backend hf; the ollama backend would ignore it"),
         (["--backend", "ollama", "--staging", "copy"], "--staging is for --backend hf; the ollama backend would ignore it"),
-        (["--backend", "ollama", "--chat-template", "t.jinja"], "--chat-template is for --backend hf; the ollama backend would ignore it"),
+        (["--backend", "ollama", "--chat-template", "t.jinja"], "--chat-template is for --backend hf or llamacpp; the ollama backend would ignore it"),
         (["--backend", "hf", "--slot-save-path", str(tmp_path)], "--slot-save-path is for --backend llamacpp; the hf backend would ignore it"),
         (["--backend", "hf", "--keep-first-k", "1"], "--keep-first-k needs --awq-streaming (awq.streaming); without it the flag would be ignored"),
         # auto may pick hf: only the streaming rule applies

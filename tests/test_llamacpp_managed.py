@@ -11,6 +11,7 @@ import sys
 import urllib.request
 import json
 
+import aiohttp
 import openai
 import pytest
 
@@ -74,3 +75,28 @@ def test_kvstream_serve_with_a_gguf_starts_answers_and_cleans_up(tmp_path):
         output = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0, output
     assert not alive(child), "llama-server outlived KVStream"
+
+
+async def test_a_chat_template_file_reaches_the_llama_server_kvstream_starts(start_proxy, tmp_path):
+    """``chat_template`` with a managed llama-server: started with --jinja --chat-template-file,
+    so the prompt is that template's (its count in the usage too); with a server of one's own,
+    refused at once, saying what to do instead."""
+    llama_server_binary()
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\nTemplated here: {{ m.content }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    backend = LlamaCppBackend(None, str(smollm2_gguf()), slot_save_path=str(tmp_path), chat_template=str(template))
+    command = backend.runtime.command()
+    assert command[command.index("--chat-template-file") + 1] == str(template.resolve()) and "--jinja" in command
+    proxy = await start_proxy(backend)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(proxy.url + "/apply-template", json={"messages": [{"role": "user", "content": "Hi"}]}) as resp:
+                rendered = (await resp.json())["prompt"]
+        assert rendered == "<|im_start|>user\nTemplated here: Hi<|im_end|>\n<|im_start|>assistant\n"
+    finally:
+        await backend.close()
+    with pytest.raises(ValueError, match="start yours with --jinja --chat-template-file"):
+        LlamaCppBackend("http://127.0.0.1:9", None, chat_template=str(template))
+    with pytest.raises(ValueError, match="no such file"):
+        LlamaCppBackend(None, str(smollm2_gguf()), chat_template=str(tmp_path / "missing.jinja"))

@@ -39,7 +39,7 @@ def _load(cli: dict[str, dict[str, Any]], config: Path | None) -> LoadedSettings
 # every setting, whichever backend runs.)
 HF_FLAGS = {
     ("backend", "gguf_file"): "--gguf-file", ("backend", "device"): "--device", ("memory", "dtype"): "--dtype",
-    ("backend", "chat_template"): "--chat-template", ("backend", "tool_call_syntax"): "--tool-call-syntax",
+    ("backend", "tool_call_syntax"): "--tool-call-syntax",
     ("memory", "kv_dtype"): "--kv-dtype", ("memory", "half_weights"): "--half-weights/--no-half-weights",
     ("memory", "kv_cache_bytes"): "--max-cache-bytes", ("memory", "host_cache_bytes"): "--host-cache-bytes",
     ("memory", "kv_cache_bits"): "--kv-cache-bits", ("memory", "disk_cache_dir"): "--disk-cache-dir",
@@ -52,6 +52,8 @@ STREAMING_FLAGS = {
     ("awq", "stream_embeddings"): "--stream-embeddings",
 }
 LLAMACPP_FLAGS = {("backend", "slot_save_path"): "--slot-save-path"}
+# Flags for the in-process engine or a llama-server KVStream starts.
+MODEL_FLAGS = {("backend", "chat_template"): "--chat-template"}
 
 
 def inert_flag(cli: dict[str, dict[str, Any]], settings: Any) -> str | None:
@@ -63,6 +65,9 @@ def inert_flag(cli: dict[str, dict[str, Any]], settings: Any) -> str | None:
         stray = [flag for where, flag in flags.items() if where in given]
         if stray and kind not in (backend, "auto"):
             return f"{stray[0]} is for --backend {backend}; the {kind} backend would ignore it"
+    stray = [flag for where, flag in MODEL_FLAGS.items() if where in given]
+    if stray and kind not in ("hf", "llamacpp", "auto"):
+        return f"{stray[0]} is for --backend hf or llamacpp; the {kind} backend would ignore it"
     stray = [flag for where, flag in STREAMING_FLAGS.items() if where in given]
     if stray and not settings.awq.streaming:
         return f"{stray[0]} needs --awq-streaming (awq.streaming); without it the flag would be ignored"
@@ -76,7 +81,7 @@ def serve(
     routing: Annotated[Optional[str], typer.Option(help="with several replicas: cache_aware | least_loaded | round_robin")] = None,
     model: Annotated[Optional[str], typer.Option(help="model to serve (default: the runtime's); llamacpp: a .gguf to run; hf: a folder, hub id or .gguf (default: the embedded SmolLM2)")] = None,
     gguf_file: Annotated[Optional[str], typer.Option(help="hf: the .gguf file inside the --model folder")] = None,
-    chat_template: Annotated[Optional[Path], typer.Option(help="hf: a Jinja chat template file to use instead of the model's own")] = None,
+    chat_template: Annotated[Optional[Path], typer.Option(help="hf, or llamacpp with --model FILE.gguf: a Jinja chat template file to use instead of the model's own")] = None,
     tool_call_syntax: Annotated[Optional[str], typer.Option(help="hf: how the model's tool calls are read: auto (what its template shows) | hermes | qwen3_xml | llama3_json | mistral | granite | deepseek | pythonic | none")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="hf: auto | float32 | float16 | bfloat16")] = None,
     device: Annotated[Optional[str], typer.Option(help="hf: auto | cpu | cuda")] = None,

@@ -61,6 +61,12 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         self._runtime_restarts = 0
         self._background: set[asyncio.Task[None]] = set()
         self.conversations = ConversationTokenCache()
+        chat_template = self.settings.backend.chat_template
+        if chat_template is not None and base_url:
+            raise ValueError("--chat-template applies to a llama-server KVStream starts (--model FILE.gguf); "
+                             "start yours with --jinja --chat-template-file instead")
+        if chat_template is not None and not Path(chat_template).is_file():
+            raise ValueError(f"--chat-template {chat_template}: no such file")
         if not base_url:
             gguf = Path(model) if model else embedded_model()
             if gguf is None or not gguf.is_file():
@@ -73,6 +79,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                 slots=self.settings.backend.managed_slots,
                 ctx=self.settings.backend.managed_ctx,
                 slot_save_path=self.slot_save_path,
+                chat_template=Path(chat_template).resolve() if chat_template is not None else None,
             )
             self.slot_save_path = self.runtime.slot_save_path
             self.model = self.runtime.alias

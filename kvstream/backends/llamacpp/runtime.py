@@ -85,10 +85,12 @@ class ManagedLlamaServer:
         ctx: int = 4096,
         threads: int | None = None,
         slot_save_path: Path | None = None,
+        chat_template: Path | None = None,
         extra_args: list[str] | None = None,
         binary: str | None = None,
     ) -> None:
         self.model = model
+        self.chat_template = chat_template  # a Jinja template file instead of the GGUF's own
         self.slots = slots
         self.ctx = ctx
         # One thread by default: measured here, a 2-thread server's decode collapses from
@@ -114,6 +116,7 @@ class ManagedLlamaServer:
             "--host", "127.0.0.1", "--port", str(self.port),
             "-np", str(self.slots), "-c", str(self.ctx), "-t", str(self.threads),
             "--slot-save-path", str(self.slot_save_path), "--metrics", "--no-webui",
+            *(["--jinja", "--chat-template-file", str(self.chat_template)] if self.chat_template else []),
             *self.extra_args,
         ]
 
