@@ -100,3 +100,19 @@ async def test_a_chat_template_file_reaches_the_llama_server_kvstream_starts(sta
         LlamaCppBackend("http://127.0.0.1:9", None, chat_template=str(template))
     with pytest.raises(ValueError, match="no such file"):
         LlamaCppBackend(None, str(smollm2_gguf()), chat_template=str(tmp_path / "missing.jinja"))
+
+
+async def test_the_responses_api_reaches_llama_servers_own(start_proxy, tmp_path):
+    """In front of a llama-server (which serves /v1/responses itself) the official client's
+    responses.create passes through to it, admitted like any generation."""
+    llama_server_binary()
+    backend = LlamaCppBackend(None, str(smollm2_gguf()), slot_save_path=str(tmp_path))
+    proxy = await start_proxy(backend)
+    try:
+        async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as client:
+            reply = await client.responses.create(model="SmolLM2-135M-Instruct.Q4_1", input="Say hi", max_output_tokens=8,
+                                                  temperature=0)
+        assert reply.output_text and reply.usage.output_tokens <= 8
+        assert proxy.engine.stats.requests_finished == 1
+    finally:
+        await backend.close()

@@ -66,6 +66,7 @@ def chat_token_ids(
     ``tools`` (OpenAI's function definitions) rendered as the template renders them,
     ``template_kwargs`` passed to the template (e.g. Qwen3's ``enable_thinking``).
 
+    Content given as a list of text parts reaches it as one string (``_text_content``).
     Earlier calls' arguments reach the template as objects (template_messages), as most
     templates expect them; a template that fails on that form (DeepSeek's concatenate them
     as strings) gets them as the JSON strings the client sent."""
@@ -77,6 +78,7 @@ def chat_token_ids(
             **(template_kwargs or {}))
         return list(ids["input_ids"] if hasattr(ids, "get") else ids)  # some versions return a BatchEncoding
 
+    messages = [_text_content(message) for message in messages]
     converted = template_messages(messages)
     if converted == messages:
         return render(messages)
@@ -84,6 +86,19 @@ def chat_token_ids(
         return render(converted)
     except Exception:  # noqa: BLE001 - whatever the template raised, the client's own form is tried next
         return render(messages)
+
+
+def _text_content(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose content is a list of text parts only (OpenAI's typed content, as SDKs
+    send it), with that content as one string, the parts joined by newlines (as vLLM renders
+    it for templates that take a string): most templates concatenate ``content`` as text.
+    Content with other parts (images) is left as it is, for the template to take or refuse."""
+    content = message.get("content")
+    if not isinstance(content, list) or not content:
+        return message
+    if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
+        return message
+    return {**message, "content": "\n".join(part["text"] for part in content)}
 
 
 def read_chat_template(path: Path) -> str:

@@ -1,0 +1,182 @@
+"""OpenAI's Responses API on the in-process engine, driven by the official client
+(``responses.create``, ``responses.stream``, ``responses.parse``): text, thinking, forced and
+the model's own function calls, a conversation continued with ``function_call_output``
+items, structured output, and the 400s; the same answers and token counts as the chat
+route gives the same request."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+from tests.conftest import require_import
+from tests.hf.conftest import templated_proxy
+
+require_import("torch")
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+
+
+async def test_text_whole_and_streamed_as_the_chat_route_answers_it(oa):
+    """``instructions`` is the system message, ``max_output_tokens`` the budget: the same
+    greedy text and token counts as /v1/chat/completions; streamed, the events OpenAI sends,
+    in order, numbered from 0, and the client's stream helper rebuilds the same response."""
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2+2?"}]
+    chat = await oa.chat.completions.create(model="smollm2", messages=messages, max_tokens=40, temperature=0)
+    reply = await oa.responses.create(model="smollm2", instructions="Answer briefly.", input="What is 2+2?",
+                                      max_output_tokens=40, temperature=0)
+    assert reply.object == "response" and reply.id.startswith("resp_") and reply.model == "smollm2"
+    assert reply.output_text == chat.choices[0].message.content
+    assert reply.status == ("completed" if chat.choices[0].finish_reason == "stop" else "incomplete")
+    [message] = reply.output
+    assert message.type == "message" and message.role == "assistant" and message.content[0].type == "output_text"
+    assert (reply.usage.input_tokens, reply.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert reply.usage.total_tokens == chat.usage.total_tokens and reply.store is False
+
+    async with oa.responses.stream(model="smollm2", instructions="Answer briefly.",
+                                   input=[{"role": "user", "content": [{"type": "input_text", "text": "What is 2+2?"}]}],
+                                   max_output_tokens=40, temperature=0) as stream:
+        events = [event async for event in stream]
+        final = await stream.get_final_response()
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert deltas == final.output_text == reply.output_text and final.usage.output_tokens == reply.usage.output_tokens
+
+
+async def test_cut_by_max_output_tokens_it_is_incomplete(oa):
+    reply = await oa.responses.create(model="smollm2", input="Tell me a long story about the sea.", max_output_tokens=5,
+                                      temperature=0)
+    assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"
+    assert reply.usage.output_tokens == 5 and reply.output[0].status == "incomplete"
+    stream = await oa.responses.create(model="smollm2", input="Tell me a long story about the sea.", max_output_tokens=5,
+                                       temperature=0, stream=True)
+    events = [event async for event in stream]
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == reply.output_text
+
+
+async def test_a_forced_call_is_a_function_call_item_streamed_as_written(oa):
+    choice = {"type": "function", "name": "get_weather"}
+    reply = await oa.responses.create(model="smollm2", input="Weather in Paris?", tools=[WEATHER], tool_choice=choice,
+                                      max_output_tokens=40, temperature=0)
+    [call] = reply.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert call.id.startswith("fc_") and "city" in json.loads(call.arguments) and reply.status == "completed"
+    async with oa.responses.stream(model="smollm2", input="Weather in Paris?", tools=[WEATHER], tool_choice=choice,
+                                   max_output_tokens=40, temperature=0) as stream:
+        events = [event async for event in stream]
+        final = await stream.get_final_response()
+    pieces = [event.delta for event in events if event.type == "response.function_call_arguments.delta"]
+    done = next(event for event in events if event.type == "response.function_call_arguments.done")
+    assert len(pieces) >= 3 and "".join(pieces) == done.arguments == call.arguments  # greedy both times
+    assert final.output[0].arguments == call.arguments and final.output[0].status == "completed"
+
+
+async def test_the_models_own_call_and_the_conversation_continued_with_its_output(smollm2, start_proxy):
+    """Under a Hermes-style template: the model's call comes back as a function_call item;
+    sent back with a function_call_output item, the prompt is the chat route's for the same
+    conversation, token for token."""
+    from openai import AsyncOpenAI
+
+    from kvstream.hf.loader import chat_token_ids
+
+    example = [{"role": "user", "content": "What is the weather in London?"},
+               {"type": "function_call", "call_id": "call_0", "name": "get_weather", "arguments": '{"city": "London"}'},
+               {"role": "user", "content": "What is the weather in Paris?"}]
+    async with templated_proxy(smollm2, start_proxy, (FIXTURES / "hermes_tools.jinja").read_text()) as (proxy, tokenizer):
+        async with AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+            reply = await oa.responses.create(model="smollm2", input=example, tools=[WEATHER], max_output_tokens=40,
+                                              temperature=0)
+            [call] = [item for item in reply.output if item.type == "function_call"]
+            assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+            following = example + [{"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                                   {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 18}'}]
+            after = await oa.responses.create(model="smollm2", input=following, tools=[WEATHER], max_output_tokens=20, temperature=0)
+    messages = [example[0],
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "London"}'}}]},
+                example[2],
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": '{"temp_c": 18}'}]
+    assert after.usage.input_tokens == len(chat_token_ids(tokenizer, messages, tools=[CHAT_WEATHER]))
+
+
+async def test_thinking_comes_back_as_a_reasoning_item_before_the_message(smollm2, start_proxy):
+    from openai import AsyncOpenAI
+
+    from tests.hf.test_reasoning import ASK, TEMPLATE
+
+    async with templated_proxy(smollm2, start_proxy, TEMPLATE) as (proxy, _):
+        async with AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+            chat = await oa.chat.completions.create(model="smollm2", messages=ASK, max_tokens=60, temperature=0)
+            reply = await oa.responses.create(model="smollm2", input=ASK, max_output_tokens=60, temperature=0)
+            async with oa.responses.stream(model="smollm2", input=ASK, max_output_tokens=60, temperature=0) as stream:
+                events = [event async for event in stream]
+    reasoning, message = reply.output
+    assert reasoning.type == "reasoning" and message.type == "message"
+    assert reasoning.content[0].text == chat.choices[0].message.reasoning_content
+    assert message.content[0].text == chat.choices[0].message.content and reply.usage.output_tokens_details.reasoning_tokens > 0
+    thought = "".join(event.delta for event in events if event.type == "response.reasoning_text.delta")
+    assert thought == reasoning.content[0].text
+
+
+class City(BaseModel):
+    name: str
+    country: str
+
+
+async def test_structured_output_through_the_parse_helper(oa):
+    reply = await oa.responses.parse(model="smollm2", input="Paris as JSON with its country.", text_format=City,
+                                     max_output_tokens=60, temperature=0)
+    assert isinstance(reply.output_parsed, City) and reply.output_parsed.name
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"background": True}, "background"),
+        ({"max_output_tokens": -1}, "max_output_tokens"),
+        ({"temperature": 3}, "temperature"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+        ({"input": []}, "input"),
+        ({"input": [{"type": "function_call", "call_id": 5, "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+        ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "tool_choice"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ],
+)
+async def test_what_cannot_be_served_is_a_400_naming_the_responses_field(oa, kwargs, param):
+    body = {"model": "smollm2", "input": "hi", "max_output_tokens": 5} | kwargs
+    with pytest.raises(openai.BadRequestError) as err:
+        await oa.responses.create(**body)
+    assert err.value.param == param, err.value.message
+
+
+@pytest.mark.parametrize("body", [
+    {"input": 5}, {"input": [None]}, {"input": [{"role": "user", "content": 5}]},
+    {"input": [{"role": "user", "content": [{"type": "input_audio"}]}]}, {"input": [{"type": "function_call_output", "output": "x"}]},
+    {"tools": "x"}, {"tools": [5]}, {"tool_choice": 5}, {"instructions": 5}, {"text": {"format": 5}},
+    {"max_output_tokens": "x"}, {"top_logprobs": 50}, {"temperature": "hot"}, {"conversation": "conv_1"},
+    {"text": "x"}, {"reasoning": ["high"]},
+])
+async def test_hostile_bodies_are_400s_never_500s(hf_proxy, body):
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        async with http.post(hf_proxy.v1 + "/responses", json={"input": "hi", "max_output_tokens": 4} | body) as resp:
+            answer = await resp.json()
+    assert resp.status == 400, answer
+    assert set(answer["error"]) >= {"message", "type", "param", "code"}
