@@ -117,6 +117,10 @@ def test_model_aliases_prefer_exact_ids_over_file_names():
     assert aliases["qwen.gguf"] == "/models/qwen.gguf"
     assert aliases["llama-3"] == aliases["llama-3.gguf"] == "llama-3.gguf"
     assert "nope" not in aliases
+    # Ollama's names: no tag is ":latest" (as Ollama takes it); a dot in a name is no extension.
+    ollama = model_aliases([ModelInfo(id="llama3.2:latest"), ModelInfo(id="qwen2.5:7b")])
+    assert ollama["llama3.2"] == "llama3.2:latest" and "llama3" not in ollama and "qwen2" not in ollama
+    assert "qwen2.5" not in ollama  # only :latest is the default tag
 
 
 def test_dumps_takes_what_orjson_refuses():

@@ -118,12 +118,20 @@ async def resolve_model(state: AppState, name: str) -> str:
     raise APIError(404, f"The model '{name}' does not exist on this server (available: {known}).", param="model", code="model_not_found")
 
 
+# Model file extensions a runtime may name its model by (llama-server: its path).
+MODEL_FILE_SUFFIXES = frozenset({".gguf", ".ggml", ".bin"})
+
+
 @functools.lru_cache(maxsize=8)
 def _aliases(ids: tuple[str, ...]) -> dict[str, str]:
     aliases: dict[str, str] = {}
     for model_id in reversed(ids):  # the first model wins a shared alias
         path = PurePath(model_id)
-        aliases.update({path.stem: model_id, path.name: model_id})
+        aliases[path.name] = model_id
+        if path.suffix.lower() in MODEL_FILE_SUFFIXES:  # (not "llama3.2:latest"'s ".2:latest")
+            aliases[path.stem] = model_id
+        if model_id.endswith(":latest"):  # Ollama's default tag: "llama3.2" is "llama3.2:latest" there
+            aliases[model_id.removesuffix(":latest")] = model_id
     aliases.update({model_id: model_id for model_id in ids})  # an exact id beats any alias
     return aliases
 

@@ -1,11 +1,12 @@
 """OpenAI's Responses API, ``POST /v1/responses``: what ``client.responses.create`` and
 ``client.responses.stream`` send.
 
-In front of a runtime that serves it itself (one that speaks OpenAI: llama-server,
-vLLM, LM Studio...; Ollama) the route passes through, admitted like any generation
-(routes_passthrough.py). In front of the in-process engine KVStream answers it: the body is
-read as the chat completion it amounts to (responses_format.py), validated and run on the
-same path as ``/v1/chat/completions`` (queue, admission, prefix cache, tool calls,
+In front of a runtime that speaks OpenAI itself (llama-server, vLLM, LM Studio...), whose
+own Responses API is the one the client means, the route passes through, admitted like any
+generation (routes_passthrough.py). In front of a backend KVStream translates for (the
+in-process engine, Ollama's native API, as the chat route does) KVStream answers it: the
+body is read as the chat completion it amounts to (responses_format.py), validated and run
+on the same path as ``/v1/chat/completions`` (queue, admission, prefix cache, tool calls,
 structured output, thinking), and answered as a Responses object or, streamed, as its typed
 server-sent events.
 """
@@ -51,7 +52,7 @@ def sse(event: dict) -> bytes:
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     backend = state.engine.backend
-    if backend.forwards_body or backend.name == "ollama":
+    if backend.forwards_body:
         return await forward(request)  # the runtime's own Responses API
     arrived_at = time.monotonic()
     data = await read_object(request)
