@@ -41,6 +41,31 @@ chat_bodies = st.fixed_dictionaries(
         "stream_options": json_values,
     },
 )
+item = st.one_of(
+    message,
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output", "reasoning", "item_reference", 7])},
+                          optional={"call_id": st.one_of(st.text(max_size=8), st.integers()), "name": st.text(max_size=8),
+                                    "arguments": st.one_of(st.text(max_size=12), json_values), "output": json_values}),
+    st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["input_text", "output_text", "input_image", "input_file", None])},
+        optional={"text": st.one_of(st.text(max_size=10), st.integers()), "image_url": st.text(max_size=10)}), max_size=3)}),
+)
+responses_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.one_of(st.just("llama3.2"), st.text(max_size=10), st.integers()),
+        "input": st.one_of(st.text(max_size=20), st.lists(item, max_size=4), json_values),
+        "instructions": st.one_of(st.text(max_size=20), st.integers(), st.none()),
+        "max_output_tokens": st.one_of(st.integers(-5, 50), st.text(max_size=3)),
+        "stream": st.one_of(st.booleans(), st.integers(0, 2)),
+        "tools": st.one_of(st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search", 3])},
+                                                          optional={"name": st.text(max_size=6), "parameters": json_values}), max_size=2),
+                           json_values),
+        "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required", "always"]), json_values),
+        "text": json_values, "reasoning": json_values, "previous_response_id": st.one_of(st.none(), st.text(max_size=5)),
+        "temperature": st.one_of(st.floats(-3, 3, allow_nan=False), st.text(max_size=3)),
+    },
+)
 raw_bodies = st.one_of(st.binary(max_size=200), json_values.map(lambda v: json.dumps(v).encode()))
 
 
@@ -126,11 +151,21 @@ def test_forwarded_chat_never_5xx(fuzz_target, body):
     assert status < 500, (body, raw[:300])
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=responses_bodies)
+def test_responses_route_never_5xx(fuzz_target, body):
+    """In front of Ollama KVStream translates the Responses API itself: whatever the body,
+    no 5xx, every error OpenAI-shaped."""
+    status, raw = run(post(fuzz_target["url"] + "/v1/responses", json.dumps(body).encode()))
+    check(status, raw)
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/warm", "/v1/models", "/status", "/health", "/openapi.json", "/nowhere"]), data=raw_bodies)
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/warm", "/v1/responses", "/v1/models", "/status",
+                             "/health", "/openapi.json", "/nowhere"]), data=raw_bodies)
 def test_any_route_any_bytes(fuzz_target, path, data):
     status, raw = run(post(fuzz_target["url"] + path, data))
-    if path not in ("/v1/chat/completions", "/v1/completions", "/v1/warm"):
+    if path not in ("/v1/chat/completions", "/v1/completions", "/v1/warm", "/v1/responses"):
         # KVStream does not manage POST here: passed through, the runtime's own answer.
         assert status < 500, (path, raw[:300])
         return

@@ -39,11 +39,11 @@ def _json(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
 
 
-def _generation(model: type, summary: str) -> dict[str, Any]:
+def _generation(schema: str, summary: str) -> dict[str, Any]:
     return {
         "post": {
             "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}},
             "responses": {
                 "200": {
                     "description": "The completion (JSON), or its stream (text/event-stream) when stream is true",
@@ -55,9 +55,35 @@ def _generation(model: type, summary: str) -> dict[str, Any]:
     }
 
 
+# The Responses API body as KVStream reads it where it answers the route itself (the
+# in-process engine, Ollama: responses_format.py); elsewhere the runtime judges it.
+RESPONSES_REQUEST = {
+    "type": "object",
+    "properties": {
+        "model": {"type": "string"},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "object"}}]},
+        "instructions": {"type": ["string", "null"]},
+        "max_output_tokens": {"type": ["integer", "null"], "minimum": 0},
+        "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+        "top_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+        "stream": {"type": "boolean"},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"], "properties": {
+            "type": {"const": "function"}, "name": {"type": "string"}, "description": {"type": "string"},
+            "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}},
+        "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]}, {"type": "object", "required": ["type", "name"]}]},
+        "parallel_tool_calls": {"type": "boolean"},
+        "text": {"type": "object", "properties": {"format": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]}}}}},
+        "reasoning": {"type": ["object", "null"]},
+        "store": {"type": "boolean", "description": "Accepted; nothing is stored"},
+    },
+    "required": ["input"],
+}
+
+
 def build_spec() -> dict[str, Any]:
     """The OpenAPI document."""
-    schemas: dict[str, Any] = {"Error": ERROR}
+    schemas: dict[str, Any] = {"Error": ERROR, "ResponsesRequest": RESPONSES_REQUEST}
     for model in (ChatCompletionRequest, CompletionRequest, WarmRequest):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
@@ -66,8 +92,11 @@ def build_spec() -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "KVStream", "version": __version__, "description": "OpenAI-compatible proxy with KV-aware scheduling."},
         "paths": {
-            "/v1/chat/completions": _generation(ChatCompletionRequest, "Chat completion"),
-            "/v1/completions": _generation(CompletionRequest, "Text completion"),
+            "/v1/chat/completions": _generation("ChatCompletionRequest", "Chat completion"),
+            "/v1/completions": _generation("CompletionRequest", "Text completion"),
+            "/v1/responses": _generation("ResponsesRequest",
+                                         "OpenAI's Responses API (answered by KVStream in front of the in-process engine and "
+                                         "Ollama; passed through to a runtime that speaks OpenAI)"),
             "/v1/warm": {
                 "post": {
                     "summary": "Prefill a prefix so later requests find it cached (KVStream's own route)",
