@@ -12,11 +12,10 @@ Honoured: ``GenerateRequest.logprobs`` (the schemas read OpenAI's ``logprobs`` /
 mode, json_constraint.py) and ``json_schema`` (structured outputs, json_schema.py, which
 says what schemas it takes), ``tool_choice`` forcing a call (a schema too, tool_calls.py),
 ``logit_bias``, ``presence_penalty``, ``frequency_penalty``,
-and from Ollama's options ``repeat_penalty``, ``repeat_last_n``, ``min_p``; completions'
-``echo`` (``GenerateRequest.echo``: with ``logprobs``, the prompt's tokens are scored too,
+and from Ollama's options (or llama-server's fields) ``repeat_penalty``, ``repeat_last_n``,
+``min_p``, ``typical_p``; completions' ``echo`` (``GenerateRequest.echo``: with ``logprobs``, the prompt's tokens are scored too,
 and ``max_tokens`` may be 0). Refused: a schema outside what json_schema.py takes,
-``echo`` in a chat request, ``suffix``, ``best_of`` > 1,
-``typical_p`` other than 1.
+``echo`` in a chat request, ``suffix``, ``best_of`` > 1.
 """
 
 from __future__ import annotations
@@ -59,9 +58,6 @@ def check_unsupported(extra: dict[str, Any]) -> None:
     best_of = extra.get("best_of")
     if best_of is not None and best_of != 1:
         raise _unsupported("best_of", "use n for several choices")
-    typical = extra.get("typical_p")
-    if typical is not None and typical != 1:
-        raise _unsupported("typical_p", "locally typical sampling is not implemented")
 
 
 def logit_bias(extra: dict[str, Any], vocab_size: int | None) -> dict[int, float]:
@@ -172,6 +168,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             seed=request.seed,
             stop=list(request.stop),
             min_p=_number(extra, "min_p", 0.0, 0.0, 1.0),
+            typical_p=_number(extra, "typical_p", 1.0, 0.0, 1.0),
             presence_penalty=_number(extra, "presence_penalty", 0.0, -2.0, 2.0),
             frequency_penalty=_number(extra, "frequency_penalty", 0.0, -2.0, 2.0),
             repeat_penalty=_number(extra, "repeat_penalty", 1.0, 0.0),

@@ -34,6 +34,7 @@ class SamplingParams:
     ignore_eos: bool = False
     keep_first_logits: bool = False  # hand the first token's logits back (verification)
     min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability
+    typical_p: float = 1.0  # locally typical sampling: keep this much mass of the tokens nearest the entropy
     presence_penalty: float = 0.0  # OpenAI: minus this from every token already generated
     frequency_penalty: float = 0.0  # OpenAI: minus this per time a token was generated
     repeat_penalty: float = 1.0  # llama.cpp: logits of the last repeat_last_n tokens / (or x) this
@@ -57,6 +58,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if not 0 <= self.min_p <= 1:
             raise ValueError("min_p must be in [0, 1]")
+        if not 0 <= self.typical_p <= 1:
+            raise ValueError("typical_p must be in [0, 1]")
         if self.repeat_penalty <= 0:
             raise ValueError("repeat_penalty must be > 0")
         if self.repeat_last_n < -1:
@@ -200,6 +203,8 @@ def sample(
             kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        if p.typical_p < 1.0:  # after top-k and before top-p, as llama.cpp orders them
+            probs = typical(probs, p.typical_p)
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             cumulative = sorted_probs.cumsum(-1)
@@ -217,6 +222,19 @@ def sample(
             continue
         tokens.append(int(torch.multinomial(probs.cpu(), 1, generator=gen).item()))
     return tokens
+
+
+def typical(probs: torch.Tensor, mass: float) -> torch.Tensor:
+    """Locally typical sampling (Meister et al., 2022; transformers' ``typical_p``, llama.cpp's
+    ``typ_p``): keep the tokens whose information ``-log p`` is nearest the distribution's
+    entropy, nearest first, until they hold ``mass`` of the probability (at least one)."""
+    log_probs = torch.log(probs)
+    entropy = -(probs * log_probs.nan_to_num(neginf=0.0)).sum()  # (a token with p = 0 adds nothing)
+    order = torch.argsort((-log_probs - entropy).abs())  # p = 0: infinitely far, last
+    sorted_probs = probs[order]
+    drop = sorted_probs.cumsum(-1) - sorted_probs >= mass
+    drop[0] = False
+    return probs.masked_fill(torch.zeros_like(drop).scatter_(0, order, drop), 0.0)
 
 
 def logprobs_of(logits: torch.Tensor, rows: list[int], tokens: list[int], k: list[int]) -> list[TokenLogprobs]:

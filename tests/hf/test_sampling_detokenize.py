@@ -89,6 +89,32 @@ def test_min_p_keeps_only_tokens_near_the_most_likely():
     assert {sample(x, [p], [gen])[0] for _ in range(60)} == {0, 1}
 
 
+@pytest.mark.parametrize("mass", [0.0, 0.2, 0.5, 0.9, 0.99])
+def test_typical_keeps_the_tokens_transformers_typical_warper_keeps(mass):
+    """Locally typical sampling against transformers' own warper (min_tokens_to_keep 1) on
+    random distributions, a peaked one and one with tokens already truncated to 0."""
+    from transformers import TypicalLogitsWarper
+
+    from kvstream.hf.sampling import typical
+
+    torch.manual_seed(0)
+    rows = [torch.randn(50) * 3, torch.tensor([8.0, 1.0, 0.5, 0.0, -1.0]), torch.randn(30)]
+    rows[2][::3] = float("-inf")  # (top-k before it)
+    for x in rows:
+        probs = torch.softmax(x, dim=-1)
+        kept = typical(probs, mass) > 0
+        reference = TypicalLogitsWarper(mass if mass > 0 else 1e-9)(None, x[None].clone())[0] > float("-inf")
+        assert kept.tolist() == reference.tolist(), (mass, x)
+        assert torch.equal(typical(probs, mass)[kept], probs[kept])  # the kept keep their probability
+
+
+def test_typical_p_samples_only_from_the_typical_set():
+    x = torch.log(torch.tensor([[0.5, 0.2, 0.2, 0.1]]))  # entropy 1.22 nats; -log p: 0.69, 1.61, 1.61, 2.30
+    p = SamplingParams(typical_p=0.35, seed=0)
+    gen = p.make_generator()
+    assert {sample(x, [p], [gen])[0] for _ in range(60)} == {1, 2}  # the 0.2s are nearest the entropy
+
+
 def test_logprobs_are_the_models_own_distribution_with_the_k_best():
     x = logits(rows=2)
     tokens = [3, 7]
@@ -103,7 +129,8 @@ def test_logprobs_are_the_models_own_distribution_with_the_k_best():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"min_p": 1.5}, {"repeat_penalty": 0}, {"repeat_last_n": -2}, {"logprobs": 21}, {"logprobs": -1}]
+    "kwargs", [{"min_p": 1.5}, {"typical_p": 1.5}, {"typical_p": -0.1}, {"repeat_penalty": 0}, {"repeat_last_n": -2},
+               {"logprobs": 21}, {"logprobs": -1}]
 )
 def test_invalid_new_parameters_are_refused(kwargs):
     with pytest.raises(ValueError):

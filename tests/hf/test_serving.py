@@ -337,6 +337,7 @@ async def test_logit_bias_and_penalties_change_the_answer(oa, smollm2):
         # SmolLM2's template does not render tools: the model would never see them.
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"extra_body": {"min_p": 2}}, "min_p"),
+        ({"extra_body": {"typical_p": 1.2}}, "typical_p"),
         ({"extra_body": {"repeat_penalty": "strong"}}, "repeat_penalty"),  # Ollama's options arrive unchecked
         ({"extra_body": {"repeat_last_n": -2}}, "repeat_last_n"),
         ({"extra_body": {"logit_bias": [5, 1]}}, "logit_bias"),
@@ -361,3 +362,13 @@ async def test_completions_refuse_suffix_and_best_of_and_take_tools_none(oa):
         model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2, tool_choice="none",
         tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], user="someone", metadata={"a": "b"}, store=False)
     assert reply.choices[0].message.content is not None
+
+
+async def test_typical_p_is_honoured_and_seeded_answers_repeat(oa):
+    """llama-server's and Ollama's ``typical_p`` (locally typical sampling): served, and a seed
+    repeats its answer."""
+    kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=12, seed=11,
+                  temperature=1.0, extra_body={"typical_p": 0.5})
+    first = await oa.chat.completions.create(**kwargs)
+    again = await oa.chat.completions.create(**kwargs)
+    assert first.choices[0].message.content == again.choices[0].message.content
