@@ -66,6 +66,28 @@ responses_bodies = st.fixed_dictionaries(
         "temperature": st.one_of(st.floats(-3, 3, allow_nan=False), st.text(max_size=3)),
     },
 )
+block = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking", "document", 5])},
+    optional={"text": st.one_of(st.text(max_size=10), st.integers()), "id": st.one_of(st.text(max_size=6), st.integers()),
+              "name": st.text(max_size=6), "input": json_values, "tool_use_id": st.one_of(st.text(max_size=6), st.none()),
+              "content": json_values, "source": json_values},
+)
+messages_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.one_of(st.just("llama3.2"), st.text(max_size=10), st.integers()),
+        "max_tokens": st.one_of(st.integers(-5, 50), st.text(max_size=3), st.none()),
+        "messages": st.one_of(st.lists(st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant", "system", 1])},
+            optional={"content": st.one_of(st.text(max_size=20), st.lists(block, max_size=3), json_values)}), max_size=4), json_values),
+        "system": st.one_of(st.text(max_size=10), st.lists(block, max_size=2), json_values),
+        "stream": st.one_of(st.booleans(), st.integers(0, 2)),
+        "tools": st.one_of(st.lists(st.fixed_dictionaries({}, optional={"name": st.text(max_size=6), "type": st.sampled_from(["custom", "bash_20250124", 2]),
+                                                                         "input_schema": json_values}), max_size=2), json_values),
+        "tool_choice": json_values, "thinking": json_values, "output_config": json_values, "stop_sequences": json_values,
+        "temperature": st.one_of(st.floats(-3, 3, allow_nan=False), st.text(max_size=3)),
+    },
+)
 raw_bodies = st.one_of(st.binary(max_size=200), json_values.map(lambda v: json.dumps(v).encode()))
 
 
@@ -158,6 +180,18 @@ def test_responses_route_never_5xx(fuzz_target, body):
     no 5xx, every error OpenAI-shaped."""
     status, raw = run(post(fuzz_target["url"] + "/v1/responses", json.dumps(body).encode()))
     check(status, raw)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=messages_bodies)
+def test_messages_route_never_5xx(fuzz_target, body):
+    """In front of Ollama KVStream translates Anthropic's Messages API itself: whatever the
+    body, no 5xx, and every error in Anthropic's shape."""
+    status, raw = run(post(fuzz_target["url"] + "/v1/messages", json.dumps(body).encode()))
+    assert status < 500, (body, raw[:300])
+    if status >= 400:
+        error = json.loads(raw)
+        assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, raw[:300]
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

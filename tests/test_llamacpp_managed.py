@@ -116,3 +116,19 @@ async def test_the_responses_api_reaches_llama_servers_own(start_proxy, tmp_path
         assert proxy.engine.stats.requests_finished == 1
     finally:
         await backend.close()
+
+
+async def test_anthropics_messages_reach_llama_servers_own(start_proxy, tmp_path):
+    """llama-server serves /v1/messages itself: the anthropic client's request passes through."""
+    anthropic = pytest.importorskip("anthropic")
+    llama_server_binary()
+    backend = LlamaCppBackend(None, str(smollm2_gguf()), slot_save_path=str(tmp_path))
+    proxy = await start_proxy(backend)
+    try:
+        async with anthropic.AsyncAnthropic(base_url=proxy.url, api_key="unused", max_retries=0) as client:
+            message = await client.messages.create(model="SmolLM2-135M-Instruct.Q4_1", max_tokens=8,
+                                                   messages=[{"role": "user", "content": "Say hi"}])
+        assert message.content[0].text and message.usage.output_tokens <= 8
+        assert proxy.engine.stats.requests_finished == 1
+    finally:
+        await backend.close()

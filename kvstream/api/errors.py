@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 REQUEST_ID = web.RequestKey("request_id", str)
 _REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+# A route answering in another API's error shape (Anthropic's) sets its converter here: every
+# error of the request, wherever it is raised (the body limit, a scheduler refusal...), is
+# answered in that shape.
+ERROR_SHAPE = web.RequestKey("error_shape", object)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -132,7 +136,7 @@ async def error_middleware(
     try:
         response = await handler(request)
     except APIError as exc:
-        return exc.response(request_id)
+        return _shaped(request, exc).response(request_id)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -140,19 +144,26 @@ async def error_middleware(
         if exc.status == 413:
             limit = request.app.get(MAX_BODY_BYTES)
             message = f"Request body too large (the limit is {limit} bytes)." if limit else message
-        return APIError(exc.status, message, code=code).response(request_id)
+        return _shaped(request, APIError(exc.status, message, code=code)).response(request_id)
     except (SchedulerError, BackendError) as exc:
-        return from_exception(exc).response(request_id)
+        return _shaped(request, from_exception(exc)).response(request_id)
     except (HttpProcessingError, RequestPayloadError) as exc:  # a body that cannot be read as sent (not gzip, ...)
         cause = exc.__cause__ if isinstance(exc, RequestPayloadError) and exc.__cause__ is not None else exc
         detail = getattr(cause, "message", "") or cause.__class__.__name__
-        return APIError(400, f"The request body cannot be read as sent ({detail}).", code="invalid_body").response(request_id)
+        error = APIError(400, f"The request body cannot be read as sent ({detail}).", code="invalid_body")
+        return _shaped(request, error).response(request_id)
     except Exception:
         logger.exception("[%s] unhandled error", request_id)
-        return from_exception(RuntimeError()).response(request_id)
+        return _shaped(request, from_exception(RuntimeError())).response(request_id)
     if not response.prepared:
         response.headers["X-Request-Id"] = request_id
     return response
+
+
+def _shaped(request: web.Request, error: APIError) -> APIError:
+    """``error`` in the shape the request's route answers in (ERROR_SHAPE), OpenAI's by default."""
+    shape = request.get(ERROR_SHAPE)
+    return shape(error) if callable(shape) else error
 
 
 def json_body_error(exc: Exception) -> APIError:

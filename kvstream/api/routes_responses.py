@@ -19,7 +19,7 @@ import time
 from aiohttp import web
 from pydantic import ValidationError
 
-from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception
+from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, counted, from_exception
 from kvstream.api.responses_format import ResponseAnswer, chat_body, response_param
 from kvstream.api.routes_openai import (
     _error_kind,
@@ -54,6 +54,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     backend = state.engine.backend
     if backend.forwards_body:
         return await forward(request)  # the runtime's own Responses API
+    request[ERROR_SHAPE] = _responses_error  # every error names the Responses field, not the chat one
     arrived_at = time.monotonic()
     data = await read_object(request)
     try:
@@ -78,7 +79,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     except Exception as exc:
         if isinstance(exc, BackendError):
             state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
-        raise _responses_error(from_exception(exc, retry_after(state))) from None
+        raise from_exception(exc, retry_after(state)) from None
     answer = ResponseAnswer(data, named or generate.model or "")
     outcome = "cancelled"
     stream = aiter(gen)
@@ -87,7 +88,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             await gen.admitted()
             first = await _next(stream)
         except Exception as exc:
-            raise _responses_error(from_exception(exc, retry_after(state))) from None
+            raise from_exception(exc, retry_after(state)) from None
         headers = {"X-Request-Id": request_id, "X-KVStream-Queue-Ms": f"{gen.queue_ms:.1f}"}
         token = first
         if not generate.stream:
@@ -127,7 +128,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     except BackendError as exc:
         outcome = "failed"
         state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
-        raise _responses_error(from_exception(exc, retry_after(state))) from None
+        raise from_exception(exc, retry_after(state)) from None
     finally:
         try:
             await stream.aclose()

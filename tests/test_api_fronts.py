@@ -1,7 +1,8 @@
-"""``POST /v1/responses`` in front of remote runtimes: translated for Ollama's native API
-(as the chat route is) and served through the engine; passed through to a runtime that
-speaks OpenAI itself, its own answer (or its own 404) coming back. The in-process engine's
-side is tests/hf/test_responses.py."""
+"""OpenAI's Responses API and Anthropic's Messages API in front of remote runtimes:
+translated for Ollama's native API (as the chat route is) and served through the engine;
+passed through to a runtime that speaks OpenAI itself, its own answer (or its own 404)
+coming back. The in-process engine's side is tests/hf/test_responses.py and
+tests/hf/test_messages.py."""
 
 from __future__ import annotations
 
@@ -38,3 +39,22 @@ async def test_in_front_of_an_openai_runtime_it_is_the_runtimes_own(start_upstre
     async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as client:
         with pytest.raises(openai.NotFoundError):
             await client.responses.create(model="m", input="Hi")
+
+
+async def test_anthropics_messages_in_front_of_ollama_are_translated(start_upstream, start_proxy):
+    anthropic = pytest.importorskip("anthropic")
+    url, recorder = await start_upstream(Script(tokens=["Hel", "lo", "!"]), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url))
+    async with anthropic.AsyncAnthropic(base_url=proxy.url, api_key="unused", max_retries=0) as client:
+        message = await client.messages.create(model="llama3.2", system="Be brief.", max_tokens=8,
+                                               messages=[{"role": "user", "content": "Hi"}])
+        assert message.content[0].text == "Hello!" and message.stop_reason == "end_turn"
+        assert message.usage.output_tokens == 3
+        body = recorder.bodies[-1]
+        assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        async with client.messages.stream(model="llama3.2", max_tokens=8, messages=[{"role": "user", "content": "Hi"}]) as stream:
+            assert "".join([piece async for piece in stream.text_stream]) == "Hello!"
+        with pytest.raises(anthropic.NotFoundError) as err:  # Ollama's 404 for a model it lacks, in Anthropic's shape
+            await client.messages.create(model="nope", max_tokens=8, messages=[{"role": "user", "content": "Hi"}])
+        assert err.value.body["error"]["type"] == "not_found_error"
+    await wait_released(proxy)
