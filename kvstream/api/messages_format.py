@@ -194,6 +194,10 @@ class MessageAnswer:
         the last event has both)."""
         return [{"type": "message_start", "message": self.message(None, Usage(prompt_tokens, 0))}]
 
+    def error_event(self, error: APIError) -> dict[str, Any]:
+        """The event that ends a stream the runtime failed."""
+        return messages_error(error).body()
+
     def add(self, token: Token) -> list[dict[str, Any]]:
         """The events one token makes."""
         delta = token.chat_delta()

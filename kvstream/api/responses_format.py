@@ -202,7 +202,7 @@ class ResponseAnswer:
         self._sequence += 1
         return event
 
-    def started(self) -> list[dict[str, Any]]:
+    def started(self, prompt_tokens: int) -> list[dict[str, Any]]:
         """The events before the first token."""
         snapshot = self.response("in_progress")
         return [self.event("response.created", response=snapshot), self.event("response.in_progress", response=snapshot)]
@@ -228,6 +228,10 @@ class ResponseAnswer:
                 events.append(self.event("response.function_call_arguments.delta", item_id=self._open["id"],
                                          output_index=len(self.output) - 1, delta=function["arguments"]))
         return events
+
+    def error_event(self, error: APIError) -> dict[str, Any]:
+        """The event that ends a stream the runtime failed."""
+        return self.event("error", code=error.code, message=error.message, param=error.param)
 
     def finish(self, finish_reason: str | None, usage: Usage | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The whole response and the events that end the stream."""

@@ -1,145 +1,36 @@
-"""OpenAI's Responses API, ``POST /v1/responses``: what ``client.responses.create`` and
-``client.responses.stream`` send.
-
-In front of a runtime that speaks OpenAI itself (llama-server, vLLM, LM Studio...), whose
-own Responses API is the one the client means, the route passes through, admitted like any
-generation (routes_passthrough.py). In front of a backend KVStream translates for (the
-in-process engine, Ollama's native API, as the chat route does) KVStream answers it: the
-body is read as the chat completion it amounts to (responses_format.py), validated and run
-on the same path as ``/v1/chat/completions`` (queue, admission, prefix cache, tool calls,
-structured output, thinking), and answered as a Responses object or, streamed, as its typed
-server-sent events.
-"""
+"""OpenAI's Responses API, ``POST /v1/responses``: what ``client.responses.create``,
+``.stream`` and ``.parse`` send. Passed through to a runtime that speaks OpenAI, answered on
+the chat route's path in front of the in-process engine and Ollama (translated_api.py); the
+translation is responses_format.py."""
 
 from __future__ import annotations
 
-import logging
-import time
-
 from aiohttp import web
-from pydantic import ValidationError
 
-from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, counted, from_exception
+from kvstream.api.errors import APIError, counted
 from kvstream.api.responses_format import ResponseAnswer, chat_body, response_param
-from kvstream.api.routes_openai import (
-    _error_kind,
-    _next,
-    check_message_count,
-    default_model,
-    parse_deadline,
-    parse_priority,
-    read_object,
-    resolve_model,
-    retry_after,
-)
-from kvstream.api.routes_passthrough import forward
-from kvstream.api.schemas import ChatCompletionRequest
-from kvstream.api.state import CACHE_SALT, STATE
-from kvstream.api.streaming import GuardedResponse
-from kvstream.jsonfast import dumps
-from kvstream.types import BackendError
+from kvstream.api.translated_api import TranslatedAPI, serve
 
-logger = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 
 
-def sse(event: dict) -> bytes:
-    """One event as the Responses API streams it: its type named on the ``event:`` line."""
-    return b"event: " + event["type"].encode() + b"\ndata: " + dumps(event) + b"\n\n"
+def _shaped(error: APIError) -> APIError:
+    """An error whose ``param`` names a chat field, renamed to the Responses field."""
+    error.param = response_param(error.param)
+    return error
+
+
+def _invalid(chat_field: str | None, message: str) -> APIError:
+    field = response_param(chat_field)
+    return APIError(400, f"Invalid value for '{field}': {message}." if field else f"{message}.", param=field, code="invalid_value")
+
+
+RESPONSES = TranslatedAPI(chat_body=chat_body, answer=ResponseAnswer, error_shape=_shaped, invalid=_invalid)
 
 
 @counted("responses")
 async def create_response(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    backend = state.engine.backend
-    if backend.forwards_body:
-        return await forward(request)  # the runtime's own Responses API
-    request[ERROR_SHAPE] = _responses_error  # every error names the Responses field, not the chat one
-    arrived_at = time.monotonic()
-    data = await read_object(request)
-    try:
-        body = ChatCompletionRequest.model_validate(chat_body(data))
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        loc = response_param(".".join(str(p) for p in error["loc"]) or None)
-        message = error["msg"].removeprefix("Value error, ")
-        raise APIError(400, f"Invalid value for '{loc}': {message}." if loc else f"{message}.", param=loc,
-                       code="invalid_value") from None
-    request_id = request[REQUEST_ID]
-    generate = body.to_generate(request_id)
-    generate.stream = data.get("stream") is True
-    check_message_count(state, generate)
-    generate.cache_salt = request.get(CACHE_SALT)
-    generate.queue_deadline_s = parse_deadline(request)
-    priority = parse_priority(request, data.get("priority"))
-    named = generate.model
-    generate.model = await resolve_model(state, generate.model) if generate.model else backend.model or await default_model(state)
-    try:
-        gen = await state.engine.submit(generate, priority, arrived_at)
-    except Exception as exc:
-        if isinstance(exc, BackendError):
-            state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
-        raise from_exception(exc, retry_after(state)) from None
-    answer = ResponseAnswer(data, named or generate.model or "")
-    outcome = "cancelled"
-    stream = aiter(gen)
-    try:
-        try:
-            await gen.admitted()
-            first = await _next(stream)
-        except Exception as exc:
-            raise from_exception(exc, retry_after(state)) from None
-        headers = {"X-Request-Id": request_id, "X-KVStream-Queue-Ms": f"{gen.queue_ms:.1f}"}
-        token = first
-        if not generate.stream:
-            while token.finish_reason is None:
-                answer.add(token)
-                token = await _next(stream)
-            answer.add(token)
-            response, _ = answer.finish(token.finish_reason, gen.usage)
-            outcome = "finished"
-            return web.Response(body=dumps(response), content_type="application/json", charset="utf-8", headers=headers)
-        out = GuardedResponse(headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                 "X-Accel-Buffering": "no"})
-        await out.prepare(request)
-        try:
-            held = [sse(event) for event in answer.started()]
-            while token.finish_reason is None:
-                held += [sse(event) for event in answer.add(token)]
-                if not token.more:  # nothing else is ready: send what we hold now
-                    await out.write(b"".join(held))
-                    held.clear()
-                token = await _next(stream)
-            held += [sse(event) for event in answer.add(token)]
-            _, events = answer.finish(token.finish_reason, gen.usage)
-            await out.write_eof(b"".join(held + [sse(event) for event in events]))
-            outcome = "finished"
-        except BackendError as exc:
-            outcome = "failed"
-            logger.warning("[%s] backend failed mid-stream: %s", request_id, exc.message)
-            error = from_exception(exc)
-            try:
-                await out.write_eof(sse(answer.event("error", code=error.code, message=error.message, param=None)))
-            except ConnectionError:
-                pass
-        except ConnectionError:
-            pass  # the client went away: the finally below cancels the generation
-        return out
-    except BackendError as exc:
-        outcome = "failed"
-        state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
-        raise from_exception(exc, retry_after(state)) from None
-    finally:
-        try:
-            await stream.aclose()
-        finally:
-            gen.close(outcome)
-
-
-def _responses_error(error: APIError) -> APIError:
-    """An error whose ``param`` names a chat field, renamed to the Responses field."""
-    error.param = response_param(error.param)
-    return error
+    return await serve(request, RESPONSES)
 
 
 for _path in ("/v1/responses", "/responses"):

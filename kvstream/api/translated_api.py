@@ -1,0 +1,159 @@
+"""Another vendor's generation API served on the chat route's path: OpenAI's Responses API
+(routes_responses.py) and Anthropic's Messages API (routes_messages.py).
+
+In front of a runtime that speaks OpenAI itself, whose own implementation of the API is the
+one the client means, the route passes through, admitted like any generation
+(routes_passthrough.py). In front of a backend KVStream translates for (the in-process engine,
+Ollama's native API, as the chat route does) ``serve`` answers it: the body is read as the
+chat completion it amounts to (the API's ``chat_body``), validated by the chat route's own
+schema and run on its path (queue, admission, prefix cache, tool calls, structured output,
+thinking), and each token becomes the API's objects or, streamed, its server-sent events
+(the API's answer builder). Every error of the request is answered in the API's shape
+(``ERROR_SHAPE``), naming the API's own fields.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, from_exception
+from kvstream.api.routes_openai import (
+    _error_kind,
+    _next,
+    check_message_count,
+    default_model,
+    parse_deadline,
+    parse_priority,
+    read_object,
+    resolve_model,
+    retry_after,
+)
+from kvstream.api.routes_passthrough import forward
+from kvstream.api.schemas import ChatCompletionRequest
+from kvstream.api.state import CACHE_SALT, STATE
+from kvstream.api.streaming import GuardedResponse
+from kvstream.jsonfast import dumps
+from kvstream.types import BackendError, Token, Usage
+
+logger = logging.getLogger(__name__)
+
+
+class Answer(Protocol):
+    """One generation's answer in the API's terms."""
+
+    def started(self, prompt_tokens: int) -> list[dict[str, Any]]:
+        """The events before the first token."""
+
+    def add(self, token: Token) -> list[dict[str, Any]]:
+        """The events one token makes."""
+
+    def finish(self, finish_reason: str | None, usage: Usage | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The whole answer, and the events that end its stream."""
+
+    def error_event(self, error: APIError) -> dict[str, Any]:
+        """The event that ends a stream the runtime failed."""
+
+
+@dataclass(frozen=True)
+class TranslatedAPI:
+    """What one API needs said: its body as a chat body, its answer, its error shape."""
+
+    chat_body: Callable[[dict[str, Any]], dict[str, Any]]  # APIError (400) for what cannot be said so
+    answer: Callable[[dict[str, Any], str], Answer]  # (the client's body, the model name it used)
+    error_shape: Callable[[APIError], APIError]
+    invalid: Callable[[str | None, str], APIError]  # (the chat field, the validation message) -> its 400
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    """One event as both APIs stream them: its type named on the ``event:`` line."""
+    return b"event: " + event["type"].encode() + b"\ndata: " + dumps(event) + b"\n\n"
+
+
+async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
+    """Answer ``request`` in ``api``'s terms (or pass it through: see the module docstring)."""
+    state = request.app[STATE]
+    backend = state.engine.backend
+    if backend.forwards_body:
+        return await forward(request)  # the runtime's own
+    request[ERROR_SHAPE] = api.error_shape
+    arrived_at = time.monotonic()
+    data = await read_object(request)
+    try:
+        body = ChatCompletionRequest.model_validate(api.chat_body(data))
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise api.invalid(".".join(str(p) for p in error["loc"]) or None, error["msg"].removeprefix("Value error, ")) from None
+    request_id = request[REQUEST_ID]
+    generate = body.to_generate(request_id)
+    generate.stream = data.get("stream") is True
+    check_message_count(state, generate)
+    generate.cache_salt = request.get(CACHE_SALT)
+    generate.queue_deadline_s = parse_deadline(request)
+    priority = parse_priority(request, data.get("priority"))
+    named = generate.model
+    generate.model = await resolve_model(state, generate.model) if generate.model else backend.model or await default_model(state)
+    try:
+        gen = await state.engine.submit(generate, priority, arrived_at)
+    except Exception as exc:
+        if isinstance(exc, BackendError):
+            state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
+        raise from_exception(exc, retry_after(state)) from None
+    answer = api.answer(data, named or generate.model or "")
+    outcome = "cancelled"
+    stream = aiter(gen)
+    try:
+        try:
+            await gen.admitted()
+            token = await _next(stream)
+        except Exception as exc:
+            raise from_exception(exc, retry_after(state)) from None
+        headers = {"X-Request-Id": request_id, "X-KVStream-Queue-Ms": f"{gen.queue_ms:.1f}"}
+        if not generate.stream:
+            while token.finish_reason is None:
+                answer.add(token)
+                token = await _next(stream)
+            answer.add(token)
+            whole, _ = answer.finish(token.finish_reason, gen.usage)
+            outcome = "finished"
+            return web.Response(body=dumps(whole), content_type="application/json", charset="utf-8", headers=headers)
+        out = GuardedResponse(headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                 "X-Accel-Buffering": "no"})
+        await out.prepare(request)
+        try:
+            held = [sse(event) for event in answer.started(len(gen.seq.prompt_token_ids))]
+            while token.finish_reason is None:
+                held += [sse(event) for event in answer.add(token)]
+                if not token.more:  # nothing else is ready: send what we hold now
+                    await out.write(b"".join(held))
+                    held.clear()
+                token = await _next(stream)
+            held += [sse(event) for event in answer.add(token)]
+            _, events = answer.finish(token.finish_reason, gen.usage)
+            await out.write_eof(b"".join(held + [sse(event) for event in events]))
+            outcome = "finished"
+        except BackendError as exc:
+            outcome = "failed"
+            logger.warning("[%s] backend failed mid-stream: %s", request_id, exc.message)
+            try:
+                await out.write_eof(sse(answer.error_event(api.error_shape(from_exception(exc)))))
+            except ConnectionError:
+                pass
+        except ConnectionError:
+            pass  # the client went away: the finally below cancels the generation
+        return out
+    except BackendError as exc:
+        outcome = "failed"
+        state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
+        raise from_exception(exc, retry_after(state)) from None
+    finally:
+        try:
+            await stream.aclose()
+        finally:
+            gen.close(outcome)
