@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import json
 from dataclasses import dataclass
+
 from kvstream.hf.call_streams import Piece, call_entry
 
 FORMAT_HINT = "[func_name1(params_name1=params_value1"  # what the templates tell the model
