@@ -6,8 +6,9 @@ streamed as they arrive and still encoded as the runtime encoded them. The same 
 limit and request metrics apply as on the managed routes.
 
 Generation routes that KVStream forwards without reading (llama.cpp's ``/completion``,
-``/completions`` and ``/infill``, ``/v1/responses``, Anthropic's ``/v1/messages``, Ollama's
-own) and the embedding and rerank routes still take a batch slot: a slot is a slot,
+``/completions`` and ``/infill``, Ollama's own, and ``/v1/responses`` and Anthropic's
+``/v1/messages`` in front of a runtime that speaks OpenAI: translated_api.py answers them
+elsewhere) and the embedding and rerank routes still take a batch slot: a slot is a slot,
 whoever parses the stream.
 
 KVStream's own routes (``/health``, ``/ready``, ``/status``, ``/metrics``, ``/openapi.json``,
