@@ -58,3 +58,16 @@ async def test_anthropics_messages_in_front_of_ollama_are_translated(start_upstr
             await client.messages.create(model="nope", max_tokens=8, messages=[{"role": "user", "content": "Hi"}])
         assert err.value.body["error"]["type"] == "not_found_error"
     await wait_released(proxy)
+
+
+async def test_the_anthropic_client_authenticates_with_its_own_header(start_upstream, start_proxy):
+    """With API keys configured, the anthropic client's ``x-api-key`` is a key like a Bearer one."""
+    anthropic = pytest.importorskip("anthropic")
+    url, _ = await start_upstream(Script(tokens=["Hi"]), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url), server={"api_keys": ["sk-kv-1"]})
+    request = {"model": "llama3.2", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    async with anthropic.AsyncAnthropic(base_url=proxy.url, api_key="wrong", max_retries=0) as client:
+        with pytest.raises(anthropic.AuthenticationError):
+            await client.messages.create(**request)
+    async with anthropic.AsyncAnthropic(base_url=proxy.url, api_key="sk-kv-1", max_retries=0) as client:
+        assert (await client.messages.create(**request)).content[0].text == "Hi"

@@ -168,6 +168,12 @@ async def test_keys_guard_pass_through_and_kvstreams_key_is_not_forwarded(runtim
     async with http.get(proxy.url + "/props", headers={"Authorization": f"Bearer {KEY}"}) as resp:
         assert resp.status == 200
     assert seen[-1].headers["Authorization"] == "Bearer runtime-key"  # the runtime's own credential
+    # Anthropic's clients send the key as x-api-key: taken, and not forwarded either.
+    async with http.get(proxy.url + "/props", headers={"x-api-key": "wrong"}) as resp:
+        assert resp.status == 401
+    async with http.get(proxy.url + "/props", headers={"x-api-key": KEY}) as resp:
+        assert resp.status == 200
+    assert "x-api-key" not in {name.lower() for name in seen[-1].headers}
     # A CORS preflight carries no credentials by design: it passes through to the runtime.
     async with http.options(proxy.url + "/v1/chat/completions", headers={"Origin": "http://app", "Access-Control-Request-Method": "POST"}) as resp:
         assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == "*"

@@ -41,7 +41,8 @@ def tenant_salt(key: str) -> str:
 
 
 def auth_middleware(keys: list[str], max_concurrent_per_key: int | None = None, isolate: bool = False):
-    """Require ``Authorization: Bearer KEY`` on every route but /health (constant-time),
+    """Require ``Authorization: Bearer KEY`` (or, as Anthropic's clients send it, ``x-api-key:
+    KEY``) on every route but /health (constant-time),
     optionally cap the generations each key has in flight, and with ``isolate`` tag each
     request with its key's cache salt (tenant isolation of cached prefixes)."""
     encoded = [k.encode() for k in keys]
@@ -58,6 +59,8 @@ def auth_middleware(keys: list[str], max_concurrent_per_key: int | None = None, 
             return await handler(request)
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
+        if not header:  # Anthropic's clients send the key as x-api-key
+            scheme, token = "bearer", request.headers.get("x-api-key", "")
         # surrogateescape: a header byte that is not UTF-8 is just a wrong key, not a crash.
         presented = token.strip().encode("utf-8", "surrogateescape") if scheme.lower() == "bearer" else b""
         # Compare against every key so that timing does not reveal which one matched.

@@ -66,15 +66,19 @@ def upstream_path(request: web.Request) -> str:
     return f"{path}?{query}" if query else path
 
 
+# Where a client sends its key: OpenAI's clients in Authorization, Anthropic's in x-api-key.
+CREDENTIAL_HEADERS = frozenset({"authorization", "x-api-key"})
+
+
 def forwarded_headers(request: web.Request, drop_authorization: bool) -> dict[str, str]:
     """The client's headers for the runtime: no hop-by-hop ones (nor those the Connection
-    header names) and no Authorization when it was KVStream's own key. The body goes as
-    sent, so its Content-Encoding and Content-Length stay."""
+    header names) and no credential (Authorization, x-api-key) when it was KVStream's own
+    key. The body goes as sent, so its Content-Encoding and Content-Length stay."""
     named = {h.strip().lower() for h in request.headers.get("Connection", "").split(",") if h.strip()}
     headers = {}
     for name, value in request.headers.items():
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in named or (drop_authorization and lower == "authorization"):
+        if lower in HOP_BY_HOP or lower in named or (drop_authorization and lower in CREDENTIAL_HEADERS):
             continue
         if lower == "x-request-id":
             continue  # KVStream's id for this request is sent below
