@@ -180,3 +180,28 @@ async def test_hostile_bodies_are_400s_never_500s(hf_proxy, body):
             answer = await resp.json()
     assert resp.status == 400, answer
     assert set(answer["error"]) >= {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("path", ["/responses", "/messages"])
+async def test_a_client_leaving_a_stream_frees_everything(hf_proxy, path):
+    """The Responses and Messages streams, closed by their client after the first events:
+    the generation is cancelled and its blocks freed, as on the chat route."""
+    import aiohttp
+
+    from tests.hf.test_serving import wait_idle
+
+    runner = hf_proxy.engine.backend.runner
+    before = runner.counters.decode_tokens
+    body = {"model": "smollm2", "stream": True, "temperature": 0}
+    body |= {"input": "Tell me a long story.", "max_output_tokens": 300} if path == "/responses" else {
+        "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 300}
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(hf_proxy.v1 + path, json=body)
+        seen = 0
+        async for line in resp.content:
+            seen += line.startswith(b"event:")
+            if seen >= 4:
+                break
+        resp.close()
+    await wait_idle(hf_proxy)
+    assert runner.counters.decode_tokens - before < 50  # cancelled, not run to its 300
