@@ -71,3 +71,18 @@ async def test_the_anthropic_client_authenticates_with_its_own_header(start_upst
             await client.messages.create(**request)
     async with anthropic.AsyncAnthropic(base_url=proxy.url, api_key="sk-kv-1", max_retries=0) as client:
         assert (await client.messages.create(**request)).content[0].text == "Hi"
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+async def test_a_runtime_dying_mid_stream_ends_the_stream_with_an_error_event(start_upstream, start_proxy, http, path):
+    """Ollama drops the connection after one token: the client's stream ends with the API's
+    error event, and everything is released."""
+    url, _ = await start_upstream(Script(tokens=["a", "b", "c"], die_after=1), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url))
+    body = {"model": "llama3.2", "stream": True, "max_tokens" if path == "/v1/messages" else "max_output_tokens": 8}
+    body |= {"messages": [{"role": "user", "content": "Hi"}]} if path == "/v1/messages" else {"input": "Hi"}
+    async with http.post(proxy.url + path, json=body) as resp:
+        assert resp.status == 200
+        events = [line for line in (await resp.text()).splitlines() if line.startswith("event:")]
+    assert events[-1] == "event: error" and "event: response.completed" not in events and "event: message_stop" not in events
+    await wait_released(proxy)
