@@ -86,3 +86,17 @@ async def test_a_runtime_dying_mid_stream_ends_the_stream_with_an_error_event(st
         events = [line for line in (await resp.text()).splitlines() if line.startswith("event:")]
     assert events[-1] == "event: error" and "event: response.completed" not in events and "event: message_stop" not in events
     await wait_released(proxy)
+
+
+async def test_the_count_routes_in_front_of_ollama_say_whether_they_estimated(start_upstream, start_proxy, http):
+    """Without the model's tokenizer (the double's /api/show carries none), a count is an
+    estimate, and the X-KVStream-Tokens header says so."""
+    url, _ = await start_upstream(Script(), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url, exact_tokens=False))
+    async with http.post(proxy.url + "/v1/messages/count_tokens",
+                         json={"model": "llama3.2", "messages": [{"role": "user", "content": "Hello there, friend"}]}) as resp:
+        assert resp.status == 200 and resp.headers["X-KVStream-Tokens"] == "estimated"
+        assert (await resp.json())["input_tokens"] > 0
+    async with http.post(proxy.url + "/v1/responses/input_tokens", json={"model": "llama3.2", "input": "Hello"}) as resp:
+        body = await resp.json()
+        assert resp.status == 200 and body["object"] == "response.input_tokens" and body["input_tokens"] > 0

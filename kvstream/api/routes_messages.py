@@ -12,7 +12,7 @@ from aiohttp import web
 
 from kvstream.api.errors import APIError, counted
 from kvstream.api.messages_format import MessageAnswer, chat_body, messages_error
-from kvstream.api.translated_api import TranslatedAPI, serve
+from kvstream.api.translated_api import TranslatedAPI, count, serve
 
 routes = web.RouteTableDef()
 
@@ -25,7 +25,8 @@ def _answer(body: dict[str, Any], model: str) -> MessageAnswer:
     return MessageAnswer(model)
 
 
-MESSAGES = TranslatedAPI(chat_body=chat_body, answer=_answer, error_shape=messages_error, invalid=_invalid)
+MESSAGES = TranslatedAPI(chat_body=chat_body, answer=_answer, error_shape=messages_error, invalid=_invalid,
+                         counted=lambda tokens: {"input_tokens": tokens}, count_defaults={"max_tokens": 1})
 
 
 @counted("messages")
@@ -33,4 +34,11 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     return await serve(request, MESSAGES)
 
 
+@counted("messages_count_tokens")
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    """Anthropic's ``POST /v1/messages/count_tokens`` (which takes no ``max_tokens``)."""
+    return await count(request, MESSAGES)
+
+
 routes.post("/v1/messages")(create_message)
+routes.post("/v1/messages/count_tokens")(count_tokens)

@@ -40,7 +40,7 @@ from kvstream.api.schemas import ChatCompletionRequest
 from kvstream.api.state import CACHE_SALT, STATE
 from kvstream.api.streaming import GuardedResponse
 from kvstream.jsonfast import dumps
-from kvstream.types import BackendError, Token, Usage
+from kvstream.types import BackendError, GenerateRequest, Token, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +63,53 @@ class Answer(Protocol):
 
 @dataclass(frozen=True)
 class TranslatedAPI:
-    """What one API needs said: its body as a chat body, its answer, its error shape."""
+    """What one API needs said: its body as a chat body, its answer, its error shape, and its
+    token-count answer."""
 
     chat_body: Callable[[dict[str, Any]], dict[str, Any]]  # APIError (400) for what cannot be said so
     answer: Callable[[dict[str, Any], str], Answer]  # (the client's body, the model name it used)
     error_shape: Callable[[APIError], APIError]
     invalid: Callable[[str | None, str], APIError]  # (the chat field, the validation message) -> its 400
+    counted: Callable[[int], dict[str, Any]]  # the count route's answer for this many prompt tokens
+    count_defaults: dict[str, Any]  # what a count body may leave out that a generation needs
 
 
 def sse(event: dict[str, Any]) -> bytes:
     """One event as both APIs stream them: its type named on the ``event:`` line."""
     return b"event: " + event["type"].encode() + b"\ndata: " + dumps(event) + b"\n\n"
+
+
+async def count(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
+    """The API's token-count route (Anthropic's ``/v1/messages/count_tokens``, OpenAI's
+    ``/v1/responses/input_tokens``): the prompt the body would make, counted as a generation
+    counts it (exact with the model's or runtime's tokenizer, else estimated: the
+    ``X-KVStream-Tokens`` header says which). Passed through where ``serve`` passes through."""
+    state = request.app[STATE]
+    if state.engine.backend.forwards_body:
+        return await forward(request)
+    request[ERROR_SHAPE] = api.error_shape
+    generate, _, _ = await _generate_request(request, api, api.count_defaults)
+    ids, exact = await state.engine.prompt_tokens(generate)
+    return web.json_response(api.counted(len(ids)), headers={"X-KVStream-Tokens": "exact" if exact else "estimated"})
+
+
+async def _generate_request(request: web.Request, api: TranslatedAPI,
+                            defaults: dict[str, Any]) -> tuple[GenerateRequest, dict[str, Any], str | None]:
+    """The GenerateRequest the API's body amounts to (its model resolved), the body, and the
+    model name the client used."""
+    state = request.app[STATE]
+    data = await read_object(request)
+    try:
+        body = ChatCompletionRequest.model_validate(api.chat_body(defaults | data))
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise api.invalid(".".join(str(p) for p in error["loc"]) or None, error["msg"].removeprefix("Value error, ")) from None
+    generate = body.to_generate(request[REQUEST_ID])
+    check_message_count(state, generate)
+    generate.cache_salt = request.get(CACHE_SALT)
+    named, backend = generate.model, state.engine.backend
+    generate.model = await resolve_model(state, generate.model) if generate.model else backend.model or await default_model(state)
+    return generate, data, named
 
 
 async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
@@ -84,21 +120,11 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
         return await forward(request)  # the runtime's own
     request[ERROR_SHAPE] = api.error_shape
     arrived_at = time.monotonic()
-    data = await read_object(request)
-    try:
-        body = ChatCompletionRequest.model_validate(api.chat_body(data))
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        raise api.invalid(".".join(str(p) for p in error["loc"]) or None, error["msg"].removeprefix("Value error, ")) from None
+    generate, data, named = await _generate_request(request, api, {})
     request_id = request[REQUEST_ID]
-    generate = body.to_generate(request_id)
     generate.stream = data.get("stream") is True
-    check_message_count(state, generate)
-    generate.cache_salt = request.get(CACHE_SALT)
     generate.queue_deadline_s = parse_deadline(request)
     priority = parse_priority(request, data.get("priority"))
-    named = generate.model
-    generate.model = await resolve_model(state, generate.model) if generate.model else backend.model or await default_model(state)
     try:
         gen = await state.engine.submit(generate, priority, arrived_at)
     except Exception as exc:

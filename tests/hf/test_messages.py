@@ -143,3 +143,16 @@ async def test_errors_are_anthropics_shape_and_status(claude, kwargs):
     with pytest.raises(anthropic.BadRequestError) as err:
         await claude.messages.create(**body)
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
+
+
+async def test_count_tokens_is_the_prompt_a_message_would_have(claude):
+    """``messages.count_tokens`` (no max_tokens) counts the prompt exactly as the message
+    that follows it is charged, tools included."""
+    request = {"model": "smollm2", "system": "Answer briefly.", "messages": [{"role": "user", "content": "What is 2+2?"}]}
+    counted = await claude.messages.count_tokens(**request)
+    message = await claude.messages.create(max_tokens=4, **request, **GREEDY)
+    assert counted.input_tokens == message.usage.input_tokens + message.usage.cache_read_input_tokens
+    forced = await claude.messages.count_tokens(**request, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"})
+    assert forced.input_tokens == counted.input_tokens  # SmolLM2's template shows no tools: the same prompt
+    with pytest.raises(anthropic.BadRequestError):
+        await claude.messages.count_tokens(model="smollm2", messages=[])

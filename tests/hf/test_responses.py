@@ -205,3 +205,13 @@ async def test_a_client_leaving_a_stream_frees_everything(hf_proxy, path):
         resp.close()
     await wait_idle(hf_proxy)
     assert runner.counters.decode_tokens - before < 50  # cancelled, not run to its 300
+
+
+async def test_input_tokens_is_the_prompt_a_response_would_have(oa):
+    counted = await oa.responses.input_tokens.count(model="smollm2", instructions="Answer briefly.", input="What is 2+2?")
+    reply = await oa.responses.create(model="smollm2", instructions="Answer briefly.", input="What is 2+2?",
+                                      max_output_tokens=4, temperature=0)
+    assert counted.input_tokens == reply.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        await oa.responses.input_tokens.count(model="smollm2", input=[{"type": "item_reference", "id": "x"}])
+    assert err.value.param == "input[0].type"
