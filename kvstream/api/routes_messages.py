@@ -2,19 +2,15 @@
 built on it send. Passed through to a runtime that speaks OpenAI (llama-server serves
 ``/v1/messages`` itself), answered on the chat route's path in front of the in-process engine
 and Ollama (translated_api.py), errors in Anthropic's shape; the translation is
-messages_format.py."""
+messages_format.py. Its token count is ``POST /v1/messages/count_tokens``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from aiohttp import web
-
-from kvstream.api.errors import APIError, counted
+from kvstream.api.errors import APIError
 from kvstream.api.messages_format import MessageAnswer, chat_body, messages_error
-from kvstream.api.translated_api import TranslatedAPI, count, serve
-
-routes = web.RouteTableDef()
+from kvstream.api.translated_api import TranslatedAPI, api_routes
 
 
 def _invalid(chat_field: str | None, message: str) -> APIError:
@@ -29,16 +25,5 @@ MESSAGES = TranslatedAPI(chat_body=chat_body, answer=_answer, error_shape=messag
                          counted=lambda tokens: {"input_tokens": tokens}, count_defaults={"max_tokens": 1})
 
 
-@counted("messages")
-async def create_message(request: web.Request) -> web.StreamResponse:
-    return await serve(request, MESSAGES)
-
-
-@counted("messages_count_tokens")
-async def count_tokens(request: web.Request) -> web.StreamResponse:
-    """Anthropic's ``POST /v1/messages/count_tokens`` (which takes no ``max_tokens``)."""
-    return await count(request, MESSAGES)
-
-
-routes.post("/v1/messages")(create_message)
-routes.post("/v1/messages/count_tokens")(count_tokens)
+# (Anthropic's count route takes no max_tokens.)
+routes = api_routes(MESSAGES, "messages", ("/v1/messages",), "/count_tokens")

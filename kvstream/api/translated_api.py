@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from aiohttp import web
 from pydantic import ValidationError
 
-from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, from_exception
+from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, counted, from_exception
 from kvstream.api.routes_openai import (
     _error_kind,
     _next,
@@ -170,7 +170,7 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
             try:
                 await out.write_eof(sse(answer.error_event(api.error_shape(from_exception(exc)))))
             except ConnectionError:
-                pass
+                pass  # the client is gone too: nobody is left to tell
         except ConnectionError:
             pass  # the client went away: the finally below cancels the generation
         return out
@@ -183,3 +183,23 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
             await stream.aclose()
         finally:
             gen.close(outcome)
+
+
+def api_routes(api: TranslatedAPI, label: str, paths: tuple[str, ...], count_suffix: str) -> web.RouteTableDef:
+    """The API's generation route at each of ``paths`` and its token-count route at each
+    path + ``count_suffix``, counted in ``kvstream_requests_total`` as ``label`` and
+    ``label``_count."""
+    routes = web.RouteTableDef()
+
+    @counted(label)
+    async def generation(request: web.Request) -> web.StreamResponse:
+        return await serve(request, api)
+
+    @counted(f"{label}_count")
+    async def token_count(request: web.Request) -> web.StreamResponse:
+        return await count(request, api)
+
+    for path in paths:
+        routes.post(path)(generation)
+        routes.post(path + count_suffix)(token_count)
+    return routes
