@@ -159,7 +159,7 @@ class PrefixCacheSettings(_Section):
 
 
 class AttentionSettings(_Section):
-    backend: Literal["auto", "native", "flex", "sdpa", "eager"] = Field("auto", description="hf: attention kernel over the paged pool, checked against eager at start; auto = the fastest built tier that passes: native (decodes read the pool in place with a C++ kernel built on first use; CPU, float32; needs a C++ compiler and ninja), flex (decodes read the pool in place with compiled flex_attention from 4,096 tokens of decode context a step; needs torch.compile, on CPU a C++ compiler), sdpa (gather + torch's fused kernels), eager (plain matmul-softmax, the reference)")
+    backend: Literal["auto", "flash", "native", "flex", "sdpa", "eager"] = Field("auto", description="hf: attention kernel over the paged pool, checked against eager at start; auto = the fastest tier that passes: flash (every row reads the pool in place with one Triton kernel; CUDA; untested on a GPU so far), native (decodes read the pool in place with a C++ kernel built on first use; CPU, float32; needs a C++ compiler and ninja), flex (decodes read the pool in place with compiled flex_attention from 4,096 tokens of decode context a step; needs torch.compile, on CPU a C++ compiler), sdpa (gather + torch's fused kernels), eager (plain matmul-softmax, the reference)")
 
 
 class MatmulSettings(_Section):

@@ -4,6 +4,7 @@ llama-server with the real SmolLM2 model (session-scoped, built once and cached 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -27,6 +28,21 @@ from tests.doubles import Recorder, Script, openai_upstream
 
 # CI sets this so that a missing llama-server or model fails instead of skipping.
 REQUIRE_REAL = os.environ.get("KVSTREAM_REQUIRE_REAL") == "1"
+
+
+def _cuda_device() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Where there is no GPU, the flash attention tier's Triton kernel runs under Triton's
+# interpreter in the tests (tests/hf/test_flash_tier.py). Triton reads this once, when it is
+# first imported (torch's compiler may import it), so it is set before any test module loads.
+if "TRITON_INTERPRET" not in os.environ and not _cuda_device():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def make_settings(**sections: dict[str, Any]) -> Settings:

@@ -98,7 +98,7 @@ def serve(
     kv_cache_bits: Annotated[Optional[int], typer.Option(help="hf: keep spilled and swapped KV blocks KIVI-quantized to 8 or 4 bits")] = None,
     disk_cache_dir: Annotated[Optional[Path], typer.Option(help="hf: directory of the disk KV tier (survives restarts)")] = None,
     reuse: Annotated[Optional[str], typer.Option(help="hf: exact | blend (also reuse moved chunks, approximately)")] = None,
-    attention_backend: Annotated[Optional[str], typer.Option(help="hf: auto | native | flex | sdpa | eager (auto: the fastest tier that agrees with eager at start)")] = None,
+    attention_backend: Annotated[Optional[str], typer.Option(help="hf: auto | flash | native | flex | sdpa | eager (auto: the fastest tier that agrees with eager at start)")] = None,
     matmul_backend: Annotated[Optional[str], typer.Option(help="hf: auto | native | torch: the linear layers' kernel for decode-sized batches (auto: native where it builds and agrees with torch; torch also keeps transformers' own norms and rotary)")] = None,
     blend_ratio: Annotated[Optional[float], typer.Option(help="hf: share of moved tokens the blend repair recomputes (default 0.15)")] = None,
     warm: Annotated[Optional[list[str]], typer.Option(help="a system prompt to prefill at start (repeatable)")] = None,

@@ -11,7 +11,8 @@ compute Q, K, V and rotary embeddings; for each layer transformers then calls
    a chunk's queries sit at the *end* of its keys, which SDPA's ``is_causal`` gets wrong
    when they differ in length) and once for all decodes together (padded, masked).
 
-Under the ``native`` tier the decodes skip step 2: a C++ kernel (native_attention.py) reads
+Under the ``flash`` tier (CUDA) every row skips steps 2 and 3: one Triton kernel (flash.py)
+reads each sequence's context in place for its decode or chunk. Under the ``native`` tier the decodes skip step 2: a C++ kernel (native_attention.py) reads
 their K/V in place through their block tables. Under ``flex`` they skip it once they hold
 enough context together (flex.IN_PLACE_MIN_CONTEXT): flex.py's compiled kernel reads the
 pool through a BlockMask made from the tables. The copy in step 2 is what grows with
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvstream.hf import flex, native_attention
+from kvstream.hf import flash, flex, native_attention
 from kvstream.hf.kv_cache import PagedKVCache
 
 # Longest prefill chunk the native tier reads in place, one kernel row per token (the kernel
@@ -64,6 +65,7 @@ class AttentionPlan:
 
     cache: PagedKVCache
     write_slots: torch.Tensor  # [T] slot of every token in the packed row
+    # "flash" (every row in place, one Triton kernel, flash.py) |
     # "native" (decodes and short chunks read the pool in place, native_attention.py; longer
     # prefill chunks as sdpa) |
     # "flex" (the same through compiled flex_attention, flex.py) | "sdpa" (torch's fused
@@ -76,6 +78,7 @@ class AttentionPlan:
     decode_block_mask: flex.BlockMask | None = None  # flex: the decodes' blocks, read in place
     decode_tables: torch.Tensor | None = None  # native: [B, W] int32 block ids, padded
     decode_lengths: torch.Tensor | None = None  # native: [B] int32 context lengths
+    flash: flash.FlashPlan | None = None  # flash: every row, read in place (flash.py)
 
     @classmethod
     def build(
@@ -89,6 +92,13 @@ class AttentionPlan:
         device = cache.device
         bs = cache.block_size
         offsets = torch.arange(bs, device=device)
+        if kernel == "flash":
+            if query_heads <= 0:
+                raise ValueError("the flash kernel needs the model's query_heads")
+            writes = [_context_slots(block_ids[: -(-(computed + new) // bs)], computed + new, offsets)[computed:]
+                      for block_ids, computed, new in seqs]
+            rows = flash.build(seqs, bs, query_heads, cache.shape.num_kv_heads, device)
+            return cls(cache, torch.cat(writes), kernel, flash=rows)
         writes: list[torch.Tensor] = []
         decode_writes: list[int] = []  # decodes' slots since the last chunk, kept in row order
         prefills: list[PrefillChunk] = []
@@ -236,6 +246,9 @@ def paged_attention(
         v_pool.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(v_pool.dtype))
 
     q = query[0]  # [H_q, T, D]
+    if plan.flash is not None:
+        o = flash.attention(q.transpose(0, 1), k_pool, v_pool, plan.flash, plan.cache.block_size, scaling)
+        return o.unsqueeze(0), None
     if plan.decode_tables is not None and not plan.prefills:
         # Every row is a decode, in row order: no picking rows out and putting them back.
         o = native_attention.paged_decode(q.transpose(0, 1), k_pool, v_pool, plan.decode_tables, plan.decode_lengths,

@@ -2,7 +2,9 @@
 
 Tiers, fastest first:
 
-- ``flash``: FlashAttention kernels reading the paged pool on CUDA: not built yet;
+- ``flash``: a FlashAttention-2 style Triton kernel reading the paged pool in place for every
+  row of a step, decodes and prefill chunks alike (flash.py); CUDA only (Triton comes with
+  torch's CUDA builds);
 - ``native``: decodes through a C++ kernel that reads the pool in place through the block
   tables (native_attention.py), compiled on first use; prefill chunks as ``sdpa``. CPU and
   float32 only (needs a C++ compiler and ninja);
@@ -29,13 +31,13 @@ from types import SimpleNamespace
 
 import torch
 
+from kvstream.hf import flash
 from kvstream.hf.attention import NATIVE_CHUNK_MAX, AttentionPlan, paged_attention
 from kvstream.hf.kv_cache import KVShape, PagedKVCache
 
 logger = logging.getLogger(__name__)
 
 TIERS = ("flash", "native", "flex", "sdpa", "eager")
-NOT_BUILT = {"flash": "not built yet (FlashAttention over the paged pool, CUDA)"}
 # Largest absolute difference from eager a tier may show on the probe, per dtype.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
@@ -50,6 +52,10 @@ def probe_rows(block_size: int) -> tuple[tuple[int, int], ...]:
 
 def unsupported(name: str, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why tier ``name`` cannot take this dtype or device, before building or probing it."""
+    if name == "flash" and device.type != "cuda":
+        return "CUDA only (a Triton kernel)"
+    if name == "flash":
+        return flash.available()
     if name == "native" and device.type != "cpu":
         return "CPU only (a C++ kernel)"
     if name == "native" and dtype != torch.float32:
@@ -117,11 +123,9 @@ def choose_tier(
     why_not: dict[str, str] = {}
     if requested != "auto":  # the tiers faster than the one asked for
         for name in TIERS[: TIERS.index(requested)]:
-            why_not[name] = NOT_BUILT.get(name, f"attention.backend asks for {requested}")
+            why_not[name] = f"attention.backend asks for {requested}"
     for name in candidates:
-        if name in NOT_BUILT:
-            why_not[name] = NOT_BUILT[name]
-        elif unsupported(name, dtype, device):
+        if unsupported(name, dtype, device):
             why_not[name] = unsupported(name, dtype, device)
         elif name == "eager":
             return TierChoice("eager", why_not)

@@ -86,7 +86,7 @@ class RunnerConfig:
     # float32 CPU model with half-precision K/V: half the pool bytes, half what decode reads
     # at long context; the kernels widen K/V as they read them); None = the model's dtype.
     kv_dtype: str | None = None
-    attention: str = "auto"  # auto | native | flex | sdpa | eager: the tier, probed at start (attention_tiers.py)
+    attention: str = "auto"  # auto | flash | native | flex | sdpa | eager: the tier, probed at start (attention_tiers.py)
     # auto | native | torch: what runs the linear layers for decode-sized batches (native_linear.py);
     # all but torch also put the norms and rotary embedding on native_ops.py's kernels
     matmul: str = "auto"

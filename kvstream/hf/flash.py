@@ -1,0 +1,143 @@
+"""The ``flash`` attention tier: one FlashAttention-style Triton kernel over the paged pool (CUDA).
+
+Every row of a step, decode or prefill chunk, runs in one kernel per layer that reads K/V in
+place through the block tables: no gather, no padding to the longest context. The algorithm
+is FlashAttention-2's forward: a program takes a tile of one sequence's queries for one KV
+head, walks that sequence's context ``BLOCK_N`` keys at a time (each key's slot looked up in
+its block table), and keeps a running max and sum so that the softmax never materializes.
+Queries of a KV head's group are packed together in the tile (``BLOCK_M`` rows = tokens x
+group), so each K/V tile is read once for all of them (GQA without repeating heads). The
+causal mask is aligned bottom-right: query ``t`` of a chunk after ``c`` cached tokens reads
+keys ``0 .. c + t``.
+
+Why Triton, not flash-attn or FlashInfer (the issue's names): flash-attn's paged KV cache
+takes blocks of a multiple of 256 tokens only ("Paged KV cache block size must be divisible by
+256", its C++ check), the engine's are 16; FlashInfer takes any page size but is a separate
+CUDA build. Triton ships with every CUDA build of torch, and its interpreter
+(``TRITON_INTERPRET=1``) runs the same kernel on CPU, so its arithmetic is tested where there
+is no GPU (tests/hf/test_flash_tier.py). Its speed on a GPU is measured by
+``benchmarks/gpu_check.sh``, not here.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+# Query rows per program for steps' prefill chunks (tokens x the KV head's query group) and
+# keys per inner iteration: FlashAttention-2's tile sizes for head dims up to 128.
+CHUNK_ROWS = 64
+KEYS_PER_TILE = 64
+# tl.dot's smallest operand side.
+MIN_ROWS = 16
+
+
+def available() -> str | None:
+    """Why the kernel cannot be built here, or None."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "needs triton (it ships with torch's CUDA builds)"
+    return None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass
+class FlashPlan:
+    """One step's rows as the kernel reads them, built once and used by every layer.
+
+    Per sequence, in packed-row order: its block table (``tables``, padded), the tokens it
+    had in the pool before this step (``cached``), where its queries start in the packed row
+    (``starts``) and how many it has (``lengths``). Per launch: the query rows per program
+    and, per program, its sequence and its first query within the sequence's chunk.
+    """
+
+    tables: torch.Tensor  # [S, W] int32
+    cached: torch.Tensor  # [S] int32
+    starts: torch.Tensor  # [S] int32
+    lengths: torch.Tensor  # [S] int32
+    launches: list[tuple[int, torch.Tensor, torch.Tensor]]  # (BLOCK_M, tile sequence, tile first query)
+    group: int  # query heads per KV head
+
+
+def build(seqs: list[tuple[list[int], int, int]], block_size: int, query_heads: int, kv_heads: int,
+          device: torch.device) -> FlashPlan:
+    """The plan for ``seqs`` (block ids, tokens already in the pool, new tokens), in row order.
+
+    Decodes (one new token) get a program each of ``MIN_ROWS`` rows (more for a group past 16);
+    prefill chunks programs of ``CHUNK_ROWS`` rows, ``CHUNK_ROWS // group`` queries each. Everything
+    goes to the device in one copy.
+    """
+    if query_heads % kv_heads:
+        raise ValueError(f"{query_heads} query heads do not split into {kv_heads} KV heads")
+    group = query_heads // kv_heads
+    decode_rows = max(MIN_ROWS, _next_pow2(group))
+    chunk_rows = max(CHUNK_ROWS, _next_pow2(group))
+    per_chunk_tile = chunk_rows // group
+    width = max(-(-(computed + new) // block_size) for _, computed, new in seqs)
+    tables: list[int] = []
+    cached, starts, lengths = [], [], []
+    decode_tiles: list[int] = []
+    chunk_seqs: list[int] = []
+    chunk_firsts: list[int] = []
+    row = 0
+    for index, (block_ids, computed, new) in enumerate(seqs):
+        table = block_ids[: -(-(computed + new) // block_size)]
+        tables += table + [0] * (width - len(table))
+        cached.append(computed)
+        starts.append(row)
+        lengths.append(new)
+        if new == 1:
+            decode_tiles.append(index)
+        else:
+            for first in range(0, new, per_chunk_tile):
+                chunk_seqs.append(index)
+                chunk_firsts.append(first)
+        row += new
+    flat = torch.tensor(tables + cached + starts + lengths + decode_tiles + [0] * len(decode_tiles)
+                        + chunk_seqs + chunk_firsts, dtype=torch.int32).to(device)
+    count = len(seqs)
+    parts = torch.split(flat, [count * width, count, count, count, len(decode_tiles), len(decode_tiles),
+                               len(chunk_seqs), len(chunk_firsts)])
+    launches = []
+    if decode_tiles:
+        launches.append((decode_rows, parts[4], parts[5]))
+    if chunk_seqs:
+        launches.append((chunk_rows, parts[6], parts[7]))
+    return FlashPlan(parts[0].view(count, width), parts[1], parts[2], parts[3], launches, group)
+
+
+def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: FlashPlan, block_size: int,
+              scale: float | None) -> torch.Tensor:
+    """Attention of the packed queries ``q`` ``[T, H_q, D]`` over a layer's pool ``k_pool`` /
+    ``v_pool`` ``[slots, H_kv, D]`` (this step's K/V already written) -> ``[T, H_q, D]``."""
+    head_dim, kv_heads = q.shape[-1], k_pool.shape[1]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5 if scale is None else scale
+    kernel = _kernel()
+    for rows, tile_seqs, tile_firsts in plan.launches:
+        kernel[(tile_seqs.numel(), kv_heads)](
+            q, k_pool, v_pool, out, plan.tables, plan.cached, plan.starts, plan.lengths, tile_seqs, tile_firsts,
+            scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+            out.stride(0), out.stride(1), plan.tables.stride(0),
+            GROUP=plan.group, BLOCK_M=rows, BLOCK_N=KEYS_PER_TILE, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+            HEAD_DIM_PADDED=_next_pow2(max(head_dim, MIN_ROWS)), IEEE=q.dtype == torch.float32,
+            num_warps=4, num_stages=2,
+        )
+    return out
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, imported on first use: importing this module needs no triton."""
+    from kvstream.hf.flash_kernel import paged_flash
+
+    return paged_flash
