@@ -11,8 +11,8 @@ on the next of ``--layers`` layers' pools so that K/V come from HBM, not from L2
 at the issue's c=16, the long-context case (8 decodes at ~2,000 tokens), a larger batch, a
 whole prompt, a chunk after a cached document, and a mixed step; for SmolLM2's geometry (9 query
 heads over 3 KV heads, head dim 64) and a Llama-3-8B-like one (32 over 8, head dim 128). Prints
-CUDA-event time per layer call (best of 5 rounds), the ratio sdpa / flash and the largest
-difference between the two outputs.
+CUDA-event time per layer call (best of 5 rounds), the ratio sdpa / flash, the largest
+difference between the two outputs and how many pieces flash split the decodes' keys into.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def main() -> None:
     device = torch.device("cuda")
     bs = args.block_size
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, block size {bs}, {args.layers} layers' pools in turn")
-    print(f"{'geometry':<16} {'dtype':<9} {'step':<30} {'sdpa ms':>8} {'flash ms':>9} {'ratio':>7} {'max diff':>9}")
+    print(f"{'geometry':<16} {'dtype':<9} {'step':<30} {'sdpa ms':>8} {'flash ms':>9} {'ratio':>7} {'max diff':>9} {'splits':>6}")
     generator = torch.Generator(device=device).manual_seed(0)
     for name, heads, kv_heads, dim in GEOMETRIES:
         for dtype_name in args.dtype:
@@ -98,8 +98,11 @@ def main() -> None:
                 v = torch.randn(1, kv_heads, tokens, dim, device=device, dtype=dtype, generator=generator)
                 layers = [_Layer(i) for i in range(args.layers)]
                 results = {}
+                splits = 1
                 for tier in ("sdpa", "flash"):
                     plan = AttentionPlan.build(cache, seqs, tier, heads)
+                    if plan.flash is not None:
+                        splits = max(launch.splits for launch in plan.flash.launches)
                     turn = itertools.cycle(layers)
 
                     def call(plan=plan, turn=turn):
@@ -110,7 +113,7 @@ def main() -> None:
                         results[tier] = (time_per_call(call, 20), output)
                 (base, reference), (ours, output) = results["sdpa"], results["flash"]
                 diff = float((reference - output).abs().max())
-                print(f"{name:<16} {dtype_name:<9} {label:<30} {base:>8.3f} {ours:>9.3f} {base / ours:>6.2f}x {diff:>9.1e}")
+                print(f"{name:<16} {dtype_name:<9} {label:<30} {base:>8.3f} {ours:>9.3f} {base / ours:>6.2f}x {diff:>9.1e} {splits:>6}")
                 del cache
 
 

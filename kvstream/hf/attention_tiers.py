@@ -46,8 +46,9 @@ def probe_rows(block_size: int) -> tuple[tuple[int, int], ...]:
     """(tokens already in the pool, new tokens this step) per probe sequence: a short chunk
     after a cached head (the native tier reads it in place), a longer one (gathered), a whole
     prompt, and decodes whose contexts end mid-block, exactly at a block's end, and inside the
-    first block."""
-    return ((block_size + 3, 5), (1, NATIVE_CHUNK_MAX + 3), (0, 6), (2 * block_size + 1, 1), (block_size - 1, 1), (2, 1))
+    first block, and one long enough that the flash tier splits its keys on a GPU."""
+    return ((block_size + 3, 5), (1, NATIVE_CHUNK_MAX + 3), (0, 6), (2 * block_size + 1, 1), (block_size - 1, 1), (2, 1),
+            (2 * flash.MIN_SPLIT_KEYS + 3, 1))
 
 
 def unsupported(name: str, dtype: torch.dtype, device: torch.device) -> str | None:

@@ -32,6 +32,14 @@ CHUNK_ROWS = 64
 KEYS_PER_TILE = 64
 # tl.dot's smallest operand side.
 MIN_ROWS = 16
+# Decodes split their keys over several programs when (sequences x KV heads) programs would
+# leave the GPU's multiprocessors idle (flash-decoding): up to this many programs per
+# multiprocessor, each split at least this many keys, at most MAX_SPLITS splits.
+PROGRAMS_PER_PROCESSOR = 2
+MIN_SPLIT_KEYS = 256
+MAX_SPLITS = 32
+# split_keys for a launch that does not split: past any context.
+UNSPLIT_KEYS = 2**30
 
 
 def available() -> str | None:
@@ -45,6 +53,39 @@ def available() -> str | None:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
+def processors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (no split pays there)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def key_splits(programs: int, longest: int, device_processors: int) -> int:
+    """Splits per decode so that ``programs`` (decodes x KV heads) fill the device, each split
+    keeping at least MIN_SPLIT_KEYS of the ``longest`` context: a power of two, 1 when no split
+    pays."""
+    wanted = _next_pow2(-(-PROGRAMS_PER_PROCESSOR * device_processors // programs))
+    most = longest // MIN_SPLIT_KEYS
+    splits = 1
+    while splits * 2 <= min(wanted, most, MAX_SPLITS):
+        splits *= 2
+    return splits
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a step: programs of ``rows`` query rows, program i on sequence
+    ``seqs[i]`` from its query ``firsts[i]``; decodes' keys cut into ``splits`` pieces of
+    ``split_keys``."""
+
+    rows: int
+    seqs: torch.Tensor
+    firsts: torch.Tensor
+    splits: int = 1
+    split_keys: int = UNSPLIT_KEYS
 
 
 @dataclass
@@ -61,7 +102,7 @@ class FlashPlan:
     cached: torch.Tensor  # [S] int32
     starts: torch.Tensor  # [S] int32
     lengths: torch.Tensor  # [S] int32
-    launches: list[tuple[int, torch.Tensor, torch.Tensor]]  # (BLOCK_M, tile sequence, tile first query)
+    launches: list[Launch]
     group: int  # query heads per KV head
 
 
@@ -69,7 +110,8 @@ def build(seqs: list[tuple[list[int], int, int]], block_size: int, query_heads: 
           device: torch.device) -> FlashPlan:
     """The plan for ``seqs`` (block ids, tokens already in the pool, new tokens), in row order.
 
-    Decodes (one new token) get a program each of ``MIN_ROWS`` rows (more for a group past 16);
+    Decodes (one new token) get a program each of ``MIN_ROWS`` rows (more for a group past 16),
+    their keys split over several where they are too few to fill the device (``key_splits``);
     prefill chunks programs of ``CHUNK_ROWS`` rows, ``CHUNK_ROWS // group`` queries each. Everything
     goes to the device in one copy.
     """
@@ -106,9 +148,12 @@ def build(seqs: list[tuple[list[int], int, int]], block_size: int, query_heads: 
                                len(chunk_seqs), len(chunk_firsts)])
     launches = []
     if decode_tiles:
-        launches.append((decode_rows, parts[4], parts[5]))
+        longest = max(cached[i] + 1 for i in decode_tiles)
+        splits = key_splits(len(decode_tiles) * kv_heads, longest, processors(torch.device(device)))
+        split_keys = UNSPLIT_KEYS if splits == 1 else -(-longest // (splits * KEYS_PER_TILE)) * KEYS_PER_TILE
+        launches.append(Launch(decode_rows, parts[4], parts[5], splits, split_keys))
     if chunk_seqs:
-        launches.append((chunk_rows, parts[6], parts[7]))
+        launches.append(Launch(chunk_rows, parts[6], parts[7]))
     return FlashPlan(parts[0].view(count, width), parts[1], parts[2], parts[3], launches, group)
 
 
@@ -121,23 +166,34 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan:
         q = q.contiguous()
     out = torch.empty_like(q)
     scale = head_dim**-0.5 if scale is None else scale
-    kernel = _kernel()
-    for rows, tile_seqs, tile_firsts in plan.launches:
-        kernel[(tile_seqs.numel(), kv_heads)](
-            q, k_pool, v_pool, out, plan.tables, plan.cached, plan.starts, plan.lengths, tile_seqs, tile_firsts,
+    paged_flash, combine_splits = _kernels()
+    padded_dim = _next_pow2(max(head_dim, MIN_ROWS))
+    for launch in plan.launches:
+        partial_out = partial_lse = out  # unread unless the launch splits
+        if launch.splits > 1:
+            partial_out = torch.empty(q.shape[0], q.shape[1], launch.splits, padded_dim, dtype=torch.float32, device=q.device)
+            partial_lse = torch.empty(q.shape[0], q.shape[1], launch.splits, dtype=torch.float32, device=q.device)
+        paged_flash[(launch.seqs.numel(), kv_heads, launch.splits)](
+            q, k_pool, v_pool, out, partial_out, partial_lse, plan.tables, plan.cached, plan.starts, plan.lengths,
+            launch.seqs, launch.firsts,
             scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+            launch.split_keys, q.shape[1],
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
             out.stride(0), out.stride(1), plan.tables.stride(0),
-            GROUP=plan.group, BLOCK_M=rows, BLOCK_N=KEYS_PER_TILE, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-            HEAD_DIM_PADDED=_next_pow2(max(head_dim, MIN_ROWS)), IEEE=q.dtype == torch.float32,
+            GROUP=plan.group, BLOCK_M=launch.rows, BLOCK_N=KEYS_PER_TILE, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+            HEAD_DIM_PADDED=padded_dim, IEEE=q.dtype == torch.float32, SPLITS=launch.splits,
             num_warps=4, num_stages=2,
         )
+        if launch.splits > 1:
+            combine_splits[(launch.seqs.numel(), q.shape[1])](
+                partial_out, partial_lse, out, plan.starts, launch.seqs, q.shape[1], out.stride(0), out.stride(1),
+                SPLITS=launch.splits, HEAD_DIM=head_dim, HEAD_DIM_PADDED=padded_dim,
+            )
     return out
 
 
-@functools.cache
-def _kernel():
-    """The Triton kernel, imported on first use: importing this module needs no triton."""
-    from kvstream.hf.flash_kernel import paged_flash
+def _kernels():
+    """The Triton kernels, imported on first use: importing this module needs no triton."""
+    from kvstream.hf.flash_kernel import combine_splits, paged_flash
 
-    return paged_flash
+    return paged_flash, combine_splits

@@ -6,7 +6,8 @@ globals hold) can run it on the CPU in the tests.
 
 One program: a tile of ``BLOCK_M`` query rows (``BLOCK_M // GROUP`` tokens of one sequence x the
 ``GROUP`` query heads of KV head ``program_id(1)``) against that sequence's context, ``BLOCK_N``
-keys at a time, with FlashAttention-2's running max and sum.
+keys at a time, with FlashAttention-2's running max and sum. Decodes too few to fill the GPU
+split their keys over several programs (flash-decoding), combined by ``combine_splits``.
 """
 
 import triton
@@ -15,13 +16,19 @@ import triton.language as tl
 
 @triton.jit
 def paged_flash(
-    Q, K, V, O, tables, cached, starts, lengths, tile_seqs, tile_firsts, scale_log2,
+    Q, K, V, O, partial_out, partial_lse, tables, cached, starts, lengths, tile_seqs, tile_firsts, scale_log2,
+    split_keys, query_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_table,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, IEEE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
 ):
+    """With ``SPLITS`` > 1 (decodes only) program (tile, head, split) reads keys
+    ``[split * split_keys, (split + 1) * split_keys)`` and writes its normalized partial output
+    and log2-sum-exp to ``partial_out`` / ``partial_lse`` (``[T, H_q, SPLITS, HEAD_DIM_PADDED]`` /
+    ``[T, H_q, SPLITS]``, float32) for ``combine_splits``; with 1 it writes ``O``."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(tile_seqs + tile)
     first = tl.load(tile_firsts + tile)
     start = tl.load(starts + seq)
@@ -38,13 +45,15 @@ def paged_flash(
     q = tl.load(Q + q_offsets, mask=valid[:, None] & dim_ok[None, :], other=0.0)
     last_key = past + token  # causal, bottom-right: the last key each row reads
     end = past + tl.minimum(first + BLOCK_M // GROUP, length)  # keys the tile reads
+    key_lo = split * split_keys
+    key_hi = tl.minimum(end, key_lo + split_keys)
     # Finite start: a row whose keys in a tile are all masked keeps exp2(-inf - m) = 0.
     running_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
-    for key_start in range(0, end, BLOCK_N):
+    for key_start in range(key_lo, key_hi, BLOCK_N):
         keys = key_start + tl.arange(0, BLOCK_N)
-        inside = keys < end
+        inside = keys < key_hi
         block = tl.load(tables + seq * stride_table + keys // BLOCK_SIZE, mask=inside, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
         kv_mask = inside[:, None] & dim_ok[None, :]
@@ -65,6 +74,33 @@ def paged_flash(
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         running_max = new_max
     out = acc / tl.maximum(running_sum, 1e-30)[:, None]
-    o_offsets = (start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    tl.store(O + o_offsets, out.to(O.dtype.element_ty), mask=valid[:, None] & dim_ok[None, :])
+    row_ok = valid[:, None] & dim_ok[None, :]
+    if SPLITS == 1:
+        o_offsets = (start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(O + o_offsets, out.to(O.dtype.element_ty), mask=row_ok)
+    else:
+        # A split that read no key (a context shorter than the step's longest) has a sum of 0:
+        # its log2-sum-exp is -inf and it weighs nothing in the combine.
+        partial = ((start + token).to(tl.int64) * query_heads + head) * SPLITS + split
+        tl.store(partial_lse + partial, running_max + tl.log2(running_sum), mask=valid)
+        tl.store(partial_out + partial[:, None] * HEAD_DIM_PADDED + dims[None, :], out, mask=row_ok)
 
+
+@triton.jit
+def combine_splits(
+    partial_out, partial_lse, O, starts, tile_seqs, query_heads, stride_ot, stride_oh,
+    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+):
+    """Program (decode, query head): its splits' partial outputs weighted by their share of
+    the softmax's sum, ``exp2(lse_i - max lse)``."""
+    seq = tl.load(tile_seqs + tl.program_id(0))
+    head = tl.program_id(1)
+    row = tl.load(starts + seq).to(tl.int64)
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    base = (row * query_heads + head) * SPLITS
+    lse = tl.load(partial_lse + base + splits)
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    parts = tl.load(partial_out + (base + splits)[:, None] * HEAD_DIM_PADDED + dims[None, :])
+    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(O + row * stride_ot + head * stride_oh + dims, out.to(O.dtype.element_ty), mask=dims < HEAD_DIM)

@@ -113,10 +113,39 @@ def test_long_contexts_over_many_key_tiles_and_decodes_alone():
     rows = ((300, 1), (129, 1), (64, 1), (63, 1))
     cache, seqs, q, k, v = step(rows, 16, 9, 3, 64, torch.float32, seed=1)
     plan = AttentionPlan.build(cache, seqs, "flash", 9)
-    assert [rows for rows, _, _ in plan.flash.launches] == [16]  # decodes only: 16-row programs
+    assert [(launch.rows, launch.splits) for launch in plan.flash.launches] == [(16, 1)]  # decodes only: 16-row programs
     with torch.inference_mode():
         out = paged_attention(_Layer(), q, k, v, None, None, kvstream_plan=plan)[0][0]
     torch.testing.assert_close(out.cpu(), reference(cache, seqs, q, k, v).cpu(), atol=1e-5, rtol=1e-5)
+
+
+def test_how_many_splits_decodes_take():
+    """Enough programs to fill the device, never splits of fewer than MIN_SPLIT_KEYS keys."""
+    assert flash.key_splits(programs=24, longest=2000, device_processors=132) == 4  # 2,000 keys: 4 x 500
+    assert flash.key_splits(programs=24, longest=20000, device_processors=132) == 16  # 264 programs wanted
+    assert flash.key_splits(programs=48, longest=300, device_processors=132) == 1  # too short to split
+    assert flash.key_splits(programs=512, longest=8000, device_processors=132) == 1  # the device is full
+    assert flash.key_splits(programs=1, longest=10**6, device_processors=132) == flash.MAX_SPLITS
+    assert flash.key_splits(programs=3, longest=8000, device_processors=1) == 1  # a CPU
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")  # an empty split's -inf, by design
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_decodes_match_eager(monkeypatch, dtype):
+    """Decodes whose keys are split over several programs and combined (flash-decoding), some
+    splits reading no key at all (contexts shorter than the longest), beside a prefill chunk
+    that does not split."""
+    monkeypatch.setattr(flash, "processors", lambda device: 64)
+    monkeypatch.setattr(flash, "MIN_SPLIT_KEYS", 16)
+    rows = ((300, 1), (129, 1), (64, 1), (5, 1), (40, 20))
+    cache, seqs, q, k, v = step(rows, 16, 9, 3, 64, dtype, seed=4)
+    plan = AttentionPlan.build(cache, seqs, "flash", 9)
+    decodes, chunk = plan.flash.launches
+    assert (decodes.splits, decodes.split_keys, chunk.splits) == (16, 64, 1)
+    with torch.inference_mode():
+        out = paged_attention(_Layer(), q, k, v, None, None, kvstream_plan=plan)[0][0]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float().cpu(), reference(cache, seqs, q, k, v).cpu(), atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float16, torch.float32])
@@ -137,10 +166,10 @@ def test_the_plan_tiles_chunks_by_the_group_and_writes_every_new_token():
     cache = PagedKVCache(KVShape(1, 3, 64), 32, 16, 0, torch.float32, torch.device("cpu"))
     seqs = [([5, 6, 7], 30, 1), ([1, 2], 0, 22), ([9], 3, 1)]
     plan = AttentionPlan.build(cache, seqs, "flash", 9)
-    (decode_rows, decode_seqs, _), (chunk_rows, chunk_seqs, firsts) = plan.flash.launches
-    assert (decode_rows, decode_seqs.tolist()) == (16, [0, 2])
+    decodes, chunks = plan.flash.launches
+    assert (decodes.rows, decodes.seqs.tolist(), decodes.splits) == (16, [0, 2], 1)
     # 64-row programs hold 21 queries of a group of three: the 22-token prompt takes two.
-    assert (chunk_rows, chunk_seqs.tolist(), firsts.tolist()) == (64, [1, 1], [0, 21])
+    assert (chunks.rows, chunks.seqs.tolist(), chunks.firsts.tolist()) == (64, [1, 1], [0, 21])
     assert plan.flash.starts.tolist() == [0, 1, 23] and plan.flash.cached.tolist() == [30, 0, 3]
     assert plan.write_slots.tolist() == [6 * 16 + 14, *range(16, 38), 9 * 16 + 3]
     with pytest.raises(ValueError, match="query_heads"):
@@ -153,6 +182,9 @@ def test_the_tier_is_chosen_by_its_probe_where_it_runs(monkeypatch):
     monkeypatch.setattr(attention_tiers, "unsupported", lambda name, dtype, dev: None)
     choice = attention_tiers.choose_tier("auto", 9, KVShape(2, 3, 64), torch.float32, device(), 16)
     assert choice.name == "flash" and choice.why_not == {}
+    # On a GPU the probe's longest decode splits its keys: the split path is checked at start too.
+    decodes = [cached + 1 for cached, new in attention_tiers.probe_rows(16) if new == 1]
+    assert flash.key_splits(len(decodes) * 3, max(decodes), 132) > 1
 
 
 def test_without_triton_the_tier_says_so(monkeypatch):
