@@ -221,6 +221,9 @@ class Token:
     # go on, why that choice ended (the stream's last Token carries ``finish_reason``).
     index: int = 0
     choice_finish_reason: str | None = None
+    # On the last Token: the stop string that ended the generation, where the backend knows
+    # it (the in-process engine); None when it ended otherwise or the runtime does not say.
+    stop_sequence: str | None = None
     # The echoed prompt (completions' ``echo``), sent before the first generated token: not
     # a generated token (no time-to-first-token, not counted).
     echo: bool = False

@@ -220,23 +220,24 @@ class MessageAnswer:
                                "delta": {"type": "input_json_delta", "partial_json": function["arguments"]}})
         return events
 
-    def finish(self, finish_reason: str | None, usage: Usage | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The whole message and the events that end the stream."""
+    def finish(self, last: Token, usage: Usage | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The whole message and the events that end the stream (``last``: the stream's last
+        token: why it ended, and the stop sequence that ended it where the backend says)."""
         events = self._close()
         for index, text in self._arguments.items():
             self.content[index]["input"] = _input(text)
-        reason = STOP_REASONS.get(finish_reason or "", "end_turn")
-        message = self.message(reason, usage)
-        events.append({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None},
+        reason = "stop_sequence" if last.stop_sequence is not None else STOP_REASONS.get(last.finish_reason or "", "end_turn")
+        message = self.message(reason, usage, last.stop_sequence)
+        events.append({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": last.stop_sequence},
                        "usage": message["usage"]})
         events.append({"type": "message_stop"})
         return message, events
 
-    def message(self, stop_reason: str | None, usage: Usage | None) -> dict[str, Any]:
+    def message(self, stop_reason: str | None, usage: Usage | None, stop_sequence: str | None = None) -> dict[str, Any]:
         cached = (usage.cached_tokens or 0) if usage else 0
         return {
             "id": self.id, "type": "message", "role": "assistant", "model": self.model,
-            "content": [dict(block) for block in self.content], "stop_reason": stop_reason, "stop_sequence": None,
+            "content": [dict(block) for block in self.content], "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": {"input_tokens": (usage.prompt_tokens - cached) if usage else 0, "output_tokens": usage.completion_tokens if usage else 0,
                       "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0},
         }

@@ -233,9 +233,9 @@ class ResponseAnswer:
         """The event that ends a stream the runtime failed."""
         return self.event("error", code=error.code, message=error.message, param=error.param)
 
-    def finish(self, finish_reason: str | None, usage: Usage | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The whole response and the events that end the stream."""
-        incomplete = finish_reason == "length"
+    def finish(self, last: Token, usage: Usage | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The whole response and the events that end the stream (``last``: the stream's last token)."""
+        incomplete = last.finish_reason == "length"
         events = self._close("incomplete" if incomplete else "completed")
         response = self.response("incomplete" if incomplete else "completed", usage)
         events.append(self.event("response.incomplete" if incomplete else "response.completed", response=response))

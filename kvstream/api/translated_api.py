@@ -54,8 +54,9 @@ class Answer(Protocol):
     def add(self, token: Token) -> list[dict[str, Any]]:
         """The events one token makes."""
 
-    def finish(self, finish_reason: str | None, usage: Usage | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The whole answer, and the events that end its stream."""
+    def finish(self, last: Token, usage: Usage | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The whole answer, and the events that end its stream (``last``: the stream's last
+        token, which says why it ended)."""
 
     def error_event(self, error: APIError) -> dict[str, Any]:
         """The event that ends a stream the runtime failed."""
@@ -146,7 +147,7 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
                 answer.add(token)
                 token = await _next(stream)
             answer.add(token)
-            whole, _ = answer.finish(token.finish_reason, gen.usage)
+            whole, _ = answer.finish(token, gen.usage)
             outcome = "finished"
             return web.Response(body=dumps(whole), content_type="application/json", charset="utf-8", headers=headers)
         out = GuardedResponse(headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -161,7 +162,7 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
                     held.clear()
                 token = await _next(stream)
             held += [sse(event) for event in answer.add(token)]
-            _, events = answer.finish(token.finish_reason, gen.usage)
+            _, events = answer.finish(token, gen.usage)
             await out.write_eof(b"".join(held + [sse(event) for event in events]))
             outcome = "finished"
         except BackendError as exc:

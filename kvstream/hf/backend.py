@@ -200,7 +200,8 @@ class HFStream:
                     continue
                 self._finished = True
                 usage = Usage(len(seq.prompt_token_ids), generated, seq.num_cached_tokens)
-                yield Token(finish_reason=reason, usage=usage, index=event.index)
+                stop_sequence = event.stop_sequence if reason == "stop" else None
+                yield Token(finish_reason=reason, usage=usage, index=event.index, stop_sequence=stop_sequence)
                 return
 
     def _read(self, index: int, token_id: int | None, text: str, logprobs: list[TokenLogprob] | None,

@@ -25,6 +25,7 @@ class IncrementalDetokenizer:
         self.read_offset = 0
         self.pending = ""  # decoded but not yet emitted (could begin a stop string)
         self.stopped = False
+        self.matched_stop: str | None = None  # the stop string that ended the text
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -46,12 +47,13 @@ class IncrementalDetokenizer:
         if not self.stop:
             self.pending = ""
             return text
-        for stop in self.stop:
-            at = text.find(stop)
-            if at != -1:
-                self.stopped = True
-                self.pending = ""
-                return text[:at]
+        # The stop string that begins first ends the text, whatever the order they were given in.
+        found = [(at, stop) for stop in self.stop if (at := text.find(stop)) != -1]
+        if found:
+            at, self.matched_stop = min(found, key=lambda hit: hit[0])
+            self.stopped = True
+            self.pending = ""
+            return text[:at]
         hold = 0
         for stop in self.stop:
             for n in range(min(len(stop) - 1, len(text)), 0, -1):

@@ -114,6 +114,7 @@ class TokenEvent:
     logprobs: TokenLogprobs | None = None  # this token's, when SamplingParams asks for them
     index: int = 0  # the choice this event belongs to (n > 1)
     prompt_logprobs: list[TokenLogprobs] | None = None  # "prompt": each prompt token's after the first
+    stop_sequence: str | None = None  # the stop string that ended the choice, if one did
 
 
 Sink = Callable[[list[TokenEvent]], None]
@@ -718,7 +719,7 @@ class ModelRunner:
         if req.constraint is not None:
             req.constraint.advance(token)
         if req.detokenizer.stopped:
-            self._finish(req, TokenEvent("token", token, text, "stop", index=index))
+            self._finish(req, TokenEvent("token", token, text, "stop", index=index, stop_sequence=req.detokenizer.matched_stop))
         elif req.constraint is not None and req.constraint.done:  # JSON mode: the object is closed
             self._finish(req, TokenEvent("token", token, text + req.detokenizer.flush(), "stop", index=index))
         elif req.num_generated >= params.max_tokens:

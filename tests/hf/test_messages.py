@@ -56,6 +56,27 @@ async def test_text_whole_and_streamed_as_the_chat_route_answers_it(claude, oa):
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == chat.usage.prompt_tokens
 
 
+async def test_a_stop_sequence_ends_the_message_and_is_named(claude):
+    """stop_reason "stop_sequence" and the sequence that matched (the first in the text, not
+    the first listed), whole and streamed; the text ends before it."""
+    ask = {"model": "smollm2", "max_tokens": 40, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+           **GREEDY}
+    free = await claude.messages.create(**ask)
+    words = free.content[0].text.split()
+    assert len(words) >= 4, free.content[0].text
+    first, later = words[1], words[3]
+    stops = [later, first] if later != first else [first]
+    message = await claude.messages.create(stop_sequences=stops, **ask)
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == first
+    assert message.content[0].text == free.content[0].text[: free.content[0].text.index(first)]
+    async with claude.messages.stream(stop_sequences=stops, **ask) as stream:
+        deltas = [event async for event in stream if event.type == "message_delta"]
+        final = await stream.get_final_message()
+    assert [(d.delta.stop_reason, d.delta.stop_sequence) for d in deltas] == [("stop_sequence", first)]
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == first
+    assert final.content[0].text == message.content[0].text
+
+
 async def test_cut_by_max_tokens(claude):
     message = await claude.messages.create(model="smollm2", max_tokens=4, messages=[{"role": "user", "content": "Tell a story."}],
                                            **GREEDY)

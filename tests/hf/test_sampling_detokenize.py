@@ -165,3 +165,14 @@ def test_stop_string_split_across_tokens_is_cut_and_never_leaked(tokenizer):
 def test_a_partial_stop_match_is_released_when_it_turns_out_not_to_be_one(tokenizer):
     out, stopped = stream(tokenizer, "alpha ENDING beta", ["END!"])
     assert not stopped and out == "alpha ENDING beta"
+
+
+def test_the_stop_string_that_begins_first_ends_the_text_whatever_their_order(tokenizer):
+    # " beta" is held back (it may begin "beta gamma"); " gamma" then completes both stops.
+    detok = IncrementalDetokenizer(tokenizer, ["gamma", "beta gamma", "delta"])
+    out = ""
+    for token in tokenizer("alpha beta gamma").input_ids:
+        out += detok.add(token)
+        if detok.stopped:
+            break
+    assert detok.stopped and out == "alpha " and detok.matched_stop == "beta gamma"
