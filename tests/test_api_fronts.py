@@ -61,14 +61,20 @@ async def test_anthropics_messages_in_front_of_ollama_are_translated(start_upstr
 
 
 async def test_the_anthropic_client_authenticates_with_its_own_header(start_upstream, start_proxy):
-    """With API keys configured, the anthropic client's ``x-api-key`` is a key like a Bearer one."""
+    """With API keys configured, the anthropic client's ``x-api-key`` is a key like a Bearer one;
+    a wrong one is refused in Anthropic's error shape (the key is checked before the route
+    runs, the shape is the route's)."""
     anthropic = pytest.importorskip("anthropic")
     url, _ = await start_upstream(Script(tokens=["Hi"]), factory=ollama_double)
     proxy = await start_proxy(OllamaBackend(url), server={"api_keys": ["sk-kv-1"]})
     request = {"model": "llama3.2", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
     async with anthropic.AsyncAnthropic(base_url=proxy.url, api_key="wrong", max_retries=0) as client:
-        with pytest.raises(anthropic.AuthenticationError):
+        with pytest.raises(anthropic.AuthenticationError) as err:
             await client.messages.create(**request)
+        assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "authentication_error"
+        with pytest.raises(anthropic.AuthenticationError) as err:  # the count route too, in the same shape
+            await client.messages.count_tokens(model="llama3.2", messages=request["messages"])
+        assert err.value.body["type"] == "error"
     async with anthropic.AsyncAnthropic(base_url=proxy.url, api_key="sk-kv-1", max_retries=0) as client:
         assert (await client.messages.create(**request)).content[0].text == "Hi"
 

@@ -26,10 +26,12 @@ logger = logging.getLogger(__name__)
 REQUEST_ID = web.RequestKey("request_id", str)
 _REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
-# A route answering in another API's error shape (Anthropic's) sets its converter here: every
-# error of the request, wherever it is raised (the body limit, a scheduler refusal...), is
-# answered in that shape.
-ERROR_SHAPE = web.RequestKey("error_shape", object)
+# A route answering in another API's error shape (Anthropic's) carries its converter as its
+# handler's ``error_shape`` attribute (translated_api.api_routes). Every error of a request to
+# it, wherever it is raised (the API-key check, the body limit, a scheduler refusal, a passed-
+# through runtime's failure), is then answered in that shape: aiohttp matches the route before
+# any middleware runs.
+ERROR_SHAPE = "error_shape"
 
 _TYPES = {
     400: "invalid_request_error",
@@ -162,7 +164,7 @@ async def error_middleware(
 
 def _shaped(request: web.Request, error: APIError) -> APIError:
     """``error`` in the shape the request's route answers in (ERROR_SHAPE), OpenAI's by default."""
-    shape = request.get(ERROR_SHAPE)
+    shape = getattr(request.match_info.handler, ERROR_SHAPE, None)
     return shape(error) if callable(shape) else error
 
 

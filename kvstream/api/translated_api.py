@@ -88,7 +88,6 @@ async def count(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
     state = request.app[STATE]
     if state.engine.backend.forwards_body:
         return await forward(request)
-    request[ERROR_SHAPE] = api.error_shape
     generate, _, _ = await _generate_request(request, api, api.count_defaults)
     ids, exact = await state.engine.prompt_tokens(generate)
     return web.json_response(api.counted(len(ids)), headers={"X-KVStream-Tokens": "exact" if exact else "estimated"})
@@ -119,7 +118,6 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
     backend = state.engine.backend
     if backend.forwards_body:
         return await forward(request)  # the runtime's own
-    request[ERROR_SHAPE] = api.error_shape
     arrived_at = time.monotonic()
     generate, data, named = await _generate_request(request, api, {})
     request_id = request[REQUEST_ID]
@@ -200,6 +198,8 @@ def api_routes(api: TranslatedAPI, label: str, paths: tuple[str, ...], count_suf
     async def token_count(request: web.Request) -> web.StreamResponse:
         return await count(request, api)
 
+    for handler in (generation, token_count):
+        setattr(handler, ERROR_SHAPE, api.error_shape)  # every error of these routes in the API's shape
     for path in paths:
         routes.post(path)(generation)
         routes.post(path + count_suffix)(token_count)
