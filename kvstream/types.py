@@ -172,6 +172,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None = None
+    # Of completion_tokens, those the model spent thinking, where the backend knows (the
+    # in-process engine reading a thinking block); None otherwise.
+    reasoning_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:

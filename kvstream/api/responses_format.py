@@ -192,7 +192,7 @@ class ResponseAnswer:
         self.model = model
         self.echo = {key: body.get(key, default) if body.get(key) is not None else default for key, default in ECHOED.items()}
         self.output: list[dict[str, Any]] = []
-        self.reasoning_tokens = 0
+        self.reasoning_tokens = 0  # thinking pieces sent
         self._open: dict[str, Any] | None = None  # the item being written
         self._sequence = 0
 
@@ -254,7 +254,10 @@ class ResponseAnswer:
                 "input_tokens": usage.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": usage.cached_tokens or 0},
                 "output_tokens": usage.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                # The backend's count where it has one (the engine counts thinking tokens);
+                # else the thinking pieces that went out, one per token from Ollama.
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens if usage.reasoning_tokens is None
+                                          else usage.reasoning_tokens},
                 "total_tokens": usage.prompt_tokens + usage.completion_tokens,
             }
         return out

@@ -77,20 +77,41 @@ class AnswerReader:
         self.single_call = reading.calls is not None and reading.calls.single_call
         self._thinking = None if reading.thinking_opened is None else ThinkingScanner(reading.thinking_opened)
         self._calls = None if reading.calls is None else reading.calls.scanner()
+        # Tokens read inside the thinking block, its opening and closing tags' included.
+        self.reasoning_tokens = 0
+        self._undecided = 0  # tokens read while the text may still open a block (a "<think>" in pieces)
 
     @property
     def calls(self) -> int:
         """Calls read so far."""
         return 0 if self._calls is None else self._calls.calls
 
-    def read(self, token_id: int | None, text: str, end: bool = False) -> list[Piece]:
+    def _count(self, before: str, after: str) -> None:
+        """Count a generated token that took the thinking scanner from mode ``before`` to
+        ``after``: thinking if it was read inside the block or opened it; the tokens that
+        spelled an opening tag in pieces count once the tag is whole."""
+        if after == "maybe":
+            self._undecided += 1
+            return
+        if before == "thinking" or after == "thinking" or (before == "maybe" and after == "after"):
+            self.reasoning_tokens += 1 + (self._undecided if before == "maybe" else 0)
+        if before == "maybe":
+            self._undecided = 0
+
+    def read(self, token_id: int | None, text: str, end: bool = False, generated: bool = True) -> list[Piece]:
         """The pieces the token ``token_id`` (spelled ``text``) completes; with ``end``, the
-        rest. A thinking piece may be empty: the block's end, the text held until then spent."""
+        rest. A thinking piece may be empty: the block's end, the text held until then spent.
+        ``generated``: the token counts as generated (not an end-of-sequence token that
+        stopped the answer), so it is counted in ``reasoning_tokens`` when it is thinking."""
         text = self.tag_texts.get(token_id, text) if token_id is not None else text
         if self._thinking is None:
             parts = [Piece(text=text)]
         else:
-            parts = self._thinking.feed(text) + (self._thinking.finish() if end else [])
+            before = self._thinking.mode
+            parts = self._thinking.feed(text)
+            if generated and token_id is not None:
+                self._count(before, self._thinking.mode)
+            parts += self._thinking.finish() if end else []
         if self._calls is None:
             return [part for part in parts if part.text or part.reasoning]
         pieces: list[Piece] = []

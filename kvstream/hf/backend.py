@@ -123,6 +123,8 @@ class HFStream:
         self._reading = reading
         self._readers: dict[int, AnswerReader] | None = {} if reading is not None else None
         self._held_logprobs: dict[int, list[TokenLogprob]] = {}  # of text a reader holds back
+        # Tokens finished choices spent thinking; None unless the answer is read for thinking.
+        self._reasoning_tokens: int | None = 0 if reading is not None and reading.thinking_opened is not None else None
         self.admitted: asyncio.Future[None] = loop.create_future()
         self._backend = backend
         self._seq = seq
@@ -180,9 +182,13 @@ class HFStream:
                     continue
                 reason = event.finish_reason
                 if self._readers is not None:
-                    for token in self._read(event.index, event.token_id, event.text, logprobs, end=True):
+                    for token in self._read(event.index, event.token_id, event.text, logprobs, end=True,
+                                            generated=not ended_by_eos):
                         yield token
-                    if self._readers.pop(event.index).calls and reason == "stop":
+                    reader = self._readers.pop(event.index)
+                    if self._reasoning_tokens is not None:
+                        self._reasoning_tokens += reader.reasoning_tokens
+                    if reader.calls and reason == "stop":
                         reason = "tool_calls"
                 elif self._calls is not None:
                     tokens, called = self._end_forced(event.index, event.text, reason)
@@ -199,13 +205,13 @@ class HFStream:
                     yield Token(index=event.index, choice_finish_reason=reason)
                     continue
                 self._finished = True
-                usage = Usage(len(seq.prompt_token_ids), generated, seq.num_cached_tokens)
+                usage = Usage(len(seq.prompt_token_ids), generated, seq.num_cached_tokens, self._reasoning_tokens)
                 stop_sequence = event.stop_sequence if reason == "stop" else None
                 yield Token(finish_reason=reason, usage=usage, index=event.index, stop_sequence=stop_sequence)
                 return
 
     def _read(self, index: int, token_id: int | None, text: str, logprobs: list[TokenLogprob] | None,
-              end: bool) -> list[Token]:
+              end: bool, generated: bool = True) -> list[Token]:
         """Choice ``index``'s next token, read into thinking, content and tool calls (with
         ``end``, the rest of the answer); a token's log-probabilities go out with the content
         that holds it (thinking and calls report none, as a forced call's tokens)."""
@@ -215,7 +221,7 @@ class HFStream:
         held = self._held_logprobs.setdefault(index, [])
         held.extend(logprobs or ())
         tokens = []
-        for piece in reader.read(token_id, text, end):
+        for piece in reader.read(token_id, text, end, generated):
             if piece.call is not None:
                 tokens.append(Token(delta={"tool_calls": [piece.call]}, index=index))
             elif piece.reasoning:

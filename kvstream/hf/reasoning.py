@@ -49,6 +49,12 @@ class ThinkingScanner:
     def __post_init__(self) -> None:
         self._mode = "thinking" if self.opened else "maybe"
 
+    @property
+    def mode(self) -> str:
+        """"maybe" (the text so far may still open a block), "thinking" (inside one), "after"
+        (just closed), "content"."""
+        return self._mode
+
     def feed(self, text: str) -> list[Piece]:
         if self._mode == "content":
             return [Piece(text=text)] if text else []

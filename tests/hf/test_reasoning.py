@@ -90,15 +90,27 @@ async def thinking_oa(thinking_proxy):
 def reference_split(smollm2, tokenizer, messages, max_tokens: int, **template_kwargs) -> tuple[int, str, str]:
     """(prompt tokens, thinking, answer) by plain transformers on the same template, the raw
     text split at ``</think>`` by hand."""
+    ids, generated = reference_tokens(smollm2, tokenizer, messages, max_tokens, **template_kwargs)
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    thought, _, answer = text.removeprefix("<think>").partition("</think>")
+    return len(ids), thought.strip(), answer.strip()
+
+
+def reference_tokens(smollm2, tokenizer, messages, max_tokens: int, **template_kwargs) -> tuple[list[int], list[int]]:
+    """(prompt ids, generated ids) by plain transformers' greedy generate."""
     import torch
 
     from kvstream.hf.loader import chat_token_ids
 
     ids = chat_token_ids(tokenizer, messages, template_kwargs=template_kwargs or None)
     out = smollm2[1].generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
-    text = tokenizer.decode(out[0][len(ids):], skip_special_tokens=True)
-    thought, _, answer = text.removeprefix("<think>").partition("</think>")
-    return len(ids), thought.strip(), answer.strip()
+    return ids, out[0][len(ids):].tolist()
+
+
+def thinking_tokens(tokenizer, generated: list[int]) -> int:
+    """How many of ``generated`` make the thinking block: up to the token that completes
+    ``</think>``, included."""
+    return next(n for n in range(1, len(generated) + 1) if "</think>" in tokenizer.decode(generated[:n]))
 
 
 async def test_the_thinking_comes_back_as_reasoning_content(thinking_oa, thinking_proxy, smollm2):
@@ -109,6 +121,9 @@ async def test_the_thinking_comes_back_as_reasoning_content(thinking_oa, thinkin
     message = reply.choices[0].message
     assert message.model_extra["reasoning_content"] == thought and message.content == answer
     assert reply.usage.prompt_tokens == prompt_tokens and reply.choices[0].finish_reason == "stop"
+    # usage.completion_tokens_details.reasoning_tokens: the block's tokens, tags included.
+    _, generated = reference_tokens(smollm2, tokenizer, ASK, 60)
+    assert reply.usage.completion_tokens_details.reasoning_tokens == thinking_tokens(tokenizer, generated)
 
     stream = await thinking_oa.chat.completions.create(model="smollm2", messages=ASK, max_tokens=60, temperature=0,
                                                        stream=True, logprobs=True)
