@@ -12,8 +12,9 @@ compute Q, K, V and rotary embeddings; for each layer transformers then calls
    when they differ in length) and once for all decodes together (padded, masked).
 
 Under the ``flash`` tier (CUDA) every row skips steps 2 and 3: one Triton kernel (flash.py)
-reads each sequence's context in place for its decode or chunk. Under the ``native`` tier the decodes skip step 2: a C++ kernel (native_attention.py) reads
-their K/V in place through their block tables. Under ``flex`` they skip it once they hold
+reads each sequence's context in place for its decode or chunk. Under the ``native`` tier
+the decodes skip step 2: a C++ kernel (native_attention.py) reads their K/V in place
+through their block tables. Under ``flex`` they skip it once they hold
 enough context together (flex.IN_PLACE_MIN_CONTEXT): flex.py's compiled kernel reads the
 pool through a BlockMask made from the tables. The copy in step 2 is what grows with
 context. Prefill chunks gather under every tier (flex.py says why), but for those of up to
@@ -95,10 +96,8 @@ class AttentionPlan:
         if kernel == "flash":
             if query_heads <= 0:
                 raise ValueError("the flash kernel needs the model's query_heads")
-            writes = [_context_slots(block_ids[: -(-(computed + new) // bs)], computed + new, offsets)[computed:]
-                      for block_ids, computed, new in seqs]
             rows = flash.build(seqs, bs, query_heads, cache.shape.num_kv_heads, device)
-            return cls(cache, torch.cat(writes), kernel, flash=rows)
+            return cls(cache, rows.write_slots, kernel, flash=rows)
         writes: list[torch.Tensor] = []
         decode_writes: list[int] = []  # decodes' slots since the last chunk, kept in row order
         prefills: list[PrefillChunk] = []

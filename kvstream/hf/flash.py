@@ -92,12 +92,13 @@ class Launch:
 class FlashPlan:
     """One step's rows as the kernel reads them, built once and used by every layer.
 
-    Per sequence, in packed-row order: its block table (``tables``, padded), the tokens it
+    Where each new token's K/V goes (``write_slots``). Per sequence, in packed-row order: its block table (``tables``, padded), the tokens it
     had in the pool before this step (``cached``), where its queries start in the packed row
     (``starts``) and how many it has (``lengths``). Per launch: the query rows per program
     and, per program, its sequence and its first query within the sequence's chunk.
     """
 
+    write_slots: torch.Tensor  # [T] int64: the pool slot of every new token, in row order
     tables: torch.Tensor  # [S, W] int32
     cached: torch.Tensor  # [S] int32
     starts: torch.Tensor  # [S] int32
@@ -112,8 +113,9 @@ def build(seqs: list[tuple[list[int], int, int]], block_size: int, query_heads: 
 
     Decodes (one new token) get a program each of ``MIN_ROWS`` rows (more for a group past 16),
     their keys split over several where they are too few to fill the device (``key_splits``);
-    prefill chunks programs of ``CHUNK_ROWS`` rows, ``CHUNK_ROWS // group`` queries each. Everything
-    goes to the device in one copy.
+    prefill chunks programs of ``CHUNK_ROWS`` rows, ``CHUNK_ROWS // group`` queries each. Everything,
+    the new tokens' slots included, goes to the device in one copy (one per sequence would be
+    a host-to-device copy each on a GPU).
     """
     if query_heads % kv_heads:
         raise ValueError(f"{query_heads} query heads do not split into {kv_heads} KV heads")
@@ -122,6 +124,7 @@ def build(seqs: list[tuple[list[int], int, int]], block_size: int, query_heads: 
     chunk_rows = max(CHUNK_ROWS, _next_pow2(group))
     per_chunk_tile = chunk_rows // group
     width = max(-(-(computed + new) // block_size) for _, computed, new in seqs)
+    slots: list[int] = []
     tables: list[int] = []
     cached, starts, lengths = [], [], []
     decode_tiles: list[int] = []
@@ -131,6 +134,10 @@ def build(seqs: list[tuple[list[int], int, int]], block_size: int, query_heads: 
     for index, (block_ids, computed, new) in enumerate(seqs):
         table = block_ids[: -(-(computed + new) // block_size)]
         tables += table + [0] * (width - len(table))
+        for block in range(computed // block_size, len(table)):  # the new tokens' slots, a block's run at a time
+            first_slot = table[block] * block_size
+            slots.extend(range(first_slot + max(computed - block * block_size, 0),
+                               first_slot + min(computed + new - block * block_size, block_size)))
         cached.append(computed)
         starts.append(row)
         lengths.append(new)
@@ -142,10 +149,10 @@ def build(seqs: list[tuple[list[int], int, int]], block_size: int, query_heads: 
                 chunk_firsts.append(first)
         row += new
     flat = torch.tensor(tables + cached + starts + lengths + decode_tiles + [0] * len(decode_tiles)
-                        + chunk_seqs + chunk_firsts, dtype=torch.int32).to(device)
+                        + chunk_seqs + chunk_firsts + slots, dtype=torch.int32).to(device)
     count = len(seqs)
     parts = torch.split(flat, [count * width, count, count, count, len(decode_tiles), len(decode_tiles),
-                               len(chunk_seqs), len(chunk_firsts)])
+                               len(chunk_seqs), len(chunk_firsts), len(slots)])
     launches = []
     if decode_tiles:
         longest = max(cached[i] + 1 for i in decode_tiles)
@@ -154,7 +161,7 @@ def build(seqs: list[tuple[list[int], int, int]], block_size: int, query_heads: 
         launches.append(Launch(decode_rows, parts[4], parts[5], splits, split_keys))
     if chunk_seqs:
         launches.append(Launch(chunk_rows, parts[6], parts[7]))
-    return FlashPlan(parts[0].view(count, width), parts[1], parts[2], parts[3], launches, group)
+    return FlashPlan(parts[8].long(), parts[0].view(count, width), parts[1], parts[2], parts[3], launches, group)
 
 
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: FlashPlan, block_size: int,
