@@ -15,7 +15,8 @@ takes blocks of a multiple of 256 tokens only ("Paged KV cache block size must b
 256", its C++ check), the engine's are 16; FlashInfer takes any page size but is a separate
 CUDA build. Triton ships with every CUDA build of torch, and its interpreter
 (``TRITON_INTERPRET=1``) runs the same kernel on CPU, so its arithmetic is tested where there
-is no GPU (tests/hf/test_flash_tier.py). Its speed on a GPU is measured by
+is no GPU (tests/hf/test_flash_tier.py), and Triton's compiler turns it into cubins for
+NVIDIA GPUs with no GPU present (tests/hf/flash_aot.py). Its speed on a GPU is measured by
 ``benchmarks/gpu_check.sh``, not here.
 """
 
@@ -40,6 +41,16 @@ MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 32
 # split_keys for a launch that does not split: past any context.
 UNSPLIT_KEYS = 2**30
+# Per launch: 4 warps; K/V tiles double-buffered in half precision. float32 tiles are twice
+# the bytes: single-buffered, the largest variant (head dim 128, chunk rows) asks for 80 KiB of
+# shared memory instead of 112, under the 99 KiB a block may have on sm_86/sm_89 GPUs
+# (tests/hf/flash_aot.py compiles every variant and checks).
+NUM_WARPS = 4
+
+
+def num_stages(dtype: torch.dtype) -> int:
+    """Software-pipelining stages of the key loop for queries of ``dtype``."""
+    return 1 if dtype == torch.float32 else 2
 
 
 def available() -> str | None:
@@ -189,7 +200,7 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan:
             out.stride(0), out.stride(1), plan.tables.stride(0),
             GROUP=plan.group, BLOCK_M=launch.rows, BLOCK_N=KEYS_PER_TILE, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
             HEAD_DIM_PADDED=padded_dim, IEEE=q.dtype == torch.float32, SPLITS=launch.splits,
-            num_warps=4, num_stages=2,
+            num_warps=NUM_WARPS, num_stages=num_stages(q.dtype),
         )
         if launch.splits > 1:
             combine_splits[(launch.seqs.numel(), q.shape[1])](

@@ -285,3 +285,24 @@ def test_a_random_llama_through_the_engine_matches_generate(dtype, monkeypatch):
         assert outputs == expected
     else:  # other kernels in half precision: the first tokens, where ties are rare
         assert sum(o[:3] == e[:3] for o, e in zip(outputs, expected, strict=True)) >= len(expected) - 1
+
+
+def test_every_kernel_variant_compiles_for_hopper_and_ampere_gpus():
+    """The kernels through Triton's whole compiler, ptxas included, to cubins for sm_90 (the
+    H100/H200) and sm_86 (consumer Ampere, the least shared memory a block may have), with no
+    GPU: each variant compiles and fits its block's shared memory."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, said outright (it warns otherwise)
+    done = subprocess.run([sys.executable, "-m", "tests.hf.flash_aot", "90", "86"], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(compiled) == 2 * 24
+    assert {row["arch"] for row in compiled} == {90, 86}
+    for row in compiled:
+        assert 0 < row["cubin_bytes"] and row["shared_bytes"] <= row["shared_limit"], row
