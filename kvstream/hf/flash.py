@@ -41,15 +41,15 @@ MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 32
 # split_keys for a launch that does not split: past any context.
 UNSPLIT_KEYS = 2**30
-# Per launch: 4 warps; K/V tiles double-buffered in half precision. float32 tiles are twice
-# the bytes: single-buffered, the largest variant (head dim 128, chunk rows) asks for 80 KiB of
-# shared memory instead of 112, under the 99 KiB a block may have on sm_86/sm_89 GPUs
-# (tests/hf/flash_aot.py compiles every variant and checks).
 NUM_WARPS = 4
 
 
 def num_stages(dtype: torch.dtype) -> int:
-    """Software-pipelining stages of the key loop for queries of ``dtype``."""
+    """Software-pipelining stages of the key loop for queries of ``dtype``: K/V tiles double-
+    buffered in half precision. float32 tiles are twice the bytes: single-buffered, the largest
+    variant (head dim 128, chunk rows) asks for 80 KiB of shared memory instead of 112, under
+    the 99 KiB a block may have on sm_86/sm_89 GPUs (tests/hf/flash_aot.py compiles every
+    variant and checks)."""
     return 1 if dtype == torch.float32 else 2
 
 
@@ -103,10 +103,11 @@ class Launch:
 class FlashPlan:
     """One step's rows as the kernel reads them, built once and used by every layer.
 
-    Where each new token's K/V goes (``write_slots``). Per sequence, in packed-row order: its block table (``tables``, padded), the tokens it
-    had in the pool before this step (``cached``), where its queries start in the packed row
-    (``starts``) and how many it has (``lengths``). Per launch: the query rows per program
-    and, per program, its sequence and its first query within the sequence's chunk.
+    Where each new token's K/V goes (``write_slots``). Per sequence, in packed-row order: its
+    block table (``tables``, padded), the tokens it had in the pool before this step
+    (``cached``), where its queries start in the packed row (``starts``) and how many it has
+    (``lengths``). Per launch: the query rows per program and, per program, its sequence and
+    its first query within the sequence's chunk.
     """
 
     write_slots: torch.Tensor  # [T] int64: the pool slot of every new token, in row order
@@ -124,9 +125,9 @@ def build(seqs: list[tuple[list[int], int, int]], block_size: int, query_heads: 
 
     Decodes (one new token) get a program each of ``MIN_ROWS`` rows (more for a group past 16),
     their keys split over several where they are too few to fill the device (``key_splits``);
-    prefill chunks programs of ``CHUNK_ROWS`` rows, ``CHUNK_ROWS // group`` queries each. Everything,
-    the new tokens' slots included, goes to the device in one copy (one per sequence would be
-    a host-to-device copy each on a GPU).
+    prefill chunks programs of ``CHUNK_ROWS`` rows, ``CHUNK_ROWS // group`` queries each.
+    Everything, the new tokens' slots included, goes to the device in one copy (one per
+    sequence would be a host-to-device copy each on a GPU).
     """
     if query_heads % kv_heads:
         raise ValueError(f"{query_heads} query heads do not split into {kv_heads} KV heads")
@@ -189,8 +190,9 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan:
     for launch in plan.launches:
         partial_out = partial_lse = out  # unread unless the launch splits
         if launch.splits > 1:
-            partial_out = torch.empty(q.shape[0], q.shape[1], launch.splits, padded_dim, dtype=torch.float32, device=q.device)
-            partial_lse = torch.empty(q.shape[0], q.shape[1], launch.splits, dtype=torch.float32, device=q.device)
+            programs = launch.seqs.numel()  # one decode each: the partials are per decode, not per token
+            partial_out = torch.empty(programs, q.shape[1], launch.splits, padded_dim, dtype=torch.float32, device=q.device)
+            partial_lse = torch.empty(programs, q.shape[1], launch.splits, dtype=torch.float32, device=q.device)
         paged_flash[(launch.seqs.numel(), kv_heads, launch.splits)](
             q, k_pool, v_pool, out, partial_out, partial_lse, plan.tables, plan.cached, plan.starts, plan.lengths,
             launch.seqs, launch.firsts,

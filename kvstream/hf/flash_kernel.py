@@ -24,8 +24,9 @@ def paged_flash(
 ):
     """With ``SPLITS`` > 1 (decodes only) program (tile, head, split) reads keys
     ``[split * split_keys, (split + 1) * split_keys)`` and writes its normalized partial output
-    and log2-sum-exp to ``partial_out`` / ``partial_lse`` (``[T, H_q, SPLITS, HEAD_DIM_PADDED]`` /
-    ``[T, H_q, SPLITS]``, float32) for ``combine_splits``; with 1 it writes ``O``."""
+    and log2-sum-exp to ``partial_out`` / ``partial_lse`` (``[programs, H_q, SPLITS,
+    HEAD_DIM_PADDED]`` / ``[programs, H_q, SPLITS]``, float32) for ``combine_splits``; with 1 it
+    writes ``O``."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -81,7 +82,7 @@ def paged_flash(
     else:
         # A split that read no key (a context shorter than the step's longest) has a sum of 0:
         # its log2-sum-exp is -inf and it weighs nothing in the combine.
-        partial = ((start + token).to(tl.int64) * query_heads + head) * SPLITS + split
+        partial = (tile.to(tl.int64) * query_heads + head) * SPLITS + split  # a decode per program: its tile's rows
         tl.store(partial_lse + partial, running_max + tl.log2(running_sum), mask=valid)
         tl.store(partial_out + partial[:, None] * HEAD_DIM_PADDED + dims[None, :], out, mask=row_ok)
 
@@ -93,12 +94,12 @@ def combine_splits(
 ):
     """Program (decode, query head): its splits' partial outputs weighted by their share of
     the softmax's sum, ``exp2(lse_i - max lse)``."""
-    seq = tl.load(tile_seqs + tl.program_id(0))
+    tile = tl.program_id(0)
     head = tl.program_id(1)
-    row = tl.load(starts + seq).to(tl.int64)
+    row = tl.load(starts + tl.load(tile_seqs + tile)).to(tl.int64)
     splits = tl.arange(0, SPLITS)
     dims = tl.arange(0, HEAD_DIM_PADDED)
-    base = (row * query_heads + head) * SPLITS
+    base = (tile.to(tl.int64) * query_heads + head) * SPLITS
     lse = tl.load(partial_lse + base + splits)
     weights = tl.exp2(lse - tl.max(lse, 0))
     parts = tl.load(partial_out + (base + splits)[:, None] * HEAD_DIM_PADDED + dims[None, :])
