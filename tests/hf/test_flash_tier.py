@@ -3,8 +3,10 @@
 Without a GPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``: the same
 program, each block's operations done with numpy on the CPU), so what is tested here is its
 arithmetic: the block-table lookups, the bottom-right causal mask, GQA packing, the online
-softmax, padding of head dims and of tiles. Its compiled form, numerics on tensor cores and
-speed are checked only on a CUDA machine: the ``gpu`` tests below (skipped without one) and
+softmax, padding of head dims and of tiles, split decodes. Its compiled form is checked by
+compiling every variant to cubins for two GPU architectures (tests/hf/flash_aot.py, no GPU
+needed); its numerics on tensor cores and its speed only on a CUDA machine: the ``gpu``
+tests below (skipped without one), the random Llama's test (which runs compiled there) and
 ``benchmarks/gpu_check.sh``.
 """
 
@@ -64,8 +66,8 @@ def reference(cache, seqs, q, k_new, v_new):
     """Eager attention, fp32, per sequence over its context gathered in Python from the
     tables (the new K/V placed at their positions): nothing shared with the kernel's path."""
     bs = cache.block_size
-    k_pool = cache.k[0].reshape(-1, *cache.k.shape[-2:]).float().cpu()
-    v_pool = cache.v[0].reshape(-1, *cache.v.shape[-2:]).float().cpu()
+    k_pool = cache.k[0].reshape(-1, *cache.k.shape[-2:]).float().cpu().clone()
+    v_pool = cache.v[0].reshape(-1, *cache.v.shape[-2:]).float().cpu().clone()
     q, k_new, v_new = q.float().cpu(), k_new.float().cpu(), v_new.float().cpu()
     outputs, row = [], 0
     for table, cached, new in seqs:
