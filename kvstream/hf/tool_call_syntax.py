@@ -17,8 +17,8 @@ back as the text it was.
 Llama 3.1 and later answer a call with the whole message a JSON object, ``{"name": ...,
 "parameters": {...}}`` (several joined by ``;``), as their templates ask ("Respond in the
 format {"name": function name, "parameters": ..."): an answer that opens with ``{`` is a call
-once its name and the start of its parameters are read (they then stream), text if it never
-begins as one (vLLM's ``llama3_json``).
+once its name and the start of its parameters are read (they then stream, and so does each
+call joined after it), text if it never begins as one (vLLM's ``llama3_json``).
 
 Mistral's models mark their calls with ``[TOOL_CALLS]`` (a control token, put back from its id
 by answer_reading.py), followed by a JSON list of ``{"name", "arguments"}`` (v0.3's tokenizer)
@@ -52,9 +52,6 @@ from kvstream.hf.call_streams import (
     JsonFollower,
     Piece,
     SeparatedCallStream,
-    call_arguments,
-    call_entry,
-    json_call,
 )
 from kvstream.hf.xml_calls import FUNCTION_END, FUNCTION_TAG, PARAMETER_TAG, XmlCallStream, parameter_schemas
 
@@ -158,13 +155,6 @@ def _object_arguments(call: Any) -> Any:
     if not isinstance(arguments, dict):
         return call
     return {**call, "function": {**function, "arguments": arguments}}
-
-
-def _call(body: str, index: int) -> dict[str, Any] | None:
-    """The tool_calls entry a JSON call (``{"name", "arguments" | "parameters"}``) holds;
-    None if it holds no call."""
-    call = json_call(body)
-    return None if call is None else call_entry(call["name"], call_arguments(call), index)
 
 
 @dataclass
@@ -321,13 +311,21 @@ def _prefix_length(text: str, tag: str) -> int:
 class JsonCallScanner(_CallPieces):
     """One choice's text, where a call is the whole answer as JSON (Llama 3): text that opens
     otherwise streams as it comes; an answer opening with ``{`` is a call once its name and
-    the start of its parameters are read, and its first call's arguments stream as written
-    (call_streams.py); calls joined after it by ``;`` are read at the end."""
+    the start of its parameters are read, and each call's arguments stream as written
+    (call_streams.py), calls joined by ``;`` one after another. An object that is not a call
+    where a later call should be, and what follows the calls, are content; an answer whose
+    first object is not a call is its text."""
 
     _pending: str = ""
     _mode: str | None = None  # "text" or "json", once the answer's first character says
-    _start: int = 0  # json: where the first object begins in the text
-    _stream: JsonCallStream = field(default_factory=lambda: JsonCallStream(0))
+    _at: int = 0  # json: where the call being read (or the next) begins in the text
+    _done: bool = False  # json: no call can follow (the rest is content)
+    _stream: JsonCallStream | None = None  # the call being read
+    _object: JsonFollower | None = None  # where its object ends
+    # The first call, when it became certain only as its object closed (its parameters no
+    # object, so nothing of it streamed): a call if calls or nothing follow it, else the
+    # answer is text, prose after it included.
+    _held: list[dict[str, Any]] | None = None
 
     def feed(self, text: str) -> list[Piece]:
         if self._mode == "text":
@@ -341,54 +339,61 @@ class JsonCallScanner(_CallPieces):
             if self._mode == "text":
                 text, self._pending = self._pending, ""
                 return [Piece(text=text)]
-            self._start = len(self._pending) - len(start)
-        self._send(self._stream.feed(self._pending[self._start:]))
+            self._at = len(self._pending) - len(start)
+        while not self._done and self._read_call(end=False):
+            pass
         return self._take()
 
     def finish(self) -> list[Piece]:
         text, self._pending = self._pending, ""
         if self._mode != "json":
             return [Piece(text=text)] if text else []
-        body = text[self._start:].rstrip()
-        parts = _split_calls(body)
-        calls = [_call(part, i) for i, part in enumerate(parts)]
-        if calls and all(call is not None for call in calls):
-            self._send(self._stream.close(parts[0]) or [])  # the first call's last deltas
-            for call in calls[1:]:
-                self._send([call])  # type: ignore[list-item]
-            return self._take()
-        end = _object_end(body)
-        if self._stream.started and end is not None:  # a call, and what follows it: content
-            self._send(self._stream.close(body[:end]) or [])
-            rest = body[end:].lstrip(" \t\r\n;")
-            return self._take() + ([Piece(text=rest)] if rest else [])
-        cut = None if end is not None else self._stream.cut(body)
-        if cut is not None:  # cut short (max_tokens) after the name: the call as far as it went
-            self._send(cut)
-            return self._take()
-        return [Piece(text=text)]
+        self._pending = text
+        while not self._done and self._read_call(end=True):
+            pass
+        rest = text[self._at:].lstrip(" \t\r\n;")
+        if self._held is not None and not rest:
+            self._send(self._held)
+        if not self.calls:  # the first object is no call: the answer is its text
+            self._pieces.clear()
+            return [Piece(text=text)]
+        return self._take() + ([Piece(text=rest)] if rest else [])
 
-def _object_end(body: str) -> int | None:
-    """Where the JSON value ``body`` opens with ends; None if it does not (cut short, not JSON)."""
-    try:
-        return json.JSONDecoder().raw_decode(body)[1]
-    except ValueError:
-        return None
-
-
-def _split_calls(body: str) -> list[str]:
-    """The JSON objects of an answer holding one call or several joined by ``;``."""
-    decoder, parts, at = json.JSONDecoder(), [], 0
-    while at < len(body):
-        try:
-            _, end = decoder.raw_decode(body, at)
-        except ValueError:
-            return [body]  # not a sequence of objects: read whole (and found no call)
-        parts.append(body[at:end])
-        at = end
-        while at < len(body) and body[at] in " \t\r\n;":
-            at += 1
-    return parts
+    def _read_call(self, end: bool) -> bool:
+        """The next call, as far as the text goes (``end``: all of it); whether to go on."""
+        text = self._pending
+        if self._stream is None:
+            at = self._at
+            while at < len(text) and text[at] in " \t\r\n;":
+                at += 1
+            if at == len(text):
+                self._done = end
+                return False
+            if text[at] != "{":
+                self._done = True  # not a call where one should be: the rest is content
+                return False
+            if self._held is not None:  # another call follows the first: it was one
+                self._send(self._held)
+                self._held = None
+            self._at, self._stream, self._object = at, JsonCallStream(self.calls), JsonFollower(at)
+        closed = self._object.follow(text)  # type: ignore[union-attr]
+        body = text[self._at:closed or len(text)]
+        if closed is None or not self._stream.started:  # (a whole object in one piece: as far as it streams)
+            self._send(self._stream.feed(body))
+        if closed is None and not end:
+            return False
+        streamed = self._stream.started  # its parameters began as an object
+        deltas = self._stream.close(body) if closed is not None else self._stream.cut(body)
+        self._stream = None
+        if deltas is None:  # an object that is not a call: it and the rest are content
+            self._done = True
+            return False
+        if streamed or self.calls:
+            self._send(deltas)
+        else:
+            self._held = deltas
+        self._at = closed if closed is not None else len(text)
+        return True
 
 
 @dataclass

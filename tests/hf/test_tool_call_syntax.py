@@ -179,6 +179,30 @@ def test_a_llama3_calls_parameters_stream_as_written():
     assert seen[begins + len('{"city": "Par') - 1] == '{"city": "Par' and seen[-1] == '{"city": "Paris", "days": 3}'
 
 
+def test_llama3_calls_joined_by_semicolons_each_stream_as_written():
+    """The second call's id and name go out once its parameters begin, and its arguments as
+    they are written, before the answer ends (they were read at the end)."""
+    scanner = JsonCallScanner()
+    text = '{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {"city": "Paris"}}'
+    second = text.index('{"name": "b"')
+    pieces = [(at, piece) for at, char in enumerate(text) for piece in scanner.feed(char)]
+    firsts = [(at, piece.call["function"]["name"]) for at, piece in pieces if piece.call and "id" in piece.call]
+    assert firsts[0] == (text.index('{"x"'), "a") and firsts[1][1] == "b" and second < firsts[1][0] < len(text) - 1
+
+    def second_arguments(until: int) -> str:
+        return "".join(p.call["function"]["arguments"] for at, p in pieces if p.call and p.call["index"] == 1 and at <= until)
+
+    assert second_arguments(text.index("Paris") + 1) == '{"city": "Pa'
+    assert second_arguments(len(text) - 2) == '{"city": "Paris"}'  # whole before the call's own closing brace
+    assert not [p for p in scanner.finish() if p.text]
+    # A first object whose parameters are no object is a call only when no prose follows it.
+    calls = scan('{"name": "a", "parameters": "x"}; {"name": "b", "parameters": {}}', 1, JsonCallScanner())
+    assert [(c["index"], c["function"]["name"]) for _, c in calls] == [(0, "a"), (1, "b")]
+    # Prose where a later call should be: content, the calls before it kept.
+    [(_, first), (rest, _)] = scan('{"name": "a", "parameters": {}}; then I stop', 2, JsonCallScanner())
+    assert first["function"]["name"] == "a" and rest == "then I stop"
+
+
 @pytest.mark.parametrize("step", [1, 4, 1000])
 def test_mistral_calls_after_the_mark_in_either_form(step):
     listed = scan('[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]', step, MarkedCallScanner())
