@@ -22,6 +22,7 @@ NVIDIA GPUs with no GPU present (tests/hf/flash_aot.py). Its speed on a GPU is m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -160,11 +161,14 @@ def build(seqs: list[tuple[list[int], int, int]], block_size: int, query_heads: 
                 chunk_seqs.append(index)
                 chunk_firsts.append(first)
         row += new
-    flat = torch.tensor(tables + cached + starts + lengths + decode_tiles + [0] * len(decode_tiles)
-                        + chunk_seqs + chunk_firsts + slots, dtype=torch.int32).to(device)
+    segments = [tables, cached, starts, lengths, decode_tiles, [0] * len(decode_tiles), chunk_seqs, chunk_firsts, slots]
+    # Each segment starts 16 bytes into the copy (4 int32s): Triton specializes a kernel on
+    # whether each pointer is 16-byte aligned, so unaligned parts would compile new variants
+    # as the segments' lengths change from step to step.
+    padded = [segment + [0] * (-len(segment) % 4) for segment in segments]
+    flat = torch.tensor([value for segment in padded for value in segment], dtype=torch.int32).to(device)
+    parts = [part[:len(segment)] for part, segment in zip(torch.split(flat, [len(p) for p in padded]), segments, strict=True)]
     count = len(seqs)
-    parts = torch.split(flat, [count * width, count, count, count, len(decode_tiles), len(decode_tiles),
-                               len(chunk_seqs), len(chunk_firsts), len(slots)])
     launches = []
     if decode_tiles:
         longest = max(cached[i] + 1 for i in decode_tiles)
@@ -174,6 +178,22 @@ def build(seqs: list[tuple[list[int], int, int]], block_size: int, query_heads: 
     if chunk_seqs:
         launches.append(Launch(chunk_rows, parts[6], parts[7]))
     return FlashPlan(parts[8].long(), parts[0].view(count, width), parts[1], parts[2], parts[3], launches, group)
+
+
+def warm_up(query_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, pool_dtype: torch.dtype,
+            device: torch.device, block_size: int) -> None:
+    """Compile every variant the engine can launch for this geometry (decode programs at
+    each split count, chunk programs, the combine) before the first request waits for it:
+    Triton compiles a variant on its first launch (on a GPU, about a second each; cached on
+    disk for later starts)."""
+    pool = torch.zeros(2 * block_size, kv_heads, head_dim, dtype=pool_dtype, device=device)
+    q = torch.zeros(2, query_heads, head_dim, dtype=dtype, device=device)
+    decode = build([([0, 1], block_size, 1)], block_size, query_heads, kv_heads, device)
+    chunk = build([([0, 1], 0, 2)], block_size, query_heads, kv_heads, device)
+    splits = [1 << n for n in range(MAX_SPLITS.bit_length())]  # 1, 2, 4 ... MAX_SPLITS
+    for plan in [dataclasses.replace(decode, launches=[dataclasses.replace(decode.launches[0], splits=n, split_keys=KEYS_PER_TILE)])
+                 for n in splits] + [chunk]:
+        attention(q[: plan.write_slots.numel()], pool, pool, plan, block_size, None)
 
 
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: FlashPlan, block_size: int,

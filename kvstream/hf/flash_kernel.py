@@ -14,7 +14,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Integers that change from step to step are not specialized on (Triton compiles a variant per
+# value of 1 and per divisibility by 16 otherwise): a step's table width, the keys per split.
+@triton.jit(do_not_specialize=["split_keys", "stride_table"])
 def paged_flash(
     Q, K, V, O, partial_out, partial_lse, tables, cached, starts, lengths, tile_seqs, tile_firsts, scale_log2,
     split_keys, query_heads,
@@ -83,7 +85,8 @@ def paged_flash(
         # A split that read no key (a context shorter than the step's longest) has a sum of 0:
         # its log2-sum-exp is -inf and it weighs nothing in the combine.
         partial = (tile.to(tl.int64) * query_heads + head) * SPLITS + split  # a decode per program: its tile's rows
-        tl.store(partial_lse + partial, running_max + tl.log2(running_sum), mask=valid)
+        lse = tl.where(running_sum > 0, running_max + tl.log2(tl.maximum(running_sum, 1e-30)), float("-inf"))
+        tl.store(partial_lse + partial, lse, mask=valid)
         tl.store(partial_out + partial[:, None] * HEAD_DIM_PADDED + dims[None, :], out, mask=row_ok)
 
 

@@ -33,7 +33,7 @@ import torch
 from kvstream.config import default
 from kvstream.hf import compat
 from kvstream.hf import blend as blend_module
-from kvstream.hf import fast_decoder, flex, native_linear, native_ops
+from kvstream.hf import fast_decoder, flash, flex, native_linear, native_ops
 from kvstream.hf.attention import AttentionPlan, scattered_plan
 from kvstream.hf.attention_tiers import TierChoice, choose_tier
 from kvstream.hf.blend import BlendParams
@@ -190,9 +190,12 @@ class ModelRunner:
             self.kv_shape, config.num_blocks, config.block_size, config.num_cpu_blocks, self.kv_dtype, self.device,
             swap_bits=config.kv_cache_bits,
         )
+        shape = self.kv_shape
         if self.attention.name == "flex":  # compile for this pool now, not in the first request
-            shape = self.kv_shape
             flex.warm_up(model.config.num_attention_heads, shape.num_kv_heads, shape.head_dim, self.kv_dtype, self.device, config.block_size)
+        elif self.attention.name == "flash":
+            flash.warm_up(model.config.num_attention_heads, shape.num_kv_heads, shape.head_dim, self.compute_dtype, self.kv_dtype,
+                          self.device, config.block_size)
         self.store = self._build_store()
         bm = ReuseBlockManager(
             config.num_blocks,

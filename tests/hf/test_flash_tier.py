@@ -131,7 +131,6 @@ def test_how_many_splits_decodes_take():
     assert flash.key_splits(programs=3, longest=8000, device_processors=1) == 1  # a CPU
 
 
-@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")  # an empty split's -inf, by design
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_split_decodes_match_eager(monkeypatch, dtype):
     """Decodes whose keys are split over several programs and combined (flash-decoding), some
@@ -176,6 +175,24 @@ def test_the_plan_tiles_chunks_by_the_group_and_writes_every_new_token():
     assert plan.write_slots.tolist() == [6 * 16 + 14, *range(16, 38), 9 * 16 + 3]
     with pytest.raises(ValueError, match="query_heads"):
         AttentionPlan.build(cache, seqs, "flash")
+
+
+def test_the_plans_index_tensors_start_16_bytes_apart_and_warm_up_runs_every_variant(monkeypatch):
+    """Triton specializes a kernel on each pointer's 16-byte alignment: the plan's tensors,
+    one copy cut in parts, all start aligned whatever the step's sizes, so that steps do not
+    compile new variants. ``warm_up`` launches every split count and a chunk."""
+    cache = PagedKVCache(KVShape(1, 3, 64), 32, 16, 0, torch.float32, torch.device("cpu"))
+    for seqs in ([([1, 2, 3], 33, 1)], [([5, 6, 7], 30, 1), ([1, 2], 0, 22), ([9], 3, 1)], [([4], 0, 7)]):
+        plan = AttentionPlan.build(cache, seqs, "flash", 9).flash
+        tensors = [plan.tables, plan.cached, plan.starts, plan.lengths] + [t for launch in plan.launches
+                                                                            for t in (launch.seqs, launch.firsts)]
+        assert all(tensor.data_ptr() % 16 == 0 for tensor in tensors)
+    launched = []
+    real = flash.attention
+    monkeypatch.setattr(flash, "attention", lambda q, k, v, plan, *rest: launched.append(
+        [(launch.rows, launch.splits) for launch in plan.launches]) or real(q, k, v, plan, *rest))
+    flash.warm_up(9, 3, 64, torch.float32, torch.float32, device(), 16)
+    assert launched == [[(16, n)] for n in (1, 2, 4, 8, 16, 32)] + [[(64, 1)]]
 
 
 def test_the_tier_is_chosen_by_its_probe_where_it_runs(monkeypatch):
