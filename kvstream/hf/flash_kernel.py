@@ -1,8 +1,9 @@
 """The flash tier's Triton kernel (the rest of the tier, and why Triton: flash.py).
 
-Its own module, imported on first use, so that Triton is needed only where the tier runs and
-``TRITON_INTERPRET=1`` (read when ``triton.jit`` runs, and applied to the ``tl`` this module's
-globals hold) can run it on the CPU in the tests.
+Its own module, imported on first use, so that Triton is needed only where the tier runs.
+With ``TRITON_INTERPRET=1`` in the environment before Triton is first imported (Triton's own
+``tl`` functions are made then), Triton's interpreter runs these kernels on the CPU, patching
+the ``tl`` this module's globals hold: how the tests run them without a GPU.
 
 One program: a tile of ``BLOCK_M`` query rows (``BLOCK_M // GROUP`` tokens of one sequence x the
 ``GROUP`` query heads of KV head ``program_id(1)``) against that sequence's context, ``BLOCK_N``
