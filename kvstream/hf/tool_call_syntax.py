@@ -340,17 +340,16 @@ class JsonCallScanner(_CallPieces):
                 text, self._pending = self._pending, ""
                 return [Piece(text=text)]
             self._at = len(self._pending) - len(start)
-        while not self._done and self._read_call(end=False):
-            pass
+        self._read_calls(end=False)
         return self._take()
 
     def finish(self) -> list[Piece]:
-        text, self._pending = self._pending, ""
+        text = self._pending
         if self._mode != "json":
+            self._pending = ""
             return [Piece(text=text)] if text else []
-        self._pending = text
-        while not self._done and self._read_call(end=True):
-            pass
+        self._read_calls(end=True)
+        self._pending = ""
         rest = text[self._at:].lstrip(" \t\r\n;")
         if self._held is not None and not rest:
             self._send(self._held)
@@ -358,6 +357,11 @@ class JsonCallScanner(_CallPieces):
             self._pieces.clear()
             return [Piece(text=text)]
         return self._take() + ([Piece(text=rest)] if rest else [])
+
+    def _read_calls(self, end: bool) -> None:
+        """Every call the text holds so far (``end``: the text is whole)."""
+        while not self._done and self._read_call(end):
+            continue
 
     def _read_call(self, end: bool) -> bool:
         """The next call, as far as the text goes (``end``: all of it); whether to go on."""
