@@ -16,7 +16,7 @@ takes blocks of a multiple of 256 tokens only ("Paged KV cache block size must b
 CUDA build. Triton ships with every CUDA build of torch, and its interpreter
 (``TRITON_INTERPRET=1``) runs the same kernel on CPU, so its arithmetic is tested where there
 is no GPU (tests/hf/test_flash_tier.py), and Triton's compiler turns it into cubins for
-NVIDIA GPUs with no GPU present (tests/hf/flash_aot.py). Its speed on a GPU is measured by
+NVIDIA GPUs with no GPU present (tests/hf/triton_aot.py). Its speed on a GPU is measured by
 ``benchmarks/gpu_check.sh``, not here.
 """
 
@@ -49,7 +49,7 @@ def num_stages(dtype: torch.dtype) -> int:
     """Software-pipelining stages of the key loop for queries of ``dtype``: K/V tiles double-
     buffered in half precision. float32 tiles are twice the bytes: single-buffered, the largest
     variant (head dim 128, chunk rows) asks for 80 KiB of shared memory instead of 112, under
-    the 99 KiB a block may have on sm_86/sm_89 GPUs (tests/hf/flash_aot.py compiles every
+    the 99 KiB a block may have on sm_86/sm_89 GPUs (tests/hf/triton_aot.py compiles every
     variant and checks)."""
     return 1 if dtype == torch.float32 else 2
 

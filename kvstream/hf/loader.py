@@ -234,10 +234,8 @@ def _load_awq(folder: Path, dtype: str, device: str, streaming: StreamingConfig 
     from kvstream.hf.awq.model import load_awq_model
 
     torch_device = pick_device(device)
-    if torch_device.type != "cpu":
-        raise ValueError("AWQ checkpoints run on the CPU only for now (their CUDA path is not written): use --device cpu")
     torch_dtype = pick_dtype(dtype, torch_device)
-    model, report = load_awq_model(folder, torch_dtype, streaming)
+    model, report = load_awq_model(folder, torch_dtype, streaming, torch_device)
     mode = report.mode if report.streamer is not None else "resident"
     logger.info("loaded AWQ %s (%s, group %d, kernel %s): %.0f MiB resident, %.0f MiB streamed per forward",
                 folder, mode, report.group_size, report.kernel.name if report.kernel else "-",

@@ -4,7 +4,7 @@ Without a GPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``
 program, each block's operations done with numpy on the CPU), so what is tested here is its
 arithmetic: the block-table lookups, the bottom-right causal mask, GQA packing, the online
 softmax, padding of head dims and of tiles, split decodes. Its compiled form is checked by
-compiling every variant to cubins for two GPU architectures (tests/hf/flash_aot.py, no GPU
+compiling every variant to cubins for two GPU architectures (tests/hf/triton_aot.py, no GPU
 needed); its numerics on tensor cores and its speed only on a CUDA machine: the ``gpu``
 tests below (skipped without one), the random Llama's test (which runs compiled there) and
 ``benchmarks/gpu_check.sh``.
@@ -24,6 +24,7 @@ require_import("triton")
 from kvstream.hf import attention_tiers, flash  # noqa: E402
 from kvstream.hf.attention import AttentionPlan, eager_attention, paged_attention  # noqa: E402
 from kvstream.hf.kv_cache import KVShape, PagedKVCache  # noqa: E402
+from tests.hf.tiny_models import tiny_llama  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -258,26 +259,6 @@ def test_compiled_on_the_gpu_matches_eager(dtype):
     torch.testing.assert_close(out.float().cpu(), expected.cpu(), atol=tolerance, rtol=tolerance)
 
 
-def tiny_llama(device: torch.device, dtype: torch.dtype):
-    """A random Llama (SmolLM2's attention geometry, 2 layers) with a word-level tokenizer made
-    in memory: what the GPU machine can run without the embedded model's file."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(512)}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", eos_token="w1")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
-                         num_key_value_heads=3, max_position_embeddings=2048, eos_token_id=1, bos_token_id=0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # larger weights than the init's, so that greedy choices are not near-ties
-        for parameter in model.parameters():
-            parameter.mul_(8 if parameter.dim() > 1 else 1)
-    return model.to(device, dtype).eval(), tokenizer
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if CUDA else [torch.float32])
 def test_a_random_llama_through_the_engine_matches_generate(dtype, monkeypatch):
     """Greedy tokens of the engine under the flash tier equal ``model.generate``'s, prompts of
@@ -317,7 +298,7 @@ def test_every_kernel_variant_compiles_for_hopper_and_ampere_gpus():
 
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, said outright (it warns otherwise)
-    done = subprocess.run([sys.executable, "-m", "tests.hf.flash_aot", "90", "86"], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "tests.hf.triton_aot", "--flash", "90", "86"], env=env, capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2], timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = [json.loads(line) for line in done.stdout.splitlines()]

@@ -1,7 +1,7 @@
 """``AWQLinear``: a linear layer that computes from AWQ-packed weights.
 
-Three kernels, chosen once per process by ``probe_kernel`` (correct on a real shape, then the
-fastest; never assumed from what imports or compiles):
+Four kernels, chosen once per process and device by ``probe_kernel`` (correct on a real
+shape, then the fastest; never assumed from what imports or compiles):
 
 - ``native``: ``native.py``'s compiled kernel for up to ``native.MAX_ROWS`` rows (decode
   steps, batches), reading the checkpoint's tensors as they are (nothing derived, no weight
@@ -12,7 +12,10 @@ fastest; never assumed from what imports or compiles):
   and the product's columns put back in order: cheaper than reordering the weights;
 - ``int4mm``: torch's CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``) on weights
   repacked to its layout at load. On the machines measured here it was slower than
-  ``dequant`` (see ``probe_kernel``), so it is only taken where it wins.
+  ``dequant`` (see ``probe_kernel``), so it is only taken where it wins;
+- ``triton`` (CUDA): ``triton_matmul.py``'s kernel, unpacking the checkpoint's tensors in
+  registers for any number of rows. On CUDA the candidates are ``triton`` and ``dequant``
+  (which runs on any device).
 
 The packed tensors are plain attributes, not parameters: layer streaming swaps them for
 staging-slot views before each forward (``streaming``).
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstream.hf.awq import native
+from kvstream.hf.awq import native, triton_matmul
 from kvstream.hf.awq.format import AWQ_REVERSE_ORDER, BITS, PACK, PackedLinear, dequantize, unpack
 
 logger = logging.getLogger(__name__)
@@ -86,9 +89,9 @@ class AWQLinear(torch.nn.Module):
         staging slot's, so that streamed layers do not churn the heap every forward."""
         groups = self.qzeros.shape[0]
         if into is None:
-            into = derive_buffers(groups, self.out_features, self.dtype)
+            into = derive_buffers(groups, self.out_features, self.dtype, self.qzeros.device)
         zs, scales, nibbles, half = into
-        torch.bitwise_right_shift(self.qzeros.unsqueeze(-1), SHIFTS, out=nibbles.view(groups, -1, PACK))
+        torch.bitwise_right_shift(self.qzeros.unsqueeze(-1), shifts(self.qzeros.device), out=nibbles.view(groups, -1, PACK))
         nibbles.bitwise_and_(0xF)
         torch.index_select(self.scales, 1, self.packed_order, out=half)
         scales.copy_(half)
@@ -97,6 +100,15 @@ class AWQLinear(torch.nn.Module):
 
     def packed(self) -> PackedLinear:
         return PackedLinear(self.qweight, self.qzeros, self.scales, self.group_size, self.bias)
+
+    def move(self, device: torch.device, packed: bool = True) -> None:
+        """Put the layer on ``device``: its column orders and bias, and with ``packed`` its
+        packed tensors too (a streamed layer's come from its staging slots instead)."""
+        self.order, self.packed_order = self.order.to(device), self.packed_order.to(device)
+        if self.bias is not None:
+            self.bias = torch.nn.Parameter(self.bias.to(device), requires_grad=False)
+        if packed:
+            self.load(self.qweight.to(device), self.qzeros.to(device), self.scales.to(device))
 
     def packed_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.qzeros, self.scales))
@@ -107,7 +119,11 @@ class AWQLinear(torch.nn.Module):
         return self._derived
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "int4mm":
+        if self.kernel == "triton":
+            flat = x.reshape(-1, self.in_features).to(self.dtype)
+            y = triton_matmul.matmul(flat, self.qweight, self.qzeros, self.scales, self.group_size)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        elif self.kernel == "int4mm":
             y = int4mm(self, x)
         elif self.kernel == "native" and self.dtype == torch.float32:
             flat = x.reshape(-1, self.in_features)
@@ -182,15 +198,15 @@ class AWQLinear(torch.nn.Module):
         zs, scales = self._zeros_and_scales()
         groups = self.in_features // self.group_size
         flat = x.reshape(-1, self.in_features).to(self.dtype)
-        out = torch.empty(flat.shape[0], self.out_features, dtype=self.dtype)
+        out = torch.empty(flat.shape[0], self.out_features, dtype=self.dtype, device=flat.device)
         step = max(PACK, CHUNK_BYTES // (4 * self.in_features) // PACK * PACK)
-        nibbles, weights = workspace(self.in_features * min(step, self.out_features), self.dtype)
+        nibbles, weights = workspace(self.in_features * min(step, self.out_features), self.dtype, flat.device)
         for start in range(0, self.out_features, step):
             stop = min(self.out_features, start + step)
             width = stop - start
             packed = self.qweight[:, start // PACK : stop // PACK]
             q = nibbles[: self.in_features * width].view(self.in_features, width // PACK, PACK)
-            torch.bitwise_right_shift(packed.unsqueeze(-1), SHIFTS, out=q)
+            torch.bitwise_right_shift(packed.unsqueeze(-1), shifts(flat.device), out=q)
             q.bitwise_and_(0xF)
             w = weights[: self.in_features * width].view(groups, self.group_size, width)
             w.copy_(q.view(groups, self.group_size, width))
@@ -199,23 +215,28 @@ class AWQLinear(torch.nn.Module):
         return out[:, self.order].reshape(*x.shape[:-1], self.out_features)
 
 
-SHIFTS = torch.arange(0, 32, BITS, dtype=torch.int32)
+@functools.cache
+def shifts(device: torch.device) -> torch.Tensor:
+    """Each nibble's bit offset in an int32 word, on ``device``."""
+    return torch.arange(0, 32, BITS, dtype=torch.int32, device=device)
 
 
-def derive_buffers(groups: int, out_features: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def derive_buffers(groups: int, out_features: int, dtype: torch.dtype, device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
     """Buffers for ``AWQLinear.derive``: zero x scale, scale, and two scratch tensors."""
-    return (torch.empty(groups, out_features, dtype=dtype), torch.empty(groups, out_features, dtype=dtype),
-            torch.empty(groups, out_features, dtype=torch.int32), torch.empty(groups, out_features, dtype=torch.float16))
+    return (torch.empty(groups, out_features, dtype=dtype, device=device), torch.empty(groups, out_features, dtype=dtype, device=device),
+            torch.empty(groups, out_features, dtype=torch.int32, device=device),
+            torch.empty(groups, out_features, dtype=torch.float16, device=device))
 _workspaces = threading.local()
 
 
-def workspace(elements: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def workspace(elements: int, dtype: torch.dtype, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-thread buffers the dequantized chunks are built in, grown as needed and reused:
     allocating them per chunk fragmented the heap by hundreds of MB (measured RssAnon)."""
+    device = torch.device(device or "cpu")
     held = getattr(_workspaces, "buffers", None)
-    if held is None or held[0].numel() < elements or held[1].dtype != dtype:
-        size = max(elements, held[0].numel() if held is not None else 0)
-        held = (torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=dtype))
+    if held is None or held[0].numel() < elements or held[1].dtype != dtype or held[1].device != device:
+        size = max(elements, held[0].numel() if held is not None and held[1].device == device else 0)
+        held = (torch.empty(size, dtype=torch.int32, device=device), torch.empty(size, dtype=dtype, device=device))
         _workspaces.buffers = held
     return held
 
@@ -248,15 +269,23 @@ class KernelChoice:
 
 
 def _timed(layer: AWQLinear, x: torch.Tensor) -> float:
+    cuda = x.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(x.device)
     start = time.perf_counter()
     layer(x)
+    if cuda:
+        torch.cuda.synchronize(x.device)
     return time.perf_counter() - start
 
 
 @functools.cache
-def probe_kernel(in_features: int, out_features: int, group_size: int, dtype: torch.dtype, rows: int = 8) -> KernelChoice:
+def probe_kernel(in_features: int, out_features: int, group_size: int, dtype: torch.dtype, rows: int = 8,
+                 device: torch.device = torch.device("cpu")) -> KernelChoice:
     """Check each kernel against the reference dequantization on this shape, and time the
-    ones that are right; the fastest wins. Probed on CPU only (no CUDA kernel here yet).
+    ones that are right; the fastest wins. On CPU the candidates are ``dequant``, ``int4mm``
+    and ``native``; on CUDA ``dequant`` and ``triton`` (each checked also at 64 rows there,
+    the Triton kernel's other row tile, which compiles it too).
 
     Once per process and shape: the choice is a timing, and a second probe on a loaded
     machine could pick the other kernel, whose sums round differently (two loads of one
@@ -266,17 +295,27 @@ def probe_kernel(in_features: int, out_features: int, group_size: int, dtype: to
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator)
     layer = AWQLinear(quantize_rtn(weight, group_size), dtype)
-    x = torch.randn(rows, in_features, generator=generator).to(dtype)
-    reference = x.float() @ dequantize(layer.packed())
+    cuda = device.type == "cuda"
+    shapes = (rows, 64) if cuda else (rows,)
+    inputs = [torch.randn(n, in_features, generator=generator).to(dtype) for n in shapes]
+    references = [x.float() @ dequantize(layer.packed()) for x in inputs]
+    if cuda:
+        layer.move(device)
+        inputs = [x.to(device) for x in inputs]
+    x = inputs[0]
     correct: list[str] = []
-    for name in ("dequant", "int4mm", "native"):
+    for name in ("dequant", "triton") if cuda else ("dequant", "int4mm", "native"):
         layer.kernel = name
+        why = triton_matmul.why_unavailable(device) if name == "triton" else None
         try:
-            y = layer(x).float()
-        except (RuntimeError, AttributeError, NotImplementedError) as exc:  # not on this build
+            if why is not None:
+                raise RuntimeError(why)
+            ys = [layer(x).float().cpu() for x in inputs]
+        except (RuntimeError, AttributeError, NotImplementedError, ImportError) as exc:  # not on this build
             logger.debug("awq kernel %s unavailable: %s", name, exc)
             continue
-        if not torch.allclose(y, reference, rtol=1e-2, atol=1e-2 * reference.abs().max().item()):
+        if not all(torch.allclose(y, reference, rtol=1e-2, atol=1e-2 * reference.abs().max().item())
+                   for y, reference in zip(ys, references, strict=True)):
             logger.warning("awq kernel %s gives wrong results on this machine; not used", name)
             continue
         correct.append(name)

@@ -4,7 +4,9 @@ The model is built on the meta device (no memory), every ``nn.Linear`` the check
 packed tensors for is replaced by an ``AWQLinear`` over them, and every other tensor
 (embeddings, norms, head, biases) is assigned from the checkpoint. Projections of streamed
 layers keep memory-mapped tensors (``LayerStreamer`` stages them per forward); all others
-are copied into memory.
+are copied into memory. On CUDA the model is built the same way on the CPU and then moved:
+every resident tensor to the GPU, streamed layers' packed tensors to pinned host memory
+(staged into GPU slots per forward).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class WeightsReport:
             s = self.streamer
             out |= {
                 "keep_first_k": self.keep_first_k, "keep_last_k": self.keep_last_k,
-                "staging": "mapped" if s.mapped else "copy", "staging_slots": s.depth, "staging_bytes": s.slot_bytes,
+                "staging": "mapped" if s.mapped else "pinned" if s.cuda is not None else "copy", "staging_slots": s.depth, "staging_bytes": s.slot_bytes,
                 "staged_bytes_total": s.staged_bytes, "staged_bytes_per_forward": s.bytes_per_forward,
                 "bytes_staged_per_token": round(s.staged_bytes / self.tokens) if self.tokens else None,
                 "stall_seconds_total": round(s.stall_s, 3),
@@ -77,9 +79,11 @@ def tensor_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingConfig | None = None) -> tuple[torch.nn.Module, WeightsReport]:
-    """The AWQ checkpoint in ``folder`` as a transformers model on CPU, and its report.
-    Raises CheckpointError naming the file or key that is wrong."""
+def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingConfig | None = None,
+                   device: torch.device | str = "cpu") -> tuple[torch.nn.Module, WeightsReport]:
+    """The AWQ checkpoint in ``folder`` as a transformers model on ``device``, and its report.
+    Raises CheckpointError naming the file or key that is wrong. On CUDA streamed layers are
+    always staged by copies from pinned host memory (``streaming.staging`` is for the CPU)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(folder)
@@ -98,6 +102,11 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
         streaming.check(len(layers))
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    if cuda and (streaming.drop_page_cache or streaming.stream_embeddings):
+        raise CheckpointError("--drop-page-cache and --stream-embeddings are for streaming on the CPU: on CUDA the "
+                              "streamed layers are held in pinned host memory and the embeddings on the GPU")
 
     kernel: KernelChoice | None = None
     plan: dict[int, list[tuple[str, AWQLinear]]] = {}
@@ -124,7 +133,7 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
                 raise CheckpointError(f"{folder}: {name}.qweight has shape {tuple(packed.qweight.shape)}, expected {expected}")
             quantized = AWQLinear(packed, dtype)
             if kernel is None:
-                kernel = probe_kernel(module.in_features, module.out_features, group_size, dtype)
+                kernel = probe_kernel(module.in_features, module.out_features, group_size, dtype, device=device)
                 logger.info("awq kernel: %s (%s)", kernel.name, kernel.why)
             quantized.kernel = kernel.name
             parent_name, _, child = relative.rpartition(".")
@@ -132,7 +141,8 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
             if streamed:
                 plan.setdefault(layer_index, []).append((relative, quantized))
 
-    embeddings, head_replaced = _hold_embeddings(model, index, dtype, map_input=bool(plan), map_head=bool(plan) and streaming.stream_embeddings)
+    embeddings, head_replaced = _hold_embeddings(model, index, dtype, map_input=bool(plan) and not cuda,
+                                                 map_head=bool(plan) and streaming.stream_embeddings, on_gpu=cuda)
 
     # Everything that is not a packed projection: assigned from the checkpoint.
     state = {}
@@ -181,8 +191,8 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
         # faults it in ahead, and drops it with the layers' pages.
         mapped_head = [head.weight] if report.mapped_bytes_per_forward else []
         head_ranges = [index.file_range(t) for t in mapped_head] if streaming.drop_page_cache else None
-        streamer = LayerStreamer(layers, plan, streaming.staging_slots, ranges, mapped=streaming.staging == "mapped",
-                                 tail=mapped_head, tail_file_ranges=head_ranges)
+        streamer = LayerStreamer(layers, plan, streaming.staging_slots, ranges, mapped=streaming.staging == "mapped" and not cuda,
+                                 tail=mapped_head, tail_file_ranges=head_ranges, device=device)
         report.streamer, report.streamed_bytes = streamer, streamer.bytes_per_forward
 
         def count_tokens(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -191,10 +201,24 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
                 report.tokens += ids.numel()
 
         model.register_forward_pre_hook(count_tokens, with_kwargs=True)
+    if cuda:
+        _to_device(model, layers, plan, device)
     return model, report
 
 
-def _hold_embeddings(model: torch.nn.Module, index: SafetensorsIndex, dtype: torch.dtype, map_input: bool, map_head: bool) -> tuple[str, bool]:
+def _to_device(model: torch.nn.Module, layers: torch.nn.ModuleList, plan: dict[int, list[tuple[str, AWQLinear]]],
+               device: torch.device) -> None:
+    """Move the loaded model to a GPU: parameters and buffers, and every resident layer's
+    packed tensors (streamed ones stay in pinned host memory, their slots already there)."""
+    streamed = {id(m) for modules in plan.values() for _, m in modules}
+    model.to(device)
+    for module in layers.modules():
+        if isinstance(module, AWQLinear):
+            module.move(device, packed=id(module) not in streamed)
+
+
+def _hold_embeddings(model: torch.nn.Module, index: SafetensorsIndex, dtype: torch.dtype, map_input: bool, map_head: bool,
+                     on_gpu: bool = False) -> tuple[str, bool]:
     """Hold the token embeddings and the LM head. Returns what was done (for /status) and
     whether the head was replaced.
 
@@ -205,7 +229,8 @@ def _hold_embeddings(model: torch.nn.Module, index: SafetensorsIndex, dtype: tor
     lookup reads only the rows of the tokens it embeds (a few KB a token) and holding the
     whole vocabulary buys nothing; a large untied model saves vocab x hidden x 2 bytes. A
     tied table is read whole by the head every token: it stays resident, as the head does,
-    unless ``map_head`` (``StreamingConfig.stream_embeddings``) maps the head's table too."""
+    unless ``map_head`` (``StreamingConfig.stream_embeddings``) maps the head's table too.
+    ``on_gpu``: both are upcast to the model's precision (the half tables' kernel is the CPU's)."""
     names = {id(m): n for n, m in model.named_modules()}
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     key = f"{names[id(embed)]}.weight"
@@ -213,7 +238,7 @@ def _hold_embeddings(model: torch.nn.Module, index: SafetensorsIndex, dtype: tor
         return "not in the checkpoint", False  # reported as a missing tensor after loading
     stored = index.refs[key].dtype
     tied = head is not None and bool(getattr(model.config, "tie_word_embeddings", False))
-    why = why_not_half(stored, dtype)
+    why = "the model runs on a GPU" if on_gpu else why_not_half(stored, dtype)
     if why is None:
         error = disagreement(index.mapped(key))  # reads its first rows only
         if error > 1e-5:

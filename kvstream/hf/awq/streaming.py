@@ -33,7 +33,15 @@ explicit so that the page cache does not evict other things to hold them, and so
 disk-bound case can be measured on a machine with memory to spare. ``mapped`` drops a
 layer's pages once it has computed (when the next streamed layer starts).
 
-CPU only for now: the CUDA path (pinned host memory, a copy stream) is not written.
+On CUDA (``device``) the streamed layers' packed tensors are held in pinned host memory
+(copied there from the checkpoint at load: the GPU's memory, not the host's, is what streaming
+saves there) and staged into slots in GPU memory, ``copy`` only: each copy is issued on a copy
+stream as the engine thread reaches a layer, ``staging_slots - 1`` layers ahead, after an event
+the compute stream records at that moment (every layer before it, so the slot's last user,
+has then been queued ahead of it), and the compute stream waits for the copy's own event
+before the layer's kernels. Nothing blocks the engine thread and no stager thread is needed:
+the copy engine overlaps the copy of layer i+1 with the compute of layer i. Written and
+reviewed, never run on a GPU here.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from typing import Literal
 
 import torch
 
+from kvstream.hf.awq.format import PackedLinear
 from kvstream.hf.awq.linear import AWQLinear, derive_buffers
 
 Mode = Literal["full_resident", "partial_resident", "ffn_only_stream", "full_stream"]
@@ -125,6 +134,7 @@ class LayerStreamer:
         mapped: bool = False,
         tail: list[torch.Tensor] | None = None,
         tail_file_ranges: list[tuple[str, int, int]] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """``file_ranges``: per streamed layer, the (file, start, end) byte ranges its packed
         tensors occupy in the checkpoint, whose pages are dropped once staged (``mapped``:
@@ -136,7 +146,13 @@ class LayerStreamer:
         where they have left the page cache, so that the forward's layers hide the read
         (a bulk fault-in read SmolLM2's table at 1.0-1.4 GB/s here, the head's own page faults
         at 0.5-0.6); with ``tail_file_ranges`` (their byte ranges in the checkpoint) dropped
-        just before, as a layer's pages are once computed."""
+        just before, as a layer's pages are once computed. ``device``: a CUDA device puts the
+        slots there and the sources in pinned host memory (copies only, no file ranges)."""
+        self.device = torch.device(device or "cpu")
+        self.cuda: CudaCopies | None = None
+        if self.device.type == "cuda" and (mapped or file_ranges is not None or tail):
+            raise ValueError("on CUDA layers are staged by copies from pinned host memory: no mapped staging, "
+                             "page-cache dropping or mapped LM head")
         self.layers = layers
         self.file_ranges = file_ranges
         self.mapped = mapped
@@ -152,6 +168,8 @@ class LayerStreamer:
         self.order = sorted(plan)
         self.position = {layer: i for i, layer in enumerate(self.order)}
         self.sources = {layer: [(name, m.packed()) for name, m in plan[layer]] for layer in self.order}
+        if self.device.type == "cuda":
+            self.sources = {layer: [(name, pinned(p)) for name, p in self.sources[layer]] for layer in self.order}
         # Mapped: each layer's tensors as the fewest page ranges (one per file region: a
         # layer's tensors are usually stored together), one madvise each rather than one per
         # tensor (21 a layer, ~7 us each, even on pages already mapped).
@@ -161,16 +179,18 @@ class LayerStreamer:
         } if mapped else {}
         first = self.sources[self.order[0]] if self.order else []
         self.slots = [
-            {name: tuple(torch.empty_like(t) for t in (p.qweight, p.qzeros, p.scales)) for name, p in first}
+            {name: tuple(torch.empty_like(t, device=self.device) for t in (p.qweight, p.qzeros, p.scales)) for name, p in first}
             for _ in range(0 if mapped else slots)
         ]
+        if self.device.type == "cuda":
+            self.cuda = CudaCopies(self.device, slots)
         # Per slot, per projection: buffers for its zeros x scales and scales in the dequant
         # kernel's order, computed there when that kernel runs (allocating them per forward
         # fragmented the heap). The stager does not compute them: its torch calls hold the
         # GIL, and the engine thread waiting for it made a streamed forward 2x a resident one.
         modules = dict(plan[self.order[0]]) if self.order else {}
         self.derived = [
-            {name: derive_buffers(p.qzeros.shape[0], p.out_features, modules[name].dtype) for name, p in first}
+            {name: derive_buffers(p.qzeros.shape[0], p.out_features, modules[name].dtype, self.device) for name, p in first}
             for _ in range(slots)
         ]
         # Mapped: a module computes from its own mapped tensors for good, so it is pointed at
@@ -227,7 +247,9 @@ class LayerStreamer:
         # the GIL), and no per-tensor Python work on this thread (it would contend for the GIL
         # with the forward).
         staged = self.layer_bytes[layer]
-        if self.mapped:
+        if self.cuda is not None:
+            self.cuda.copy(self.sources[layer], self.slots[slot], slot)
+        elif self.mapped:
             for start, end in self.page_ranges[layer]:
                 # Only where a page has left the page cache: populating pages already there
                 # still walks each one, on a core the forward computes on (benchmarks/awq_mapped.py).
@@ -340,6 +362,10 @@ class LayerStreamer:
                 self._pending[upcoming] = (None, 0)
 
     def _before_copied(self, layer: int) -> None:
+        if self.cuda is not None:
+            # Every layer queued before this one (the last user of any slot staged into
+            # below) is ahead of this event on the compute stream.
+            self.cuda.mark_queued()
         pending = self._pending.pop(layer, None)
         if pending is None:
             self.drain()  # an unplanned order (a partial forward): start the ring afresh
@@ -350,6 +376,8 @@ class LayerStreamer:
             future, slot = pending
             if future is not None:
                 self._wait(future)
+        if self.cuda is not None:
+            self.cuda.wait(slot)  # on the compute stream: the engine thread does not block
         for name, module in self.plan[layer]:
             module.load(*self.slots[slot][name], derive_into=self.derived[slot][name])
         # Prefetch into the slots no running layer uses: up to (slots - 1) layers ahead.
@@ -359,7 +387,11 @@ class LayerStreamer:
             if upcoming in self._pending or upcoming == layer:
                 continue
             target = (slot + ahead) % self.depth
-            self._pending[upcoming] = (self._pool.submit(self._stage, upcoming, target), target)
+            if self.cuda is not None:  # queued on the copy stream: nothing to hand a thread
+                self._stage(upcoming, target)
+                self._pending[upcoming] = (None, target)
+            else:
+                self._pending[upcoming] = (self._pool.submit(self._stage, upcoming, target), target)
             self._next_slot = (target + 1) % self.depth
 
     def drain(self) -> None:
@@ -381,6 +413,42 @@ class LayerStreamer:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def pinned(packed: PackedLinear) -> PackedLinear:
+    """``packed``'s tensors copied into pinned (page-locked) host memory, which the GPU's
+    copy engine reads directly and asynchronously."""
+    def pin(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+
+    return PackedLinear(pin(packed.qweight), pin(packed.qzeros), pin(packed.scales), packed.group_size, packed.bias)
+
+
+class CudaCopies:
+    """Host-to-GPU copies into staging slots on a stream of their own, ordered against the
+    compute stream by events: a copy waits until the compute stream has passed the point
+    ``mark_queued`` last recorded (the slot's last user queued before it), and a layer's
+    kernels wait until their slot's copy is done (``wait``)."""
+
+    def __init__(self, device: torch.device, slots: int) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.queued = torch.cuda.Event()
+        self.ready = [torch.cuda.Event() for _ in range(slots)]
+
+    def mark_queued(self) -> None:
+        self.queued.record(torch.cuda.current_stream(self.device))
+
+    def copy(self, sources: list[tuple[str, PackedLinear]], slot: dict[str, tuple[torch.Tensor, ...]], index: int) -> None:
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.queued)
+            for name, packed in sources:
+                for target, source in zip(slot[name], (packed.qweight, packed.qzeros, packed.scales), strict=True):
+                    target.copy_(source, non_blocking=True)
+            self.ready[index].record(self.stream)
+
+    def wait(self, index: int) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.ready[index])
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
