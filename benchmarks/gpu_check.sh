@@ -9,8 +9,12 @@
 # as CPython 3.12 manylinux wheels into .whl/ (ignored by git, carried with the run). The run:
 #   1. the GPU tests: the flash tier's kernel compiled, against eager in float16 / bfloat16 /
 #      float32, and a random Llama through the engine (auto must pick flash; greedy tokens
-#      equal model.generate's), the GPU <-> pinned-host swap of the KV pool;
-#   2. benchmarks/flash_attention.py: the flash tier against gathered SDPA per layer call.
+#      equal model.generate's), the GPU <-> pinned-host swap of the KV pool; the AWQ Triton
+#      kernel against the reference, AWQ models resident on the GPU and streamed from pinned
+#      host memory (logits and the engine's greedy tokens equal to the resident run's);
+#   2. benchmarks/flash_attention.py: the flash tier against gathered SDPA per layer call;
+#   3. benchmarks/awq_cuda.py: the AWQ kernel against dequant and a dense bf16 matmul, and
+#      streaming's tokens/s against the pinned host -> GPU bandwidth limit.
 # The embedded SmolLM2 (a 98 MB file) does not travel: its GPU tests skip there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +43,9 @@ export PYTHONUNBUFFERED=1
     python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
 } 2>&1 | tee "$out/versions.txt"
 status=0
-python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/hf/test_flash_tier.py tests/hf/test_kv_cache.py -rs 2>&1 \
+python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/hf/test_flash_tier.py tests/hf/test_awq_triton.py \
+    tests/hf/test_kv_cache.py -rs 2>&1 \
     | tee "$out/tests.txt" || status=1
 timeout 300 python3 benchmarks/flash_attention.py 2>&1 | tee "$out/flash_attention.txt" || status=1
+timeout 240 python3 benchmarks/awq_cuda.py 2>&1 | tee "$out/awq_cuda.txt" || status=1
 exit $status
