@@ -408,6 +408,8 @@ class LayerStreamer:
         for hook in self._hooks:
             hook.remove()
         self.drain()
+        if self.cuda is not None:  # no copy still writing a slot when the slots are freed
+            self.cuda.stream.synchronize()
         self._pool.shutdown(wait=True)
         self._tail_pool.shutdown(wait=True)
         for fd in self._fds.values():
