@@ -59,6 +59,13 @@ def test_the_kernel_matches_the_reference_matmul(dtype, rows, in_features, out_f
     torch.testing.assert_close(got.float().cpu(), expected, atol=TOLERANCE[dtype] * scale, rtol=TOLERANCE[dtype])
 
 
+def test_no_rows_give_no_rows():
+    packed = quantize_rtn(torch.randn(64, 128), 64)
+    out = triton_matmul.matmul(torch.empty(0, 128, device=DEVICE), packed.qweight.to(DEVICE), packed.qzeros.to(DEVICE),
+                               packed.scales.to(DEVICE), 64)
+    assert out.shape == (0, 64)
+
+
 def test_small_inputs_split_their_features_and_large_ones_do_not():
     steps = 576 // triton_matmul.BLOCK_K  # 18
     block_m, splits = triton_matmul.launch_shape(1, 576, 576, processors=132)

@@ -55,5 +55,5 @@ def awq_matmul(
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
-    out = OUT + split * stride_out_split + m.to(tl.int64)[:, None] * stride_out + n[None, :]
+    out = OUT + split.to(tl.int64) * stride_out_split + m.to(tl.int64)[:, None] * stride_out + n[None, :]
     tl.store(out, acc, mask=row_ok[:, None] & column_ok[None, :])

@@ -67,6 +67,8 @@ def matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales:
     x = x.contiguous()
     rows, in_features = x.shape
     out_features = qweight.shape[1] * PACK
+    if rows == 0:  # a grid of no programs is not launched
+        return x.new_empty(0, out_features)
     block_m, splits = launch_shape(rows, in_features, out_features, _processors(x.device))
     partial = torch.empty(splits, rows, out_features, dtype=torch.float32, device=x.device)
     grid = (-(-rows // block_m), -(-out_features // BLOCK_N), splits)
