@@ -74,18 +74,10 @@ def make_checkpoint(folder: Path, layers: int, hidden: int, intermediate: int, h
 
 
 def best_ms(fn, calls: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / calls)
-    return best
+    """Best-of-5 mean milliseconds per call by CUDA events (flash_attention.py's timer)."""
+    from flash_attention import time_per_call
+
+    return time_per_call(fn, calls)
 
 
 def kernels(hidden: int, intermediate: int) -> None:
