@@ -3,6 +3,11 @@
 #
 #   bash benchmarks/gpu_check.sh --prepare   # here, with PyPI: wheels the GPU machine lacks -> .whl/
 #   bash benchmarks/gpu_check.sh [OUTDIR]     # there: tests and benchmarks, logs in OUTDIR ($OUT or ./gpu-check)
+#   GPU_CHECK_PARTS="tests" bash benchmarks/gpu_check.sh   # only some of: tests flash awq (default: all)
+#
+# One command on the lent machine may run 10 minutes at most: the three parts take up to
+# ~4 (tests), 5 (flash, its own timeout) and 4 (awq) minutes, so where time is short run them
+# as two commands, e.g. "tests awq" then "flash".
 #
 # The GPU machine this project is lent has torch (CUDA), Triton and transformers but not
 # KVStream's own small dependencies, and reaches no package index: --prepare downloads them
@@ -43,9 +48,15 @@ export PYTHONUNBUFFERED=1
     python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
 } 2>&1 | tee "$out/versions.txt"
 status=0
-python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/hf/test_flash_tier.py tests/hf/test_awq_triton.py \
-    tests/hf/test_kv_cache.py -rs 2>&1 \
-    | tee "$out/tests.txt" || status=1
-timeout 300 python3 benchmarks/flash_attention.py 2>&1 | tee "$out/flash_attention.txt" || status=1
-timeout 240 python3 benchmarks/awq_cuda.py 2>&1 | tee "$out/awq_cuda.txt" || status=1
+parts=" ${GPU_CHECK_PARTS:-tests flash awq} "
+if [[ "$parts" == *" tests "* ]]; then
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/hf/test_flash_tier.py \
+        tests/hf/test_awq_triton.py tests/hf/test_kv_cache.py -rs 2>&1 | tee "$out/tests.txt" || status=1
+fi
+if [[ "$parts" == *" flash "* ]]; then
+    timeout 300 python3 benchmarks/flash_attention.py 2>&1 | tee "$out/flash_attention.txt" || status=1
+fi
+if [[ "$parts" == *" awq "* ]]; then
+    timeout 240 python3 benchmarks/awq_cuda.py 2>&1 | tee "$out/awq_cuda.txt" || status=1
+fi
 exit $status
