@@ -221,3 +221,119 @@ def test_on_the_gpu_the_engine_streams_an_awq_model_with_the_resident_run_s_gree
             if report.streamer is not None:
                 report.streamer.close()
     assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+
+
+# ------------------------------------------------------------------ the CUDA copy ordering, without CUDA
+class _Timeline:
+    """A double of the few ``torch.cuda`` stream and event calls ``CudaCopies`` makes, which
+    logs them in order (CUDA's semantics: a ``wait_event`` waits for the event's latest
+    ``record`` before it), so that the ordering protocol can be checked on a CPU."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self.current = "compute"
+        timeline = self
+
+        class Stream:
+            def __init__(self, device=None):
+                self.name = "copy"
+
+            def wait_event(self, event):
+                timeline.log.append(("wait", self.name, event.name, event.recorded_at))
+
+            def synchronize(self):
+                pass
+
+        class ComputeStream(Stream):
+            def __init__(self):
+                self.name = "compute"
+
+        class Event:
+            count = 0
+
+            def __init__(self):
+                Event.count += 1
+                self.name, self.recorded_at = f"event{Event.count}", None
+
+            def record(self, stream):
+                self.recorded_at = len(timeline.log)
+                timeline.log.append(("record", stream.name, self.name))
+
+        class Switch:
+            def __init__(self, stream):
+                self.stream = stream
+
+            def __enter__(self):
+                timeline.current = self.stream.name
+
+            def __exit__(self, *exc):
+                timeline.current = "compute"
+
+        self.compute = ComputeStream()
+        self.Stream, self.Event, self.stream = Stream, Event, Switch
+        self.current_stream = lambda device=None: self.compute
+
+
+def test_cuda_copies_overwrite_a_slot_only_after_its_last_user_is_queued_and_layers_wait_for_their_own_copy(
+        tiny_awq, monkeypatch):
+    """The CUDA staging protocol, run on the CPU with a double of torch.cuda's streams and
+    events: every copy into a slot waits for an event the compute stream recorded after the
+    slot's last user was queued (its hook ran, then its kernels), and every streamed layer's
+    kernels wait for the event recorded right after the copy of its own weights into its slot;
+    the logits stay the resident run's."""
+    from kvstream.hf.awq import model as awq_model
+    from kvstream.hf.awq import streaming
+
+    folder, _ = tiny_awq
+    monkeypatch.setattr(awq_model, "probe_kernel", lambda *args, **kwargs: awq_linear.KernelChoice("dequant", "test"))
+    ids = torch.randint(2, 512, (1, 7), generator=torch.Generator().manual_seed(8))
+    resident, _ = load_awq_model(folder, torch.float32)
+    with torch.no_grad():
+        expected = resident(ids, use_cache=False).logits
+    for slots in (1, 2, 3):
+        timeline = _Timeline()
+        for name in ("Stream", "Event", "stream", "current_stream"):
+            monkeypatch.setattr(streaming.torch.cuda, name, getattr(timeline, name))
+        model, report = load_awq_model(folder, torch.float32, StreamingConfig("full_stream", 0, 0, slots, staging="copy"))
+        streamer = report.streamer
+        streamer.cuda = streaming.CudaCopies(torch.device("cpu"), slots)  # the CPU run, ordered as on a GPU
+        loads = []  # (log position, layer, slot) of each hook pointing a layer at its slot
+        copies = []  # (first log position, layer, slot) of each copy (its wait, the copies, its record)
+        original_copy = streamer.cuda.copy
+
+        def logged_copy(sources, slot, index):
+            layer = next(layer for layer, s in streamer.sources.items() if s is sources)
+            copies.append((len(timeline.log), layer, index))
+            original_copy(sources, slot, index)
+
+        streamer.cuda.copy = logged_copy
+        original_before = streamer._before_copied
+
+        def logged_before(layer):
+            original_before(layer)
+            slot = next(i for i, s in enumerate(streamer.slots)
+                        if streamer.plan[layer][0][1].qweight.data_ptr() == s[streamer.plan[layer][0][0]][0].data_ptr())
+            loads.append((len(timeline.log), layer, slot))
+            timeline.log.append(("hook", layer, slot))
+
+        monkeypatch.setattr(streamer, "_before_copied", logged_before)
+        try:
+            with torch.no_grad():
+                for _ in range(3):
+                    assert torch.equal(model(ids, use_cache=False).logits, expected), slots
+        finally:
+            streamer.close()
+        assert len(loads) == 3 * 4 and copies
+        for start, layer, slot in copies:
+            # A copy is the copy stream's wait, the copies, then the record of the slot's event.
+            wait, ready = timeline.log[start], timeline.log[start + 1]
+            assert wait[:2] == ("wait", "copy") and ready == ("record", "copy", streamer.cuda.ready[slot].name)
+            users = [p for p, _, s in loads if s == slot and p < start]
+            # The compute stream's record it waits for came after the slot's every earlier user.
+            assert wait[3] is not None and all(p < wait[3] for p in users), (slots, layer, slot)
+        for position, layer, slot in loads:
+            wait = next(entry for entry in reversed(timeline.log[:position]) if entry[:2] == ("wait", "compute"))
+            latest = max((c for c in copies if c[2] == slot and c[0] < position), key=lambda c: c[0])
+            # Its kernels wait for the record right after the copy of its own weights into its slot.
+            assert latest[1] == layer and wait[2] == streamer.cuda.ready[slot].name and wait[3] == latest[0] + 1, \
+                (slots, layer, slot)
