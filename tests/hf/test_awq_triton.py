@@ -242,7 +242,7 @@ class _Timeline:
                 timeline.log.append(("wait", self.name, event.name, event.recorded_at))
 
             def synchronize(self):
-                pass
+                timeline.log.append(("synchronize", self.name))
 
         class ComputeStream(Stream):
             def __init__(self):
@@ -280,7 +280,7 @@ def test_cuda_copies_overwrite_a_slot_only_after_its_last_user_is_queued_and_lay
     events: every copy into a slot waits for an event the compute stream recorded after the
     slot's last user was queued (its hook ran, then its kernels), and every streamed layer's
     kernels wait for the event recorded right after the copy of its own weights into its slot;
-    the logits stay the resident run's."""
+    closing waits for the copy stream; the logits stay the resident run's."""
     from kvstream.hf.awq import model as awq_model
     from kvstream.hf.awq import streaming
 
@@ -324,6 +324,7 @@ def test_cuda_copies_overwrite_a_slot_only_after_its_last_user_is_queued_and_lay
         finally:
             streamer.close()
         assert len(loads) == 3 * 4 and copies
+        assert timeline.log[-1] == ("synchronize", "copy")  # closing waits for the copy stream
         for start, layer, slot in copies:
             # A copy is the copy stream's wait, the copies, then the record of the slot's event.
             wait, ready = timeline.log[start], timeline.log[start + 1]
