@@ -36,6 +36,10 @@ if [ "${1:-}" = "--prepare" ]; then
     exit 0
 fi
 
+parts=" ${GPU_CHECK_PARTS:-tests flash awq} "
+for part in $parts; do
+    case "$part" in tests|flash|awq) ;; *) echo "GPU_CHECK_PARTS: unknown part '$part' (tests, flash, awq)" >&2; exit 2 ;; esac
+done
 out="${1:-${OUT:-gpu-check}}"
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -48,7 +52,6 @@ export PYTHONUNBUFFERED=1
     python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
 } 2>&1 | tee "$out/versions.txt"
 status=0
-parts=" ${GPU_CHECK_PARTS:-tests flash awq} "
 if [[ "$parts" == *" tests "* ]]; then
     timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/hf/test_flash_tier.py \
         tests/hf/test_awq_triton.py tests/hf/test_kv_cache.py -rs 2>&1 | tee "$out/tests.txt" || status=1

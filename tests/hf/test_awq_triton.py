@@ -154,6 +154,21 @@ def test_cpu_only_streaming_settings_are_refused_on_cuda_before_anything_loads(t
             load_awq_model(folder, torch.float32, config, "cuda")
 
 
+def test_a_cuda_streamer_refuses_the_cpu_only_stagings_before_touching_cuda(tiny_awq):
+    """Mapped staging, page-cache dropping and a mapped head are CPU mechanisms: a streamer
+    for a CUDA device refuses them at construction, before any CUDA call (so also here)."""
+    from kvstream.hf.awq.model import decoder_layers
+    from kvstream.hf.awq.streaming import LayerStreamer
+
+    folder, _ = tiny_awq
+    model, _ = load_awq_model(folder, torch.float32)
+    layers = decoder_layers(model)
+    plan = {1: [(name, m) for name, m in layers[1].named_modules() if isinstance(m, awq_linear.AWQLinear)]}
+    for kwargs in ({"mapped": True}, {"file_ranges": {1: []}}, {"tail": [torch.zeros(4)]}):
+        with pytest.raises(ValueError, match="on CUDA layers are staged by copies from pinned host memory"):
+            LayerStreamer(layers, plan, 2, device=torch.device("cuda"), **kwargs)
+
+
 # ------------------------------------------------------------------ on a GPU only
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -231,7 +246,6 @@ class _Timeline:
 
     def __init__(self):
         self.log: list[tuple] = []
-        self.current = "compute"
         timeline = self
 
         class Stream:
@@ -264,10 +278,10 @@ class _Timeline:
                 self.stream = stream
 
             def __enter__(self):
-                timeline.current = self.stream.name
+                timeline.log.append(("stream", self.stream.name))
 
             def __exit__(self, *exc):
-                timeline.current = "compute"
+                timeline.log.append(("stream", "compute"))
 
         self.compute = ComputeStream()
         self.Stream, self.Event, self.stream = Stream, Event, Switch
@@ -298,7 +312,7 @@ def test_cuda_copies_overwrite_a_slot_only_after_its_last_user_is_queued_and_lay
         streamer = report.streamer
         streamer.cuda = streaming.CudaCopies(torch.device("cpu"), slots)  # the CPU run, ordered as on a GPU
         loads = []  # (log position, layer, slot) of each hook pointing a layer at its slot
-        copies = []  # (first log position, layer, slot) of each copy (its wait, the copies, its record)
+        copies = []  # (first log position, layer, slot) of each copy (its stream entered, its wait, its record)
         original_copy = streamer.cuda.copy
 
         def logged_copy(sources, slot, index):
@@ -326,8 +340,9 @@ def test_cuda_copies_overwrite_a_slot_only_after_its_last_user_is_queued_and_lay
         assert len(loads) == 3 * 4 and copies
         assert timeline.log[-1] == ("synchronize", "copy")  # closing waits for the copy stream
         for start, layer, slot in copies:
-            # A copy is the copy stream's wait, the copies, then the record of the slot's event.
-            wait, ready = timeline.log[start], timeline.log[start + 1]
+            # A copy runs on the copy stream: its wait, the copies, then the record of the slot's event.
+            entered, wait, ready, left = timeline.log[start : start + 4]
+            assert entered == ("stream", "copy") and left == ("stream", "compute")
             assert wait[:2] == ("wait", "copy") and ready == ("record", "copy", streamer.cuda.ready[slot].name)
             users = [p for p, _, s in loads if s == slot and p < start]
             # The compute stream's record it waits for came after the slot's every earlier user.
@@ -336,5 +351,5 @@ def test_cuda_copies_overwrite_a_slot_only_after_its_last_user_is_queued_and_lay
             wait = next(entry for entry in reversed(timeline.log[:position]) if entry[:2] == ("wait", "compute"))
             latest = max((c for c in copies if c[2] == slot and c[0] < position), key=lambda c: c[0])
             # Its kernels wait for the record right after the copy of its own weights into its slot.
-            assert latest[1] == layer and wait[2] == streamer.cuda.ready[slot].name and wait[3] == latest[0] + 1, \
+            assert latest[1] == layer and wait[2] == streamer.cuda.ready[slot].name and wait[3] == latest[0] + 2, \
                 (slots, layer, slot)

@@ -298,7 +298,8 @@ def probe_kernel(in_features: int, out_features: int, group_size: int, dtype: to
     cuda = device.type == "cuda"
     shapes = (rows, 64) if cuda else (rows,)
     inputs = [torch.randn(n, in_features, generator=generator).to(dtype) for n in shapes]
-    references = [x.float() @ dequantize(layer.packed()) for x in inputs]
+    weights = dequantize(layer.packed())
+    references = [x.float() @ weights for x in inputs]
     if cuda:
         layer.move(device)
         inputs = [x.to(device) for x in inputs]
