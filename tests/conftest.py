@@ -162,6 +162,12 @@ class LlamaServer:
     model_path: Path
     slot_dir: Path
     args: list[str]
+    scratch: Path  # this server's own temporary folder: its log, and its slots unless given a folder
+
+    def stop(self) -> None:
+        """Stop the process and remove its temporary folder (nothing left in /tmp)."""
+        stop_process(self.process)
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def launch_llama_server(
@@ -176,20 +182,23 @@ def launch_llama_server(
     model = smollm2_gguf()
     binary = llama_server_binary()
     port = port or free_port()
-    slot_dir = slot_dir or Path(tempfile.mkdtemp(prefix="kvstream-slots-"))
+    scratch = Path(tempfile.mkdtemp(prefix="kvstream-llama-server-"))
+    if slot_dir is None:
+        slot_dir = scratch / "slots"
+        slot_dir.mkdir()
     # -t 1: with -t 2 on these 2-core machines decode collapses whenever another process
     # (the proxy, the test) is busy.
     args = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-np", str(slots),
             "-c", str(ctx), "--metrics", "--no-webui"] + (["--slot-save-path", str(slot_dir)] if slot_saving else []) + (extra or [])
-    log = open(Path(tempfile.gettempdir()) / f"llama-server-{port}.log", "w")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    with open(scratch / "llama-server.log", "w") as log:  # the child keeps its own handle
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", proc, what=f"llama-server (log {log.name})")
     except BaseException:
-        stop_process(proc)
+        stop_process(proc)  # the scratch folder stays: its log says why
         raise
-    return LlamaServer(url, proc, model, slot_dir, args)
+    return LlamaServer(url, proc, model, slot_dir, args, scratch)
 
 
 
@@ -199,7 +208,7 @@ def llama_server() -> LlamaServer:
     """One real llama-server (2 slots, 4096 context) for the whole session."""
     server = launch_llama_server()
     yield server
-    stop_process(server.process)
+    server.stop()
 
 
 async def wait_released(proxy: Proxy) -> None:

@@ -38,7 +38,7 @@ def server(tmp_path):
 
     yield launch
     for s in servers:
-        stop_process(s.process)
+        s.stop()
 
 
 async def proxy_for(start_proxy, srv, slot_dir, **options):

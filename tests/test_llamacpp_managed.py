@@ -10,6 +10,7 @@ import subprocess
 import sys
 import urllib.request
 import json
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -51,6 +52,9 @@ async def test_managed_runtime_starts_restarts_after_kill_and_stops(start_proxy,
     pid = runtime.pid
     await backend.close()
     assert not alive(pid)
+    # It failed once, so its log stays, with both runs in it.
+    assert runtime.log_path.read_bytes().count(b"llama_server: listening on") == 2
+    runtime.log_path.unlink()
 
 
 def test_kvstream_serve_with_a_gguf_starts_answers_and_cleans_up(tmp_path):
@@ -67,6 +71,8 @@ def test_kvstream_serve_with_a_gguf_starts_answers_and_cleans_up(tmp_path):
             status = json.loads(resp.read())
         child = status["backend"]["managed"]["pid"]
         assert alive(child)
+        log = Path(status["backend"]["managed"]["log"])
+        assert log.exists()
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         out = c.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
         assert out.choices[0].message.content
@@ -75,6 +81,7 @@ def test_kvstream_serve_with_a_gguf_starts_answers_and_cleans_up(tmp_path):
         output = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0, output
     assert not alive(child), "llama-server outlived KVStream"
+    assert not log.exists(), "a clean stop leaves no log behind"
 
 
 async def test_a_chat_template_file_reaches_the_llama_server_kvstream_starts(start_proxy, tmp_path):

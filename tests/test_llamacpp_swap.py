@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from kvstream.backends import LlamaCppBackend
-from tests.conftest import launch_llama_server, stop_process
+from tests.conftest import launch_llama_server
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(300)]
 
@@ -21,7 +21,7 @@ COUNTING = "Count from 1 to 300, separated by commas: 1, 2, 3,"
 def one_slot_server(tmp_path):
     server = launch_llama_server(slots=1, ctx=4096, slot_dir=tmp_path)
     yield server
-    stop_process(server.process)
+    server.stop()
 
 
 async def start(start_proxy, server, slot_dir, **scheduler):

@@ -129,12 +129,12 @@ async def test_two_kvstreams_route_a_new_prefix_to_the_same_replica(start_upstre
 # ------------------------------------------------------------ real llama-servers
 @pytest.fixture
 def two_llama_servers():
-    from tests.conftest import launch_llama_server, stop_process
+    from tests.conftest import launch_llama_server
 
     servers = [launch_llama_server(slots=2, ctx=4096, extra=["--cache-ram", "0"], slot_saving=False) for _ in range(2)]
     yield servers
     for server in servers:
-        stop_process(server.process)
+        server.stop()
 
 
 async def stream_chat(http: aiohttp.ClientSession, proxy, body: dict) -> tuple[int, str, dict]:
@@ -278,7 +278,7 @@ async def test_a_second_kvstream_restores_a_prefix_from_the_shared_slot_director
     holds it but a file any replica can restore: route ``restore``, and the replica it
     chose reports reusing the prefix (restored, not computed)."""
     from kvstream.backends import LlamaCppBackend
-    from tests.conftest import launch_llama_server, stop_process
+    from tests.conftest import launch_llama_server
 
     shared = tmp_path / "slots"
     shared.mkdir()
@@ -299,7 +299,7 @@ async def test_a_second_kvstream_restores_a_prefix_from_the_shared_slot_director
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 200
     finally:
         for server in servers:
-            stop_process(server.process)
+            server.stop()
 
 
 async def wait_saved(directory) -> None:

@@ -100,7 +100,8 @@ class LlamaCppBackend(OpenAICompatibleBackend):
     def describe(self) -> dict[str, Any]:
         info = super().describe()
         if self.runtime is not None:
-            info["managed"] = {"pid": self.runtime.pid, "restarts": self.runtime.restarts, "model_path": str(self.runtime.model)}
+            info["managed"] = {"pid": self.runtime.pid, "restarts": self.runtime.restarts, "model_path": str(self.runtime.model),
+                               "log": str(self.runtime.log_path)}
         if self.inject is not None:
             info["hard_inject"] = self.inject.snapshot()
         return info

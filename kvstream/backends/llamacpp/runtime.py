@@ -103,6 +103,8 @@ class ManagedLlamaServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.alias = model.stem
         self.restarts = 0
+        # The server's output; removed when it is stopped having never failed.
+        self.log_path = Path(tempfile.gettempdir()) / f"kvstream-llama-server-{self.port}.log"
         self._proc: asyncio.subprocess.Process | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._closing = False
@@ -129,10 +131,9 @@ class ManagedLlamaServer:
 
     async def _launch(self) -> None:
         self.ready.clear()
-        log = Path(tempfile.gettempdir()) / f"kvstream-llama-server-{self.port}.log"
-        with open(log, "ab") as out:
+        with open(self.log_path, "ab") as out:
             self._proc = await asyncio.create_subprocess_exec(*self.command(), stdout=out, stderr=out)
-        logger.info("llama-server started (pid %d, %s, log %s)", self._proc.pid, self.url, log)
+        logger.info("llama-server started (pid %d, %s, log %s)", self._proc.pid, self.url, self.log_path)
 
     async def _wait_healthy(self, timeout: float) -> None:
         assert self._proc is not None
@@ -180,6 +181,8 @@ class ManagedLlamaServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
         proc = self._proc
+        # Its log goes with it, unless it ever failed: then the log says why.
+        healthy_to_the_end = proc is not None and proc.returncode is None and self.restarts == 0
         if proc is not None and proc.returncode is None:
             proc.terminate()
             try:
@@ -187,4 +190,6 @@ class ManagedLlamaServer:
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
+        if healthy_to_the_end:
+            self.log_path.unlink(missing_ok=True)
         logger.info("llama-server stopped")
