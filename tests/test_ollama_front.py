@@ -53,6 +53,40 @@ async def test_chat_without_streaming_maps_options_format_and_tools(front):
     assert "num_ctx" not in sent  # a load-time option, the runtime's own
 
 
+@pytest.mark.parametrize("options, error", [
+    ({"num_predict": "x"}, 'option "num_predict" must be of type integer'),
+    ({"num_predict": True}, 'option "num_predict" must be of type integer'),
+    ({"seed": "a"}, 'option "seed" must be of type integer'),
+    ({"temperature": "hot"}, 'option "temperature" must be of type float'),
+    ({"top_p": [1]}, 'option "top_p" must be of type float'),
+    ({"stop": 5}, 'option "stop" must be of type array of strings'),
+    ({"stop": ["a", 1]}, 'option "stop" must be of type array of strings'),
+    ({"num_ctx": "big"}, 'option "num_ctx" must be of type integer'),
+    ({"use_mmap": 1}, 'option "use_mmap" must be of type boolean'),
+])
+async def test_an_option_of_the_wrong_type_is_a_400_naming_it_as_ollama_does(front, options, error):
+    _, _, recorder, client = front
+    with pytest.raises(ollama.ResponseError) as caught:
+        await client.chat(model="llama3.2", messages=[{"role": "user", "content": "hi"}], stream=False, options=options)
+    assert caught.value.status_code == 400 and caught.value.error == error
+    assert not recorder.bodies  # nothing reached the runtime
+
+
+async def test_options_are_read_as_ollama_reads_them(front):
+    """Integer options take any number, truncated; null is unset; a num_predict of 0 or less
+    is no limit, and one stop string is a list of one."""
+    _, _, recorder, client = front
+    for options, expected in [
+        ({"top_k": 2.7, "seed": 4.0, "num_predict": 0, "stop": "."}, {"top_k": 2, "seed": 4, "stop": ["."]}),
+        ({"num_predict": -1, "temperature": None, "top_p": 1}, {"top_p": 1.0}),
+        ({"num_predict": -2}, {}),
+    ]:
+        await client.chat(model="llama3.2", messages=[{"role": "user", "content": "hi"}], stream=False, options=options)
+        sent = recorder.bodies[-1]
+        assert {k: sent[k] for k in expected} == expected and "max_tokens" not in sent and "temperature" not in sent
+        assert all(type(sent[k]) is type(v) for k, v in expected.items())
+
+
 async def test_think_reaches_an_openai_compatible_runtime_as_its_switch_and_thinking_comes_back(front):
     """Ollama's ``think`` said the way llama-server and vLLM read it (a runtime ignores
     ``think``: the model would think anyway), and the runtime's ``reasoning_content``

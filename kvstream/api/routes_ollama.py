@@ -42,6 +42,12 @@ SAMPLING_OPTIONS = {
     "stop": "stop", "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
     "repeat_penalty": "repeat_penalty", "min_p": "min_p", "typical_p": "typical_p", "repeat_last_n": "repeat_last_n",
 }
+# Each option's type, as Ollama's own Options checks it (api/types.go): a wrong type is a 400
+# naming the option; an integer option takes any JSON number, truncated, as Ollama does.
+INTEGER_OPTIONS = {"num_predict", "top_k", "seed", "repeat_last_n", "num_ctx", "num_batch", "num_gpu", "main_gpu",
+                   "num_thread", "num_keep", "draft_num_predict"}
+NUMBER_OPTIONS = {"temperature", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty", "frequency_penalty"}
+BOOLEAN_OPTIONS = {"use_mmap", "numa", "low_vram", "penalize_newline"}
 CHAT_FIELDS = {"model", "messages", "stream", "format", "options", "keep_alive", "tools", "think"}
 
 
@@ -107,16 +113,17 @@ def _request(body: dict[str, Any], request_id: str, messages: list[dict[str, Any
     fields: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for key, value in options.items():
+        value = _option(key, value)
+        if value is None:
+            continue
         target = SAMPLING_OPTIONS.get(key)
         if target in ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop"):
             fields[target] = value
         elif target is not None:
             extra[target] = value
         # Load-time options (num_ctx, num_gpu, ...) belong to the runtime's own config.
-    if isinstance(fields.get("stop"), str):
-        fields["stop"] = [fields["stop"]]
-    if fields.get("max_tokens") is not None and fields["max_tokens"] < 0:
-        fields.pop("max_tokens")  # Ollama's -1: until the model stops
+    if fields.get("max_tokens") is not None and fields["max_tokens"] <= 0:
+        fields.pop("max_tokens")  # Ollama's -1 (and 0, and -2): no limit, until the model stops
     fmt = body.get("format")
     if fmt == "json":
         extra["response_format"] = {"type": "json_object"}
@@ -137,6 +144,29 @@ def _request(body: dict[str, Any], request_id: str, messages: list[dict[str, Any
         )
     except TypeError as exc:
         raise OllamaError(400, str(exc)) from None
+
+
+def _option(key: str, value: Any) -> Any:
+    """One option's value, checked against its type as Ollama checks it (null: unset)."""
+    if value is None:
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if key in INTEGER_OPTIONS:
+        if not number:
+            raise OllamaError(400, f'option "{key}" must be of type integer')
+        return int(value)
+    if key in NUMBER_OPTIONS:
+        if not number:
+            raise OllamaError(400, f'option "{key}" must be of type float')
+        return float(value)
+    if key in BOOLEAN_OPTIONS and not isinstance(value, bool):
+        raise OllamaError(400, f'option "{key}" must be of type boolean')
+    if key == "stop":
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise OllamaError(400, 'option "stop" must be of type array of strings')
+    return value
 
 
 def _logprobs(body: dict[str, Any]) -> int | None:
