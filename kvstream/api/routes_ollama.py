@@ -439,6 +439,47 @@ async def api_show(request: web.Request) -> web.StreamResponse:
     })
 
 
+def answered_without_a_runtime(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Routes of Ollama's model store: a runtime behind KVStream answers them itself (passed
+    through, as any route KVStream does not manage); the in-process engine has no runtime,
+    and KVStream answers them."""
+
+    @functools.wraps(handler)
+    async def route(request: web.Request) -> web.StreamResponse:
+        if request.app[STATE].engine.backend.upstream() is not None:
+            return await forward(request)
+        return await handler(request)
+
+    return route
+
+
+@routes.post("/api/pull")
+@answered_without_a_runtime
+async def api_pull(request: web.Request) -> web.StreamResponse:
+    """Apps pull a model before they use it: one the in-process engine serves is present, so
+    the pull succeeds at once (streamed as one NDJSON status line unless ``stream`` is false)."""
+    state = request.app[STATE]
+    body = await read_object(request)
+    name = body.get("model") or body.get("name")
+    if not isinstance(name, str):
+        raise OllamaError(400, "model is required")
+    await _model(state, {"model": name})  # 404 for a model it does not serve
+    if body.get("stream", True) is False:
+        return web.json_response({"status": "success"})
+    return web.Response(body=dumps({"status": "success"}) + b"\n", content_type="application/x-ndjson")
+
+
+async def _not_managed_here(request: web.Request) -> web.StreamResponse:
+    """Creating, copying, pushing or deleting models is a model store's: the in-process
+    engine serves the model it loaded at start."""
+    raise OllamaError(501, f"{request.path} manages Ollama's model store; the in-process engine serves the model it "
+                           "loaded at start (kvstream serve --model)")
+
+
+for _method, _path in [("POST", "/api/create"), ("POST", "/api/copy"), ("POST", "/api/push"), ("DELETE", "/api/delete")]:
+    routes.route(_method, _path)(answered_without_a_runtime(_not_managed_here))
+
+
 @routes.get("/api/version")
 @ollama_answers_itself
 async def api_version(request: web.Request) -> web.StreamResponse:

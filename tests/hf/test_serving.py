@@ -267,6 +267,21 @@ async def test_ollama_front_on_the_in_process_engine(hf_proxy, http):
         assert resp.status == 501 and "embeddings" in (await resp.json())["error"]
 
 
+async def test_the_ollama_client_pulls_the_served_model_and_is_told_the_store_is_not_here(hf_proxy):
+    """Apps pull before they chat: the engine's model is there already. Creating, copying,
+    pushing and deleting are a model store's: a 501 that says so, in Ollama's shape."""
+    import ollama
+
+    client = ollama.AsyncClient(host=hf_proxy.url)
+    assert (await client.pull("smollm2")).status == "success"
+    assert [part.status async for part in await client.pull("smollm2", stream=True)] == ["success"]
+    for call in (client.delete("smollm2"), client.copy("smollm2", "other"), client.create("other", from_="smollm2"),
+                 client.push("smollm2")):
+        with pytest.raises(ollama.ResponseError) as caught:
+            await call
+        assert caught.value.status_code == 501 and "serves the model it loaded at start" in caught.value.error
+
+
 
 async def test_logprobs_are_the_models_own_streamed_or_not_chat_and_completions(oa, smollm2):
     """The first token's log-probability is log-softmax of the model's logits after the
