@@ -51,6 +51,15 @@ class BackendRejected(BackendError):
 
 
 @dataclass
+class Embeddings:
+    """What a backend that computes embeddings itself returns: one unit-length vector per
+    input, in order, and the tokens read."""
+
+    vectors: list[list[float]]
+    prompt_tokens: int
+
+
+@dataclass
 class ResumePoint:
     """Where a preempted generation continues: what the client already has."""
 

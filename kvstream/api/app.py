@@ -10,7 +10,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from kvstream import __version__
-from kvstream.api import routes_messages, routes_ollama, routes_openai, routes_ops, routes_passthrough, routes_responses
+from kvstream.api import (
+    routes_embeddings, routes_messages, routes_ollama, routes_openai, routes_ops, routes_passthrough, routes_responses,
+)
 from kvstream.api.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware
 from kvstream.api.state import CACHE_SALT, STATE, AppState
 from kvstream.types import BackendError
@@ -120,6 +122,7 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
     app[MAX_BODY_BYTES] = settings.server.max_body_bytes
     app.add_routes(routes_openai.routes)
     app.add_routes(routes_ollama.routes)
+    app.add_routes(routes_embeddings.routes)
     app.add_routes(routes_responses.routes)
     app.add_routes(routes_messages.routes)
     app.add_routes(routes_ops.routes)

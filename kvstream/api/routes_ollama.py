@@ -8,7 +8,7 @@ through the same engine (queue, admission, KV accounting), answered as Ollama an
 NDJSON when streaming, one object otherwise, durations in nanoseconds, ``done_reason``,
 Ollama's ``{"error": "..."}`` bodies. ``/api/tags``, ``/api/ps``, ``/api/show``,
 ``/api/version`` describe the backend's models; ``/api/embed`` goes to an OpenAI-compatible
-runtime's ``/v1/embeddings``.
+runtime's ``/v1/embeddings``, or the in-process engine computes it (``/api/embeddings`` too).
 """
 
 from __future__ import annotations
@@ -490,14 +490,19 @@ async def api_version(request: web.Request) -> web.StreamResponse:
 @counted("ollama_embed")
 @ollama_answers_itself
 async def api_embed(request: web.Request) -> web.StreamResponse:
-    """Ollama's embeddings from an OpenAI-compatible runtime's /v1/embeddings."""
+    """Ollama's embeddings: the in-process engine's own, or an OpenAI-compatible runtime's
+    /v1/embeddings. An empty input gets no embeddings (apps send one to load the model)."""
     state = request.app[STATE]
-    session = state.engine.backend.upstream() if state.engine.backend.forwards_body else None
-    if session is None:
-        raise OllamaError(501, f"the {state.engine.backend.name} backend does not serve embeddings")
+    backend = state.engine.backend
+    session = backend.upstream() if backend.forwards_body else None
+    if session is None and not backend.serves_embeddings:
+        raise OllamaError(501, f"the {backend.name} backend does not serve embeddings")
     body = await read_object(request)
     name = await _model(state, body)
     started = time.monotonic()
+    if session is None:
+        vectors, tokens = await _embed_here(state, _embed_inputs(body.get("input")), body)
+        return _embed_answer(body.get("model") or name, vectors, tokens, started)
     gen = state.engine.reserve(len(dumps(body.get("input", ""))), 0)
     outcome = "cancelled"
     try:
@@ -512,8 +517,66 @@ async def api_embed(request: web.Request) -> web.StreamResponse:
         gen.close(outcome)
     data = sorted(result.get("data") or [], key=lambda d: d.get("index", 0))
     usage = result.get("usage") or {}
+    return _embed_answer(body.get("model") or name, [d.get("embedding") for d in data], usage.get("prompt_tokens", 0), started)
+
+
+@routes.post("/api/embeddings")
+@counted("ollama_embed")
+@answered_without_a_runtime
+async def api_embeddings(request: web.Request) -> web.StreamResponse:
+    """Ollama's older embedding route (``prompt`` in, one ``embedding`` out), on the
+    in-process engine; with a runtime behind KVStream it is the runtime's."""
+    state = request.app[STATE]
+    if not state.engine.backend.serves_embeddings:
+        raise OllamaError(501, f"the {state.engine.backend.name} backend does not serve embeddings")
+    body = await read_object(request)
+    await _model(state, body)
+    prompt = body.get("prompt", "")
+    if not isinstance(prompt, str):
+        raise OllamaError(400, "prompt must be a string")
+    vectors, _ = await _embed_here(state, [prompt] if prompt else [], body)
+    return web.json_response({"embedding": vectors[0] if vectors else []})
+
+
+def _embed_inputs(value: Any) -> list[str]:
+    """``input`` as Ollama takes it: a string or a list of strings; empty strings dropped."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise OllamaError(400, "invalid input type: input must be a string or a list of strings")
+    return [item for item in value if item]
+
+
+async def _embed_here(state: AppState, inputs: list[str], body: dict[str, Any]) -> tuple[list[list[float]], int]:
+    """The in-process engine's embeddings of ``inputs``, cut to the context unless
+    ``truncate`` is false, and to ``dimensions`` (renormalized) as Ollama does."""
+    truncate, dimensions = body.get("truncate", True), body.get("dimensions")
+    if not isinstance(truncate, bool):
+        raise OllamaError(400, "truncate must be a boolean")
+    if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1):
+        raise OllamaError(400, "dimensions must be a positive integer")
+    if not inputs:
+        return [], 0
+    try:
+        result = await state.engine.backend.embed(list(inputs), truncate=truncate)
+    except (SchedulerError, BackendError) as exc:
+        raise _ollama_error(exc) from None
+    vectors = result.vectors
+    if dimensions is not None and dimensions < len(vectors[0]):
+        vectors = [_unit(v[:dimensions]) for v in vectors]
+    return vectors, result.prompt_tokens
+
+
+def _unit(vector: list[float]) -> list[float]:
+    norm = sum(x * x for x in vector) ** 0.5
+    return [x / norm for x in vector] if norm else vector
+
+
+def _embed_answer(model: str | None, vectors: list[Any], tokens: int, started: float) -> web.Response:
     return web.json_response({
-        "model": body.get("model") or name, "embeddings": [d.get("embedding") for d in data],
+        "model": model, "embeddings": vectors,
         "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0,
-        "prompt_eval_count": usage.get("prompt_tokens", 0),
+        "prompt_eval_count": tokens,
     })

@@ -14,7 +14,7 @@ from kvstream.backends import federation
 from kvstream.backends.http import UpstreamSession, split_credentials
 from kvstream.config import ConfigError, Settings
 from kvstream.scheduler import Scheduler, Sequence
-from kvstream.types import GenerateRequest, ModelInfo, RuntimeLimits, Token, UpstreamLoad
+from kvstream.types import Embeddings, GenerateRequest, ModelInfo, RuntimeLimits, Token, UpstreamLoad
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,9 @@ class BaseBackend(abc.ABC):
     # (400) for the others; a forwarding runtime judges them itself.
     serves_token_prompts: bool = False
     serves_echo: bool = False
+    # Whether the backend computes embeddings itself (the in-process engine, ``embed``):
+    # /v1/embeddings and Ollama's /api/embed ask it where there is no runtime to forward to.
+    serves_embeddings: bool = False
     # How the runtime keeps prompt caches, for replica routing's model of it: "slots" (one
     # prompt per slot: llama-server, Ollama, LM Studio) or "shared" (one prefix cache over
     # the whole KV pool: vLLM, SGLang).
@@ -179,6 +182,12 @@ class BaseBackend(abc.ABC):
         """The HTTP session to the runtime, for routes KVStream passes through unchanged;
         None for a backend with no runtime behind it (in-process)."""
         return None
+
+    async def embed(self, inputs: list[str | list[int]], truncate: bool = False) -> Embeddings:
+        """One embedding per input (text, or token ids), for a backend that ``serves_embeddings``.
+        An input longer than the model's context is cut to it with ``truncate``, else refused
+        (BackendRejected, a 400)."""
+        raise NotImplementedError(f"the {self.name} backend does not compute embeddings")
 
     def metric_families(self) -> Iterator[Any]:
         """Prometheus metric families of the backend's own (read at scrape time); none by default."""

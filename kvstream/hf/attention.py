@@ -233,7 +233,13 @@ def paged_attention(
     ``query`` is ``[1, H_q, T, D]`` and ``key``/``value`` ``[1, H_kv, T, D]`` for the packed
     row; returns ``[1, T, H_q, D]`` as transformers' own attention functions do.
     """
-    plan: AttentionPlan = kwargs["kvstream_plan"]
+    plan: AttentionPlan | None = kwargs.get("kvstream_plan")
+    if plan is None:
+        # Not an engine step (an embedding: one sequence, causal, no KV kept): transformers'
+        # own SDPA attention on the call's K/V.
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     layer = module.layer_idx
     k_pool = plan.cache.flat_k[layer]
     v_pool = plan.cache.flat_v[layer]

@@ -33,6 +33,7 @@ from kvstream.types import (
     BackendError,
     BackendRejected,
     BackendUnavailable,
+    Embeddings,
     GenerateRequest,
     ModelInfo,
     RuntimeLimits,
@@ -321,6 +322,7 @@ class HFBackend(InProcessBackend):
     serves_n = True  # n choices fork the prompt's blocks (copy-on-write)
     serves_token_prompts = True
     serves_echo = True  # the prompt's log-probabilities come from the same forward pass
+    serves_embeddings = True  # the decoder's mean-pooled last hidden states (embeddings.py)
 
     def __init__(
         self,
@@ -589,6 +591,49 @@ class HFBackend(InProcessBackend):
                           reading=self._answer_reading(request, seq))
         self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
         return stream
+
+    async def embed(self, inputs: list[str | list[int]], truncate: bool = False) -> Embeddings:
+        """Each input's embedding (embeddings.py), one forward pass each, run between the
+        engine's steps in turn; inputs are checked (empty, out of the vocabulary, past the
+        context) before any runs; each input is computed a chunk per job (embeddings.py). A
+        client that leaves cancels what has not run."""
+        from kvstream.hf.embeddings import Embedding
+
+        runner = self.runner
+        if runner is None:
+            raise BackendUnavailable(self._error or "the model is still loading")
+        context, vocab = runner.config.max_model_len, runner.vocab_size
+        token_lists = []
+        for i, item in enumerate(inputs):
+            ids = list(runner.tokenizer(item).input_ids) if isinstance(item, str) else list(item)
+            where = "'input'" if len(inputs) == 1 else f"'input[{i}]'"
+            if not ids:
+                raise BackendRejected(f"Invalid value for {where}: it is empty.", param="input", code="invalid_value")
+            if vocab is not None and not 0 <= min(ids) <= max(ids) < vocab:
+                bad = next(t for t in ids if not 0 <= t < vocab)
+                raise BackendRejected(f"Invalid value for {where}: token {bad} is outside the vocabulary of {vocab}.",
+                                      param="input", code="invalid_value")
+            if context is not None and len(ids) > context:
+                if not truncate:
+                    raise BackendRejected(f"{where} has {len(ids)} tokens, more than the model's context of {context} tokens.",
+                                          param="input", code="context_length_exceeded")
+                ids = ids[:context]
+            token_lists.append(ids)
+        vectors = []
+        for ids in token_lists:
+            embedding, vector = Embedding(runner.model, ids), None
+            while vector is None:
+                try:
+                    future = runner.run_between_steps(embedding.step)
+                except RuntimeError as exc:
+                    raise BackendUnavailable(str(exc)) from None
+                try:
+                    vector = await asyncio.wrap_future(future)
+                except asyncio.CancelledError:
+                    future.cancel()
+                    raise
+            vectors.append(vector)
+        return Embeddings(vectors, sum(map(len, token_lists)))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
         """Generate without KVStreamEngine in front (the engine uses ``submit``)."""

@@ -12,6 +12,9 @@ relies on three things that are stable across 5.x:
   placeholder skips mask construction (the plan carries the real masks);
 * ``logits_to_keep`` accepts a tensor of row indices (4.50+; ``num_logits_to_keep`` before).
 
+Embeddings run the decoder outside the engine's steps, with a DynamicCache between the
+chunks of a long input (``decoder_hidden_states``): its keyword is looked up per class.
+
 The engine passes no Cache object (``use_cache=False``): transformers' Cache API changed
 kwarg names twice in 4.5x-5.2x (``past_key_value`` -> ``past_key_values`` -> ``cache``) and
 none of that matters when K/V never go through it.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any
 
 import torch
 import transformers
@@ -79,6 +83,36 @@ def forward_logits(
         **{_logits_kwarg(type(model)): logits_rows},
     )
     return out.logits[0]
+
+
+@functools.cache
+def _cache_kwarg(model_class: type) -> str:
+    params = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def new_cache(model: torch.nn.Module) -> Any:
+    """A transformers DynamicCache for ``model`` (decoder_hidden_states keeps K/V in it)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def decoder_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, start: int, cache: Any) -> torch.Tensor:
+    """The decoder's last hidden states (after its final norm) for ``input_ids`` ``[1, T]``
+    at positions ``start..start+T-1``, the positions before them held in ``cache``
+    (new_cache), to which these are added: a long input taken in chunks. Not an engine
+    step: attention is transformers' SDPA (paged_attention without a plan), given the
+    causal mask explicitly, since a mask builder does not know the engine's attention name;
+    the cache's keyword is ``cache`` on recent 5.x and ``past_key_values`` before."""
+    decoder = model.get_decoder()
+    length = input_ids.shape[1]
+    device = input_ids.device
+    mask = torch.ones(length, start + length, dtype=torch.bool, device=device).tril(diagonal=start)[None, None]
+    positions = torch.arange(start, start + length, device=device)[None]
+    out = decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                  **{_cache_kwarg(type(decoder)): cache})
+    return out.last_hidden_state[0]
 
 
 def forward_first_layers(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
@@ -246,6 +247,7 @@ class ModelRunner:
         self._finished: list[RunnerRequest] = []  # finished this step, events not yet sent
         self._inbox: list[RunnerRequest] = []
         self._aborts: list[str] = []
+        self._between_steps: deque[tuple[Future, Callable[[], Any]]] = deque()  # run_between_steps' jobs
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | Future | None = None
@@ -309,6 +311,36 @@ class ModelRunner:
         with self._lock:
             self._aborts.append(seq_id)
             self._wake.notify()
+
+    def run_between_steps(self, job: Callable[[], Any]) -> Future:
+        """Run ``job`` on the engine thread between two steps (call from any thread): work that
+        needs the model but is no sequence, such as an embedding's forward. One job runs
+        between two steps, so a queue of them slows the running generations, never stalls
+        them. Raises QueueFull when as many jobs wait as requests may; the future fails if
+        the engine stops first, and a job whose future was cancelled does not run."""
+        future: Future = Future()
+        with self._lock:
+            if self._thread is None or self._stopping:
+                raise RuntimeError("the engine thread is not running (start() it)")
+            if len(self._between_steps) >= self.scheduler.config.max_queue_size:
+                raise QueueFull(f"The queue is full ({self.scheduler.config.max_queue_size} jobs waiting).")
+            self._between_steps.append((future, job))
+            self._wake.notify()
+        return future
+
+    def _run_one_between_steps(self) -> None:
+        """Run the first job whose future was not cancelled (the cancelled ones are dropped)."""
+        while True:
+            with self._lock:
+                if not self._between_steps:
+                    return
+                future, job = self._between_steps.popleft()
+            if future.set_running_or_notify_cancel():
+                break
+        try:
+            future.set_result(job())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(exc)
 
     def has_work(self) -> bool:
         s = self.scheduler
@@ -776,13 +808,22 @@ class ModelRunner:
         self._thread = None
 
     def _loop(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopping and not self.has_work() and not self._between_steps:
+                        self._wake.wait()
+                    if self._stopping:
+                        return
+                self._run_one_between_steps()
+                if self.has_work():
+                    self.step()
+        finally:
             with self._lock:
-                while not self._stopping and not self.has_work():
-                    self._wake.wait()
-                if self._stopping:
-                    return
-            self.step()
+                left, self._between_steps = self._between_steps, deque()
+            for future, _ in left:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(RuntimeError("the engine stopped before this job ran"))
 
     # ----------------------------------------------------------------- sync
     def generate_sync(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -232,3 +232,45 @@ async def test_a_closed_backend_still_held_frees_its_pools(smollm2):
         cache = backend.runner.cache
         assert cache.device_bytes > 0 and cache.host_bytes > 0
     assert cache.device_bytes == 0 and cache.host_bytes == 0 and cache.k.numel() == 0
+
+
+def test_jobs_between_steps_run_in_turn_with_the_steps_and_fail_when_the_engine_stops(smollm2):
+    """run_between_steps (embeddings): one job between two steps, on the engine thread; a
+    cancelled job does not run; past the queue size QueueFull; at stop the jobs left fail."""
+    import threading
+    from concurrent.futures import CancelledError
+
+    from kvstream.scheduler import QueueFull
+
+    engine = ModelRunner(smollm2[0], smollm2[2], RunnerConfig(block_size=4, num_blocks=32, max_num_seqs=2, max_queue_size=3))
+    with pytest.raises(RuntimeError, match="not running"):
+        engine.run_between_steps(lambda: None)
+    gate, ran = threading.Event(), []
+    engine.start()
+    try:
+        blocked = engine.run_between_steps(lambda: (gate.wait(10), ran.append(("blocked", threading.current_thread().name))))
+        while not blocked.running():
+            pass
+        cancelled = engine.run_between_steps(lambda: ran.append("cancelled"))
+        steps_before = engine.counters.steps
+        tokens: list = []
+        engine.add_request(Sequence([1, 2, 3], 3), SamplingParams(max_tokens=3), tokens.extend)
+        counted = engine.run_between_steps(lambda: engine.counters.steps)
+        engine.run_between_steps(lambda: None)
+        with pytest.raises(QueueFull):
+            engine.run_between_steps(lambda: None)
+        assert cancelled.cancel()
+        gate.set()
+        assert counted.result(10) == steps_before + 1  # the request's step ran between the jobs
+        with pytest.raises(CancelledError):
+            cancelled.result()
+        assert ran == [("blocked", "kvstream-hf-engine")]
+        gate.clear()
+        engine.run_between_steps(lambda: gate.wait(10))
+        left = engine.run_between_steps(lambda: ran.append("never"))
+    finally:
+        gate.set()
+        engine.stop()
+    with pytest.raises(RuntimeError, match="stopped before this job ran"):
+        left.result(10)
+    assert ran == [("blocked", "kvstream-hf-engine")]

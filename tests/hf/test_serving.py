@@ -262,9 +262,9 @@ async def test_ollama_front_on_the_in_process_engine(hf_proxy, http):
         assert resp.status == 400 and "logprobs" in (await resp.json())["error"]
     async with http.post(hf_proxy.url + "/api/chat", json=body | {"options": {"repeat_penalty": 0}}) as resp:
         assert resp.status == 400 and "repeat_penalty" in (await resp.json())["error"]
-    # No runtime with embeddings behind the in-process engine: said plainly, in Ollama's shape.
+    # The engine computes embeddings itself (tests/hf/test_embeddings.py).
     async with http.post(hf_proxy.url + "/api/embed", json={"model": "smollm2", "input": "x"}) as resp:
-        assert resp.status == 501 and "embeddings" in (await resp.json())["error"]
+        assert resp.status == 200 and len((await resp.json())["embeddings"][0]) == 576
 
 
 async def test_the_ollama_client_pulls_the_served_model_and_is_told_the_store_is_not_here(hf_proxy):

@@ -1,0 +1,53 @@
+"""Embeddings from the in-process model, for ``/v1/embeddings`` and Ollama's ``/api/embed``.
+
+A causal LM has no pooling head of its own, so an input's vector is its last hidden state
+(after the model's final norm) averaged over the input's tokens and scaled to unit length,
+the way sentence-transformers pools a plain encoder and Ollama returns its vectors
+(normalized). Mean pooling, not the last token: every token of a causal model sees only
+those before it, and the average weighs the whole input.
+
+An input runs through the decoder alone (no LM head, no paged KV: a DynamicCache of its own,
+dropped after) in chunks of CHUNK_TOKENS, each chunk one job of
+ModelRunner.run_between_steps on the engine thread: embeddings interleave with the running
+generations, and a long input holds the engine for one chunk at a time, never for the whole
+input (8,000 tokens are ~15 s on two cores).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvstream.hf import compat
+
+CHUNK_TOKENS = 256  # tokens a job computes: ~0.3-0.5 s of the engine thread on two cores
+
+
+class Embedding:
+    """One input's embedding, computed a chunk per ``step()`` (on the engine thread)."""
+
+    def __init__(self, model: torch.nn.Module, token_ids: list[int], chunk_tokens: int = CHUNK_TOKENS) -> None:
+        self.model = model
+        self.token_ids = token_ids
+        self.chunk_tokens = chunk_tokens
+        self.done_tokens = 0
+        self._cache: Any = None
+        self._sum: torch.Tensor | None = None  # of the hidden states so far, float32
+
+    def step(self) -> list[float] | None:
+        """Compute the next chunk; the unit-length mean once the last one is done, else None."""
+        device = next(self.model.parameters()).device
+        start = self.done_tokens
+        chunk = torch.tensor([self.token_ids[start:start + self.chunk_tokens]], device=device)
+        with torch.inference_mode():
+            if self._cache is None:
+                self._cache = compat.new_cache(self.model)
+            part = compat.decoder_hidden_states(self.model, chunk, start, self._cache).float().sum(0)
+            self._sum = part if self._sum is None else self._sum + part
+            self.done_tokens += chunk.shape[1]
+            if self.done_tokens < len(self.token_ids):
+                return None
+            self._cache = None
+            return F.normalize(self._sum / len(self.token_ids), dim=0).tolist()

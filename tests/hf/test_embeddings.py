@@ -1,0 +1,126 @@
+"""Embeddings from the in-process engine: /v1/embeddings with the openai client, Ollama's
+/api/embed and /api/embeddings with the ollama client, checked against transformers' own
+forward, and run between the engine's steps without stalling the generations."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+
+import ollama
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvstream.hf.embeddings import CHUNK_TOKENS
+
+pytestmark = pytest.mark.timeout(300)
+
+TEXTS = ["The cat sat on the mat.", "A kitten rested on the rug.", "Stock markets fell sharply today."]
+
+
+def reference_vector(reference: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """transformers' own forward of the whole input, mean-pooled and unit-length."""
+    with torch.inference_mode():
+        hidden = reference.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    return F.normalize(hidden.mean(0), dim=0)
+
+
+async def test_vectors_are_the_models_mean_pooled_hidden_states_in_chunks_too(hf_proxy, oa, smollm2):
+    _, reference, tokenizer = smollm2
+    long_text = "The committee met on Tuesday to review the budget and the schedule. " * 40
+    texts = TEXTS + [long_text]
+    ids = [tokenizer(t).input_ids for t in texts]
+    assert len(ids[-1]) > 2 * CHUNK_TOKENS  # computed in three chunks
+    answer = await oa.embeddings.create(model="smollm2", input=texts)  # the client asks for base64
+    assert [d.index for d in answer.data] == [0, 1, 2, 3]
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens == sum(map(len, ids))
+    for item, token_ids in zip(answer.data, ids, strict=True):
+        vector = torch.tensor(item.embedding)
+        assert vector.shape == (576,) and abs(vector.norm().item() - 1) < 1e-5
+        assert torch.allclose(vector, reference_vector(reference, token_ids), atol=2e-5)
+    # The same inputs as token ids, and as floats: the same vectors.
+    as_ids = await oa.embeddings.create(model="smollm2", input=ids, encoding_format="float")
+    assert [d.embedding for d in as_ids.data] == [d.embedding for d in answer.data]
+    similar, unrelated = (torch.tensor(answer.data[0].embedding) @ torch.tensor(answer.data[i].embedding) for i in (1, 2))
+    assert similar > unrelated
+
+
+async def test_base64_is_little_endian_float32_of_the_same_vector(hf_proxy, http):
+    body = {"model": "smollm2", "input": TEXTS[0]}
+    async with http.post(hf_proxy.v1 + "/embeddings", json=body | {"encoding_format": "float"}) as resp:
+        floats = (await resp.json())["data"][0]["embedding"]
+    async with http.post(hf_proxy.v1 + "/embeddings", json=body | {"encoding_format": "base64"}) as resp:
+        packed = base64.b64decode((await resp.json())["data"][0]["embedding"])
+    assert list(struct.unpack(f"<{len(floats)}f", packed)) == pytest.approx(floats, abs=1e-7)
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"input": []}, "input", "empty list"),
+    ({"input": [""]}, "input", "an input is empty"),
+    ({"input": ""}, "input", "an input is empty"),
+    ({"input": ["x", [1, 2]]}, "input", "expected a string"),
+    ({"input": [True]}, "input", "expected a string"),
+    ({"input": 5}, "input", "expected a string"),
+    ({"input": [[1, 2], [999999]]}, "input", "token 999999 is outside the vocabulary"),
+    ({"input": ["x"] * 2049}, "input", "more than the 2048"),
+    ({"input": "word " * 9000}, "input", "more than the model's context of 8192"),
+    ({"input": "x", "dimensions": 64}, "dimensions", "cannot be shortened"),
+    ({"input": "x", "encoding_format": "hex"}, "encoding_format", "expected 'float' or 'base64'"),
+])
+async def test_bad_input_is_a_400_naming_the_field(hf_proxy, http, fields, param, words):
+    async with http.post(hf_proxy.v1 + "/embeddings", json={"model": "smollm2", **fields}) as resp:
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == param and words in error["message"], error
+    assert not hf_proxy.engine.backend.runner._between_steps
+
+
+async def test_the_ollama_client_gets_the_same_vectors(hf_proxy, oa, http):
+    client = ollama.AsyncClient(host=hf_proxy.url)
+    ours = await oa.embeddings.create(model="smollm2", input=TEXTS[:2], encoding_format="float")
+    embedded = await client.embed(model="smollm2", input=TEXTS[:2])
+    assert embedded.embeddings == [d.embedding for d in ours.data] and embedded.prompt_eval_count == ours.usage.prompt_tokens
+    assert (await client.embeddings(model="smollm2", prompt=TEXTS[0])).embedding == ours.data[0].embedding
+    assert (await client.embed(model="smollm2", input="")).embeddings == []  # apps send one to load the model
+    short = (await client.embed(model="smollm2", input=TEXTS[0], dimensions=64)).embeddings[0]
+    assert short == pytest.approx(F.normalize(torch.tensor(ours.data[0].embedding[:64]), dim=0).tolist(), abs=1e-6)
+    # Past the context: cut to it by default, as Ollama does; refused with truncate false.
+    assert len((await client.embed(model="smollm2", input="word " * 9000)).embeddings) == 1
+    with pytest.raises(ollama.ResponseError) as caught:
+        await client.embed(model="smollm2", input="word " * 9000, truncate=False)
+    assert caught.value.status_code == 400 and "context of 8192" in caught.value.error
+    for bad, words in [({"input": [1, 2]}, "input must be a string or a list of strings"),
+                       ({"input": "x", "truncate": "yes"}, "truncate must be a boolean"),
+                       ({"input": "x", "dimensions": 0}, "dimensions must be a positive integer")]:
+        async with http.post(hf_proxy.url + "/api/embed", json={"model": "smollm2", **bad}) as resp:
+            assert resp.status == 400 and words in (await resp.json())["error"]
+    async with http.post(hf_proxy.url + "/api/embeddings", json={"model": "smollm2", "prompt": 5}) as resp:
+        assert resp.status == 400 and (await resp.json()) == {"error": "prompt must be a string"}
+
+
+async def test_a_long_embedding_does_not_stall_a_chat_and_a_client_that_leaves_cancels_it(hf_proxy, oa, smollm2):
+    """A long input is computed a chunk at a time between the engine's steps: a chat sent
+    after it finishes first. A client that leaves takes its remaining chunks with it."""
+    long_text = "The committee met on Tuesday to review the budget and the schedule. " * 200  # ~2,800 tokens
+    embedding = asyncio.create_task(oa.embeddings.create(model="smollm2", input=long_text))
+    runner = hf_proxy.engine.backend.runner
+    for _ in range(500):
+        if runner.counters.steps or runner._between_steps or embedding.done():
+            break
+        await asyncio.sleep(0.01)
+    chat = await oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert chat.choices[0].message.content and not embedding.done()
+    await embedding
+    # Leaving mid-way: no job is left queued, and the engine serves the next request.
+    leaving = asyncio.create_task(oa.embeddings.create(model="smollm2", input=long_text))
+    await asyncio.sleep(0.5)
+    leaving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    for _ in range(200):
+        if not runner._between_steps:
+            break
+        await asyncio.sleep(0.05)
+    assert not runner._between_steps
+    assert (await oa.embeddings.create(model="smollm2", input="again")).data
