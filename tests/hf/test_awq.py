@@ -494,6 +494,28 @@ def test_streamed_and_resident_give_identical_logits(rtn_folder, resident, confi
         report.streamer.close()
 
 
+def test_embeddings_of_a_streamed_model_equal_the_resident_model_s(rtn_folder):
+    """An embedding's chunked decoder forward (a DynamicCache, no engine step) goes through
+    the streamed layers' hooks like any forward: the same vector as the resident model's."""
+    from kvstream.hf.embeddings import Embedding
+
+    ids = list(range(1000, 1300))  # two chunks of 256
+
+    def vector(model):
+        embedding, result = Embedding(model, ids), None
+        while result is None:
+            result = embedding.step()
+        return result
+
+    resident_model, _ = load_awq_model(rtn_folder, torch.float32)
+    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 1, 1, 2, staging="copy"))
+    try:
+        assert vector(model) == vector(resident_model)
+        assert report.streamer.staged_bytes > 0
+    finally:
+        report.streamer.close()
+
+
 @pytest.mark.parametrize("kernel", ["dequant", "int4mm", "native"])
 def test_every_kernel_streams_with_the_resident_run_s_logits(rtn_folder, monkeypatch, kernel):
     """Whichever kernel the probe picks on a machine, copied and mapped streaming give its
