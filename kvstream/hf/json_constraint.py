@@ -9,8 +9,10 @@ only, so a token holding part of a UTF-8 character is fine there and nowhere els
 ``JsonObjectConstraint`` asks it, token by token, whether a token's bytes (``TokenBytes``)
 may come next; special tokens never may. The sampler tries tokens in the order the model
 ranks them (sampling.py), so a check costs a few copies of a small state per step, not one
-per vocabulary entry. Whitespace outside strings is capped (``MAX_WHITESPACE`` in a row): a
-model may otherwise pad forever, each space being valid JSON.
+per vocabulary entry. Whitespace outside strings takes the shapes llama.cpp's JSON grammars
+allow: none, one space, or a newline and an indent of up to ``MAX_INDENT`` spaces or tabs.
+That is all compact or pretty-printed JSON needs, and a small model otherwise pads with
+runs of blank lines and spaces, each of them valid JSON (and could forever).
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ WHITESPACE = frozenset(b" \t\n\r")
 ESCAPES = frozenset(b'"\\/bfnrt')
 HEX = frozenset(b"0123456789abcdefABCDEF")
 DIGITS = frozenset(b"0123456789")
-MAX_WHITESPACE = 16
+MAX_INDENT = 20  # spaces or tabs after a newline outside strings
+SPACE, NEWLINE = ord(" "), ord("\n")
+INDENT = frozenset(b" \t")
+ONE_SPACE = -1  # JsonPrefix.spaces after a single space: nothing more may follow
 # Number sub-states: where in -?(0|[1-9]d*)(.d+)?([eE][+-]?d+)? the lexer is, and whether
 # the number could end here.
 N_SIGN, N_ZERO, N_INT, N_DOT, N_FRAC, N_EXP, N_EXP_SIGN, N_EXP_DIGITS = range(8)
@@ -48,7 +53,7 @@ class JsonPrefix:
         self.lexer = NONE
         self.sub = 0  # UNICODE: hex digits left; NUMBER: its sub-state (N_*)
         self.is_key = False  # the string being lexed is an object key
-        self.spaces = 0  # whitespace bytes in a row outside strings
+        self.spaces = 0  # outside strings: 0 none yet, ONE_SPACE, or 1 + the indent after a newline
         self.literal = b""  # LITERAL: the bytes of true / false / null still to come
 
     def copy(self) -> JsonPrefix:
@@ -117,8 +122,14 @@ class JsonPrefix:
         if b in WHITESPACE:
             if self.expect == DONE:
                 return False  # the object is complete: nothing more
-            self.spaces += 1
-            return self.spaces <= MAX_WHITESPACE
+            spaces = self.spaces
+            if spaces == 0 and b in (SPACE, NEWLINE):
+                self.spaces = ONE_SPACE if b == SPACE else 1
+                return True
+            if spaces > 0 and b in INDENT and spaces <= MAX_INDENT:
+                self.spaces += 1
+                return True
+            return False
         self.spaces = 0
         expect = self.expect
         if expect in (VALUE, FIRST_VALUE):

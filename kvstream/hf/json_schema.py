@@ -30,7 +30,7 @@ import torch
 
 from kvstream.hf.token_bytes import first_byte_mask
 
-WS = r"[ \t\n\r]{0,16}"  # between tokens: as much as JSON mode allows in a row
+WS = r"(?: |\n[ \t]{0,20})?"  # between tokens: what JSON mode allows (json_constraint.MAX_INDENT)
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
