@@ -314,6 +314,13 @@ class EngineThread(Executor):
                 future.set_exception(exc)
 
 
+def _non_text_parts(messages: list[dict[str, Any]]) -> list[str]:
+    """The types of the content parts other than text in ``messages`` (images, audio...)."""
+    kinds = {part.get("type") for message in messages if isinstance(message.get("content"), list)
+             for part in message["content"] if isinstance(part, dict) and part.get("type") != "text"}
+    return sorted(str(kind) for kind in kinds)
+
+
 class HFBackend(InProcessBackend):
     """A HuggingFace causal LM run in-process by KVStream's paged model runner."""
 
@@ -538,6 +545,11 @@ class HFBackend(InProcessBackend):
             except BackendRejected:
                 raise
             except Exception as exc:  # a template that rejects these messages (roles, tools...)
+                kinds = _non_text_parts(request.messages or [])
+                if kinds:
+                    raise BackendRejected(f"{self.model_name or 'this model'} takes text only: its chat template cannot "
+                                          f"render content parts of type {', '.join(kinds)}", param="messages",
+                                          code="unsupported_content") from None
                 raise BackendRejected(f"the model's chat template rejected the messages: {exc}", param="messages") from None
         if request.prompt_token_ids is not None:
             vocab = self.runner.vocab_size

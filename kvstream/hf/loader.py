@@ -69,8 +69,9 @@ def chat_token_ids(
     Content given as a list of text parts reaches it as one string (``_text_content``).
     Earlier calls' arguments reach the template as objects (template_messages), as most
     templates expect them; a template that fails on that form (DeepSeek's concatenate them
-    as strings) gets them as the JSON strings the client sent."""
-    from kvstream.hf.tool_call_syntax import template_messages
+    as strings) gets them as the JSON strings the client sent, and one that fails on both
+    (written for chat only) gets the calls written into the assistant's text (calls_as_text)."""
+    from kvstream.hf.tool_call_syntax import calls_as_text, template_messages
 
     def render(chat: list[dict[str, Any]]) -> list[int]:
         ids = tokenizer.apply_chat_template(
@@ -80,12 +81,20 @@ def chat_token_ids(
 
     messages = [_text_content(message) for message in messages]
     converted = template_messages(messages)
-    if converted == messages:
-        return render(messages)
+    if converted != messages:
+        try:
+            return render(converted)
+        except Exception:  # noqa: BLE001 - whatever the template raised, the client's own form is tried next
+            pass
     try:
-        return render(converted)
-    except Exception:  # noqa: BLE001 - whatever the template raised, the client's own form is tried next
         return render(messages)
+    except Exception:
+        # A chat-only template given an earlier call (an assistant turn with no content, or
+        # a call it cannot render): the calls as text, else the template's own error.
+        as_text = calls_as_text(messages)
+        if as_text == messages:
+            raise
+        return render(as_text)
 
 
 def _text_content(message: dict[str, Any]) -> dict[str, Any]:

@@ -144,6 +144,26 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def calls_as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages for a template that cannot render an assistant's ``tool_calls`` (one
+    written for chat only): each call written into the message's text as the JSON object
+    ``{"tool_calls": [{"name", "arguments"}]}`` (the form llama.cpp's template polyfills
+    use), and a missing ``content`` as empty text, which such templates concatenate."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if message.get("role") == "assistant" and isinstance(calls, list) and calls:
+            written = [{"name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")}
+                       for c in (_object_arguments(call) for call in calls) if isinstance(c, dict)]
+            text = message.get("content") if isinstance(message.get("content"), str) else ""
+            joined = "\n".join(part for part in (text, json.dumps({"tool_calls": written}, ensure_ascii=False)) if part)
+            message = {key: value for key, value in message.items() if key != "tool_calls"} | {"content": joined}
+        elif message.get("content") is None:
+            message = {**message, "content": ""}
+        out.append(message)
+    return out
+
+
 def _object_arguments(call: Any) -> Any:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):

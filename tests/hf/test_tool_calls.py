@@ -208,3 +208,32 @@ async def test_a_client_leaving_in_the_middle_of_a_streamed_call_frees_everythin
     stream = await oa.chat.completions.create(**{**body, "max_tokens": 20})
     parts = [c.choices[0].delta.tool_calls[0] async for c in stream if c.choices and c.choices[0].delta.tool_calls]
     assert parts[0].function.name == "write_note" and parts[0].function.arguments.startswith("{")
+
+
+async def test_a_chat_only_template_reads_an_earlier_call_as_text_and_its_result(hf_proxy, oa, smollm2):
+    """SmolLM2's template renders chat only: an earlier call sent back with its result
+    (content null, as OpenAI's clients send it) is written into the assistant's turn as text
+    instead of failing the template."""
+    from kvstream.hf.loader import chat_token_ids
+
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."},
+    ]
+    answer = await oa.chat.completions.create(model="smollm2", messages=history, max_tokens=8)
+    assert answer.choices[0].message.content
+    for sent in (history, [{k: v for k, v in m.items() if v is not None} for m in history]):  # null, or left out
+        prompt = smollm2[2].decode(chat_token_ids(smollm2[2], sent))
+        assert '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]}' in prompt
+        assert "Sunny, 21 degrees." in prompt
+
+
+async def test_an_image_for_a_text_only_model_is_a_400_that_says_so(oa):
+    content = [{"type": "text", "text": "What is in it?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": content}], max_tokens=4)
+    error = caught.value.body
+    assert error["param"] == "messages" and error["code"] == "unsupported_content"
+    assert "takes text only" in error["message"] and "image_url" in error["message"]
