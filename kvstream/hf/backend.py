@@ -314,6 +314,11 @@ class EngineThread(Executor):
                 future.set_exception(exc)
 
 
+# OpenAI's own cap on the tokens of one embeddings request (all inputs together): at ~500
+# tokens a second on two cores, ten minutes of the engine's turns between steps.
+MAX_EMBEDDING_TOKENS = 300_000
+
+
 def _non_text_parts(messages: list[dict[str, Any]]) -> list[str]:
     """The types of the content parts other than text in ``messages`` (images, audio...)."""
     kinds = {part.get("type") for message in messages if isinstance(message.get("content"), list)
@@ -631,6 +636,10 @@ class HFBackend(InProcessBackend):
                                           param="input", code="context_length_exceeded")
                 ids = ids[:context]
             token_lists.append(ids)
+        total = sum(map(len, token_lists))
+        if total > MAX_EMBEDDING_TOKENS:
+            raise BackendRejected(f"Requested {total} tokens, max {MAX_EMBEDDING_TOKENS} tokens per request (summed "
+                                  "across inputs).", param="input", code="invalid_value")
         vectors = []
         for ids in token_lists:
             embedding, vector = Embedding(runner.model, ids), None
@@ -645,7 +654,7 @@ class HFBackend(InProcessBackend):
                     future.cancel()
                     raise
             vectors.append(vector)
-        return Embeddings(vectors, sum(map(len, token_lists)))
+        return Embeddings(vectors, total)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
         """Generate without KVStreamEngine in front (the engine uses ``submit``)."""

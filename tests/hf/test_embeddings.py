@@ -66,6 +66,7 @@ async def test_base64_is_little_endian_float32_of_the_same_vector(hf_proxy, http
     ({"input": [[1, 2], [999999]]}, "input", "token 999999 is outside the vocabulary"),
     ({"input": ["x"] * 2049}, "input", "more than the 2048"),
     ({"input": "word " * 9000}, "input", "more than the model's context of 8192"),
+    ({"input": ["word " * 8000] * 40}, "input", "max 300000 tokens per request"),
     ({"input": "x", "dimensions": 64}, "dimensions", "cannot be shortened"),
     ({"input": "x", "encoding_format": "hex"}, "encoding_format", "expected 'float' or 'base64'"),
 ])
