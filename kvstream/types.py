@@ -259,6 +259,11 @@ class ModelInfo:
     owned_by: str = "kvstream"
     created: int = 0
     context_length: int | None = None
+    # What the model can be asked for, in Ollama's words ("completion", "tools", "thinking",
+    # "embedding"), where the backend knows; empty: only completion is claimed.
+    capabilities: tuple[str, ...] = ()
+    # Ollama's ``details`` (family, parameter_size, quantization_level, format) where known.
+    details: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -390,10 +390,14 @@ async def api_generate(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=False)
 
 
-def _model_entry(name: str, context: int | None) -> dict[str, Any]:
+def _model_entry(info: Any, context: int | None) -> dict[str, Any]:
+    """A model as Ollama lists it, with the details the backend knows (ModelInfo.details)."""
+    details = {"parent_model": "", "format": "gguf", "family": "", "families": [], "parameter_size": "", "quantization_level": ""}
+    details |= info.details
+    if details["family"]:
+        details["families"] = [details["family"]]
     return {
-        "name": name, "model": name, "modified_at": now_iso(), "size": 0, "digest": "",
-        "details": {"parent_model": "", "format": "gguf", "family": "", "families": [], "parameter_size": "", "quantization_level": ""},
+        "name": info.id, "model": info.id, "modified_at": now_iso(), "size": 0, "digest": "", "details": details,
         **({"context_length": context} if context else {}),
     }
 
@@ -409,7 +413,7 @@ async def _models(state: AppState) -> list[Any]:
 @ollama_answers_itself
 async def api_tags(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    return web.json_response({"models": [_model_entry(m.id, None) for m in await _models(state)]})
+    return web.json_response({"models": [_model_entry(m, None) for m in await _models(state)]})
 
 
 @routes.get("/api/ps")
@@ -417,7 +421,7 @@ async def api_tags(request: web.Request) -> web.StreamResponse:
 async def api_ps(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     # The backend's models are always loaded: nothing expires.
-    models = [_model_entry(m.id, m.context_length) | {"expires_at": "0001-01-01T00:00:00Z", "size_vram": 0} for m in await _models(state)]
+    models = [_model_entry(m, m.context_length) | {"expires_at": "0001-01-01T00:00:00Z", "size_vram": 0} for m in await _models(state)]
     return web.json_response({"models": models})
 
 
@@ -432,9 +436,9 @@ async def api_show(request: web.Request) -> web.StreamResponse:
         raise OllamaError(404, f'model "{body.get("model")}" not found, try pulling it first')
     return web.json_response({
         "modelfile": "", "parameters": "", "template": "",
-        "details": _model_entry(info.id, None)["details"],
+        "details": _model_entry(info, None)["details"],
         "model_info": {"general.context_length": info.context_length} if info.context_length else {},
-        "capabilities": ["completion"],
+        "capabilities": list(info.capabilities) or ["completion"],
         "modified_at": now_iso(),
     })
 

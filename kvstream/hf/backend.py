@@ -319,6 +319,13 @@ class EngineThread(Executor):
 MAX_EMBEDDING_TOKENS = 300_000
 
 
+def _parameter_size(count: int) -> str:
+    """A parameter count as Ollama writes it: 135M, 1.5B."""
+    if count >= 10**9:
+        return f"{count / 10**9:.1f}B".replace(".0B", "B")
+    return f"{round(count / 10**6)}M"
+
+
 def _non_text_parts(messages: list[dict[str, Any]]) -> list[str]:
     """The types of the content parts other than text in ``messages`` (images, audio...)."""
     kinds = {part.get("type") for message in messages if isinstance(message.get("content"), list)
@@ -357,6 +364,7 @@ class HFBackend(InProcessBackend):
         self.model_name: str | None = None
         self._start_lock = asyncio.Lock()
         self._error: str | None = None
+        self._model_facts: tuple[tuple[str, ...], dict[str, str]] | None = None  # models()' capabilities, details
         self._engine_thread: EngineThread | None = None  # loads the model, then runs the steps
 
     # ------------------------------------------------------------- lifecycle
@@ -463,7 +471,41 @@ class HFBackend(InProcessBackend):
     async def models(self) -> list[ModelInfo]:
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
-        return [ModelInfo(self.model_name or "hf", context_length=self.runner.config.max_model_len)]
+        if self._model_facts is None:
+            self._model_facts = self._facts()
+        capabilities, details = self._model_facts
+        return [ModelInfo(self.model_name or "hf", context_length=self.runner.config.max_model_len,
+                          capabilities=capabilities, details=details)]
+
+    def _facts(self) -> tuple[tuple[str, ...], dict[str, str]]:
+        """What the model can be asked for (Ollama's capabilities: tools where its template
+        renders them, thinking where it shows ``<think>`` blocks) and Ollama's details."""
+        from kvstream.hf.loader import chat_token_ids
+        from kvstream.hf.reasoning import thinks
+
+        assert self.runner is not None
+        tokenizer, model = self.runner.tokenizer, self.runner.model
+        probe = [{"role": "user", "content": "x"}]
+        tool = [{"type": "function", "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}}}]
+        try:
+            renders_tools = chat_token_ids(tokenizer, probe, tools=tool) != chat_token_ids(tokenizer, probe)
+        except Exception:  # noqa: BLE001 - a template that fails on this is no tool template
+            renders_tools = False
+        template = getattr(tokenizer, "chat_template", None)
+        capabilities = ("completion", *(("tools",) if renders_tools else ()), *(("thinking",) if thinks(template) else ()),
+                        "embedding")
+        weights = self.loaded.weights_snapshot() if self.loaded is not None else {}
+        awq = weights.get("format") == "awq"
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        # Weights held as stored in half precision are buffers named weight (half_weights.py).
+        weights_held = {id(t): t for t in model.parameters()} | {id(t): t for n, t in model.named_buffers() if n.endswith("weight")}
+        parameters = sum(t.numel() for t in weights_held.values())
+        details = {
+            "format": "safetensors", "family": str(getattr(model.config, "model_type", "") or ""),
+            "parameter_size": "" if awq else _parameter_size(parameters),
+            "quantization_level": "AWQ 4-bit" if awq else {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(dtype, dtype),
+        }
+        return capabilities, details
 
     async def limits(self) -> RuntimeLimits:
         if self.runner is None:

@@ -183,3 +183,18 @@ async def test_an_ollama_think_that_is_not_a_switch_is_a_400(thinking_proxy, htt
         body = {"model": "smollm2", "messages": ASK, "stream": False, "think": think}
         async with http.post(proxy.url + "/api/chat", json=body) as resp:
             assert resp.status == 400 and "think" in (await resp.json())["error"], think
+
+
+async def test_ollamas_show_names_the_capabilities_the_template_gives(thinking_proxy, smollm2, start_proxy):
+    """Apps read /api/show's capabilities to offer thinking and tools: a template with
+    <think> blocks says thinking, one that renders tools says tools."""
+    import ollama
+
+    from tests.hf.conftest import templated_proxy
+
+    shown = await ollama.AsyncClient(host=thinking_proxy[0].url).show("smollm2")
+    assert "thinking" in shown.capabilities and "embedding" in shown.capabilities
+    hermes = (Path(__file__).parent.parent / "fixtures" / "hermes_tools.jinja").read_text()
+    async with templated_proxy(smollm2, start_proxy, hermes) as (proxy, _):
+        shown = await ollama.AsyncClient(host=proxy.url).show("smollm2")
+        assert "tools" in shown.capabilities and "thinking" not in shown.capabilities

@@ -273,6 +273,10 @@ async def test_the_ollama_client_pulls_the_served_model_and_is_told_the_store_is
     import ollama
 
     client = ollama.AsyncClient(host=hf_proxy.url)
+    shown = await client.show("smollm2")
+    assert shown.capabilities == ["completion", "embedding"]  # SmolLM2's template renders no tools, no thinking
+    assert (shown.details.family, shown.details.parameter_size, shown.details.quantization_level) == ("llama", "135M", "F32")
+    assert (await client.list()).models[0].details.family == "llama"
     assert (await client.pull("smollm2")).status == "success"
     assert [part.status async for part in await client.pull("smollm2", stream=True)] == ["success"]
     for call in (client.delete("smollm2"), client.copy("smollm2", "other"), client.create("other", from_="smollm2"),
