@@ -657,6 +657,7 @@ class HFBackend(InProcessBackend):
         context) before any runs; each input is computed a chunk per job (embeddings.py). A
         client that leaves cancels what has not run."""
         from kvstream.hf.embeddings import Embedding
+        from kvstream.hf.model_runner import EngineStopped
 
         runner = self.runner
         if runner is None:
@@ -691,13 +692,15 @@ class HFBackend(InProcessBackend):
             while vector is None:
                 try:
                     future = runner.run_between_steps(embedding.step)
-                except RuntimeError as exc:
-                    raise BackendUnavailable(str(exc)) from None
-                try:
                     vector = await asyncio.wrap_future(future)
+                except EngineStopped as exc:
+                    raise BackendUnavailable(str(exc)) from None
                 except asyncio.CancelledError:
                     future.cancel()
                     raise
+                except Exception as exc:
+                    logger.exception("an embedding failed")
+                    raise BackendError(f"the engine failed: {exc!r}") from None
             vectors.append(vector)
         return Embeddings(vectors, total)
 

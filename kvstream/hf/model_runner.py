@@ -63,6 +63,10 @@ logger = logging.getLogger(__name__)
 SCORE_LOGITS_BYTES = 256 * 2**20  # most memory one step's prompt scoring may hold in logits
 
 
+class EngineStopped(RuntimeError):
+    """The engine thread is not running: not started, or stopped before the job ran."""
+
+
 @dataclass
 class RunnerConfig:
     """Sizes and policies of the in-process engine. Settings it shares with the proxy take
@@ -316,12 +320,13 @@ class ModelRunner:
         """Run ``job`` on the engine thread between two steps (call from any thread): work that
         needs the model but is no sequence, such as an embedding's forward. One job runs
         between two steps, so a queue of them slows the running generations, never stalls
-        them. Raises QueueFull when as many jobs wait as requests may; the future fails if
-        the engine stops first, and a job whose future was cancelled does not run."""
+        them. Raises QueueFull when as many jobs wait as requests may, EngineStopped when the
+        engine is not running; the future fails with EngineStopped if the engine stops first,
+        and a job whose future was cancelled does not run."""
         future: Future = Future()
         with self._lock:
             if self._thread is None or self._stopping:
-                raise RuntimeError("the engine thread is not running (start() it)")
+                raise EngineStopped("the engine thread is not running (start() it)")
             if len(self._between_steps) >= self.scheduler.config.max_queue_size:
                 raise QueueFull(f"The queue is full ({self.scheduler.config.max_queue_size} jobs waiting).")
             self._between_steps.append((future, job))
@@ -823,7 +828,7 @@ class ModelRunner:
                 left, self._between_steps = self._between_steps, deque()
             for future, _ in left:
                 if future.set_running_or_notify_cancel():
-                    future.set_exception(RuntimeError("the engine stopped before this job ran"))
+                    future.set_exception(EngineStopped("the engine stopped before this job ran"))
 
     # ----------------------------------------------------------------- sync
     def generate_sync(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -9,6 +9,7 @@ import base64
 import struct
 
 import ollama
+import openai
 import pytest
 import torch
 import torch.nn.functional as F
@@ -100,19 +101,30 @@ async def test_the_ollama_client_gets_the_same_vectors(hf_proxy, oa, http):
         assert resp.status == 400 and (await resp.json()) == {"error": "prompt must be a string"}
 
 
-async def test_a_long_embedding_does_not_stall_a_chat_and_a_client_that_leaves_cancels_it(hf_proxy, oa, smollm2):
+async def test_a_long_embedding_does_not_stall_a_chat_and_a_client_that_leaves_cancels_it(hf_proxy, oa, monkeypatch):
     """A long input is computed a chunk at a time between the engine's steps: a chat sent
-    after it finishes first. A client that leaves takes its remaining chunks with it."""
-    long_text = "The committee met on Tuesday to review the budget and the schedule. " * 200  # ~2,800 tokens
+    once it has begun finishes first. A client that leaves takes its remaining chunks with it."""
+    from kvstream.hf.embeddings import Embedding
+
+    chunks: list[int] = []
+    step = Embedding.step
+
+    def counted_step(self):
+        chunks.append(self.done_tokens)
+        return step(self)
+
+    monkeypatch.setattr(Embedding, "step", counted_step)
+    long_text = "The committee met on Tuesday to review the budget and the schedule. " * 200  # ~2,600 tokens: 11 chunks
     embedding = asyncio.create_task(oa.embeddings.create(model="smollm2", input=long_text))
     runner = hf_proxy.engine.backend.runner
-    for _ in range(500):
-        if runner.counters.steps or runner._between_steps or embedding.done():
+    for _ in range(1000):
+        if chunks:
             break
         await asyncio.sleep(0.01)
     chat = await oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
-    assert chat.choices[0].message.content and not embedding.done()
+    assert chat.choices[0].message.content and not embedding.done(), chunks
     await embedding
+    assert len(chunks) == 11
     # Leaving mid-way: no job is left queued, and the engine serves the next request.
     leaving = asyncio.create_task(oa.embeddings.create(model="smollm2", input=long_text))
     await asyncio.sleep(0.5)
@@ -125,3 +137,19 @@ async def test_a_long_embedding_does_not_stall_a_chat_and_a_client_that_leaves_c
         await asyncio.sleep(0.05)
     assert not runner._between_steps
     assert (await oa.embeddings.create(model="smollm2", input="again")).data
+
+
+async def test_an_embedding_the_engine_fails_is_a_502_and_the_engine_goes_on(hf_proxy, oa, monkeypatch):
+    from kvstream.hf.embeddings import Embedding
+
+    def broken(self):
+        raise RuntimeError("boom")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Embedding, "step", broken)
+        with pytest.raises(openai.APIStatusError) as caught:
+            await oa.embeddings.create(model="smollm2", input="x")
+    assert caught.value.status_code == 502 and "the engine failed" in caught.value.message
+    assert (await oa.embeddings.create(model="smollm2", input="x")).data
+    chat = await oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert chat.choices[0].message.content

@@ -240,10 +240,11 @@ def test_jobs_between_steps_run_in_turn_with_the_steps_and_fail_when_the_engine_
     import threading
     from concurrent.futures import CancelledError
 
+    from kvstream.hf.model_runner import EngineStopped
     from kvstream.scheduler import QueueFull
 
     engine = ModelRunner(smollm2[0], smollm2[2], RunnerConfig(block_size=4, num_blocks=32, max_num_seqs=2, max_queue_size=3))
-    with pytest.raises(RuntimeError, match="not running"):
+    with pytest.raises(EngineStopped, match="not running"):
         engine.run_between_steps(lambda: None)
     gate, ran = threading.Event(), []
     engine.start()
@@ -271,6 +272,6 @@ def test_jobs_between_steps_run_in_turn_with_the_steps_and_fail_when_the_engine_
     finally:
         gate.set()
         engine.stop()
-    with pytest.raises(RuntimeError, match="stopped before this job ran"):
+    with pytest.raises(EngineStopped, match="stopped before this job ran"):
         left.result(10)
     assert ran == [("blocked", "kvstream-hf-engine")]
