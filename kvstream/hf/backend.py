@@ -652,10 +652,10 @@ class HFBackend(InProcessBackend):
         return stream
 
     async def embed(self, inputs: list[str | list[int]], truncate: bool = False) -> Embeddings:
-        """Each input's embedding (embeddings.py), one forward pass each, run between the
-        engine's steps in turn; inputs are checked (empty, out of the vocabulary, past the
-        context) before any runs; each input is computed a chunk per job (embeddings.py). A
-        client that leaves cancels what has not run."""
+        """Each input's embedding (embeddings.py), the inputs in turn, each a chunk per job
+        run between the engine's steps; every input is checked (empty, out of the
+        vocabulary, past the context, the request's total) before any runs. A client that
+        leaves cancels what has not run."""
         from kvstream.hf.embeddings import Embedding
         from kvstream.hf.model_runner import EngineStopped
 
@@ -695,6 +695,8 @@ class HFBackend(InProcessBackend):
                     vector = await asyncio.wrap_future(future)
                 except EngineStopped as exc:
                     raise BackendUnavailable(str(exc)) from None
+                except SchedulerError:
+                    raise  # QueueFull: as many jobs wait as requests may (a 429, as a full queue is)
                 except asyncio.CancelledError:
                     future.cancel()
                     raise

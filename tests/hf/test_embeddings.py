@@ -153,3 +153,16 @@ async def test_an_embedding_the_engine_fails_is_a_502_and_the_engine_goes_on(hf_
     assert (await oa.embeddings.create(model="smollm2", input="x")).data
     chat = await oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert chat.choices[0].message.content
+
+
+async def test_a_full_queue_of_embedding_jobs_is_a_429_with_retry_after(hf_proxy, http, monkeypatch):
+    from kvstream.scheduler import QueueFull
+
+    def full(job):
+        raise QueueFull("The queue is full (3 jobs waiting).")
+
+    monkeypatch.setattr(hf_proxy.engine.backend.runner, "run_between_steps", full)
+    async with http.post(hf_proxy.v1 + "/embeddings", json={"model": "smollm2", "input": "x"}) as resp:
+        assert resp.status == 429 and resp.headers.get("Retry-After") and "queue is full" in (await resp.json())["error"]["message"]
+    async with http.post(hf_proxy.url + "/api/embed", json={"model": "smollm2", "input": "x"}) as resp:
+        assert resp.status == 429 and "queue is full" in (await resp.json())["error"]
