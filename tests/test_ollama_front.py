@@ -228,6 +228,26 @@ async def test_embed_comes_from_the_runtimes_openai_embeddings(start_proxy, aioh
     assert proxy.engine.scheduler.bm.is_idle() and proxy.engine.stats.requests_finished == 1
 
 
+async def test_a_runtime_without_embeddings_says_so_through_embed_as_a_501(start_proxy, aiohttp_server):
+    """llama-server started without --embeddings answers 501: the client learns that, not
+    that the runtime failed."""
+    from aiohttp import web
+
+    from tests.doubles import Recorder, openai_upstream
+
+    async def embeddings(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"code": 501, "message": "This server does not support embeddings. Start it with "
+                                            "`--embeddings`", "type": "not_supported_error"}}, status=501)
+
+    app = openai_upstream(Script(), Recorder())
+    app.router.add_post("/v1/embeddings", embeddings)
+    server = await aiohttp_server(app)
+    proxy = await start_proxy(OpenAICompatibleBackend(str(server.make_url("")).rstrip("/")))
+    with pytest.raises(ollama.ResponseError) as caught:
+        await ollama.AsyncClient(host=proxy.url).embed(model="m", input="a")
+    assert caught.value.status_code == 501 and "Start it with `--embeddings`" in caught.value.error
+
+
 async def test_in_front_of_ollama_embed_is_ollamas_own(start_upstream, start_proxy, http):
     url, _ = await start_upstream(Script(), factory=ollama_double)
     proxy = await start_proxy(OllamaBackend(url))

@@ -262,9 +262,10 @@ async def raise_for_upstream_status(resp: aiohttp.ClientResponse) -> None:
     message, code, param = error_message(body)
     if resp.status == 503 or resp.status == 429:
         raise BackendUnavailable(f"runtime busy or not ready: {message}", 503, code=code or "backend_unavailable")
-    if resp.status in (400, 404, 413, 422):
+    if resp.status in (400, 404, 413, 422, 501):  # 501: what the runtime does not implement (embeddings...)
         own = body if isinstance(body, dict) else None
-        raise BackendRejected(message, resp.status, code=code or "invalid_request", param=param, body=own)
+        raise BackendRejected(message, resp.status, code=code or ("not_implemented" if resp.status == 501 else "invalid_request"),
+                              param=param, body=own)
     if resp.status == 401 or resp.status == 403:
         raise BackendError(f"the runtime refused KVStream's credentials: {message}", 502, code="backend_auth")
     raise BackendError(f"runtime error (HTTP {resp.status}): {message}", 502)
