@@ -347,3 +347,21 @@ async def test_ollama_keeps_the_model_loaded_while_traffic_flows(start_upstream,
     assert bool(renewals) is renewed
     if renewed:
         assert renewals[0] == {"model": "llama3.2:latest", "keep_alive": "5m"}
+
+
+@pytest.mark.llamacpp
+async def test_ollama_apps_pull_through_kvstream_in_front_of_llama_server(start_proxy, llama_server):
+    """llama-server keeps no model store: an app's pull of the model it serves succeeds
+    (KVStream answers), deleting is a 501 that says whose the model is, and the older
+    /api/embeddings route is translated like /api/embed (llama-server's own 501 without
+    --embeddings)."""
+    proxy = await start_proxy(LlamaCppBackend(llama_server.url))
+    client = ollama.AsyncClient(host=proxy.url)
+    name = (await client.list()).models[0].model
+    assert (await client.pull(name)).status == "success"
+    with pytest.raises(ollama.ResponseError) as caught:
+        await client.delete(name)
+    assert caught.value.status_code == 501 and "llamacpp backend's models are its runtime's own" in caught.value.error
+    with pytest.raises(ollama.ResponseError) as caught:
+        await client.embeddings(model=name, prompt="hi")
+    assert caught.value.status_code == 501 and "--embeddings" in caught.value.error

@@ -443,14 +443,16 @@ async def api_show(request: web.Request) -> web.StreamResponse:
     })
 
 
-def answered_without_a_runtime(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    """Routes of Ollama's model store: a runtime behind KVStream answers them itself (passed
-    through, as any route KVStream does not manage); the in-process engine has no runtime,
-    and KVStream answers them."""
+def unless_the_runtime_keeps_a_store(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Routes of Ollama's model store: passed through to a runtime that may keep one (Ollama,
+    or whatever a generic OpenAI-compatible backend fronts: ``may_keep_ollama_store``);
+    answered by KVStream for the others (the in-process engine, llama-server, LM Studio...),
+    whose models it serves through its own Ollama front."""
 
     @functools.wraps(handler)
     async def route(request: web.Request) -> web.StreamResponse:
-        if request.app[STATE].engine.backend.upstream() is not None:
+        backend = request.app[STATE].engine.backend
+        if backend.may_keep_ollama_store and backend.upstream() is not None:
             return await forward(request)
         return await handler(request)
 
@@ -458,10 +460,10 @@ def answered_without_a_runtime(handler: Callable[[web.Request], Awaitable[web.St
 
 
 @routes.post("/api/pull")
-@answered_without_a_runtime
+@unless_the_runtime_keeps_a_store
 async def api_pull(request: web.Request) -> web.StreamResponse:
-    """Apps pull a model before they use it: one the in-process engine serves is present, so
-    the pull succeeds at once (streamed as one NDJSON status line unless ``stream`` is false)."""
+    """Apps pull a model before they use it: one the backend serves is present, so the pull
+    succeeds at once (streamed as one NDJSON status line unless ``stream`` is false)."""
     state = request.app[STATE]
     body = await read_object(request)
     name = body.get("model") or body.get("name")
@@ -474,14 +476,17 @@ async def api_pull(request: web.Request) -> web.StreamResponse:
 
 
 async def _not_managed_here(request: web.Request) -> web.StreamResponse:
-    """Creating, copying, pushing or deleting models is a model store's: the in-process
-    engine serves the model it loaded at start."""
-    raise OllamaError(501, f"{request.path} manages Ollama's model store; the in-process engine serves the model it "
-                           "loaded at start (kvstream serve --model)")
+    """Creating, copying, pushing or deleting models is a model store's, which the backend
+    is not: its models are the in-process engine's or its runtime's own."""
+    backend = request.app[STATE].engine.backend
+    whose = ("the in-process engine's, loaded at start (kvstream serve --model)" if backend.upstream() is None
+             else "its runtime's own")
+    raise OllamaError(501, f"{request.path} manages Ollama's model store; the {backend.name} backend's models are {whose}, "
+                           "not managed through KVStream")
 
 
 for _method, _path in [("POST", "/api/create"), ("POST", "/api/copy"), ("POST", "/api/push"), ("DELETE", "/api/delete")]:
-    routes.route(_method, _path)(answered_without_a_runtime(_not_managed_here))
+    routes.route(_method, _path)(unless_the_runtime_keeps_a_store(_not_managed_here))
 
 
 @routes.get("/api/version")
@@ -497,22 +502,48 @@ async def api_embed(request: web.Request) -> web.StreamResponse:
     """Ollama's embeddings: the in-process engine's own, or an OpenAI-compatible runtime's
     /v1/embeddings. An empty input gets no embeddings (apps send one to load the model)."""
     state = request.app[STATE]
+    body = await read_object(request)
+    name = await _model(state, body)
+    started = time.monotonic()
+    vectors, tokens = await _embeddings(state, name, _embed_inputs(body.get("input")), body)
+    return web.json_response({
+        "model": body.get("model") or name, "embeddings": vectors,
+        "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0, "prompt_eval_count": tokens,
+    })
+
+
+@routes.post("/api/embeddings")
+@counted("ollama_embed")
+@ollama_answers_itself
+async def api_embeddings(request: web.Request) -> web.StreamResponse:
+    """Ollama's older embedding route: ``prompt`` in, one ``embedding`` out."""
+    state = request.app[STATE]
+    body = await read_object(request)
+    name = await _model(state, body)
+    prompt = body.get("prompt", "")
+    if not isinstance(prompt, str):
+        raise OllamaError(400, "prompt must be a string")
+    vectors, _ = await _embeddings(state, name, [prompt] if prompt else [], body)
+    return web.json_response({"embedding": vectors[0] if vectors else []})
+
+
+async def _embeddings(state: AppState, name: str | None, inputs: list[str], body: dict[str, Any]) -> tuple[list[Any], int]:
+    """The vectors of ``inputs`` and the tokens read: the in-process engine's (_embed_here),
+    or an OpenAI-compatible runtime's /v1/embeddings, admitted like any forward pass."""
     backend = state.engine.backend
     session = backend.upstream() if backend.forwards_body else None
     if session is None and not backend.serves_embeddings:
         raise OllamaError(501, f"the {backend.name} backend does not serve embeddings")
-    body = await read_object(request)
-    name = await _model(state, body)
-    started = time.monotonic()
     if session is None:
-        vectors, tokens = await _embed_here(state, _embed_inputs(body.get("input")), body)
-        return _embed_answer(body.get("model") or name, vectors, tokens, started)
-    gen = state.engine.reserve(len(dumps(body.get("input", ""))), 0)
+        return await _embed_here(state, inputs, body)
+    if not inputs:
+        return [], 0
+    gen = state.engine.reserve(len(dumps(inputs)), 0)
     outcome = "cancelled"
     try:
         try:
             await gen.admitted()
-            result = await session.post_json("/v1/embeddings", {"model": name, "input": body.get("input", "")})
+            result = await session.post_json("/v1/embeddings", {"model": name, "input": inputs})
         except (SchedulerError, BackendError) as exc:
             outcome = "failed"
             raise _ollama_error(exc) from None
@@ -520,26 +551,7 @@ async def api_embed(request: web.Request) -> web.StreamResponse:
     finally:
         gen.close(outcome)
     data = sorted(result.get("data") or [], key=lambda d: d.get("index", 0))
-    usage = result.get("usage") or {}
-    return _embed_answer(body.get("model") or name, [d.get("embedding") for d in data], usage.get("prompt_tokens", 0), started)
-
-
-@routes.post("/api/embeddings")
-@counted("ollama_embed")
-@answered_without_a_runtime
-async def api_embeddings(request: web.Request) -> web.StreamResponse:
-    """Ollama's older embedding route (``prompt`` in, one ``embedding`` out), on the
-    in-process engine; with a runtime behind KVStream it is the runtime's."""
-    state = request.app[STATE]
-    if not state.engine.backend.serves_embeddings:
-        raise OllamaError(501, f"the {state.engine.backend.name} backend does not serve embeddings")
-    body = await read_object(request)
-    await _model(state, body)
-    prompt = body.get("prompt", "")
-    if not isinstance(prompt, str):
-        raise OllamaError(400, "prompt must be a string")
-    vectors, _ = await _embed_here(state, [prompt] if prompt else [], body)
-    return web.json_response({"embedding": vectors[0] if vectors else []})
+    return [d.get("embedding") for d in data], (result.get("usage") or {}).get("prompt_tokens", 0)
 
 
 def _embed_inputs(value: Any) -> list[str]:
@@ -576,11 +588,3 @@ async def _embed_here(state: AppState, inputs: list[str], body: dict[str, Any]) 
 def _unit(vector: list[float]) -> list[float]:
     norm = sum(x * x for x in vector) ** 0.5
     return [x / norm for x in vector] if norm else vector
-
-
-def _embed_answer(model: str | None, vectors: list[Any], tokens: int, started: float) -> web.Response:
-    return web.json_response({
-        "model": model, "embeddings": vectors,
-        "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0,
-        "prompt_eval_count": tokens,
-    })

@@ -54,6 +54,10 @@ class BaseBackend(abc.ABC):
     # Whether the backend computes embeddings itself (the in-process engine, ``embed``):
     # /v1/embeddings and Ollama's /api/embed ask it where there is no runtime to forward to.
     serves_embeddings: bool = False
+    # Whether the runtime may keep an Ollama model store of its own (Ollama; whatever a generic
+    # OpenAI-compatible backend fronts): its /api/pull, /api/delete... pass through to it.
+    # For the others KVStream answers them (routes_ollama.py).
+    may_keep_ollama_store: bool = False
     # How the runtime keeps prompt caches, for replica routing's model of it: "slots" (one
     # prompt per slot: llama-server, Ollama, LM Studio) or "shared" (one prefix cache over
     # the whole KV pool: vLLM, SGLang).

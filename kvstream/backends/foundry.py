@@ -72,6 +72,7 @@ class FoundryBackend(OpenAICompatibleBackend):
     """Adapter for Foundry Local."""
 
     name = "foundry"
+    may_keep_ollama_store = False
     default_url = None
     health_path = "/openai/status"
 

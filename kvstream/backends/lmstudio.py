@@ -40,6 +40,7 @@ class LMStudioBackend(OpenAICompatibleBackend):
     """Adapter for LM Studio's server."""
 
     name = "lmstudio"
+    may_keep_ollama_store = False
     default_url = "http://127.0.0.1:1234"
 
     def __init__(

@@ -50,6 +50,7 @@ class MeteredBackend(OpenAICompatibleBackend):
     metric_names: MetricNames
     metrics_path = "/metrics"
     cache_model = "shared"
+    may_keep_ollama_store = False  # vLLM, SGLang
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

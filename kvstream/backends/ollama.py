@@ -132,6 +132,7 @@ class OllamaBackend(BaseBackend):
     """Adapter for an Ollama server (default http://127.0.0.1:11434)."""
 
     name = "ollama"
+    may_keep_ollama_store = True
     default_url = "http://127.0.0.1:11434"
     serves_any_model_name = False  # Ollama answers 404 for a model it does not have
 

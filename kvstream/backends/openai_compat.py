@@ -112,6 +112,7 @@ class OpenAICompatibleBackend(BaseBackend):
     tokens are counted as they come and a client that leaves stops the runtime at once."""
 
     name = "openai"
+    may_keep_ollama_store = True  # it may front an Ollama (its /v1 routes)
     default_url = "http://127.0.0.1:8000"
     chat_path = "/v1/chat/completions"
     completions_path = "/v1/completions"

@@ -145,6 +145,7 @@ class ReplicaSet(BaseBackend):
         self.serves_n = all(b.serves_n for b in replicas)
         self.serves_token_prompts = all(b.serves_token_prompts for b in replicas)
         self.serves_echo = all(b.serves_echo for b in replicas)
+        self.may_keep_ollama_store = any(b.may_keep_ollama_store for b in replicas)
         weights = weights or [1.0] * len(replicas)
         self.replicas = [Replica(b, self.settings.memory.block_size, w) for b, w in zip(replicas, weights)]
         self._keys = itertools.count()  # one per routed attempt, for the cache models

@@ -283,7 +283,7 @@ async def test_the_ollama_client_pulls_the_served_model_and_is_told_the_store_is
                  client.push("smollm2")):
         with pytest.raises(ollama.ResponseError) as caught:
             await call
-        assert caught.value.status_code == 501 and "serves the model it loaded at start" in caught.value.error
+        assert caught.value.status_code == 501 and "the in-process engine's, loaded at start" in caught.value.error
 
 
 

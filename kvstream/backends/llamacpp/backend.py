@@ -46,6 +46,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
     and manages its own with the GGUF file ``model`` (default: the embedded SmolLM2)."""
 
     name = "llamacpp"
+    may_keep_ollama_store = False
     default_url = None
     health_path = "/health"
     metrics_path = "/metrics"  # served when llama-server runs with --metrics (the managed one does)
