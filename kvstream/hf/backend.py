@@ -69,6 +69,7 @@ def runner_metric_families(runner: ModelRunner) -> Iterator[Any]:
     tokens = CounterMetricFamily("kvstream_engine_forward_tokens", "Tokens computed by forward passes, by kind.", labels=["kind"])
     tokens.add_metric(["prefill"], c.prefill_tokens)
     tokens.add_metric(["decode"], c.decode_tokens)
+    tokens.add_metric(["embedding"], c.embedding_tokens)
     yield tokens
     kv_bytes = GaugeMetricFamily("kvstream_kv_pool_bytes", "Bytes allocated to the KV pools, by tier.", labels=["tier"])
     kv_bytes.add_metric(["gpu"], runner.cache.device_bytes)
@@ -527,6 +528,7 @@ class HFBackend(InProcessBackend):
                 "forward_tokens": runner.counters.forward_tokens,
                 "prefill_tokens": runner.counters.prefill_tokens,
                 "decode_tokens": runner.counters.decode_tokens,
+                "embedding_tokens": runner.counters.embedding_tokens,  # computed between the steps
                 # How the model's own tool calls are read (tool_call_syntax.py), None: not at all.
                 "tool_call_syntax": self._call_syntax(),
                 "chat_template": str(self.settings.backend.chat_template or "the model's"),
@@ -688,7 +690,7 @@ class HFBackend(InProcessBackend):
                                   "across inputs).", param="input", code="invalid_value")
         vectors = []
         for ids in token_lists:
-            embedding, vector = Embedding(runner.model, ids), None
+            embedding, vector = Embedding(runner.model, ids, counted=self._count_embedding_tokens), None
             while vector is None:
                 try:
                     future = runner.run_between_steps(embedding.step)
@@ -705,6 +707,11 @@ class HFBackend(InProcessBackend):
                     raise BackendError(f"the engine failed: {exc!r}") from None
             vectors.append(vector)
         return Embeddings(vectors, total)
+
+    def _count_embedding_tokens(self, tokens: int) -> None:
+        """On the engine thread, as the runner counts its steps' tokens."""
+        assert self.runner is not None
+        self.runner.counters.embedding_tokens += tokens
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
         """Generate without KVStreamEngine in front (the engine uses ``submit``)."""

@@ -15,6 +15,7 @@ input (8,000 tokens are ~15 s on two cores).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,8 +29,10 @@ CHUNK_TOKENS = 256  # tokens a job computes: ~0.3-0.5 s of the engine thread on 
 class Embedding:
     """One input's embedding, computed a chunk per ``step()`` (on the engine thread)."""
 
-    def __init__(self, model: torch.nn.Module, token_ids: list[int], chunk_tokens: int = CHUNK_TOKENS) -> None:
+    def __init__(self, model: torch.nn.Module, token_ids: list[int], chunk_tokens: int = CHUNK_TOKENS,
+                 counted: Callable[[int], None] | None = None) -> None:
         self.model = model
+        self.counted = counted  # told each chunk's tokens once computed (the runner's counters)
         self.token_ids = token_ids
         self.chunk_tokens = chunk_tokens
         self.done_tokens = 0
@@ -47,6 +50,8 @@ class Embedding:
             part = compat.decoder_hidden_states(self.model, chunk, start, self._cache).float().sum(0)
             self._sum = part if self._sum is None else self._sum + part
             self.done_tokens += chunk.shape[1]
+            if self.counted is not None:
+                self.counted(chunk.shape[1])
             if self.done_tokens < len(self.token_ids):
                 return None
             self._cache = None

@@ -165,6 +165,7 @@ class RunnerCounters:
     repaired_tokens: int = 0  # moved tokens recomputed by the repair
     scored_tokens: int = 0  # prompt tokens scored from logits computed (echo with logprobs)
     kept_score_tokens: int = 0  # prompt tokens whose scores came from kept blocks instead
+    embedding_tokens: int = 0  # tokens computed for embeddings (between the steps, embeddings.py)
 
 
 class ModelRunner:

@@ -28,7 +28,7 @@ def reference_vector(reference: torch.nn.Module, ids: list[int]) -> torch.Tensor
     return F.normalize(hidden.mean(0), dim=0)
 
 
-async def test_vectors_are_the_models_mean_pooled_hidden_states_in_chunks_too(hf_proxy, oa, smollm2):
+async def test_vectors_are_the_models_mean_pooled_hidden_states_in_chunks_too(hf_proxy, oa, smollm2, http):
     _, reference, tokenizer = smollm2
     long_text = "The committee met on Tuesday to review the budget and the schedule. " * 40
     texts = TEXTS + [long_text]
@@ -44,6 +44,10 @@ async def test_vectors_are_the_models_mean_pooled_hidden_states_in_chunks_too(hf
     # The same inputs as token ids, and as floats: the same vectors.
     as_ids = await oa.embeddings.create(model="smollm2", input=ids, encoding_format="float")
     assert [d.embedding for d in as_ids.data] == [d.embedding for d in answer.data]
+    runner = hf_proxy.engine.backend.runner
+    assert runner.counters.embedding_tokens == 2 * sum(map(len, ids)) and runner.counters.steps == 0  # no engine step
+    async with http.get(hf_proxy.url + "/metrics") as resp:
+        assert f'kvstream_engine_forward_tokens_total{{kind="embedding"}} {2 * sum(map(len, ids))}.0' in await resp.text()
     similar, unrelated = (torch.tensor(answer.data[0].embedding) @ torch.tensor(answer.data[i].embedding) for i in (1, 2))
     assert similar > unrelated
 
