@@ -110,3 +110,5 @@ async def test_a_managed_llama_server_dying_at_start_says_how(tmp_path, signal_n
         await server.start(timeout=20)
     assert ("CMAKE_ARGS" in str(err.value)) == (signal_name == "ILL")
     await server.stop()
+    assert server.log_path.exists()  # it failed: the log stays, to say why
+    server.log_path.unlink()
