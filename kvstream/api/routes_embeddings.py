@@ -69,15 +69,15 @@ async def embed(state: AppState, inputs: list[str | list[int]], truncate: bool) 
         raise from_exception(exc, retry_after(state)) from None
 
 
-def check_dimensions(value: Any, result: Embeddings) -> None:
+def check_dimensions(value: Any, width: int | None) -> None:
     """``dimensions`` may only name the model's own width: its vectors are not trained to
-    be cut shorter (as text-embedding-3's are)."""
+    be cut shorter (as text-embedding-3's are). Checked before anything is computed."""
     if value is None:
         return
-    width = len(result.vectors[0])
     if isinstance(value, bool) or not isinstance(value, int) or value != width:
-        raise APIError(400, f"Invalid value for 'dimensions': this model's embeddings have {width} dimensions and "
-                            "cannot be shortened.", param="dimensions", code="invalid_value")
+        said = f"this model's embeddings have {width} dimensions" if width else "this model's embeddings have their own width"
+        raise APIError(400, f"Invalid value for 'dimensions': {said} and cannot be shortened.", param="dimensions",
+                       code="invalid_value")
 
 
 @routes.post("/v1/embeddings")
@@ -97,8 +97,8 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
                        code="invalid_value")
     name = body.get("model")
     model = await resolve_model(state, name) if isinstance(name, str) and name else backend.model
+    check_dimensions(body.get("dimensions"), backend.embedding_width())
     result = await embed(state, inputs, truncate=False)
-    check_dimensions(body.get("dimensions"), result)
     return web.json_response({
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": encoded(v, encoding)} for i, v in enumerate(result.vectors)],

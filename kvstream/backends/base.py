@@ -187,6 +187,11 @@ class BaseBackend(abc.ABC):
         None for a backend with no runtime behind it (in-process)."""
         return None
 
+    def embedding_width(self) -> int | None:
+        """The length of the vectors ``embed`` returns, where the backend computes them and
+        its model is loaded (None otherwise)."""
+        return None
+
     async def embed(self, inputs: list[str | list[int]], truncate: bool = False) -> Embeddings:
         """One embedding per input (text, or token ids), for a backend that ``serves_embeddings``.
         An input longer than the model's context is cut to it with ``truncate``, else refused

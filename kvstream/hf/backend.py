@@ -653,6 +653,10 @@ class HFBackend(InProcessBackend):
         self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
         return stream
 
+    def embedding_width(self) -> int | None:
+        """The decoder's hidden size: the width of its last hidden states (embeddings.py)."""
+        return getattr(self.runner.model.config, "hidden_size", None) if self.runner is not None else None
+
     async def embed(self, inputs: list[str | list[int]], truncate: bool = False) -> Embeddings:
         """Each input's embedding (embeddings.py), the inputs in turn, each a chunk per job
         run between the engine's steps; every input is checked (empty, out of the

@@ -72,14 +72,16 @@ async def test_base64_is_little_endian_float32_of_the_same_vector(hf_proxy, http
     ({"input": ["x"] * 2049}, "input", "more than the 2048"),
     ({"input": "word " * 9000}, "input", "more than the model's context of 8192"),
     ({"input": ["word " * 8000] * 40}, "input", "max 300000 tokens per request"),
-    ({"input": "x", "dimensions": 64}, "dimensions", "cannot be shortened"),
+    ({"input": "x", "dimensions": 64}, "dimensions", "have 576 dimensions and cannot be shortened"),
+    ({"input": "x", "dimensions": "576"}, "dimensions", "cannot be shortened"),
     ({"input": "x", "encoding_format": "hex"}, "encoding_format", "expected 'float' or 'base64'"),
 ])
 async def test_bad_input_is_a_400_naming_the_field(hf_proxy, http, fields, param, words):
     async with http.post(hf_proxy.v1 + "/embeddings", json={"model": "smollm2", **fields}) as resp:
         error = (await resp.json())["error"]
         assert resp.status == 400 and error["param"] == param and words in error["message"], error
-    assert not hf_proxy.engine.backend.runner._between_steps
+    runner = hf_proxy.engine.backend.runner
+    assert not runner._between_steps and runner.counters.embedding_tokens == 0  # refused before any was computed
 
 
 async def test_the_ollama_client_gets_the_same_vectors(hf_proxy, oa, http):

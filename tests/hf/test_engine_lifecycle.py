@@ -249,9 +249,9 @@ def test_jobs_between_steps_run_in_turn_with_the_steps_and_fail_when_the_engine_
     gate, ran = threading.Event(), []
     engine.start()
     try:
-        blocked = engine.run_between_steps(lambda: (gate.wait(10), ran.append(("blocked", threading.current_thread().name))))
-        while not blocked.running():
-            pass
+        started = threading.Event()
+        engine.run_between_steps(lambda: (started.set(), gate.wait(10), ran.append(("blocked", threading.current_thread().name))))
+        assert started.wait(10)
         cancelled = engine.run_between_steps(lambda: ran.append("cancelled"))
         steps_before = engine.counters.steps
         tokens: list = []
