@@ -75,10 +75,14 @@ RESPONSES_REQUEST = {
         "text": {"type": "object", "properties": {"format": {"type": "object", "required": ["type"], "properties": {
             "type": {"enum": ["text", "json_object", "json_schema"]}}}}},
         "reasoning": {"type": ["object", "null"]},
-        "store": {"type": "boolean", "description": "Accepted; nothing is stored"},
+        "store": {"type": "boolean", "description": "Keep the response (default true) for previous_response_id and retrieval"},
+        "previous_response_id": {"type": ["string", "null"], "description": "A stored response this one continues"},
     },
     "required": ["input"],
 }
+
+
+RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
 def build_spec() -> dict[str, Any]:
@@ -97,6 +101,19 @@ def build_spec() -> dict[str, Any]:
             "/v1/responses": _generation("ResponsesRequest",
                                          "OpenAI's Responses API (answered by KVStream in front of the in-process engine and "
                                          "Ollama; passed through to a runtime that speaks OpenAI)"),
+            "/v1/responses/{response_id}": {
+                "get": {"summary": "A stored response", "parameters": [RESPONSE_ID],
+                        "responses": {"200": _json("The response as it was answered"), **_errors(400, 401, 404)}},
+                "delete": {"summary": "Delete a stored response", "parameters": [RESPONSE_ID],
+                           "responses": {"200": _json("id, object, deleted"), **_errors(401, 404)}},
+            },
+            "/v1/responses/{response_id}/input_items": {
+                "get": {"summary": "The items a stored response was made from", "parameters": [
+                    RESPONSE_ID, *({"name": name, "in": "query", "required": False, "schema": schema} for name, schema in (
+                        ("limit", {"type": "integer", "minimum": 1, "maximum": 100}), ("order", {"enum": ["asc", "desc"]}),
+                        ("after", {"type": "string"})))],
+                        "responses": {"200": _json("A list page of items"), **_errors(400, 401, 404)}},
+            },
             "/v1/warm": {
                 "post": {
                     "summary": "Prefill a prefix so later requests find it cached (KVStream's own route)",

@@ -9,8 +9,10 @@ the Responses objects: output items (``reasoning``, a ``message`` with ``output_
 ``function_call`` items) and, streamed, the typed events OpenAI sends
 (``response.created`` ... ``response.completed``), each with its ``sequence_number``.
 
-Nothing is stored: ``previous_response_id``, ``conversation`` and ``background`` are 400s
-(the client sends the whole conversation as ``input``, as it does with ``store: false``).
+``continuation`` and ``stored_items`` are what a stored response needs (response_store.py):
+the input a ``previous_response_id`` continues with, and the request's own input as the items
+OpenAI lists for it. ``conversation`` and ``background`` are 400s (nothing runs detached from
+its request).
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from kvstream.api.errors import APIError
 from kvstream.types import Token, Usage
 
 # Request fields the response object repeats as the client sent them (or their defaults).
-ECHOED = {"instructions": None, "max_output_tokens": None, "metadata": {}, "parallel_tool_calls": True,
+ECHOED = {"previous_response_id": None, "store": True, "instructions": None, "max_output_tokens": None, "metadata": {}, "parallel_tool_calls": True,
           "temperature": None, "top_p": None, "tool_choice": "auto", "tools": [], "reasoning": None,
           "text": {"format": {"type": "text"}}, "user": None}
 # Fields that change nothing about the answer here: accepted and not forwarded.
 IGNORED = {"store", "include", "metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier",
            "truncation", "stream_options", "max_tool_calls", "top_logprobs", "reasoning", "text", "input",
-           "instructions", "max_output_tokens", "tools", "tool_choice", "prompt_cache_retention"}
-UNSTORED = ("previous_response_id", "conversation", "background", "prompt")
+           "instructions", "max_output_tokens", "tools", "tool_choice", "prompt_cache_retention", "previous_response_id"}
+DETACHED = ("conversation", "background", "prompt")
 # A chat field named in an error -> the Responses field the client sent.
 PARAMS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
@@ -50,10 +52,10 @@ def response_param(chat_param: str | None) -> str | None:
 def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     """The chat-completions body that asks what the Responses body ``body`` asks; APIError
     (400, naming the Responses field) for what cannot be said so."""
-    for field in UNSTORED:
+    for field in DETACHED:
         if body.get(field) not in (None, False):
-            raise _invalid(f"'{field}' is not supported: KVStream stores no responses; send the whole conversation "
-                           "as 'input'.", field)
+            raise _invalid(f"'{field}' is not supported here: continue a response with 'previous_response_id', or send "
+                           "the whole conversation as 'input'.", field)
     for field in ("text", "reasoning"):
         if body.get(field) is not None and not isinstance(body[field], dict):
             raise _invalid(f"Invalid type for '{field}': expected an object.", field)
@@ -81,6 +83,33 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("top_logprobs") is not None:
         chat["logprobs"], chat["top_logprobs"] = True, body["top_logprobs"]
     return chat
+
+
+def continuation(body: dict[str, Any], conversation: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    """``body`` continuing ``conversation`` (the stored items of the response it names as
+    ``previous_response_id``): its input after them. Its own input is checked first, so that
+    an error names the item the client sent."""
+    _messages(body.get("input"))
+    own = body["input"]
+    return body | {"input": [*conversation, *([{"role": "user", "content": own}] if isinstance(own, str) else own)]}
+
+
+def stored_items(items: str | list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """A request's ``input`` (already checked by ``chat_body``) as the items OpenAI stores
+    and lists for it: each with an ``id`` and a ``status``, a message's text as typed parts."""
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    stored = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item["content"]
+            if isinstance(content, str):
+                content = [{"type": "output_text" if item["role"] == "assistant" else "input_text", "text": content}]
+            item = {"type": "message", "role": item["role"], "content": content}
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[kind]
+        stored.append({"id": _id(prefix), "status": "completed"} | item)
+    return tuple(stored)
 
 
 def _messages(items: Any) -> list[dict[str, Any]]:
@@ -246,8 +275,7 @@ class ResponseAnswer:
         out: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "model": self.model, "output": [dict(item) for item in self.output], "previous_response_id": None,
-            "store": False, "truncation": "disabled", **self.echo,
+            "model": self.model, "output": [dict(item) for item in self.output], "truncation": "disabled", **self.echo,
         }
         if usage is not None:
             out["usage"] = {

@@ -38,8 +38,9 @@ async def ready(request: web.Request) -> web.Response:
 
 @routes.get("/status")
 async def status(request: web.Request) -> web.Response:
-    """A JSON snapshot of backend, queue, KV pool and counters."""
-    return web.json_response(request.app[STATE].engine.snapshot())
+    """A JSON snapshot of backend, queue, KV pool and counters, and the stored responses."""
+    state = request.app[STATE]
+    return web.json_response(state.engine.snapshot() | {"responses": state.responses.describe()})
 
 
 @routes.get("/metrics")

@@ -1,13 +1,30 @@
 """OpenAI's Responses API, ``POST /v1/responses``: what ``client.responses.create``,
 ``.stream`` and ``.parse`` send. Passed through to a runtime that speaks OpenAI, answered on
 the chat route's path in front of the in-process engine and Ollama (translated_api.py); the
-translation is responses_format.py. Its token count is ``POST /v1/responses/input_tokens``."""
+translation is responses_format.py. Its token count is ``POST /v1/responses/input_tokens``.
+
+Where KVStream answers, it keeps what it answered (response_store.py) unless the body says
+``store: false``: ``previous_response_id`` continues a stored response, and
+``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read and
+delete them (``client.responses.retrieve``, ``.delete``, ``.input_items.list``). Where the
+route passes through, these do too: the runtime's responses are its own."""
 
 from __future__ import annotations
 
-from kvstream.api.errors import APIError
-from kvstream.api.responses_format import ResponseAnswer, chat_body, response_param
+from typing import Any
+
+from aiohttp import web
+
+from kvstream.api.errors import APIError, counted
+from kvstream.api.response_store import ResponseStore, StoredResponse
+from kvstream.api.responses_format import ResponseAnswer, chat_body, continuation, response_param, stored_items
+from kvstream.api.routes_passthrough import forward
+from kvstream.api.state import CACHE_SALT, STATE
 from kvstream.api.translated_api import TranslatedAPI, api_routes
+
+# The stored conversation a request continues (empty for a new one), set by _prepare.
+CONTEXT = web.RequestKey("responses_context", tuple)
+MAX_LISTED = 100  # input_items' largest page, as OpenAI's
 
 
 def _shaped(error: APIError) -> APIError:
@@ -21,8 +38,134 @@ def _invalid(chat_field: str | None, message: str) -> APIError:
     return APIError(400, f"Invalid value for '{field}': {message}." if field else f"{message}.", param=field, code="invalid_value")
 
 
+def _store(request: web.Request) -> ResponseStore:
+    return request.app[STATE].responses
+
+
+def _prepare(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
+    """The body with the conversation its ``previous_response_id`` names put before its
+    input; ``store`` false where nothing can be stored."""
+    store = _store(request)
+    if not store.enabled:
+        body = body | {"store": False}
+    previous = body.get("previous_response_id")
+    request[CONTEXT] = ()
+    if previous is None:
+        return body
+    if not isinstance(previous, str):
+        raise APIError(400, "Invalid type for 'previous_response_id': expected a string.", param="previous_response_id",
+                       code="invalid_type")
+    stored = store.get(request.get(CACHE_SALT), previous)
+    if stored is None:
+        raise APIError(400, f"Previous response with id '{previous}' not found.", param="previous_response_id",
+                       code="previous_response_not_found")
+    request[CONTEXT] = stored.conversation()
+    return continuation(body, request[CONTEXT])
+
+
+def _keep(request: web.Request, body: dict[str, Any], answer: dict[str, Any]) -> None:
+    """Store a whole answer unless its body said ``store: false``."""
+    if body.get("store") is False:
+        return
+    context = request[CONTEXT]
+    own = body["input"][len(context):] if context else body["input"]
+    _store(request).put(request.get(CACHE_SALT), answer, context, stored_items(own))
+
+
 RESPONSES = TranslatedAPI(chat_body=chat_body, answer=ResponseAnswer, error_shape=_shaped, invalid=_invalid,
-                          counted=lambda tokens: {"object": "response.input_tokens", "input_tokens": tokens}, count_defaults={})
+                          counted=lambda tokens: {"object": "response.input_tokens", "input_tokens": tokens}, count_defaults={},
+                          prepare=_prepare, keep=_keep)
 
 
 routes = api_routes(RESPONSES, "responses", ("/v1/responses", "/responses"), "/input_tokens")
+
+
+def _stored(request: web.Request) -> StoredResponse:
+    """The stored response the path names; 404 if the requester stored none by that id."""
+    response_id = request.match_info["response_id"]
+    stored = _store(request).get(request.get(CACHE_SALT), response_id)
+    if stored is None:
+        raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
+    return stored
+
+
+def _query_int(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise APIError(400, f"Invalid '{name}': expected an integer from {low} to {high}, got {raw!r}.", param=name,
+                       code="invalid_value")
+    return value
+
+
+@counted("responses_retrieve")
+async def retrieve(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/responses/{id}``: the stored response as it was answered."""
+    if request.app[STATE].engine.backend.forwards_body:
+        return await forward(request)
+    stored = _stored(request)
+    if request.query.get("stream", "false").lower() not in ("false", "0"):
+        raise APIError(400, "Only responses created with 'background: true' can be streamed again; none are here.",
+                       param="stream", code="invalid_value")
+    return web.json_response(stored.response)
+
+
+@counted("responses_delete")
+async def delete(request: web.Request) -> web.StreamResponse:
+    """``DELETE /v1/responses/{id}``: forget the response (its continuations keep their
+    conversation)."""
+    if request.app[STATE].engine.backend.forwards_body:
+        return await forward(request)
+    response_id = request.match_info["response_id"]
+    if not _store(request).delete(request.get(CACHE_SALT), response_id):
+        raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+@counted("responses_input_items")
+async def input_items(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/responses/{id}/input_items``: the items the response was made from (the
+    conversation it continued, then its own input), a page at a time (``limit``, ``order``
+    ``desc`` by default, ``after`` an item id)."""
+    if request.app[STATE].engine.backend.forwards_body:
+        return await forward(request)
+    stored = _stored(request)
+    limit = _query_int(request, "limit", 20, 1, MAX_LISTED)
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"Invalid 'order': expected 'asc' or 'desc', got {order!r}.", param="order", code="invalid_value")
+    items = list(stored.context + stored.input_items)
+    if order == "desc":
+        items.reverse()
+    after = request.query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(400, f"Invalid 'after': no input item '{after}' in this response.", param="after",
+                           code="invalid_value")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+
+
+@counted("responses_cancel")
+async def cancel(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses/{id}/cancel``: only a background response can be; none are here."""
+    if request.app[STATE].engine.backend.forwards_body:
+        return await forward(request)
+    _stored(request)
+    raise APIError(400, "Only responses created with 'background: true' can be cancelled; none are here.",
+                   code="invalid_value")
+
+
+for prefix in ("/v1/responses", "/responses"):
+    routes.get(prefix + "/{response_id}")(retrieve)
+    routes.delete(prefix + "/{response_id}")(delete)
+    routes.get(prefix + "/{response_id}/input_items")(input_items)
+    routes.post(prefix + "/{response_id}/cancel")(cancel)

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from kvstream.api.response_store import ResponseStore
 from kvstream.config import Settings
 from kvstream.engine import KVStreamEngine
 
 
 @dataclass
 class AppState:
-    """What every handler needs: the engine and the settings it was built from."""
+    """What every handler needs: the engine, the settings it was built from, and the
+    Responses API's stored responses."""
 
     engine: KVStreamEngine
     settings: Settings
+    responses: ResponseStore = field(init=False)
+
+    def __post_init__(self) -> None:
+        server = self.settings.server
+        self.responses = ResponseStore(server.responses_max_stored, server.responses_max_bytes)
 
 
 STATE = web.AppKey("kvstream_state", AppState)

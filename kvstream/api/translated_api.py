@@ -73,6 +73,11 @@ class TranslatedAPI:
     invalid: Callable[[str | None, str], APIError]  # (the chat field, the validation message) -> its 400
     counted: Callable[[int], dict[str, Any]]  # the count route's answer for this many prompt tokens
     count_defaults: dict[str, Any]  # what a count body may leave out that a generation needs
+    # The body as the request means it, before it is translated (a Responses body continuing a
+    # stored response: the conversation it continues put before its input); APIError if not.
+    prepare: Callable[[web.Request, dict[str, Any]], dict[str, Any]] = lambda request, body: body
+    # Called with each whole answer served (the prepared body, the answer): where it is kept.
+    keep: Callable[[web.Request, dict[str, Any], dict[str, Any]], None] = lambda request, body, answer: None
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -98,7 +103,7 @@ async def _generate_request(request: web.Request, api: TranslatedAPI,
     """The GenerateRequest the API's body amounts to (its model resolved), the body, and the
     model name the client used."""
     state = request.app[STATE]
-    data = await read_object(request)
+    data = api.prepare(request, await read_object(request))
     try:
         body = ChatCompletionRequest.model_validate(api.chat_body(defaults | data))
     except ValidationError as exc:
@@ -146,6 +151,7 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
                 token = await _next(stream)
             answer.add(token)
             whole, _ = answer.finish(token, gen.usage)
+            api.keep(request, data, whole)
             outcome = "finished"
             return web.Response(body=dumps(whole), content_type="application/json", charset="utf-8", headers=headers)
         out = GuardedResponse(headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -160,7 +166,8 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
                     held.clear()
                 token = await _next(stream)
             held += [sse(event) for event in answer.add(token)]
-            _, events = answer.finish(token, gen.usage)
+            whole, events = answer.finish(token, gen.usage)
+            api.keep(request, data, whole)  # before the last event: a client continuing at once finds it
             await out.write_eof(b"".join(held + [sse(event) for event in events]))
             outcome = "finished"
         except BackendError as exc:

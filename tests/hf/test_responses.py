@@ -38,7 +38,7 @@ async def test_text_whole_and_streamed_as_the_chat_route_answers_it(oa):
     [message] = reply.output
     assert message.type == "message" and message.role == "assistant" and message.content[0].type == "output_text"
     assert (reply.usage.input_tokens, reply.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
-    assert reply.usage.total_tokens == chat.usage.total_tokens and reply.store is False
+    assert reply.usage.total_tokens == chat.usage.total_tokens and reply.store is True
 
     async with oa.responses.stream(model="smollm2", instructions="Answer briefly.",
                                    input=[{"role": "user", "content": [{"type": "input_text", "text": "What is 2+2?"}]}],
@@ -52,6 +52,23 @@ async def test_text_whole_and_streamed_as_the_chat_route_answers_it(oa):
     assert [event.sequence_number for event in events] == list(range(len(events)))
     deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     assert deltas == final.output_text == reply.output_text and final.usage.output_tokens == reply.usage.output_tokens
+
+
+async def test_a_stored_response_continued_is_the_chat_routes_prompt_and_hits_the_cache(oa, hf_proxy):
+    """``previous_response_id``: the second turn is prompted with the first turn's input and
+    answer, token for token as the chat route prompts the same conversation, and the first
+    turn's KV is found in the prefix cache; the stored response reads back as answered."""
+    first = await oa.responses.create(model="smollm2", instructions="Answer briefly.", input="Name a colour.",
+                                      max_output_tokens=12, temperature=0)
+    assert (await oa.responses.retrieve(first.id)).model_dump() == first.model_dump()
+    second = await oa.responses.create(model="smollm2", instructions="Answer briefly.", input="And another one?",
+                                       previous_response_id=first.id, max_output_tokens=12, temperature=0)
+    chat = await oa.chat.completions.create(model="smollm2", max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And another one?"}])
+    assert second.usage.input_tokens == chat.usage.prompt_tokens and second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16  # all but a partial block
+    assert hf_proxy.engine.snapshot()["prefix_cache"]["hit_tokens"] > 0
 
 
 async def test_cut_by_max_output_tokens_it_is_incomplete(oa):
