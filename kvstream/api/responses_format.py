@@ -106,7 +106,8 @@ def stored_items(items: str | list[dict[str, Any]]) -> tuple[dict[str, Any], ...
             content = item["content"]
             if isinstance(content, str):
                 content = [{"type": "output_text" if item["role"] == "assistant" else "input_text", "text": content}]
-            item = {"type": "message", "role": item["role"], "content": content}
+            item = {key: item[key] for key in ("id",) if isinstance(item.get(key), str)} | {
+                "type": "message", "role": item["role"], "content": content}
         prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[kind]
         stored.append({"id": _id(prefix), "status": "completed"} | item)
     return tuple(stored)

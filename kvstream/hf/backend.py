@@ -658,11 +658,11 @@ class HFBackend(InProcessBackend):
         return getattr(self.runner.model.config, "hidden_size", None) if self.runner is not None else None
 
     async def embed(self, inputs: list[str | list[int]], truncate: bool = False) -> Embeddings:
-        """Each input's embedding (embeddings.py), the inputs in turn, each a chunk per job
-        run between the engine's steps; every input is checked (empty, out of the
+        """Each input's embedding (embeddings.py): short inputs several to a job, long ones a
+        chunk per job, each job run between the engine's steps; every input is checked (empty, out of the
         vocabulary, past the context, the request's total) before any runs. A client that
         leaves cancels what has not run."""
-        from kvstream.hf.embeddings import Embedding
+        from kvstream.hf import embeddings
         from kvstream.hf.model_runner import EngineStopped
 
         runner = self.runner
@@ -692,13 +692,13 @@ class HFBackend(InProcessBackend):
         if total > MAX_EMBEDDING_TOKENS:
             raise BackendRejected(f"Requested {total} tokens, max {MAX_EMBEDDING_TOKENS} tokens per request (summed "
                                   "across inputs).", param="input", code="invalid_value")
-        vectors = []
-        for ids in token_lists:
-            embedding, vector = Embedding(runner.model, ids, counted=self._count_embedding_tokens), None
-            while vector is None:
+        vectors: list[list[float]] = [[] for _ in token_lists]
+        for group in embeddings.jobs(token_lists):
+            computing, done = embeddings.work(runner.model, token_lists, group, counted=self._count_embedding_tokens), None
+            while done is None:
                 try:
-                    future = runner.run_between_steps(embedding.step)
-                    vector = await asyncio.wrap_future(future)
+                    future = runner.run_between_steps(computing.step)
+                    done = await asyncio.wrap_future(future)
                 except EngineStopped as exc:
                     raise BackendUnavailable(str(exc)) from None
                 except SchedulerError:
@@ -709,7 +709,8 @@ class HFBackend(InProcessBackend):
                 except Exception as exc:
                     logger.exception("an embedding failed")
                     raise BackendError(f"the engine failed: {exc!r}") from None
-            vectors.append(vector)
+            for index, vector in zip(group, done, strict=True):
+                vectors[index] = vector
         return Embeddings(vectors, total)
 
     def _count_embedding_tokens(self, tokens: int) -> None:

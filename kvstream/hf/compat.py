@@ -115,6 +115,27 @@ def decoder_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, start
     return out.last_hidden_state[0]
 
 
+def padded_hidden_states(model: torch.nn.Module, rows: list[list[int]]) -> list[torch.Tensor]:
+    """Each row's last hidden states (after the decoder's final norm), ``[len(row), hidden]``,
+    from one forward of the rows right-padded to the longest, each from position 0. The mask
+    is causal and hides every row's padding from its own tokens (a padded position still
+    sees its row's tokens, so no row of the softmax is empty); SDPA, as in
+    decoder_hidden_states."""
+    decoder = model.get_decoder()
+    device = next(model.parameters()).device
+    longest = max(map(len, rows))
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+    lengths = torch.tensor([len(row) for row in rows])
+    valid = torch.arange(longest)[None] < lengths[:, None]  # [rows, longest]: a key that is a token
+    causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+    mask = (causal[None] & valid[:, None, :])[:, None].to(device)
+    positions = torch.arange(longest, device=device)[None].expand(len(rows), -1)
+    out = decoder(input_ids=ids.to(device), attention_mask=mask, position_ids=positions, use_cache=False)
+    return [out.last_hidden_state[i, :len(row)] for i, row in enumerate(rows)]
+
+
 def forward_first_layers(
     model: torch.nn.Module,
     layers: torch.nn.ModuleList,

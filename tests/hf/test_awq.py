@@ -497,7 +497,7 @@ def test_streamed_and_resident_give_identical_logits(rtn_folder, resident, confi
 def test_embeddings_of_a_streamed_model_equal_the_resident_model_s(rtn_folder):
     """An embedding's chunked decoder forward (a DynamicCache, no engine step) goes through
     the streamed layers' hooks like any forward: the same vector as the resident model's."""
-    from kvstream.hf.embeddings import Embedding
+    from kvstream.hf.embeddings import Embedding, EmbeddingBatch
 
     ids = list(range(1000, 1300))  # two chunks of 256
 
@@ -505,7 +505,7 @@ def test_embeddings_of_a_streamed_model_equal_the_resident_model_s(rtn_folder):
         embedding, result = Embedding(model, ids), None
         while result is None:
             result = embedding.step()
-        return result
+        return result + EmbeddingBatch(model, [ids[:40], ids[:7], ids[50:100]]).step()  # and a padded batch
 
     resident_model, _ = load_awq_model(rtn_folder, torch.float32)
     model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 1, 1, 2, staging="copy"))

@@ -52,6 +52,38 @@ async def test_vectors_are_the_models_mean_pooled_hidden_states_in_chunks_too(hf
     assert similar > unrelated
 
 
+async def test_short_inputs_run_together_in_padded_jobs_with_each_ones_own_vector(hf_proxy, oa, smollm2, monkeypatch):
+    """Inputs of many lengths in one request: the short ones share padded forwards (fewer
+    jobs than inputs, none over the budget), a long one still goes a chunk at a time, and
+    every vector is the input's own forward's, in the request's order."""
+    _, reference, tokenizer = smollm2
+    runner = hf_proxy.engine.backend.runner
+    jobs: list = []
+    run_between_steps = runner.run_between_steps
+    monkeypatch.setattr(runner, "run_between_steps", lambda job: (jobs.append(job), run_between_steps(job))[1])
+    words = "the committee met on tuesday to review the budget and the schedule of the new library".split()
+    texts = [" ".join(words[i % 5:i % 5 + 1 + (i * 7) % 60]) for i in range(24)] + ["word " * 300, "Hi"]
+    ids = [tokenizer(t).input_ids for t in texts]
+    answer = await oa.embeddings.create(model="smollm2", input=texts, encoding_format="float")
+    for item, token_ids in zip(answer.data, ids, strict=True):
+        assert torch.allclose(torch.tensor(item.embedding), reference_vector(reference, token_ids), atol=2e-5)
+    assert 2 + 1 < len(jobs) < len(texts)  # the 300-token input alone takes two chunk jobs
+    assert answer.usage.prompt_tokens == runner.counters.embedding_tokens == sum(map(len, ids))
+
+
+def test_jobs_pack_sorted_inputs_within_the_padded_budget():
+    from kvstream.hf.embeddings import jobs
+
+    lengths = [5, 300, 64, 64, 1, 65, 64, 120, 3, 256, 257]
+    groups = jobs([[0] * n for n in lengths], budget=256)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    for group in groups:
+        assert len(group) == 1 or len(group) * max(lengths[i] for i in group) <= 256
+    assert [300] in [[lengths[i] for i in group] for group in groups]  # past the budget: alone
+    assert [lengths[i] for i in groups[0]] == [1, 3, 5, 64]  # sorted, as many as fit
+    assert [lengths[i] for i in groups[1]] == [64, 64, 65] and len(groups) == 6
+
+
 async def test_base64_is_little_endian_float32_of_the_same_vector(hf_proxy, http):
     body = {"model": "smollm2", "input": TEXTS[0]}
     async with http.post(hf_proxy.v1 + "/embeddings", json=body | {"encoding_format": "float"}) as resp:
