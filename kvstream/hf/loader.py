@@ -70,7 +70,8 @@ def chat_token_ids(
     Earlier calls' arguments reach the template as objects (template_messages), as most
     templates expect them; a template that fails on that form (DeepSeek's concatenate them
     as strings) gets them as the JSON strings the client sent, and one that fails on both
-    (written for chat only) gets the calls written into the assistant's text (calls_as_text)."""
+    or renders them as nothing (written for chat only) gets the calls written into the
+    assistant's text (calls_as_text)."""
     from kvstream.hf.tool_call_syntax import calls_as_text, template_messages
 
     def render(chat: list[dict[str, Any]]) -> list[int]:
@@ -79,15 +80,27 @@ def chat_token_ids(
             **(template_kwargs or {}))
         return list(ids["input_ids"] if hasattr(ids, "get") else ids)  # some versions return a BatchEncoding
 
+    def rendered_calls(chat: list[dict[str, Any]], ids: list[int]) -> list[int]:
+        """``ids``, unless the template rendered ``chat``'s calls as nothing (the same ids
+        with them left out: a chat-only template that ignores ``tool_calls``): then the
+        calls as text, so that the model sees what it called before its result."""
+        if not any(message.get("tool_calls") for message in chat):
+            return ids
+        try:
+            ignored = render([{k: v for k, v in m.items() if k != "tool_calls"} for m in chat]) == ids
+        except Exception:  # noqa: BLE001 - it needs the calls to render: it reads them
+            ignored = False
+        return render(calls_as_text(messages)) if ignored else ids
+
     messages = [_text_content(message) for message in messages]
     converted = template_messages(messages)
     if converted != messages:
         try:
-            return render(converted)
+            return rendered_calls(converted, render(converted))
         except Exception:  # noqa: BLE001 - whatever the template raised, the client's own form is tried next
             pass
     try:
-        return render(messages)
+        return rendered_calls(messages, render(messages))
     except Exception:
         # A chat-only template given an earlier call (an assistant turn with no content, or
         # a call it cannot render): the calls as text, else the template's own error.

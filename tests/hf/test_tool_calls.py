@@ -230,6 +230,27 @@ async def test_a_chat_only_template_reads_an_earlier_call_as_text_and_its_result
         assert "Sunny, 21 degrees." in prompt
 
 
+@pytest.mark.parametrize("content", ["{{ m.content or '' }}", "{{ m.content }}"])  # None as nothing, or as "None"
+def test_a_template_that_ignores_calls_gets_them_as_text(smollm2, content):
+    """A chat-only template that renders an assistant turn's content and silently skips its
+    ``tool_calls``: the calls are written into the turn, as for a template that fails on
+    them; a turn without calls renders exactly as the template does."""
+    import copy
+
+    from kvstream.hf.loader import chat_token_ids
+
+    tokenizer = copy.copy(smollm2[2])
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n" + content + "<|im_end|>\n{% endfor %}"
+                               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "call_1", "content": "Snow."}]
+    prompt = tokenizer.decode(chat_token_ids(tokenizer, history))
+    assert '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}' in prompt and "Snow." in prompt
+    plain = tokenizer.decode(chat_token_ids(tokenizer, MESSAGES))
+    assert plain == tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+
+
 async def test_an_image_for_a_text_only_model_is_a_400_that_says_so(oa):
     content = [{"type": "text", "text": "What is in it?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
     with pytest.raises(openai.BadRequestError) as caught:
