@@ -91,6 +91,23 @@ async def test_function_calls_continue_with_their_output_alone(ollama_proxy, cli
     assert [item.type for item in items] == ["message", "function_call"] and items[1].call_id == "call_7"
 
 
+async def test_an_item_reference_stands_for_the_stored_item(ollama_proxy, client):
+    """A stored response's input and output items are named by id in a new request's input
+    (``item_reference``), without previous_response_id; an unknown id is a 400 naming it."""
+    _, recorder = ollama_proxy
+    first = await client.responses.create(model="llama3.2", input="Hi")
+    [asked] = [item async for item in client.responses.input_items.list(first.id)]
+    await client.responses.create(model="llama3.2", input=[
+        {"type": "item_reference", "id": asked.id}, {"type": "item_reference", "id": first.output[0].id},
+        {"role": "user", "content": "Go on"}])
+    assert recorder.bodies[-1]["messages"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                                               {"role": "user", "content": "Go on"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.responses.create(model="llama3.2", input=[{"role": "user", "content": "x"},
+                                                               {"type": "item_reference", "id": "msg_gone"}])
+    assert err.value.param == "input[1].id" and "msg_gone" in err.value.message
+
+
 async def test_unstored_deleted_and_unknown_responses(ollama_proxy, client):
     proxy, _ = ollama_proxy
     unstored = await client.responses.create(model="llama3.2", input="Hi", store=False)

@@ -77,6 +77,17 @@ class ResponseStore:
         self._responses.move_to_end(response_id)
         return stored
 
+    def find_item(self, owner: str | None, item_id: str) -> dict[str, Any] | None:
+        """The item ``owner``'s stored responses hold (in their input, output or the
+        conversation they continued) under ``item_id``, the newest first; None if none does."""
+        for stored in reversed(self._responses.values()):
+            if stored.owner != owner:
+                continue
+            for item in (*stored.response["output"], *stored.input_items, *stored.context):
+                if item.get("id") == item_id:
+                    return item
+        return None
+
     def delete(self, owner: str | None, response_id: str) -> bool:
         """Forget ``owner``'s response ``response_id``; False when there was none."""
         if self.get(owner, response_id) is None:

@@ -4,7 +4,8 @@ the chat route's path in front of the in-process engine and Ollama (translated_a
 translation is responses_format.py. Its token count is ``POST /v1/responses/input_tokens``.
 
 Where KVStream answers, it keeps what it answered (response_store.py) unless the body says
-``store: false``: ``previous_response_id`` continues a stored response, and
+``store: false``: ``previous_response_id`` continues a stored response, an
+``item_reference`` input item stands for a stored item, and
 ``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read and
 delete them (``client.responses.retrieve``, ``.delete``, ``.input_items.list``). Where the
 route passes through, these do too: the runtime's responses are its own."""
@@ -48,6 +49,8 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
     store = _store(request)
     if not store.enabled:
         body = body | {"store": False}
+    if isinstance(body.get("input"), list):
+        body = body | {"input": [_referenced(request, item, i) for i, item in enumerate(body["input"])]}
     previous = body.get("previous_response_id")
     request[CONTEXT] = ()
     if previous is None:
@@ -61,6 +64,17 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
                        code="previous_response_not_found")
     request[CONTEXT] = stored.conversation()
     return continuation(body, request[CONTEXT])
+
+
+def _referenced(request: web.Request, item: Any, index: int) -> Any:
+    """An ``item_reference`` input item as the stored item it names; any other as it is."""
+    if not isinstance(item, dict) or item.get("type") != "item_reference":
+        return item
+    item_id = item.get("id")
+    found = _store(request).find_item(request.get(CACHE_SALT), item_id) if isinstance(item_id, str) else None
+    if found is None:
+        raise APIError(400, f"Item with id {item_id!r} not found.", param=f"input[{index}].id", code="invalid_value")
+    return found
 
 
 def _keep(request: web.Request, body: dict[str, Any], answer: dict[str, Any]) -> None:

@@ -169,7 +169,8 @@ async def test_structured_output_through_the_parse_helper(oa):
         ({"max_output_tokens": -1}, "max_output_tokens"),
         ({"temperature": 3}, "temperature"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"input": [{"type": "web_search_call", "id": "x"}]}, "input[0].type"),
+        ({"input": [{"type": "item_reference", "id": "msg_unknown"}]}, "input[0].id"),
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
         ({"input": []}, "input"),
         ({"input": [{"type": "function_call", "call_id": 5, "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
@@ -232,5 +233,5 @@ async def test_input_tokens_is_the_prompt_a_response_would_have(oa):
                                       max_output_tokens=4, temperature=0)
     assert counted.input_tokens == reply.usage.input_tokens
     with pytest.raises(openai.BadRequestError) as err:
-        await oa.responses.input_tokens.count(model="smollm2", input=[{"type": "item_reference", "id": "x"}])
+        await oa.responses.input_tokens.count(model="smollm2", input=[{"type": "web_search_call", "id": "x"}])
     assert err.value.param == "input[0].type"
