@@ -82,7 +82,7 @@ def serve(
     model: Annotated[Optional[str], typer.Option(help="model to serve (default: the runtime's); llamacpp: a .gguf to run; hf: a folder, hub id or .gguf (default: the embedded SmolLM2)")] = None,
     gguf_file: Annotated[Optional[str], typer.Option(help="hf: the .gguf file inside the --model folder")] = None,
     chat_template: Annotated[Optional[Path], typer.Option(help="hf, or llamacpp with --model FILE.gguf: a Jinja chat template file to use instead of the model's own")] = None,
-    tool_call_syntax: Annotated[Optional[str], typer.Option(help="hf: how the model's tool calls are read: auto (what its template shows) | hermes | qwen3_xml | llama3_json | mistral | granite | deepseek | pythonic | none")] = None,
+    tool_call_syntax: Annotated[Optional[str], typer.Option(help="hf: how the model's tool calls are read: auto (what its template shows; generic where it shows no tools) | hermes | qwen3_xml | llama3_json | mistral | granite | deepseek | pythonic | generic | none")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="hf: auto | float32 | float16 | bfloat16")] = None,
     device: Annotated[Optional[str], typer.Option(help="hf: auto | cpu | cuda")] = None,
     kv_dtype: Annotated[Optional[str], typer.Option(help="hf: the KV pool's dtype: auto (the model's) | float32 | float16 | bfloat16 (half the pool bytes under a float32 model)")] = None,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstream.hf import deepseek_calls, pythonic_calls
+from kvstream.hf.generic_calls import GENERIC, GenericAnswerScanner
 from kvstream.hf.reasoning import END_THINK, THINK, ThinkingScanner, opened_in_prompt, thinks
 from kvstream.hf.tool_call_syntax import (
     CLOSE,
@@ -76,7 +77,8 @@ class AnswerReader:
         self.tag_texts = reading.tag_texts
         self.single_call = reading.calls is not None and reading.calls.single_call
         self._thinking = None if reading.thinking_opened is None else ThinkingScanner(reading.thinking_opened)
-        self._calls = None if reading.calls is None else reading.calls.scanner()
+        calls = reading.calls
+        self._calls = None if calls is None else GenericAnswerScanner() if calls.syntax == GENERIC else calls.scanner()
         # Tokens read inside the thinking block, its opening and closing tags' included.
         self.reasoning_tokens = 0
         self._undecided = 0  # tokens read while the text may still open a block (a "<think>" in pieces)

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvstream.backends.base import Capabilities, InProcessBackend
 from kvstream.config import Settings
-from kvstream.hf.answer_reading import AnswerReader, AnswerReading, answer_reading
+from kvstream.hf.answer_reading import AnswerReader, AnswerReading, answer_reading, special_tag_texts
 from kvstream.hf.call_streams import ArgumentsCallStream, JsonCallStream, call_entry
+from kvstream.hf.generic_calls import GENERIC, with_tools_prompt
+from kvstream.hf.tool_call_syntax import CallReading
 from kvstream.hf.tool_calls import ForcedNames
 from kvstream.scheduler import Scheduler, SchedulerError, Sequence
 from kvstream.types import (
@@ -366,6 +368,7 @@ class HFBackend(InProcessBackend):
         self._start_lock = asyncio.Lock()
         self._error: str | None = None
         self._model_facts: tuple[tuple[str, ...], dict[str, str]] | None = None  # models()' capabilities, details
+        self._renders_tools: bool | None = None  # whether the chat template shows the model tools
         self._engine_thread: EngineThread | None = None  # loads the model, then runs the steps
 
     # ------------------------------------------------------------- lifecycle
@@ -478,22 +481,32 @@ class HFBackend(InProcessBackend):
         return [ModelInfo(self.model_name or "hf", context_length=self.runner.config.max_model_len,
                           capabilities=capabilities, details=details)]
 
+    def _template_renders_tools(self) -> bool:
+        """Whether the model's chat template shows it the tools of a request (probed once)."""
+        from kvstream.hf.loader import chat_token_ids
+
+        assert self.runner is not None
+        if self._renders_tools is None:
+            tokenizer = self.runner.tokenizer
+            probe = [{"role": "user", "content": "x"}]
+            tool = [{"type": "function", "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}}}]
+            try:
+                self._renders_tools = chat_token_ids(tokenizer, probe, tools=tool) != chat_token_ids(tokenizer, probe)
+            except Exception:  # noqa: BLE001 - a template that fails on this is no tool template
+                self._renders_tools = False
+        return self._renders_tools
+
     def _facts(self) -> tuple[tuple[str, ...], dict[str, str]]:
         """What the model can be asked for (Ollama's capabilities: tools where its template
-        renders them, thinking where it shows ``<think>`` blocks) and Ollama's details."""
-        from kvstream.hf.loader import chat_token_ids
+        renders them or they are offered the generic way, thinking where it shows ``<think>``
+        blocks) and Ollama's details."""
         from kvstream.hf.reasoning import thinks
 
         assert self.runner is not None
         tokenizer, model = self.runner.tokenizer, self.runner.model
-        probe = [{"role": "user", "content": "x"}]
-        tool = [{"type": "function", "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}}}]
-        try:
-            renders_tools = chat_token_ids(tokenizer, probe, tools=tool) != chat_token_ids(tokenizer, probe)
-        except Exception:  # noqa: BLE001 - a template that fails on this is no tool template
-            renders_tools = False
         template = getattr(tokenizer, "chat_template", None)
-        capabilities = ("completion", *(("tools",) if renders_tools else ()), *(("thinking",) if thinks(template) else ()),
+        tools = self._template_renders_tools() or self._call_syntax() == GENERIC
+        capabilities = ("completion", *(("tools",) if tools else ()), *(("thinking",) if thinks(template) else ()),
                         "embedding")
         weights = self.loaded.weights_snapshot() if self.loaded is not None else {}
         awq = weights.get("format") == "awq"
@@ -553,8 +566,20 @@ class HFBackend(InProcessBackend):
 
         chosen = self.settings.backend.tool_call_syntax
         if chosen == "auto":
-            return call_syntax(getattr(self.runner.tokenizer, "chat_template", None))
+            shown = call_syntax(getattr(self.runner.tokenizer, "chat_template", None))
+            return shown if shown is not None or self._template_renders_tools() else GENERIC
         return None if chosen == "none" else chosen
+
+    def _generic_calls(self, request: GenerateRequest) -> bool:
+        """Whether the request's tools are offered the generic way (generic_calls.py): a
+        chat offering tools, the model to decide (``tool_choice`` auto), no JSON
+        ``response_format``, and generic the syntax chosen or the template's lack of one."""
+        extra = request.extra
+        if not request.is_chat or not extra.get("tools") or extra.get("tool_choice") not in (None, "auto"):
+            return False
+        if (extra.get("response_format") or {}).get("type", "text") != "text":
+            return False
+        return self._call_syntax() == GENERIC
 
     def metric_families(self) -> Iterator[Any]:
         if self.runner is not None:
@@ -580,6 +605,9 @@ class HFBackend(InProcessBackend):
                 # A warm-up prefills the conversation's prefix: no assistant header after it,
                 # which later requests would not share.
                 kwargs = template_kwargs(request.extra)
+                if self._generic_calls(request):  # the tools in the system message instead
+                    messages = with_tools_prompt(request.messages or [], tools, request.extra.get("parallel_tool_calls") is False)
+                    return chat_token_ids(tokenizer, messages, generation_prompt=not request.prefix_only, template_kwargs=kwargs)
                 ids = chat_token_ids(tokenizer, request.messages or [], generation_prompt=not request.prefix_only, tools=tools,
                                      template_kwargs=kwargs)
                 if tools and not forces_call(request) and ids == chat_token_ids(
@@ -622,7 +650,7 @@ class HFBackend(InProcessBackend):
         from kvstream.hf.request_options import sampling_params
 
         assert self.runner is not None
-        return sampling_params(request, max_tokens, self.runner.vocab_size)
+        return sampling_params(request, max_tokens, self.runner.vocab_size, generic_calls=self._generic_calls(request))
 
     def _answer_reading(self, request: GenerateRequest, seq: Sequence) -> AnswerReading | None:
         """How the answers of a chat are read for thinking and tool calls; None for the rest
@@ -635,6 +663,9 @@ class HFBackend(InProcessBackend):
             return None
         if extra.get("response_format") is not None and extra["response_format"].get("type") != "text":
             return None
+        if self._generic_calls(request):  # the constraint holds the answer from its first token: no thinking to read
+            return AnswerReading(CallReading(GENERIC, single_call=extra.get("parallel_tool_calls") is False),
+                                 tag_texts=special_tag_texts(self.runner.tokenizer))
         return answer_reading(self.runner.tokenizer, extra, seq.prompt_token_ids, self.settings.backend.tool_call_syntax)
 
     def submit(self, request: GenerateRequest, seq: Sequence) -> HFStream:

@@ -24,6 +24,7 @@ from typing import Any
 
 from kvstream.hf.json_schema import SchemaError, compile_schema
 from kvstream.hf.sampling import SamplingParams
+from kvstream.hf.generic_calls import answer_schema
 from kvstream.hf.tool_calls import forced_call_schema
 from kvstream.types import BackendRejected, GenerateRequest
 
@@ -145,11 +146,19 @@ def forced_call(extra: dict[str, Any]) -> dict[str, Any] | None:
     return _checked(schema, "tools", "a forced call's parameters")
 
 
-def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
+def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int | None = None,
+                    generic_calls: bool = False) -> SamplingParams:
     """The request's SamplingParams; BackendRejected (400, naming the field) for a value the
-    engine refuses. ``vocab_size`` None: token ids in ``logit_bias`` are not range-checked."""
+    engine refuses. ``vocab_size`` None: token ids in ``logit_bias`` are not range-checked.
+    ``generic_calls``: its tools are offered the generic way, the answer held to a call or a
+    response (generic_calls.py)."""
     extra = request.extra
     check_unsupported(extra)
+    if generic_calls:
+        answer = _checked(answer_schema(extra["tools"], extra.get("parallel_tool_calls") is False), "tools",
+                          "the tools' parameters")
+    else:
+        answer = None
     if max_tokens == 0 and not request.echo:
         raise BackendRejected("Invalid value for 'max_tokens': it must be at least 1 (0 only with echo).",
                               param="max_tokens", code="invalid_value")
@@ -177,7 +186,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             logprobs=request.logprobs,
             prompt_logprobs=request.logprobs if request.echo else None,
             json_object=(extra.get("response_format") or {}).get("type") == "json_object",
-            json_schema=forced or json_schema(extra),
+            json_schema=forced or answer or json_schema(extra),
         )
     except ValueError as exc:
         raise BackendRejected(str(exc)) from None

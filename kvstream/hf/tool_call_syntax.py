@@ -64,7 +64,9 @@ MISTRAL_ARGS = "[ARGS]"
 LLAMA3_FORMAT = 'Respond in the format {"name": function name, "parameters"'
 PYTHON_TAG = "<|python_tag|>"
 # The syntaxes read, in the order a template is matched against them (call_syntax).
-SYNTAXES = ("qwen3_xml", "hermes", "pythonic", "llama3_json", "mistral", "granite", "deepseek")
+# ("generic": tools described in the system message, the answer held to a call or a
+# response object; generic_calls.py, chosen by the backend for a template that shows none.)
+SYNTAXES = ("qwen3_xml", "hermes", "pythonic", "llama3_json", "mistral", "granite", "deepseek", "generic")
 
 
 def call_syntax(chat_template: Any) -> str | None:

@@ -274,7 +274,8 @@ async def test_the_ollama_client_pulls_the_served_model_and_is_told_the_store_is
 
     client = ollama.AsyncClient(host=hf_proxy.url)
     shown = await client.show("smollm2")
-    assert shown.capabilities == ["completion", "embedding"]  # SmolLM2's template renders no tools, no thinking
+    # SmolLM2's template renders no tools (offered the generic way: generic_calls.py), no thinking
+    assert shown.capabilities == ["completion", "tools", "embedding"]
     assert (shown.details.family, shown.details.parameter_size, shown.details.quantization_level) == ("llama", "135M", "F32")
     assert (await client.list()).models[0].details.family == "llama"
     assert (await client.pull("smollm2")).status == "success"
@@ -353,8 +354,10 @@ async def test_logit_bias_and_penalties_change_the_answer(oa, smollm2):
         # A forced call of a function the request does not list (forced calls: test_tool_calls.py).
         ({"tool_choice": {"type": "function", "function": {"name": "g"}},
           "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
-        # SmolLM2's template does not render tools: the model would never see them.
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        # SmolLM2's template does not render tools: offered the generic way, the answer held to
+        # their parameters' schemas, which must be ones the engine can hold it to.
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"code": {"type": "string", "pattern": "^A$"}}}}}]}, "tools"),
         ({"extra_body": {"min_p": 2}}, "min_p"),
         ({"extra_body": {"typical_p": 1.2}}, "typical_p"),
         ({"extra_body": {"repeat_penalty": "strong"}}, "repeat_penalty"),  # Ollama's options arrive unchecked

@@ -175,9 +175,25 @@ async def test_calls_that_cannot_be_forced_are_400s_naming_the_field(oa, kwargs,
     assert err.value.param == param
 
 
-async def test_auto_is_still_refused_where_the_template_drops_the_tools(oa):
-    with pytest.raises(openai.BadRequestError, match="does not support tools"):
-        await oa.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=8, tools=[WEATHER])
+async def test_auto_is_refused_where_the_template_drops_the_tools_and_generic_calls_are_off(smollm2, start_proxy):
+    """``tool_call_syntax: none``: no generic calls (generic_calls.py) for SmolLM2's chat-only
+    template either, so tools it would never see are a 400, as Ollama answers."""
+    from openai import AsyncOpenAI
+
+    from kvstream.hf import HFBackend
+    from kvstream.hf.loader import LoadedModel
+
+    model, _, tokenizer = smollm2
+    backend = HFBackend(None, None, preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"), block_size=16,
+                        num_gpu_blocks=64, num_cpu_blocks=8, max_batch_size=4, tool_call_syntax="none")
+    proxy = await start_proxy(backend)
+    await proxy.engine.start()
+    try:
+        async with AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+            with pytest.raises(openai.BadRequestError, match="does not support tools"):
+                await oa.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=8, tools=[WEATHER])
+    finally:
+        await proxy.engine.close()
 
 
 async def test_a_client_leaving_in_the_middle_of_a_streamed_call_frees_everything(hf_proxy, oa):
