@@ -75,7 +75,7 @@ class BackendSettings(_Section):
     threads: int | None = Field(None, ge=1, description="hf: torch CPU threads; none = torch's default")
     chat_template: Path | None = Field(None, description="hf, or a llama-server KVStream starts: a Jinja chat template file used instead of the model's own (vLLM's --chat-template, llama-server's --chat-template-file): for a model whose template does not show it tools, e.g. DeepSeek-R1's distillations")
     tool_call_syntax: Literal["auto", "hermes", "qwen3_xml", "llama3_json", "mistral", "granite", "deepseek", "pythonic", "generic", "none"] = Field(
-        "auto", description="hf: how the model's own tool calls are read from its text (vLLM's --tool-call-parser); auto = the syntax its chat template shows, generic where it shows no tools; generic = the tools described in the system message and the answer held to {\"tool_calls\": [...]} or {\"response\": ...} (llama-server's way for such templates); none = never (calls stay text; tools for a template that shows none are a 400)")
+        "auto", description="hf: how the model's own tool calls are read from its text (vLLM's --tool-call-parser); auto = the syntax its chat template shows, generic where it shows no tools; generic = the tools described in the system message and the answer held to {\"tool_calls\": [...]} or {\"response\": ...} (llama.cpp's former Generic format); none = never (calls stay text; tools for a template that shows none are a 400)")
 
     @field_validator("replicas", mode="before")
     @classmethod

@@ -1,8 +1,10 @@
 """Tool calls for a model whose chat template shows it no tools (``tool_call_syntax``
-``generic``, chosen by ``auto`` for such a template), as llama-server serves them for the same
-model: the tools are described in the system message, and the answer is held
+``generic``, chosen by ``auto`` for such a template), in the form of llama.cpp's former
+"Generic" chat format: the tools are described in the system message, and the answer is held
 (json_schema.py) to one JSON object, either ``{"tool_calls": [{"name", "arguments"}, ...]}``
-or ``{"response": "..."}``.
+or ``{"response": "..."}``. (The llama-server built here, on its PEG parser, shows such a
+template no tools and answers in free text; Ollama refuses the tools. Either way the model
+cannot call: here it can, and ``--tool-call-syntax none`` gives Ollama's 400 instead.)
 
 ``GenericAnswerScanner`` reads that object as it streams: a ``response`` string's characters
 go out as content as they are written (JSON escapes decoded), the calls as each one is
