@@ -31,6 +31,26 @@ ERROR = {
 }
 
 
+# /v1/embeddings as the in-process engine reads it (routes_embeddings.py); in front of a
+# runtime the body is forwarded and the runtime judges it.
+EMBEDDINGS_REQUEST = {
+    "type": "object",
+    "properties": {
+        "model": {"type": "string"},
+        "input": {"anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string", "minLength": 1}},
+            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+            {"type": "array", "minItems": 1, "maxItems": 2048,
+             "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
+        ]},
+        "encoding_format": {"enum": ["float", "base64"]},
+        "dimensions": {"type": "integer", "description": "Only the model's own width"},
+    },
+    "required": ["input"],
+}
+
+
 def _errors(*codes: int) -> dict[str, Any]:
     return {str(c): {"description": "OpenAI-shaped error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}} for c in codes}
 
@@ -87,7 +107,7 @@ RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": 
 
 def build_spec() -> dict[str, Any]:
     """The OpenAPI document."""
-    schemas: dict[str, Any] = {"Error": ERROR, "ResponsesRequest": RESPONSES_REQUEST}
+    schemas: dict[str, Any] = {"Error": ERROR, "ResponsesRequest": RESPONSES_REQUEST, "EmbeddingsRequest": EMBEDDINGS_REQUEST}
     for model in (ChatCompletionRequest, CompletionRequest, WarmRequest):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
@@ -101,6 +121,14 @@ def build_spec() -> dict[str, Any]:
             "/v1/responses": _generation("ResponsesRequest",
                                          "OpenAI's Responses API (answered by KVStream in front of the in-process engine and "
                                          "Ollama; passed through to a runtime that speaks OpenAI)"),
+            "/v1/embeddings": {
+                "post": {
+                    "summary": "Embeddings (computed by the in-process engine; passed through to a runtime)",
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/EmbeddingsRequest"}}}},
+                    "responses": {"200": _json("object list, data (index, embedding), model, usage"),
+                                  **_errors(400, 401, 404, 413, 429, 501, 502, 503)},
+                }
+            },
             "/v1/responses/{response_id}": {
                 "get": {"summary": "A stored response", "parameters": [RESPONSE_ID],
                         "responses": {"200": _json("The response as it was answered"), **_errors(400, 401, 404)}},
