@@ -25,13 +25,14 @@ from kvstream.api.errors import APIError
 from kvstream.types import Token, Usage
 
 # Request fields the response object repeats as the client sent them (or their defaults).
-ECHOED = {"previous_response_id": None, "store": True, "instructions": None, "max_output_tokens": None, "metadata": {}, "parallel_tool_calls": True,
-          "temperature": None, "top_p": None, "tool_choice": "auto", "tools": [], "reasoning": None,
+ECHOED = {"previous_response_id": None, "store": True, "instructions": None, "max_output_tokens": None, "metadata": {},
+          "parallel_tool_calls": True, "temperature": None, "top_p": None, "tool_choice": "auto", "tools": [], "reasoning": None,
           "text": {"format": {"type": "text"}}, "user": None}
 # Fields that change nothing about the answer here: accepted and not forwarded.
 IGNORED = {"store", "include", "metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier",
            "truncation", "stream_options", "max_tool_calls", "top_logprobs", "reasoning", "text", "input",
-           "instructions", "max_output_tokens", "tools", "tool_choice", "prompt_cache_retention", "previous_response_id"}
+           "instructions", "max_output_tokens", "tools", "tool_choice", "prompt_cache_retention",
+           "previous_response_id"}
 DETACHED = ("conversation", "background", "prompt")
 # A chat field named in an error -> the Responses field the client sent.
 PARAMS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}

@@ -690,9 +690,9 @@ class HFBackend(InProcessBackend):
 
     async def embed(self, inputs: list[str | list[int]], truncate: bool = False) -> Embeddings:
         """Each input's embedding (embeddings.py): short inputs several to a job, long ones a
-        chunk per job, each job run between the engine's steps; every input is checked (empty, out of the
-        vocabulary, past the context, the request's total) before any runs. A client that
-        leaves cancels what has not run."""
+        chunk per job, each job run between the engine's steps; every input is checked
+        (empty, out of the vocabulary, past the context, the request's total) before any
+        runs. A client that leaves cancels what has not run."""
         from kvstream.hf import embeddings
         from kvstream.hf.model_runner import EngineStopped
 
