@@ -154,3 +154,15 @@ async def test_tools_whose_parameters_cannot_be_held_are_a_400_naming_tools(oa, 
     with pytest.raises(openai.BadRequestError) as err:
         await oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x"}], tools=[tool], max_tokens=4)
     assert err.value.param == "tools"
+
+
+async def test_the_anthropic_client_gets_a_tool_use_block(hf_proxy):
+    anthropic = pytest.importorskip("anthropic")
+    async with anthropic.AsyncAnthropic(base_url=hf_proxy.url, api_key="unused", max_retries=0) as client:
+        message = await client.messages.create(
+            model="smollm2", max_tokens=60, extra_body={"temperature": 0}, messages=[{"role": "user", "content": ASKED[2]}],
+            tools=[{"name": "get_weather", "description": WEATHER["function"]["description"],
+                    "input_schema": WEATHER["function"]["parameters"]}])
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert uses and uses[0].name == "get_weather" and isinstance(uses[0].input, dict)
+    assert message.stop_reason in ("tool_use", "max_tokens")
