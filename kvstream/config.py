@@ -199,8 +199,8 @@ class ServerSettings(_Section):
     write_timeout_s: float = Field(30.0, gt=0, description="a client that reads nothing of its answer for this long is disconnected, and its request cancelled (its batch slot freed)")
     max_connections: int | None = Field(None, ge=1, description="most client connections open at once; past it a new connection gets 503 and is closed; none = 4096, or 3/4 of the open-file limit if that is lower")
     passthrough: bool = Field(True, description="pass every route KVStream does not manage to the runtime (its admin routes too, behind KVStream's keys); false = 404 for them")
-    responses_max_stored: int = Field(1000, ge=0, description="Responses API answered by KVStream itself (in-process engine, Ollama): most responses kept for previous_response_id, retrieval and input_items (in memory, least recently used out); 0 = store nothing")
-    responses_max_bytes: int = Field(64 * 1024**2, ge=0, description="most bytes of stored responses (each one's output and own input, as JSON)")
+    responses_max_stored: int = Field(1000, ge=0, description="Responses API answered by KVStream itself (in-process engine, Ollama): most responses kept for previous_response_id, retrieval and input_items, and most conversations (in memory, least recently used out); 0 = store nothing")
+    responses_max_bytes: int = Field(64 * 1024**2, ge=0, description="most bytes of stored responses (each one's output and own input, as JSON), and as many of conversations' items")
     runtime_metrics: bool = Field(True, description="carry the runtime's own Prometheus families (llama-server with --metrics, vLLM, SGLang) on /metrics after KVStream's, read at scrape time; several replicas' labelled kvstream_backend")
 
     @field_validator("api_keys", mode="before")

@@ -225,3 +225,98 @@ def test_a_continuation_keeps_its_conversation_when_earlier_responses_leave():
     assert store.get(None, "resp_0") is None  # evicted
     assert [item["id"] for item in store.get(None, "resp_1").conversation()] == ["msg_in0", "msg_0", "msg_in1", "msg_1"]
     assert store.get("another-key", "resp_1") is None
+
+
+async def test_a_conversation_collects_its_responses_turns(ollama_proxy, client):
+    """``conversation``: each response reads the conversation's items before its input, and
+    its input and output are added to it; the items are listed, read, added and deleted
+    through ``client.conversations``."""
+    _, recorder = ollama_proxy
+    conversation = await client.conversations.create(items=[{"role": "user", "content": "Hi"}], metadata={"topic": "x"})
+    assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "x"}
+    first = await client.responses.create(model="llama3.2", input="Still there?", conversation=conversation.id)
+    assert first.conversation.id == conversation.id
+    assert recorder.bodies[-1]["messages"] == [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Still there?"}]
+    async with client.responses.stream(model="llama3.2", input="Bye", conversation={"id": conversation.id}) as stream:
+        await stream.get_final_response()
+    assert recorder.bodies[-1]["messages"] == [
+        {"role": "user", "content": "Hi"}, {"role": "user", "content": "Still there?"}, {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"}]
+    items = [item async for item in client.conversations.items.list(conversation.id, order="asc")]
+    assert [getattr(item, "role", None) for item in items] == ["user", "user", "assistant", "user", "assistant"]
+    assert items[2].id == first.output[0].id
+    newest = await client.conversations.items.list(conversation.id, limit=2)
+    assert [item.id for item in newest.data] == [items[4].id, items[3].id] and newest.has_more
+
+    added = await client.conversations.items.create(conversation.id, items=[{"role": "user", "content": "Later"}])
+    assert added.data[0].content[0].text == "Later"
+    read = await client.conversations.items.retrieve(added.data[0].id, conversation_id=conversation.id)
+    assert read.id == added.data[0].id
+    after = await client.conversations.items.delete(items[0].id, conversation_id=conversation.id)
+    assert after.id == conversation.id
+    await client.responses.create(model="llama3.2", input="Again", conversation=conversation.id)
+    assert recorder.bodies[-1]["messages"][0] == {"role": "user", "content": "Still there?"}  # "Hi" deleted
+    assert recorder.bodies[-1]["messages"][-2:] == [{"role": "user", "content": "Later"}, {"role": "user", "content": "Again"}]
+
+    updated = await client.conversations.update(conversation.id, metadata={"topic": "y"})
+    assert updated.metadata == {"topic": "y"} and (await client.conversations.retrieve(conversation.id)).metadata == {"topic": "y"}
+    deleted = await client.conversations.delete(conversation.id)
+    assert deleted.deleted and deleted.id == conversation.id
+    for call in (client.conversations.retrieve(conversation.id), client.conversations.items.list(conversation.id)):
+        with pytest.raises(openai.NotFoundError):
+            await call
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.responses.create(model="llama3.2", input="x", conversation=conversation.id)
+    assert err.value.param == "conversation"
+
+
+async def test_bad_conversation_requests_are_400s_naming_the_field(client):
+    conversation = await client.conversations.create()
+    first = await client.responses.create(model="llama3.2", input="Hi")
+    cases = [
+        (client.responses.create(model="llama3.2", input="x", conversation=conversation.id, previous_response_id=first.id),
+         "conversation"),
+        (client.responses.create(model="llama3.2", input="x", conversation={"name": "x"}), "conversation"),
+        (client.conversations.create(items=[{"role": "robot", "content": "x"}]), "items[0].role"),
+        (client.conversations.create(items=[{"role": "user", "content": "x"}] * 21), "items"),
+        (client.conversations.create(metadata={"k": 5}), "metadata"),
+        (client.conversations.update(conversation.id, metadata={str(i): "v" for i in range(17)}), "metadata"),
+        (client.conversations.items.create(conversation.id, items=[]), "items"),
+    ]
+    for call, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            await call
+        assert err.value.param == param, err.value.message
+    with pytest.raises(openai.NotFoundError):
+        await client.conversations.items.retrieve("msg_nope", conversation_id=conversation.id)
+
+
+async def test_a_conversation_is_its_keys_and_bounded(start_upstream, start_proxy):
+    url, _ = await start_upstream(Script(tokens=["Hi"]), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url), server={"api_keys": ["sk-a", "sk-b"], "responses_max_bytes": 2000})
+    async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="sk-a", max_retries=0) as a, \
+            openai.AsyncOpenAI(base_url=proxy.v1, api_key="sk-b", max_retries=0) as b:
+        mine = await a.conversations.create(items=[{"role": "user", "content": "secret"}])
+        with pytest.raises(openai.NotFoundError):
+            await b.conversations.retrieve(mine.id)
+        with pytest.raises(openai.BadRequestError):
+            await b.responses.create(model="llama3.2", input="x", conversation=mine.id)
+        # One conversation past the byte budget takes no further turn.
+        for _ in range(20):
+            try:
+                await a.responses.create(model="llama3.2", input="x" * 200, conversation=mine.id, store=False)
+            except openai.BadRequestError as err:
+                assert err.param == "conversation" and "start a new one" in err.message
+                break
+        else:
+            raise AssertionError("the conversation grew without bound")
+    await wait_released(proxy)
+
+
+async def test_in_front_of_an_openai_runtime_conversations_are_the_runtimes(start_upstream, start_proxy, http):
+    url, _ = await start_upstream(Script())
+    proxy = await start_proxy(OpenAICompatibleBackend(url))
+    for method, path in (("POST", "/v1/conversations"), ("GET", "/v1/conversations/conv_1"),
+                         ("GET", "/v1/conversations/conv_1/items"), ("DELETE", "/v1/conversations/conv_1/items/msg_1")):
+        async with http.request(method, proxy.url + path, json={} if method == "POST" else None) as resp:
+            assert (resp.status, await resp.text()) == (404, "404: Not Found")

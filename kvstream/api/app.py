@@ -11,7 +11,8 @@ from aiohttp import web
 
 from kvstream import __version__
 from kvstream.api import (
-    routes_embeddings, routes_messages, routes_ollama, routes_openai, routes_ops, routes_passthrough, routes_responses,
+    routes_conversations, routes_embeddings, routes_messages, routes_ollama, routes_openai, routes_ops, routes_passthrough,
+    routes_responses,
 )
 from kvstream.api.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware
 from kvstream.api.state import CACHE_SALT, STATE, AppState
@@ -124,6 +125,7 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
     app.add_routes(routes_ollama.routes)
     app.add_routes(routes_embeddings.routes)
     app.add_routes(routes_responses.routes)
+    app.add_routes(routes_conversations.routes)
     app.add_routes(routes_messages.routes)
     app.add_routes(routes_ops.routes)
     app.add_routes(routes_passthrough.routes)  # last: it takes every route the others did not

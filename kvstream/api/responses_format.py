@@ -11,8 +11,8 @@ the Responses objects: output items (``reasoning``, a ``message`` with ``output_
 
 ``continuation`` and ``stored_items`` are what a stored response needs (response_store.py):
 the input a ``previous_response_id`` continues with, and the request's own input as the items
-OpenAI lists for it. ``conversation`` and ``background`` are 400s (nothing runs detached from
-its request).
+OpenAI lists for it (a ``conversation``'s items are read the same way). ``background`` is a
+400 (nothing runs detached from its request).
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from kvstream.api.errors import APIError
 from kvstream.types import Token, Usage
 
 # Request fields the response object repeats as the client sent them (or their defaults).
-ECHOED = {"previous_response_id": None, "store": True, "instructions": None, "max_output_tokens": None, "metadata": {},
+ECHOED = {"previous_response_id": None, "conversation": None, "store": True, "instructions": None, "max_output_tokens": None, "metadata": {},
           "parallel_tool_calls": True, "temperature": None, "top_p": None, "tool_choice": "auto", "tools": [], "reasoning": None,
           "text": {"format": {"type": "text"}}, "user": None}
 # Fields that change nothing about the answer here: accepted and not forwarded.
 IGNORED = {"store", "include", "metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier",
            "truncation", "stream_options", "max_tool_calls", "top_logprobs", "reasoning", "text", "input",
            "instructions", "max_output_tokens", "tools", "tool_choice", "prompt_cache_retention",
-           "previous_response_id"}
-DETACHED = ("conversation", "background", "prompt")
+           "previous_response_id", "conversation"}
+DETACHED = ("background", "prompt")
 # A chat field named in an error -> the Responses field the client sent.
 PARAMS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
@@ -55,8 +55,7 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     (400, naming the Responses field) for what cannot be said so."""
     for field in DETACHED:
         if body.get(field) not in (None, False):
-            raise _invalid(f"'{field}' is not supported here: continue a response with 'previous_response_id', or send "
-                           "the whole conversation as 'input'.", field)
+            raise _invalid(f"'{field}' is not supported here: nothing runs detached from its request.", field)
     for field in ("text", "reasoning"):
         if body.get(field) is not None and not isinstance(body[field], dict):
             raise _invalid(f"Invalid type for '{field}': expected an object.", field)

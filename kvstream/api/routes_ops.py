@@ -38,9 +38,11 @@ async def ready(request: web.Request) -> web.Response:
 
 @routes.get("/status")
 async def status(request: web.Request) -> web.Response:
-    """A JSON snapshot of backend, queue, KV pool and counters, and the stored responses."""
+    """A JSON snapshot of backend, queue, KV pool and counters, and the stored responses and
+    conversations."""
     state = request.app[STATE]
-    return web.json_response(state.engine.snapshot() | {"responses": state.responses.describe()})
+    return web.json_response(state.engine.snapshot() | {"responses": state.responses.describe(),
+                                                        "conversations": state.conversations.describe()})
 
 
 @routes.get("/metrics")

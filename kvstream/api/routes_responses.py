@@ -5,7 +5,8 @@ translation is responses_format.py. Its token count is ``POST /v1/responses/inpu
 
 Where KVStream answers, it keeps what it answered (response_store.py) unless the body says
 ``store: false``: ``previous_response_id`` continues a stored response, an
-``item_reference`` input item stands for a stored item, and
+``item_reference`` input item stands for a stored item, ``conversation`` reads a
+conversation's items first and adds the response's to it (routes_conversations.py), and
 ``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read and
 delete them (``client.responses.retrieve``, ``.delete``, ``.input_items.list``). Where the
 route passes through, these do too: the runtime's responses are its own."""
@@ -16,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvstream.api.conversation_store import Conversation
 from kvstream.api.errors import APIError, counted
 from kvstream.api.response_store import ResponseStore, StoredResponse
 from kvstream.api.responses_format import ResponseAnswer, chat_body, continuation, response_param, stored_items
@@ -23,8 +25,10 @@ from kvstream.api.routes_passthrough import forward
 from kvstream.api.state import CACHE_SALT, STATE
 from kvstream.api.translated_api import TranslatedAPI, api_routes
 
-# The stored conversation a request continues (empty for a new one), set by _prepare.
+# The stored items a request continues (empty for a new one), set by _prepare; and the
+# conversation it is made in, if any.
 CONTEXT = web.RequestKey("responses_context", tuple)
+CONVERSATION = web.RequestKey("responses_conversation", object)
 MAX_LISTED = 100  # input_items' largest page, as OpenAI's
 
 
@@ -52,7 +56,14 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
     if isinstance(body.get("input"), list):
         body = body | {"input": [_referenced(request, item, i) for i, item in enumerate(body["input"])]}
     previous = body.get("previous_response_id")
-    request[CONTEXT] = ()
+    request[CONTEXT], request[CONVERSATION] = (), None
+    if body.get("conversation") is not None:
+        if previous is not None:
+            raise APIError(400, "'previous_response_id' and 'conversation' cannot both be given.", param="conversation",
+                           code="invalid_value")
+        conversation = _conversation(request, body["conversation"])
+        request[CONTEXT], request[CONVERSATION] = tuple(conversation.items), conversation
+        return continuation(body | {"conversation": {"id": conversation.id}}, request[CONTEXT])
     if previous is None:
         return body
     if not isinstance(previous, str):
@@ -64,6 +75,24 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
                        code="previous_response_not_found")
     request[CONTEXT] = stored.conversation()
     return continuation(body, request[CONTEXT])
+
+
+def _conversation(request: web.Request, named: Any) -> Conversation:
+    """The requester's conversation ``named`` (its id, or ``{"id": ...}``); 400 if none, or
+    if it holds the whole byte budget."""
+    conversation_id = named.get("id") if isinstance(named, dict) else named
+    if not isinstance(conversation_id, str):
+        raise APIError(400, "Invalid type for 'conversation': expected a conversation id or {\"id\": ...}.",
+                       param="conversation", code="invalid_type")
+    store = request.app[STATE].conversations
+    conversation = store.get(request.get(CACHE_SALT), conversation_id)
+    if conversation is None:
+        raise APIError(400, f"Conversation with id '{conversation_id}' not found.", param="conversation",
+                       code="invalid_value")
+    if store.full(conversation):
+        raise APIError(400, f"Conversation '{conversation_id}' holds {conversation.size} bytes, the most this server "
+                       "keeps (server.responses_max_bytes): start a new one.", param="conversation", code="invalid_value")
+    return conversation
 
 
 def _referenced(request: web.Request, item: Any, index: int) -> Any:
@@ -78,12 +107,15 @@ def _referenced(request: web.Request, item: Any, index: int) -> Any:
 
 
 def _keep(request: web.Request, body: dict[str, Any], answer: dict[str, Any]) -> None:
-    """Store a whole answer unless its body said ``store: false``."""
-    if body.get("store") is False:
-        return
+    """Store a whole answer unless its body said ``store: false``; add its input and output
+    to the conversation it was made in."""
     context = request[CONTEXT]
-    own = body["input"][len(context):] if context else body["input"]
-    _store(request).put(request.get(CACHE_SALT), answer, context, stored_items(own))
+    own = stored_items(body["input"][len(context):] if context else body["input"])
+    conversation = request[CONVERSATION]
+    if conversation is not None:
+        request.app[STATE].conversations.add(conversation, [*own, *answer["output"]])
+    if body.get("store") is not False:
+        _store(request).put(request.get(CACHE_SALT), answer, context, own)
 
 
 RESPONSES = TranslatedAPI(chat_body=chat_body, answer=ResponseAnswer, error_shape=_shaped, invalid=_invalid,
