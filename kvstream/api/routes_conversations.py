@@ -11,22 +11,18 @@ from aiohttp import web
 
 from kvstream.api.conversation_store import MAX_METADATA, Conversation, ConversationStore
 from kvstream.api.errors import APIError, counted
+from kvstream.api.listing import MAX_LISTED, page
 from kvstream.api.responses_format import chat_body, stored_items
 from kvstream.api.routes_openai import read_object
-from kvstream.api.routes_passthrough import forward
+from kvstream.api.routes_passthrough import unless_forwarded
 from kvstream.api.state import CACHE_SALT, STATE
 
 routes = web.RouteTableDef()
 MAX_ADDED = 20  # items a create may carry, as OpenAI's
-MAX_LISTED = 100
 
 
 def _store(request: web.Request) -> ConversationStore:
     return request.app[STATE].conversations
-
-
-def _passes_through(request: web.Request) -> bool:
-    return request.app[STATE].engine.backend.forwards_body
 
 
 def _conversation(request: web.Request) -> Conversation:
@@ -66,34 +62,11 @@ def _items(value: Any, most: int | None) -> list[dict[str, Any]]:
     return list(stored_items(value))
 
 
-def _page(request: web.Request, items: list[dict[str, Any]], default_order: str) -> dict[str, Any]:
-    """A list page of ``items`` as the query asks (``limit``, ``order``, ``after``)."""
-    raw = request.query.get("limit", "20")
-    limit = int(raw) if raw.isdigit() else 0
-    if not 1 <= limit <= MAX_LISTED:
-        raise APIError(400, f"Invalid 'limit': expected an integer from 1 to {MAX_LISTED}, got {raw!r}.", param="limit",
-                       code="invalid_value")
-    order = request.query.get("order", default_order)
-    if order not in ("asc", "desc"):
-        raise APIError(400, f"Invalid 'order': expected 'asc' or 'desc', got {order!r}.", param="order", code="invalid_value")
-    ordered = items if order == "asc" else items[::-1]
-    after = request.query.get("after")
-    if after is not None:
-        ids = [item.get("id") for item in ordered]
-        if after not in ids:
-            raise APIError(400, f"Invalid 'after': no item '{after}' here.", param="after", code="invalid_value")
-        ordered = ordered[ids.index(after) + 1:]
-    page = ordered[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}
-
-
 @routes.post("/v1/conversations")
 @counted("conversations")
+@unless_forwarded
 async def create(request: web.Request) -> web.StreamResponse:
     """``client.conversations.create(items=..., metadata=...)``."""
-    if _passes_through(request):
-        return await forward(request)
     store = _store(request)
     if not store.enabled:
         raise APIError(400, "This server stores no conversations (server.responses_max_stored is 0).", code="invalid_value")
@@ -104,18 +77,16 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 @routes.get("/v1/conversations/{conversation_id}")
 @counted("conversations")
+@unless_forwarded
 async def retrieve(request: web.Request) -> web.StreamResponse:
-    if _passes_through(request):
-        return await forward(request)
     return web.json_response(_conversation(request).public())
 
 
 @routes.post("/v1/conversations/{conversation_id}")
 @counted("conversations")
+@unless_forwarded
 async def update(request: web.Request) -> web.StreamResponse:
     """``client.conversations.update(id, metadata=...)``: the metadata replaced."""
-    if _passes_through(request):
-        return await forward(request)
     conversation = _conversation(request)
     body = await read_object(request)
     if "metadata" not in body:
@@ -126,10 +97,9 @@ async def update(request: web.Request) -> web.StreamResponse:
 
 @routes.delete("/v1/conversations/{conversation_id}")
 @counted("conversations")
+@unless_forwarded
 async def delete(request: web.Request) -> web.StreamResponse:
     """``client.conversations.delete(id)``: its items go with it (responses made in it stay)."""
-    if _passes_through(request):
-        return await forward(request)
     conversation = _conversation(request)
     _store(request).delete(request.get(CACHE_SALT), conversation.id)
     return web.json_response({"id": conversation.id, "object": "conversation.deleted", "deleted": True})
@@ -137,19 +107,17 @@ async def delete(request: web.Request) -> web.StreamResponse:
 
 @routes.get("/v1/conversations/{conversation_id}/items")
 @counted("conversations")
+@unless_forwarded
 async def list_items(request: web.Request) -> web.StreamResponse:
     """``client.conversations.items.list(id, limit=, order=, after=)``: newest first by default."""
-    if _passes_through(request):
-        return await forward(request)
-    return web.json_response(_page(request, _conversation(request).items, "desc"))
+    return web.json_response(page(request, _conversation(request).items, "desc"))
 
 
 @routes.post("/v1/conversations/{conversation_id}/items")
 @counted("conversations")
+@unless_forwarded
 async def add_items(request: web.Request) -> web.StreamResponse:
     """``client.conversations.items.create(id, items=[...])``: the items added, as a list."""
-    if _passes_through(request):
-        return await forward(request)
     conversation = _conversation(request)
     body = await read_object(request)
     items = _items(body.get("items"), MAX_ADDED)
@@ -162,9 +130,8 @@ async def add_items(request: web.Request) -> web.StreamResponse:
 
 @routes.get("/v1/conversations/{conversation_id}/items/{item_id}")
 @counted("conversations")
+@unless_forwarded
 async def retrieve_item(request: web.Request) -> web.StreamResponse:
-    if _passes_through(request):
-        return await forward(request)
     item_id = request.match_info["item_id"]
     for item in _conversation(request).items:
         if item.get("id") == item_id:
@@ -174,10 +141,9 @@ async def retrieve_item(request: web.Request) -> web.StreamResponse:
 
 @routes.delete("/v1/conversations/{conversation_id}/items/{item_id}")
 @counted("conversations")
+@unless_forwarded
 async def delete_item(request: web.Request) -> web.StreamResponse:
     """``client.conversations.items.delete(item_id, conversation_id=...)``: the conversation."""
-    if _passes_through(request):
-        return await forward(request)
     conversation = _conversation(request)
     if not _store(request).remove_item(conversation, request.match_info["item_id"]):
         raise APIError(404, f"Item with id '{request.match_info['item_id']}' not found.", param="item_id", code="not_found")

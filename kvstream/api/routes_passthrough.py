@@ -18,7 +18,9 @@ KVStream's own routes (``/health``, ``/ready``, ``/status``, ``/metrics``, ``/op
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -118,6 +120,20 @@ def route_class(path: str) -> str:
 async def passthrough(request: web.Request) -> web.StreamResponse:
     """Forward any route no other handler took (registered last)."""
     return await forward(request)
+
+
+def unless_forwarded(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """A route KVStream answers only where it answers the API itself: in front of a runtime
+    that takes the body as sent (``forwards_body``), the runtime's own (stored responses and
+    conversations are then the runtime's)."""
+
+    @functools.wraps(handler)
+    async def route(request: web.Request) -> web.StreamResponse:
+        if request.app[STATE].engine.backend.forwards_body:
+            return await forward(request)
+        return await handler(request)
+
+    return route
 
 
 async def forward(request: web.Request) -> web.StreamResponse:

@@ -19,9 +19,10 @@ from aiohttp import web
 
 from kvstream.api.conversation_store import Conversation
 from kvstream.api.errors import APIError, counted
+from kvstream.api.listing import page
 from kvstream.api.response_store import ResponseStore, StoredResponse
 from kvstream.api.responses_format import ResponseAnswer, chat_body, continuation, response_param, stored_items
-from kvstream.api.routes_passthrough import forward
+from kvstream.api.routes_passthrough import unless_forwarded
 from kvstream.api.state import CACHE_SALT, STATE
 from kvstream.api.translated_api import TranslatedAPI, api_routes
 
@@ -29,7 +30,6 @@ from kvstream.api.translated_api import TranslatedAPI, api_routes
 # conversation it is made in, if any.
 CONTEXT = web.RequestKey("responses_context", tuple)
 CONVERSATION = web.RequestKey("responses_conversation", object)
-MAX_LISTED = 100  # input_items' largest page, as OpenAI's
 
 
 def _shaped(error: APIError) -> APIError:
@@ -135,25 +135,10 @@ def _stored(request: web.Request) -> StoredResponse:
     return stored
 
 
-def _query_int(request: web.Request, name: str, default: int, low: int, high: int) -> int:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = low - 1
-    if not low <= value <= high:
-        raise APIError(400, f"Invalid '{name}': expected an integer from {low} to {high}, got {raw!r}.", param=name,
-                       code="invalid_value")
-    return value
-
-
 @counted("responses_retrieve")
+@unless_forwarded
 async def retrieve(request: web.Request) -> web.StreamResponse:
     """``GET /v1/responses/{id}``: the stored response as it was answered."""
-    if request.app[STATE].engine.backend.forwards_body:
-        return await forward(request)
     stored = _stored(request)
     if request.query.get("stream", "false").lower() not in ("false", "0"):
         raise APIError(400, "Only responses created with 'background: true' can be streamed again; none are here.",
@@ -162,11 +147,10 @@ async def retrieve(request: web.Request) -> web.StreamResponse:
 
 
 @counted("responses_delete")
+@unless_forwarded
 async def delete(request: web.Request) -> web.StreamResponse:
     """``DELETE /v1/responses/{id}``: forget the response (its continuations keep their
     conversation)."""
-    if request.app[STATE].engine.backend.forwards_body:
-        return await forward(request)
     response_id = request.match_info["response_id"]
     if not _store(request).delete(request.get(CACHE_SALT), response_id):
         raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
@@ -174,37 +158,19 @@ async def delete(request: web.Request) -> web.StreamResponse:
 
 
 @counted("responses_input_items")
+@unless_forwarded
 async def input_items(request: web.Request) -> web.StreamResponse:
     """``GET /v1/responses/{id}/input_items``: the items the response was made from (the
     conversation it continued, then its own input), a page at a time (``limit``, ``order``
     ``desc`` by default, ``after`` an item id)."""
-    if request.app[STATE].engine.backend.forwards_body:
-        return await forward(request)
     stored = _stored(request)
-    limit = _query_int(request, "limit", 20, 1, MAX_LISTED)
-    order = request.query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise APIError(400, f"Invalid 'order': expected 'asc' or 'desc', got {order!r}.", param="order", code="invalid_value")
-    items = list(stored.context + stored.input_items)
-    if order == "desc":
-        items.reverse()
-    after = request.query.get("after")
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise APIError(400, f"Invalid 'after': no input item '{after}' in this response.", param="after",
-                           code="invalid_value")
-        items = items[ids.index(after) + 1:]
-    page = items[:limit]
-    return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+    return web.json_response(page(request, list(stored.context + stored.input_items), "desc"))
 
 
 @counted("responses_cancel")
+@unless_forwarded
 async def cancel(request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses/{id}/cancel``: only a background response can be; none are here."""
-    if request.app[STATE].engine.backend.forwards_body:
-        return await forward(request)
     _stored(request)
     raise APIError(400, "Only responses created with 'background: true' can be cancelled; none are here.",
                    code="invalid_value")
