@@ -11,7 +11,7 @@ from aiohttp import web
 
 from kvstream.api.conversation_store import MAX_METADATA, Conversation, ConversationStore
 from kvstream.api.errors import APIError, counted
-from kvstream.api.listing import MAX_LISTED, page
+from kvstream.api.listing import page
 from kvstream.api.responses_format import chat_body, stored_items
 from kvstream.api.routes_openai import read_object
 from kvstream.api.routes_passthrough import unless_forwarded
@@ -44,12 +44,13 @@ def _metadata(value: Any) -> dict[str, str]:
     return value
 
 
-def _items(value: Any, most: int | None) -> list[dict[str, Any]]:
-    """Items to add, checked as a response's ``input`` items are; each given an ``id``."""
+def _items(value: Any) -> list[dict[str, Any]]:
+    """Items to add (at most MAX_ADDED), checked as a response's ``input`` items are; each
+    given an ``id``."""
     if value is None:
         return []
-    if not isinstance(value, list) or (most is not None and len(value) > most):
-        raise APIError(400, f"Invalid 'items': expected a list of at most {most or MAX_LISTED} items.", param="items",
+    if not isinstance(value, list) or len(value) > MAX_ADDED:
+        raise APIError(400, f"Invalid 'items': expected a list of at most {MAX_ADDED} items.", param="items",
                        code="invalid_value")
     if not value:
         return []
@@ -71,7 +72,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     if not store.enabled:
         raise APIError(400, "This server stores no conversations (server.responses_max_stored is 0).", code="invalid_value")
     body = await read_object(request)
-    metadata, items = _metadata(body.get("metadata")), _items(body.get("items"), MAX_ADDED)
+    metadata, items = _metadata(body.get("metadata")), _items(body.get("items"))
     return web.json_response(store.create(request.get(CACHE_SALT), metadata, items).public())
 
 
@@ -120,7 +121,7 @@ async def add_items(request: web.Request) -> web.StreamResponse:
     """``client.conversations.items.create(id, items=[...])``: the items added, as a list."""
     conversation = _conversation(request)
     body = await read_object(request)
-    items = _items(body.get("items"), MAX_ADDED)
+    items = _items(body.get("items"))
     if not items:
         raise APIError(400, "Invalid 'items': expected at least one item.", param="items", code="invalid_value")
     _store(request).add(conversation, items)
