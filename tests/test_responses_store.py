@@ -320,3 +320,17 @@ async def test_in_front_of_an_openai_runtime_conversations_are_the_runtimes(star
                          ("GET", "/v1/conversations/conv_1/items"), ("DELETE", "/v1/conversations/conv_1/items/msg_1")):
         async with http.request(method, proxy.url + path, json={} if method == "POST" else None) as resp:
             assert (resp.status, await resp.text()) == (404, "404: Not Found")
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/conversations", b"[]"), ("/v1/conversations", b"null"), ("/v1/conversations", b"{"),
+    ("/v1/conversations", b'{"items": "x"}'), ("/v1/conversations", b'{"items": [5]}'),
+    ("/v1/conversations", b'{"items": [{"type": "function_call"}]}'), ("/v1/conversations", b'{"metadata": []}'),
+    ("/v1/conversations", b'{"metadata": {"k": "' + b"v" * 513 + b'"}}'),
+    ("/v1/responses", b'{"input": "x", "conversation": 5}'), ("/v1/responses", b'{"input": "x", "conversation": {"id": 5}}'),
+    ("/v1/responses", b'{"input": [{"type": "item_reference"}]}'), ("/v1/responses", b'{"input": "x", "previous_response_id": []}'),
+])
+async def test_hostile_store_bodies_are_400s_never_500s(ollama_proxy, http, path, body):
+    async with http.post(ollama_proxy[0].url + path, data=body, headers={"Content-Type": "application/json"}) as resp:
+        answer = await resp.json()
+    assert resp.status == 400 and set(answer["error"]) == {"message", "type", "param", "code"}, answer

@@ -103,6 +103,13 @@ RESPONSES_REQUEST = {
 
 
 RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+CONVERSATION_ID = {"name": "conversation_id", "in": "path", "required": True, "schema": {"type": "string"}}
+PAGE = [{"name": name, "in": "query", "required": False, "schema": schema} for name, schema in (
+    ("limit", {"type": "integer", "minimum": 1, "maximum": 100}), ("order", {"enum": ["asc", "desc"]}),
+    ("after", {"type": "string"}))]
+METADATA = {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string", "maxLength": 512}}
+ITEMS = {"type": "array", "maxItems": 20, "items": {"type": "object"}, "description": "Items as a response's input takes them"}
+CONVERSATION_REQUEST = {"type": "object", "properties": {"items": ITEMS, "metadata": METADATA}}
 
 
 def build_spec() -> dict[str, Any]:
@@ -136,11 +143,31 @@ def build_spec() -> dict[str, Any]:
                            "responses": {"200": _json("id, object, deleted"), **_errors(401, 404)}},
             },
             "/v1/responses/{response_id}/input_items": {
-                "get": {"summary": "The items a stored response was made from", "parameters": [
-                    RESPONSE_ID, *({"name": name, "in": "query", "required": False, "schema": schema} for name, schema in (
-                        ("limit", {"type": "integer", "minimum": 1, "maximum": 100}), ("order", {"enum": ["asc", "desc"]}),
-                        ("after", {"type": "string"})))],
+                "get": {"summary": "The items a stored response was made from", "parameters": [RESPONSE_ID, *PAGE],
                         "responses": {"200": _json("A list page of items"), **_errors(400, 401, 404)}},
+            },
+            "/v1/conversations": {
+                "post": {"summary": "A new conversation (where KVStream answers the Responses API)",
+                         "requestBody": {"required": False, "content": {"application/json": {"schema": CONVERSATION_REQUEST}}},
+                         "responses": {"200": _json("The conversation"), **_errors(400, 401, 413)}},
+            },
+            "/v1/conversations/{conversation_id}": {
+                "get": {"summary": "A conversation", "parameters": [CONVERSATION_ID],
+                        "responses": {"200": _json("The conversation"), **_errors(401, 404)}},
+                "post": {"summary": "Replace a conversation's metadata", "parameters": [CONVERSATION_ID],
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                             "type": "object", "required": ["metadata"], "properties": {"metadata": METADATA}}}}},
+                         "responses": {"200": _json("The conversation"), **_errors(400, 401, 404, 413)}},
+                "delete": {"summary": "Delete a conversation", "parameters": [CONVERSATION_ID],
+                           "responses": {"200": _json("id, object, deleted"), **_errors(401, 404)}},
+            },
+            "/v1/conversations/{conversation_id}/items": {
+                "get": {"summary": "A conversation's items, a page at a time", "parameters": [CONVERSATION_ID, *PAGE],
+                        "responses": {"200": _json("A list page of items"), **_errors(400, 401, 404)}},
+                "post": {"summary": "Add items to a conversation", "parameters": [CONVERSATION_ID],
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                             "type": "object", "required": ["items"], "properties": {"items": ITEMS}}}}},
+                         "responses": {"200": _json("The items added"), **_errors(400, 401, 404, 413)}},
             },
             "/v1/warm": {
                 "post": {
