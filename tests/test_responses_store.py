@@ -334,3 +334,24 @@ async def test_hostile_store_bodies_are_400s_never_500s(ollama_proxy, http, path
     async with http.post(ollama_proxy[0].url + path, data=body, headers={"Content-Type": "application/json"}) as resp:
         answer = await resp.json()
     assert resp.status == 400 and set(answer["error"]) == {"message", "type", "param", "code"}, answer
+
+
+async def test_a_response_the_runtime_failed_is_not_stored(start_upstream, start_proxy, http):
+    """The runtime answering an error, or failing mid-stream: nothing is stored, and the
+    conversation it was made in gains nothing."""
+    for script in (Script(status=500), Script(tokens=["Hel", "lo"], error_after=1)):
+        url, _ = await start_upstream(script, factory=ollama_double)
+        proxy = await start_proxy(OllamaBackend(url))
+        async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as client:
+            conversation = await client.conversations.create()
+            if script.status:
+                with pytest.raises(openai.APIStatusError):
+                    await client.responses.create(model="llama3.2", input="Hi", conversation=conversation.id)
+            else:
+                stream = await client.responses.create(model="llama3.2", input="Hi", stream=True, conversation=conversation.id)
+                kinds = [event.type async for event in stream]
+                assert kinds[-1] == "error" and "response.completed" not in kinds
+            assert [item async for item in client.conversations.items.list(conversation.id)] == []
+        async with http.get(proxy.url + "/status") as resp:
+            assert (await resp.json())["responses"]["stored"] == 0
+        await wait_released(proxy)
