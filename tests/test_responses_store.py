@@ -128,7 +128,7 @@ async def test_unstored_deleted_and_unknown_responses(ollama_proxy, client):
             await call
     third = await client.responses.create(model="llama3.2", input="Last", previous_response_id=second.id)
     assert len([item async for item in client.responses.input_items.list(third.id)]) == 5  # Hi, Hello!, More, Hello!, Last
-    with pytest.raises(openai.BadRequestError):  # nothing ran in the background
+    with pytest.raises(openai.BadRequestError):  # not a background response
         await client.responses.cancel(third.id)
     with pytest.raises(openai.BadRequestError) as err:  # counted as a generation would be: also looked up
         await client.responses.input_tokens.count(model="llama3.2", input="x", previous_response_id=first.id)

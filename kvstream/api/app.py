@@ -12,10 +12,11 @@ from aiohttp import web
 from kvstream import __version__
 from kvstream.api import (
     routes_conversations, routes_embeddings, routes_messages, routes_ollama, routes_openai, routes_ops, routes_passthrough,
-    routes_responses,
+    responses_file, routes_responses,
 )
+from kvstream.api.background import BACKGROUND, BackgroundRuns
 from kvstream.api.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware
-from kvstream.api.state import CACHE_SALT, STATE, AppState
+from kvstream.api.state import CACHE_SALT, KEY_IN_FLIGHT, STATE, AppState, KeyInFlight
 from kvstream.types import BackendError
 from kvstream.config import Settings
 from kvstream.engine import KVStreamEngine
@@ -50,7 +51,7 @@ def auth_middleware(keys: list[str], max_concurrent_per_key: int | None = None, 
     request with its key's cache salt (tenant isolation of cached prefixes)."""
     encoded = [k.encode() for k in keys]
     salts = [tenant_salt(k) for k in keys]
-    in_flight = [0] * len(keys)
+    in_flight = [KeyInFlight(max_concurrent_per_key) for _ in keys]
 
     @web.middleware
     async def middleware(
@@ -83,16 +84,16 @@ def auth_middleware(keys: list[str], max_concurrent_per_key: int | None = None, 
             request[CACHE_SALT] = salts[matched]
         if max_concurrent_per_key is None or request.path not in GENERATION_PATHS:
             return await handler(request)
-        if in_flight[matched] >= max_concurrent_per_key:
+        held = request[KEY_IN_FLIGHT] = in_flight[matched]
+        if not held.take():
             raise APIError(
                 429, f"This API key already has {max_concurrent_per_key} requests in flight.",
                 code="concurrency_limit", retry_after=1,
             )
-        in_flight[matched] += 1
         try:
             return await handler(request)
         finally:
-            in_flight[matched] -= 1
+            held.give()
 
     return middleware
 
@@ -121,6 +122,7 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
         engine.attach_metrics(Metrics())
     app[STATE] = AppState(engine=engine, settings=settings)
     app[MAX_BODY_BYTES] = settings.server.max_body_bytes
+    app[BACKGROUND] = BackgroundRuns()
     app.add_routes(routes_openai.routes)
     app.add_routes(routes_ollama.routes)
     app.add_routes(routes_embeddings.routes)
@@ -131,10 +133,16 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
     app.add_routes(routes_passthrough.routes)  # last: it takes every route the others did not
 
     async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
+        state, kept = app[STATE], settings.server.responses_file
+        if kept is not None:
+            responses_file.load(kept, state.responses, state.conversations)
         await engine.start()
         await warm_prefixes(engine, settings.prefix_cache.warm)
         yield
+        await app[BACKGROUND].close()  # before the engine: each run releases its generation
         await engine.close()
+        if kept is not None:
+            responses_file.save(kept, state.responses, state.conversations)
 
     app.cleanup_ctx.append(engine_lifecycle)
     app.on_response_prepare.append(add_via)

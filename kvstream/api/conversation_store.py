@@ -2,8 +2,8 @@
 itself: a conversation is a list of items that a response made with ``conversation`` reads
 before its input, and to which that response's input and output are added.
 
-Held in memory like stored responses (response_store.py): lost on restart, bounded by count
-and by bytes (its items' JSON), least recently used first out, each owned by the cache salt
+Held in memory like stored responses (response_store.py; kept across a restart with them by
+responses_file.py), bounded by count and by bytes (its items' JSON), least recently used first out, each owned by the cache salt
 of the key that made it.
 """
 
@@ -54,6 +54,14 @@ class ConversationStore:
     def __len__(self) -> int:
         return len(self._conversations)
 
+    def values(self) -> list[Conversation]:
+        """Every conversation, the least recently used first."""
+        return list(self._conversations.values())
+
+    def clear(self) -> None:
+        self._conversations.clear()
+        self.bytes = 0
+
     @property
     def enabled(self) -> bool:
         return self.max_conversations > 0
@@ -64,6 +72,12 @@ class ConversationStore:
         self._resize(conversation, len(dumps(metadata)))
         self.add(conversation, items)
         return conversation
+
+    def restore(self, conversation: Conversation, items: list[dict[str, Any]]) -> None:
+        """Keep ``conversation`` (read back from a file: it has its id) with ``items``."""
+        self._conversations[conversation.id] = conversation
+        self._resize(conversation, len(dumps(conversation.metadata)))
+        self.add(conversation, items)
 
     def get(self, owner: str | None, conversation_id: str) -> Conversation | None:
         """``owner``'s conversation (now the most recently used), or None."""

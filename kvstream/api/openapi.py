@@ -97,6 +97,8 @@ RESPONSES_REQUEST = {
         "reasoning": {"type": ["object", "null"]},
         "store": {"type": "boolean", "description": "Keep the response (default true) for previous_response_id and retrieval"},
         "previous_response_id": {"type": ["string", "null"], "description": "A stored response this one continues"},
+        "background": {"type": "boolean", "description": "Run on without the request (needs store): polled, streamed "
+                       "again, cancelled"},
     },
     "required": ["input"],
 }
@@ -107,6 +109,8 @@ CONVERSATION_ID = {"name": "conversation_id", "in": "path", "required": True, "s
 PAGE = [{"name": name, "in": "query", "required": False, "schema": schema} for name, schema in (
     ("limit", {"type": "integer", "minimum": 1, "maximum": 100}), ("order", {"enum": ["asc", "desc"]}),
     ("after", {"type": "string"}))]
+STREAM_AGAIN = [{"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"}},
+                {"name": "starting_after", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0}}]
 METADATA = {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string", "maxLength": 512}}
 ITEMS = {"type": "array", "maxItems": 20, "items": {"type": "object"}, "description": "Items as a response's input takes them"}
 CONVERSATION_REQUEST = {"type": "object", "properties": {"items": ITEMS, "metadata": METADATA}}
@@ -137,10 +141,18 @@ def build_spec() -> dict[str, Any]:
                 }
             },
             "/v1/responses/{response_id}": {
-                "get": {"summary": "A stored response", "parameters": [RESPONSE_ID],
-                        "responses": {"200": _json("The response as it was answered"), **_errors(400, 401, 404)}},
+                "get": {"summary": "A stored response (a background one as it stands)", "parameters": [RESPONSE_ID, *STREAM_AGAIN],
+                        "responses": {"200": {"description": "The response, or with stream=true a background response's "
+                                              "events again (server-sent events)",
+                                              "content": {"application/json": {"schema": {"type": "object"}},
+                                                          "text/event-stream": {"schema": {"type": "string"}}}},
+                                      **_errors(400, 401, 404)}},
                 "delete": {"summary": "Delete a stored response", "parameters": [RESPONSE_ID],
                            "responses": {"200": _json("id, object, deleted"), **_errors(401, 404)}},
+            },
+            "/v1/responses/{response_id}/cancel": {
+                "post": {"summary": "Cancel a background response", "parameters": [RESPONSE_ID],
+                         "responses": {"200": _json("The response, cancelled"), **_errors(400, 401, 404)}},
             },
             "/v1/responses/{response_id}/input_items": {
                 "get": {"summary": "The items a stored response was made from", "parameters": [RESPONSE_ID, *PAGE],

@@ -2,10 +2,11 @@
 (``previous_response_id``), read it again (``GET /v1/responses/{id}``), list what it was
 given (``.../input_items``) and delete it, as OpenAI's Responses API does with ``store``.
 
-Held in memory (lost on restart), bounded by count and by bytes, least recently used first
-out. A response keeps the whole conversation it continued as references to the earlier
-turns' items (shared, not copied), so that a conversation survives its earlier responses
-leaving the store; the bytes counted are each response's own items. Every response belongs
+Held in memory (written to a file at a graceful stop and read back at start where
+``server.responses_file`` says: responses_file.py), bounded by count and by bytes, least
+recently used first out. A response keeps the whole conversation it continued as references
+to the earlier turns' items (shared, not copied), so that a conversation survives its earlier
+responses leaving the store; the bytes counted are each response's own items. Every response belongs
 to the cache salt of the key that made it (tenant isolation): another key's request does not
 find it.
 """
@@ -27,7 +28,10 @@ class StoredResponse:
     context: tuple[dict[str, Any], ...]  # the earlier turns' input and output items it continued
     input_items: tuple[dict[str, Any], ...]  # what its own request added
     owner: str | None  # the cache salt of the key that made it
-    size: int  # bytes of its own items (the response, its input), as JSON
+    size: int  # bytes of its own items (the response, its input, its events), as JSON
+    # Every event a background response created with ``stream: true`` sent, for streaming it
+    # again; None for any other.
+    events: tuple[dict[str, Any], ...] | None = None
 
     def conversation(self) -> tuple[dict[str, Any], ...]:
         """Every item up to and including this response's output: what a continuation of
@@ -49,18 +53,26 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._responses)
 
+    def values(self) -> list[StoredResponse]:
+        """Every stored response, the least recently used first."""
+        return list(self._responses.values())
+
+    def clear(self) -> None:
+        self._responses.clear()
+        self.bytes = 0
+
     @property
     def enabled(self) -> bool:
         return self.max_responses > 0
 
     def put(self, owner: str | None, response: dict[str, Any], context: tuple[dict[str, Any], ...],
-            input_items: tuple[dict[str, Any], ...]) -> bool:
+            input_items: tuple[dict[str, Any], ...], events: tuple[dict[str, Any], ...] | None = None) -> bool:
         """Keep ``response``; False when it is larger than the whole budget (kept not at all)."""
-        size = len(dumps(response)) + len(dumps(list(input_items)))
+        size = len(dumps(response)) + len(dumps(list(input_items))) + (len(dumps(list(events))) if events else 0)
         if not self.enabled or size > self.max_bytes:
             return False
         self._drop(response["id"])
-        self._responses[response["id"]] = StoredResponse(response, context, input_items, owner, size)
+        self._responses[response["id"]] = StoredResponse(response, context, input_items, owner, size, events)
         self.bytes += size
         while len(self._responses) > self.max_responses or self.bytes > self.max_bytes:
             _, oldest = self._responses.popitem(last=False)

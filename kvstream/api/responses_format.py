@@ -11,8 +11,8 @@ the Responses objects: output items (``reasoning``, a ``message`` with ``output_
 
 ``continuation`` and ``stored_items`` are what a stored response needs (response_store.py):
 the input a ``previous_response_id`` continues with, and the request's own input as the items
-OpenAI lists for it (a ``conversation``'s items are read the same way). ``background`` is a
-400 (nothing runs detached from its request).
+OpenAI lists for it (a ``conversation``'s items are read the same way). A ``background``
+response is driven by background.py, with this answer's events.
 """
 
 from __future__ import annotations
@@ -25,15 +25,14 @@ from kvstream.api.errors import APIError
 from kvstream.types import Token, Usage
 
 # Request fields the response object repeats as the client sent them (or their defaults).
-ECHOED = {"previous_response_id": None, "conversation": None, "store": True, "instructions": None, "max_output_tokens": None, "metadata": {},
+ECHOED = {"background": False, "previous_response_id": None, "conversation": None, "store": True, "instructions": None, "max_output_tokens": None, "metadata": {},
           "parallel_tool_calls": True, "temperature": None, "top_p": None, "tool_choice": "auto", "tools": [], "reasoning": None,
           "text": {"format": {"type": "text"}}, "user": None}
 # Fields that change nothing about the answer here: accepted and not forwarded.
 IGNORED = {"store", "include", "metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier",
            "truncation", "stream_options", "max_tool_calls", "top_logprobs", "reasoning", "text", "input",
            "instructions", "max_output_tokens", "tools", "tool_choice", "prompt_cache_retention",
-           "previous_response_id", "conversation"}
-DETACHED = ("background", "prompt")
+           "previous_response_id", "conversation", "background"}
 # A chat field named in an error -> the Responses field the client sent.
 PARAMS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
@@ -53,9 +52,11 @@ def response_param(chat_param: str | None) -> str | None:
 def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     """The chat-completions body that asks what the Responses body ``body`` asks; APIError
     (400, naming the Responses field) for what cannot be said so."""
-    for field in DETACHED:
-        if body.get(field) not in (None, False):
-            raise _invalid(f"'{field}' is not supported here: nothing runs detached from its request.", field)
+    if body.get("prompt") is not None:
+        raise _invalid("'prompt' (a stored prompt template) is not supported here: send its text as 'instructions' or "
+                       "'input'.", "prompt")
+    if body.get("background") not in (None, True, False):
+        raise _invalid("Invalid type for 'background': expected a boolean.", "background")
     for field in ("text", "reasoning"):
         if body.get(field) is not None and not isinstance(body[field], dict):
             raise _invalid(f"Invalid type for '{field}': expected an object.", field)
@@ -225,6 +226,7 @@ class ResponseAnswer:
         self.reasoning_tokens = 0  # thinking pieces sent
         self._open: dict[str, Any] | None = None  # the item being written
         self._sequence = 0
+        self._announced = False  # response.created sent
 
     # ------------------------------------------------------------------ events
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -232,10 +234,17 @@ class ResponseAnswer:
         self._sequence += 1
         return event
 
+    def queued(self) -> list[dict[str, Any]]:
+        """The events of a background response created and waiting for its turn."""
+        self._announced = True
+        snapshot = self.response("queued")
+        return [self.event("response.created", response=snapshot), self.event("response.queued", response=snapshot)]
+
     def started(self, prompt_tokens: int) -> list[dict[str, Any]]:
-        """The events before the first token."""
+        """The events before the first token (``response.created`` unless ``queued`` said it)."""
         snapshot = self.response("in_progress")
-        return [self.event("response.created", response=snapshot), self.event("response.in_progress", response=snapshot)]
+        created = [] if self._announced else [self.event("response.created", response=snapshot)]
+        return created + [self.event("response.in_progress", response=snapshot)]
 
     def add(self, token: Token) -> list[dict[str, Any]]:
         """The events one token makes."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from kvstream.api.background import BACKGROUND
 from kvstream.api.openapi import build_spec
 from kvstream.api.state import STATE
 from kvstream.metrics import CONTENT_TYPE
@@ -41,7 +42,8 @@ async def status(request: web.Request) -> web.Response:
     """A JSON snapshot of backend, queue, KV pool and counters, and the stored responses and
     conversations."""
     state = request.app[STATE]
-    return web.json_response(state.engine.snapshot() | {"responses": state.responses.describe(),
+    responses = state.responses.describe() | {"running": len(request.app[BACKGROUND])}
+    return web.json_response(state.engine.snapshot() | {"responses": responses,
                                                         "conversations": state.conversations.describe()})
 
 

@@ -8,23 +8,31 @@ Where KVStream answers, it keeps what it answered (response_store.py) unless the
 ``item_reference`` input item stands for a stored item, ``conversation`` reads a
 conversation's items first and adds the response's to it (routes_conversations.py), and
 ``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read and
-delete them (``client.responses.retrieve``, ``.delete``, ``.input_items.list``). Where the
-route passes through, these do too: the runtime's responses are its own."""
+delete them (``client.responses.retrieve``, ``.delete``, ``.input_items.list``). A
+``background`` response runs on without its request (background.py): read while it runs,
+streamed again from any event (``retrieve(id, stream=True, starting_after=N)``) and
+cancelled (``.cancel``). Where the route passes through, these do too: the runtime's
+responses are its own."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
 
+from kvstream.api.background import BACKGROUND, BackgroundRun
 from kvstream.api.conversation_store import Conversation
-from kvstream.api.errors import APIError, counted
+from kvstream.api.errors import REQUEST_ID, APIError, counted
 from kvstream.api.listing import page
 from kvstream.api.response_store import ResponseStore, StoredResponse
 from kvstream.api.responses_format import ResponseAnswer, chat_body, continuation, response_param, stored_items
 from kvstream.api.routes_passthrough import unless_forwarded
-from kvstream.api.state import CACHE_SALT, STATE
-from kvstream.api.translated_api import TranslatedAPI, api_routes
+from kvstream.api.state import CACHE_SALT, KEY_IN_FLIGHT, STATE
+from kvstream.api.streaming import GuardedResponse
+from kvstream.api.translated_api import TranslatedAPI, api_routes, sse
+from kvstream.engine import Generation
 
 # The stored items a request continues (empty for a new one), set by _prepare; and the
 # conversation it is made in, if any.
@@ -53,6 +61,10 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
     store = _store(request)
     if not store.enabled:
         body = body | {"store": False}
+    if body.get("background") is True and body.get("store") is False:
+        raise APIError(400, "A background response is kept to be read back: it needs 'store': true" + (
+            "." if store.enabled else ", and storing is off on this server (server.responses_max_stored: 0)."),
+            param="background", code="invalid_value")
     if isinstance(body.get("input"), list):
         body = body | {"input": [_referenced(request, item, i) for i, item in enumerate(body["input"])]}
     previous = body.get("previous_response_id")
@@ -69,6 +81,9 @@ def _prepare(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(previous, str):
         raise APIError(400, "Invalid type for 'previous_response_id': expected a string.", param="previous_response_id",
                        code="invalid_type")
+    if request.app[BACKGROUND].get(request.get(CACHE_SALT), previous) is not None:
+        raise APIError(400, f"Previous response with id '{previous}' is still in progress: continue it once it has "
+                       "ended.", param="previous_response_id", code="invalid_value")
     stored = store.get(request.get(CACHE_SALT), previous)
     if stored is None:
         raise APIError(400, f"Previous response with id '{previous}' not found.", param="previous_response_id",
@@ -106,21 +121,68 @@ def _referenced(request: web.Request, item: Any, index: int) -> Any:
     return found
 
 
-def _keep(request: web.Request, body: dict[str, Any], answer: dict[str, Any]) -> None:
-    """Store a whole answer unless its body said ``store: false``; add its input and output
-    to the conversation it was made in."""
+def _own_items(request: web.Request, body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """The prepared body's own input (after the conversation it continues) as stored items."""
     context = request[CONTEXT]
-    own = stored_items(body["input"][len(context):] if context else body["input"])
-    conversation = request[CONVERSATION]
-    if conversation is not None:
-        request.app[STATE].conversations.add(conversation, [*own, *answer["output"]])
-    if body.get("store") is not False:
-        _store(request).put(request.get(CACHE_SALT), answer, context, own)
+    return stored_items(body["input"][len(context):] if context else body["input"])
+
+
+def _keeper(request: web.Request, body: dict[str, Any]) -> Callable[..., None]:
+    """What keeps an answer to ``body``: stored unless the body said ``store: false`` (with
+    the events it streamed, for a background response), and its input and output added to
+    the conversation it was made in if the model finished it."""
+    state, owner, context, conversation = request.app[STATE], request.get(CACHE_SALT), request[CONTEXT], request[CONVERSATION]
+    own = _own_items(request, body)
+
+    def keep(answer: dict[str, Any], events: tuple[dict[str, Any], ...] | None = None, finished: bool = True) -> None:
+        if conversation is not None and finished:
+            state.conversations.add(conversation, [*own, *answer["output"]])
+        if body.get("store") is not False:
+            state.responses.put(owner, answer, context, own, events)
+
+    return keep
+
+
+def _keep(request: web.Request, body: dict[str, Any], answer: dict[str, Any]) -> None:
+    _keeper(request, body)(answer)
+
+
+async def _detach(request: web.Request, body: dict[str, Any], gen: Generation, answer: Any) -> web.StreamResponse:
+    """Start a background response: answered ``queued`` at once, or, with ``stream``, its
+    events followed as they come (the run goes on if the client leaves)."""
+    run = BackgroundRun(answer, request.get(CACHE_SALT), body.get("stream") is True,
+                        request[CONTEXT] + _own_items(request, body))
+    run.publish(answer.queued())
+    request.app[BACKGROUND].start(run, gen, _keeper(request, body), request.get(KEY_IN_FLIGHT))
+    headers = {"X-Request-Id": request[REQUEST_ID]}
+    if not run.streamed:
+        return web.json_response(run.response(), headers=headers)
+    return await _stream_events(request, run.follow(-1), headers)
+
+
+async def _stream_events(request: web.Request, batches: AsyncIterator[list[dict[str, Any]]],
+                         headers: dict[str, str]) -> web.StreamResponse:
+    """A background response's events as server-sent events, a batch at a time."""
+    out = GuardedResponse(headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                             "X-Accel-Buffering": "no"})
+    await out.prepare(request)
+    try:
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                await out.write(b"".join(sse(event) for event in batch))
+        await out.write_eof()
+    except ConnectionError:
+        pass  # the client left; a background response runs on without it
+    return out
+
+
+async def _replay(events: tuple[dict[str, Any], ...], after: int) -> AsyncIterator[list[dict[str, Any]]]:
+    yield list(events[max(after + 1, 0):])
 
 
 RESPONSES = TranslatedAPI(chat_body=chat_body, answer=ResponseAnswer, error_shape=_shaped, invalid=_invalid,
                           counted=lambda tokens: {"object": "response.input_tokens", "input_tokens": tokens}, count_defaults={},
-                          prepare=_prepare, keep=_keep)
+                          prepare=_prepare, keep=_keep, detach=_detach)
 
 
 routes = api_routes(RESPONSES, "responses", ("/v1/responses", "/responses"), "/input_tokens")
@@ -135,23 +197,49 @@ def _stored(request: web.Request) -> StoredResponse:
     return stored
 
 
+def _running(request: web.Request) -> BackgroundRun | None:
+    """The requester's background response the path names while it runs, else None."""
+    return request.app[BACKGROUND].get(request.get(CACHE_SALT), request.match_info["response_id"])
+
+
+def _starting_after(request: web.Request) -> int:
+    raw = request.query.get("starting_after")
+    if raw is None:
+        return -1
+    if not raw.isdigit():
+        raise APIError(400, f"Invalid 'starting_after': expected an event's sequence number, got {raw!r}.",
+                       param="starting_after", code="invalid_value")
+    return int(raw)
+
+
 @counted("responses_retrieve")
 @unless_forwarded
 async def retrieve(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/responses/{id}``: the stored response as it was answered."""
-    stored = _stored(request)
-    if request.query.get("stream", "false").lower() not in ("false", "0"):
-        raise APIError(400, "Only responses created with 'background: true' can be streamed again; none are here.",
-                       param="stream", code="invalid_value")
-    return web.json_response(stored.response)
+    """``GET /v1/responses/{id}``: the response as it stands (a background one while it
+    runs); with ``stream=true``, a background response created streamed, its events again
+    from the one after ``starting_after``, live while it runs."""
+    run = _running(request)
+    stored = _stored(request) if run is None else None
+    if request.query.get("stream", "false").lower() in ("false", "0"):
+        return web.json_response(run.response() if run is not None else stored.response)  # type: ignore[union-attr]
+    after = _starting_after(request)
+    if run is not None and run.streamed:
+        return await _stream_events(request, run.follow(after), {})
+    if stored is not None and stored.events is not None:
+        return await _stream_events(request, _replay(stored.events, after), {})
+    raise APIError(400, "Only responses created with 'background: true' and 'stream: true' can be streamed again.",
+                   param="stream", code="invalid_value")
 
 
 @counted("responses_delete")
 @unless_forwarded
 async def delete(request: web.Request) -> web.StreamResponse:
-    """``DELETE /v1/responses/{id}``: forget the response (its continuations keep their
-    conversation)."""
+    """``DELETE /v1/responses/{id}``: forget the response, cancelled first if it runs in the
+    background (its continuations keep their conversation)."""
     response_id = request.match_info["response_id"]
+    run = _running(request)
+    if run is not None:
+        await request.app[BACKGROUND].cancel(run)
     if not _store(request).delete(request.get(CACHE_SALT), response_id):
         raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
     return web.json_response({"id": response_id, "object": "response", "deleted": True})
@@ -163,17 +251,30 @@ async def input_items(request: web.Request) -> web.StreamResponse:
     """``GET /v1/responses/{id}/input_items``: the items the response was made from (the
     conversation it continued, then its own input), a page at a time (``limit``, ``order``
     ``desc`` by default, ``after`` an item id)."""
-    stored = _stored(request)
-    return web.json_response(page(request, list(stored.context + stored.input_items), "desc"))
+    run = _running(request)
+    if run is not None:
+        items = run.items
+    else:
+        stored = _stored(request)
+        items = stored.context + stored.input_items
+    return web.json_response(page(request, list(items), "desc"))
 
 
 @counted("responses_cancel")
 @unless_forwarded
 async def cancel(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/responses/{id}/cancel``: only a background response can be; none are here."""
-    _stored(request)
-    raise APIError(400, "Only responses created with 'background: true' can be cancelled; none are here.",
-                   code="invalid_value")
+    """``POST /v1/responses/{id}/cancel``: stop a background response while it runs and
+    answer it ``cancelled`` (again, for one already cancelled)."""
+    run = _running(request)
+    if run is not None:
+        await request.app[BACKGROUND].cancel(run)
+        return web.json_response(run.response())
+    response = _stored(request).response
+    if not response.get("background"):
+        raise APIError(400, "Only responses created with 'background: true' can be cancelled.", code="invalid_value")
+    if response["status"] != "cancelled":
+        raise APIError(400, f"Cannot cancel a response whose status is '{response['status']}'.", code="invalid_value")
+    return web.json_response(response)
 
 
 for prefix in ("/v1/responses", "/responses"):

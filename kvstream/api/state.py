@@ -30,5 +30,31 @@ class AppState:
 
 STATE = web.AppKey("kvstream_state", AppState)
 
+
+@dataclass
+class KeyInFlight:
+    """One API key's generations in flight, capped by ``server.max_concurrent_per_key``."""
+
+    limit: int | None
+    count: int = 0
+
+    def take(self) -> bool:
+        """Count one more; False (nothing counted) at the cap."""
+        if self.limit is not None and self.count >= self.limit:
+            return False
+        self.count += 1
+        return True
+
+    def keep(self) -> None:
+        """Count one more without the check: a request's own place passed on to the work it
+        leaves running (a background response), before the request gives its place back."""
+        self.count += 1
+
+    def give(self) -> None:
+        self.count -= 1
+
+
+# The requester's key's generations in flight (set by the auth middleware where they are capped).
+KEY_IN_FLIGHT = web.RequestKey("key_in_flight", KeyInFlight)
 # The requester's cache salt (set by the auth middleware when tenant isolation is on).
 CACHE_SALT = web.RequestKey("cache_salt", str)

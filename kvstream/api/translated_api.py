@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -78,6 +78,10 @@ class TranslatedAPI:
     prepare: Callable[[web.Request, dict[str, Any]], dict[str, Any]] = lambda request, body: body
     # Called with each whole answer served (the prepared body, the answer): where it is kept.
     keep: Callable[[web.Request, dict[str, Any], dict[str, Any]], None] = lambda request, body, answer: None
+    # Where a body asks to run detached from its request (the Responses API's ``background``):
+    # called with the request, the prepared body, the submitted generation and its answer,
+    # it takes the generation over and answers the request. None: nothing runs detached.
+    detach: Callable[[web.Request, dict[str, Any], Any, Answer], Awaitable[web.StreamResponse]] | None = None
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -136,6 +140,8 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
             state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
         raise from_exception(exc, retry_after(state)) from None
     answer = api.answer(data, named or generate.model or "")
+    if api.detach is not None and data.get("background") is True:
+        return await api.detach(request, data, gen, answer)
     outcome = "cancelled"
     stream = aiter(gen)
     try:

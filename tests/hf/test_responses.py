@@ -165,7 +165,8 @@ async def test_structured_output_through_the_parse_helper(oa):
     ("kwargs", "param"),
     [
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"max_output_tokens": -1}, "max_output_tokens"),
         ({"temperature": 3}, "temperature"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -225,6 +226,41 @@ async def test_a_client_leaving_a_stream_frees_everything(hf_proxy, path):
         resp.close()
     await wait_idle(hf_proxy)
     assert runner.counters.decode_tokens - before < 50  # cancelled, not run to its 300
+
+
+async def test_a_background_response_is_the_foreground_answer_and_cancels_cleanly(oa, hf_proxy):
+    """``background: true`` on the engine: polled to the same greedy answer as the same
+    request in the foreground; a long one cancelled while it decodes stops decoding and frees
+    its blocks."""
+    import asyncio
+
+    from tests.hf.test_serving import wait_idle
+
+    body = {"model": "smollm2", "instructions": "Answer briefly.", "input": "What is 2+2?", "max_output_tokens": 30,
+            "temperature": 0}
+    foreground = await oa.responses.create(**body)
+    created = await oa.responses.create(**body, background=True)
+    assert created.status == "queued"
+    for _ in range(1000):
+        polled = await oa.responses.retrieve(created.id)
+        if polled.status not in ("queued", "in_progress"):
+            break
+        await asyncio.sleep(0.02)
+    assert (polled.status, polled.output_text, polled.usage.output_tokens) == (
+        foreground.status, foreground.output_text, foreground.usage.output_tokens)
+
+    runner = hf_proxy.engine.backend.runner
+    long = await oa.responses.create(model="smollm2", input="Tell me a long story.", max_output_tokens=400,
+                                     temperature=0, background=True)
+    for _ in range(1000):
+        if (await oa.responses.retrieve(long.id)).output:
+            break
+        await asyncio.sleep(0.02)
+    before = runner.counters.decode_tokens
+    cancelled = await oa.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.output_text
+    await wait_idle(hf_proxy)
+    assert runner.counters.decode_tokens - before < 50  # stopped, not run to its 400
 
 
 async def test_input_tokens_is_the_prompt_a_response_would_have(oa):

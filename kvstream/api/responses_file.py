@@ -1,0 +1,108 @@
+"""Stored responses and conversations kept across a restart: written to one file when the
+server stops (``server.responses_file``) and read back when it starts.
+
+Items are written once however many responses share them: a continuation's conversation is
+the earlier turns' own item objects (response_store.py), so the file holds a table of
+items and each response and conversation lists its items by index into it; read back, the
+sharing is the same as before. The file is written whole to a temporary file beside it,
+readable by its owner only, and moved over the old one, so that a stop mid-write leaves the
+previous file. It is written at a graceful stop only (SIGTERM, Ctrl-C): a process that is
+killed keeps what the previous stop wrote.
+
+A file that cannot be read (damaged, another version) is set aside as ``<file>.unreadable``
+with a warning, and the server starts with empty stores.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from kvstream.api.conversation_store import Conversation, ConversationStore
+from kvstream.api.response_store import ResponseStore
+from kvstream.jsonfast import dumps, loads
+
+logger = logging.getLogger(__name__)
+
+VERSION = 1
+
+
+def save(path: Path, responses: ResponseStore, conversations: ConversationStore) -> None:
+    """Write both stores to ``path`` (the least recently used of each first); a failure is
+    logged (the server is stopping: nobody else is left to tell)."""
+    try:
+        _write(path, responses, conversations)
+    except OSError as exc:
+        logger.error("could not write the stored responses to %s: %s", path, exc)
+        return
+    logger.info("wrote %d stored responses and %d conversations to %s", len(responses), len(conversations), path)
+
+
+def _write(path: Path, responses: ResponseStore, conversations: ConversationStore) -> None:
+    items: list[dict[str, Any]] = []
+    index: dict[int, int] = {}  # id() of an item object -> its place in ``items``
+
+    def refs(objects: Any) -> list[int]:
+        places = []
+        for item in objects:
+            place = index.get(id(item))
+            if place is None:
+                place = index[id(item)] = len(items)
+                items.append(item)
+            places.append(place)
+        return places
+
+    data = {
+        "version": VERSION,
+        "responses": [{"response": stored.response | {"output": refs(stored.response["output"])}, "owner": stored.owner,
+                       "context": refs(stored.context), "input": refs(stored.input_items), "events": stored.events}
+                      for stored in responses.values()],
+        "conversations": [{"id": c.id, "owner": c.owner, "metadata": c.metadata, "created_at": c.created_at,
+                           "items": refs(c.items)} for c in conversations.values()],
+        "items": items,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".writing")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "wb") as out:
+        out.write(dumps(data))
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, path)
+
+
+def load(path: Path, responses: ResponseStore, conversations: ConversationStore) -> None:
+    """Read ``path`` into the (empty) stores, within their bounds; nothing if there is no
+    file; a file that cannot be read is set aside (see the module docstring)."""
+    directory = path.parent
+    if not os.access(directory if directory.exists() else directory.parent, os.W_OK):
+        logger.error("%s is not writable: stored responses will not be kept across a restart", directory)
+    if not path.exists():
+        return
+    try:
+        data = loads(path.read_bytes())
+        if not isinstance(data, dict) or data.get("version") != VERSION:
+            raise ValueError(f"not a version {VERSION} responses file")
+        items = data["items"]
+        for entry in data["responses"]:
+            response = entry["response"] | {"output": [items[i] for i in entry["response"]["output"]]}
+            events = tuple(entry["events"]) if entry["events"] is not None else None
+            responses.put(entry["owner"], response, tuple(items[i] for i in entry["context"]),
+                          tuple(items[i] for i in entry["input"]), events)
+        for entry in data["conversations"]:
+            conversations.restore(Conversation(entry["id"], entry["owner"], entry["metadata"], entry["created_at"]),
+                                  [items[i] for i in entry["items"]])
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        aside = path.with_name(path.name + ".unreadable")
+        logger.warning("could not read the stored responses in %s (%s): set aside as %s, starting with none",
+                       path, exc, aside)
+        responses.clear()
+        conversations.clear()
+        try:
+            os.replace(path, aside)
+        except OSError as move:
+            logger.error("could not set %s aside: %s", path, move)
+        return
+    logger.info("read %d stored responses and %d conversations from %s", len(responses), len(conversations), path)
