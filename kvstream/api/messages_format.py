@@ -4,9 +4,9 @@
 (``system`` as the system message, content blocks as chat content, ``tool_use`` blocks as an
 assistant's tool calls and ``tool_result`` blocks as tool messages, ``tools`` with their
 ``input_schema``, ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none``, ``stop_sequences``,
-``thinking`` as the template's ``enable_thinking`` switch, ``output_config.format`` as
-structured output), so that it is validated and served
-on the one request path the chat route uses. ``MessageAnswer`` turns the tokens that come back
+``thinking`` as the template's ``enable_thinking`` switch (its ``budget_tokens`` as
+``thinking_token_budget``), ``output_config.format`` as structured output), so that it is
+validated and served on the one request path the chat route uses. ``MessageAnswer`` turns the tokens that come back
 into Anthropic's message: content blocks (``thinking``, ``text``, ``tool_use``), ``stop_reason``,
 ``usage``, and, streamed, its events (``message_start``, ``content_block_start`` /
 ``_delta`` / ``_stop``, ``message_delta``, ``message_stop``).
@@ -90,6 +90,14 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
             raise _invalid("thinking.type: 'enabled', 'disabled' or 'adaptive'.", "thinking.type")
         chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled"}
+        budget = thinking.get("budget_tokens")
+        if thinking["type"] == "enabled" and budget is not None:
+            max_tokens = body.get("max_tokens")
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1 or (
+                    isinstance(max_tokens, int) and budget >= max_tokens):
+                raise _invalid("thinking.budget_tokens: a count of tokens, at least 1 and less than max_tokens.",
+                               "thinking.budget_tokens")
+            chat["thinking_token_budget"] = budget  # the in-process engine holds the thinking to it
     return chat
 
 

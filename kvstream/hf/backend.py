@@ -675,12 +675,19 @@ class HFBackend(InProcessBackend):
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
         params = self._sampling_params(request, seq.max_tokens)
+        reading = self._answer_reading(request, seq)
+        if params.thinking_budget is not None:
+            # A budget counts thinking: none where the answer is not read for it (the model's
+            # template shows no <think> block, or a constraint holds the answer).
+            opened = reading.thinking_opened if reading is not None else None
+            params = dataclasses.replace(params, thinking_budget=params.thinking_budget if opened is not None else None,
+                             thinking_opened=bool(opened))
         echo = None
         if request.echo:
             echo = request.prompt if request.prompt_token_ids is None else self.runner.tokenizer.decode(request.prompt_token_ids)
         stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None, echo,
                           tool_call=forced_names(request.extra.get("tools"), request.extra.get("tool_choice")) if forces_call(request) else None,
-                          reading=self._answer_reading(request, seq))
+                          reading=reading)
         self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
         return stream
 

@@ -45,6 +45,7 @@ from kvstream.hf.sampling import History, SamplingParams, TokenLogprobs, logprob
 from kvstream.hf.json_constraint import JsonObjectConstraint
 from kvstream.hf.json_schema import JsonSchemaConstraint, compile_schema
 from kvstream.hf.prompt_scores import STORED_TOP, PromptScores
+from kvstream.hf.thinking_budget import ThinkingBudget, ThinkTokens
 from kvstream.hf.token_bytes import TokenBytes
 from kvstream.hf.block_manager import ReuseBlockManager
 from kvstream.scheduler import (
@@ -145,6 +146,7 @@ class RunnerRequest:
     approx_from: int | None = None  # first position holding moved (approximate) KV
     index: int = 0  # choice index among the request's n (forks carry 1..n-1)
     constraint: JsonObjectConstraint | JsonSchemaConstraint | None = None  # JSON output: what may come next
+    thinking: ThinkingBudget | None = None  # a cap on its <think> block (thinking_budget.py)
     # Echo with logprobs: entry i scores prompt token i + 1 (kept scores of its prefix
     # first, then filled as prefill chunks run; kept across a recompute preemption, whose
     # rerun scores nothing twice). ``scoring`` until the prompt is scored.
@@ -241,6 +243,7 @@ class ModelRunner:
         )
         self.eos_ids = self._eos_ids()
         self.token_bytes = TokenBytes(tokenizer)  # each token's bytes: JSON mode, logprobs
+        self._think_tokens: ThinkTokens | None = None  # the thinking budget's closing text, once asked for
         # The width of a row of logits: what logit_bias may name (tokenizers may list fewer).
         self.vocab_size: int | None = getattr(model.config, "vocab_size", None)
         # Prompt positions one step may score (echo with logprobs): each holds a row of
@@ -304,6 +307,10 @@ class ModelRunner:
             banned = {*self.tokenizer.all_special_ids, *self.eos_ids}
             req.constraint = (JsonSchemaConstraint(compile_schema(params.json_schema), self.token_bytes, banned)
                               if params.json_schema is not None else JsonObjectConstraint(self.token_bytes, banned))
+        elif params.thinking_budget is not None:  # (a constraint holds the answer from its first token: no thinking)
+            if self._think_tokens is None:
+                self._think_tokens = ThinkTokens.of(self.tokenizer)
+            req.thinking = ThinkingBudget(params.thinking_budget, self._think_tokens, self.token_bytes, params.thinking_opened)
         with self._lock:
             if len(self.scheduler.waiting) + len(self._inbox) >= self.scheduler.config.max_queue_size:
                 raise QueueFull(f"The queue is full ({self.scheduler.config.max_queue_size} requests waiting).")
@@ -675,8 +682,10 @@ class ModelRunner:
         histories = [History(r.seq.prompt_token_ids, r.seq.output_token_ids) if p.adjusts_logits else None
                      for r, p in zip(sampled, params, strict=True)]
         constraints = [r.constraint for r in sampled]
+        forced = [r.thinking.forced() if r.thinking is not None else None for r in sampled]
         tokens = sample(logits, params, [r.generator for r in sampled], histories,
-                        constraints if any(c is not None for c in constraints) else None)
+                        constraints if any(c is not None for c in constraints) else None,
+                        forced if any(f is not None for f in forced) else None)
         wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
         logprobs = dict(zip(wanted, logprobs_of(
             logits, wanted, [tokens[row] for row in wanted], [params[row].logprobs for row in wanted]), strict=True))
@@ -745,6 +754,7 @@ class ModelRunner:
                 child, params, IncrementalDetokenizer(self.tokenizer, params.stop), req.sink, params.make_generator(index),
                 num_computed=req.num_computed, admitted=True, index=index,
                 constraint=req.constraint.copy() if req.constraint is not None else None,
+                thinking=req.thinking.copy() if req.thinking is not None else None,
             )
             self.requests[child.seq_id] = fork
             forks.append(fork)
@@ -759,6 +769,8 @@ class ModelRunner:
         text = req.detokenizer.add(token)
         if req.constraint is not None:
             req.constraint.advance(token)
+        if req.thinking is not None:
+            req.thinking.advance(token)
         if req.detokenizer.stopped:
             self._finish(req, TokenEvent("token", token, text, "stop", index=index, stop_sequence=req.detokenizer.matched_stop))
         elif req.constraint is not None and req.constraint.done:  # JSON mode: the object is closed

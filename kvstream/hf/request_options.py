@@ -42,6 +42,18 @@ def _number(extra: dict[str, Any], name: str, default: float, low: float | None 
     return float(value)
 
 
+def _budget(extra: dict[str, Any]) -> int | None:
+    """``thinking_token_budget`` (vLLM's field; the Messages API's ``thinking.budget_tokens``
+    is carried in it): a count of tokens, or None."""
+    value = extra.get("thinking_token_budget")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BackendRejected(f"Invalid value for 'thinking_token_budget': expected a count of tokens (>= 0), got {value!r}.",
+                              param="thinking_token_budget", code="invalid_value")
+    return value
+
+
 def _unsupported(name: str, why: str) -> BackendRejected:
     return BackendRejected(f"'{name}' is not supported by the in-process engine: {why}.", param=name, code="unsupported_parameter")
 
@@ -187,6 +199,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             prompt_logprobs=request.logprobs if request.echo else None,
             json_object=(extra.get("response_format") or {}).get("type") == "json_object",
             json_schema=forced or answer or json_schema(extra),
+            thinking_budget=_budget(extra),
         )
     except ValueError as exc:
         raise BackendRejected(str(exc)) from None

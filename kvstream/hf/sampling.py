@@ -46,6 +46,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     json_object: bool = False  # JSON mode: only tokens that keep the output one JSON object (json_constraint.py)
     json_schema: dict | None = None  # structured output: only JSON this schema admits (json_schema.py)
+    # Most tokens inside a <think> block before its end is forced (thinking_budget.py); None:
+    # no cap. ``thinking_opened``: the prompt left the block open.
+    thinking_budget: int | None = None
+    thinking_opened: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -64,6 +68,8 @@ class SamplingParams:
             raise ValueError("repeat_penalty must be > 0")
         if self.repeat_last_n < -1:
             raise ValueError("repeat_last_n must be >= -1")
+        if self.thinking_budget is not None and self.thinking_budget < 0:
+            raise ValueError("thinking_token_budget must be >= 0")
         for k in (self.logprobs, self.prompt_logprobs):
             if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
@@ -181,13 +187,18 @@ def adjust(scores: torch.Tensor, p: SamplingParams, history: History | None) -> 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     histories: list[History | None] | None = None, constraints: list[Constraint | None] | None = None,
+    forced: list[int | None] | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` ``[N, vocab]``; ``histories`` (per row) feed the
-    penalties of the rows that have them, ``constraints`` (per row) limit what they choose."""
+    penalties of the rows that have them, ``constraints`` (per row) limit what they choose,
+    and a row's ``forced`` token (a thinking budget's closing text) is taken as it is."""
     logits = logits.float()
     tokens: list[int] = []
     greedy = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if forced is not None and forced[row] is not None:
+            tokens.append(forced[row])  # type: ignore[arg-type]
+            continue
         scores = logits[row]
         if p.adjusts_logits:
             scores = adjust(scores, p, histories[row] if histories is not None else None)

@@ -198,3 +198,98 @@ async def test_ollamas_show_names_the_capabilities_the_template_gives(thinking_p
     async with templated_proxy(smollm2, start_proxy, hermes) as (proxy, _):
         shown = await ollama.AsyncClient(host=proxy.url).show("smollm2")
         assert "tools" in shown.capabilities and "thinking" not in shown.capabilities
+
+
+# ------------------------------------------------------------- the thinking budget
+def _budget(budget: int, opened: bool = False):
+    from kvstream.hf.thinking_budget import ThinkingBudget, ThinkTokens
+
+    spelled = {1: b"<th", 2: b"ink>", 3: b" a", 4: b" b", 5: b"</think>", 6: b"\xe2\x82", 7: b"\xac", 8: b"ok", 9: b"  "}
+    return ThinkingBudget(budget, ThinkTokens((90, 91)), spelled.__getitem__, opened)
+
+
+def _run(budget, tokens: list[int]) -> list[str]:
+    states = []
+    for token in tokens:
+        budget.advance(token)
+        states.append(budget.state)
+    return states
+
+
+def test_the_budget_counts_inside_the_block_then_forces_its_end():
+    b = _budget(2)
+    assert _run(b, [9, 1, 2]) == ["idle", "idle", "counting"]  # whitespace, then the tag over two tokens
+    assert _run(b, [3]) == ["counting"] and b.forced() is None
+    assert _run(b, [4]) == ["forcing"] and b.forced() == 90
+    assert _run(b, [90]) == ["forcing"] and b.forced() == 91
+    assert _run(b, [91, 3]) == ["done", "done"] and b.forced() is None
+
+
+def test_the_budget_stands_aside_when_the_model_closes_the_block_or_never_opens_one():
+    assert _run(_budget(5), [1, 2, 3, 5, 3, 3, 3, 3, 3, 3]) [-1] == "done"  # closed after one token
+    assert _run(_budget(5), [8]) == ["done"]  # an answer with no block
+    assert _run(_budget(1, opened=True), [5]) == ["done"]
+
+
+def test_a_spent_budget_finishes_the_character_it_is_in_and_zero_forces_at_once():
+    b = _budget(1, opened=True)
+    assert _run(b, [6]) == ["waiting"] and b.forced() is None  # the first two bytes of "€"
+    assert _run(b, [7]) == ["forcing"]
+    assert _budget(0, opened=True).forced() == 90
+    assert _budget(0).state == "idle"  # zero, but the answer has not opened a block yet
+
+
+def _budgeted_reference(smollm2, tokenizer, messages, budget: int, max_tokens: int, **template_kwargs) -> tuple[str, str]:
+    """(thinking, answer) as transformers' greedy generate gives them with the budget applied
+    by hand: the block's tokens up to the budget, the closing text, then generate on."""
+    import torch
+
+    from kvstream.hf.thinking_budget import FORCED
+
+    ids, generated = reference_tokens(smollm2, tokenizer, messages, max_tokens, **template_kwargs)
+    opened = bool(template_kwargs.get("open_thinking"))
+    start = 0 if opened else next(n for n in range(1, len(generated)) if tokenizer.decode(generated[:n]).lstrip().startswith("<think>"))
+    kept = generated[:start + budget] + tokenizer.encode(FORCED, add_special_tokens=False)
+    assert "</think>" not in tokenizer.decode(generated[:start + budget])  # the model would have thought longer
+    out = smollm2[1].generate(torch.tensor([ids + kept]), max_new_tokens=max_tokens - len(kept), do_sample=False)
+    return split(tokenizer.decode(kept + out[0][len(ids) + len(kept):].tolist(), skip_special_tokens=True), 1000, opened)
+
+
+@pytest.mark.parametrize("opened", [False, True])
+async def test_thinking_token_budget_ends_the_block_where_transformers_with_it_forced_does(thinking_oa, thinking_proxy,
+                                                                                          smollm2, opened):
+    """The engine's text is plain transformers' greedy text with the budget applied by hand,
+    whether the answer opened the block or the prompt did; the thinking reported is the
+    budget's tokens and the closing text's."""
+    _, tokenizer = thinking_proxy
+    kwargs = {"open_thinking": True} if opened else {}
+    thought, answer = _budgeted_reference(smollm2, tokenizer, ASK, 3, 60, **kwargs)
+    reply = await thinking_oa.chat.completions.create(
+        model="smollm2", messages=ASK, max_tokens=60, temperature=0,
+        extra_body={"thinking_token_budget": 3, "chat_template_kwargs": kwargs})
+    message = reply.choices[0].message
+    assert (message.model_extra["reasoning_content"], message.content) == (thought, answer)
+    assert answer  # the model answered after the forced end
+    assert reply.usage.completion_tokens_details.reasoning_tokens <= 3 + len(tokenizer.encode("\n</think>\n\n")) + 2
+
+
+async def test_the_messages_api_budget_tokens_and_the_400s(thinking_proxy, smollm2):
+    import anthropic
+
+    proxy, tokenizer = thinking_proxy
+    thought, answer = _budgeted_reference(smollm2, tokenizer, ASK, 4, 60)
+    async with anthropic.AsyncAnthropic(base_url=proxy.url, api_key="unused", max_retries=0) as client:
+        message = await client.messages.create(model="smollm2", messages=ASK, max_tokens=60, extra_body={"temperature": 0},
+                                               thinking={"type": "enabled", "budget_tokens": 4})
+        assert [(block.type, getattr(block, "thinking", None) or getattr(block, "text", None)) for block in message.content] == [
+            ("thinking", thought), ("text", answer)]
+        for budget in (0, 60, "x"):
+            with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+                await client.messages.create(model="smollm2", messages=ASK, max_tokens=60,
+                                             thinking={"type": "enabled", "budget_tokens": budget})
+    async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+        for budget in (-1, 2.5, "many", True):
+            with pytest.raises(openai.BadRequestError) as err:
+                await oa.chat.completions.create(model="smollm2", messages=ASK, max_tokens=8,
+                                                 extra_body={"thinking_token_budget": budget})
+            assert err.value.param == "thinking_token_budget"
