@@ -45,6 +45,8 @@ async def test_a_background_response_runs_on_and_is_polled_to_its_end(start_upst
         assert (created.status, created.background, created.output) == ("queued", True, [])
         async with http.get(proxy.url + "/status") as resp:
             assert (await resp.json())["responses"]["running"] == 1
+        async with http.get(proxy.url + "/metrics") as resp:
+            assert "\nkvstream_responses_running 1.0\n" in await resp.text()
         done, seen = await _until(client, created.id, "completed")
         # While it ran, a poll showed it in progress with the text written so far.
         partial = [r.output_text for r in seen if r.status == "in_progress" and r.output]
@@ -59,6 +61,9 @@ async def test_a_background_response_runs_on_and_is_polled_to_its_end(start_upst
                                                       {"role": "assistant", "content": "Once upon a time."}]
     async with http.get(proxy.url + "/status") as resp:
         assert (await resp.json())["responses"]["running"] == 0
+    async with http.get(proxy.url + "/metrics") as resp:
+        scraped = await resp.text()
+    assert "\nkvstream_responses_running 0.0\n" in scraped and "\nkvstream_responses_stored 2.0\n" in scraped
     await wait_released(proxy)
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from aiohttp import web
+from prometheus_client.core import GaugeMetricFamily
 
 from kvstream import __version__
 from kvstream.api import (
@@ -123,6 +124,7 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
     app[STATE] = AppState(engine=engine, settings=settings)
     app[MAX_BODY_BYTES] = settings.server.max_body_bytes
     app[BACKGROUND] = BackgroundRuns()
+    engine.metrics.registry.register(_StoresCollector(app))  # type: ignore[union-attr]
     app.add_routes(routes_openai.routes)
     app.add_routes(routes_ollama.routes)
     app.add_routes(routes_embeddings.routes)
@@ -147,6 +149,22 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
     app.cleanup_ctx.append(engine_lifecycle)
     app.on_response_prepare.append(add_via)
     return app
+
+
+class _StoresCollector:
+    """The Responses API's stores on /metrics, read at scrape time."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        state = self.app[STATE]
+        yield GaugeMetricFamily("kvstream_responses_stored", "Responses kept for previous_response_id and retrieval.",
+                                value=len(state.responses))
+        yield GaugeMetricFamily("kvstream_responses_stored_bytes", "Bytes of the stored responses, as JSON.",
+                                value=state.responses.bytes)
+        yield GaugeMetricFamily("kvstream_responses_running", "Background responses running.", value=len(self.app[BACKGROUND]))
+        yield GaugeMetricFamily("kvstream_conversations_stored", "Conversations kept.", value=len(state.conversations))
 
 
 VIA = f"1.1 kvstream/{__version__}"
