@@ -355,3 +355,34 @@ async def test_a_response_the_runtime_failed_is_not_stored(start_upstream, start
         async with http.get(proxy.url + "/status") as resp:
             assert (await resp.json())["responses"]["stored"] == 0
         await wait_released(proxy)
+
+
+async def test_truncation_auto_drops_the_earliest_items_until_the_prompt_fits(ollama_proxy, client):
+    """A conversation past the runtime's context (4,096 tokens here): a 400 by default, as
+    OpenAI answers; with ``truncation: "auto"`` the runtime gets the instructions and the
+    latest items that fit, never a tool's result without its call, and the stored response
+    keeps the whole conversation."""
+    _, recorder = ollama_proxy
+    long = "word " * 300  # some 375 estimated tokens
+    items: list = []
+    for n in range(12):
+        items += [{"role": "user", "content": f"{n}: {long}"},
+                  {"type": "function_call", "call_id": f"call_{n}", "name": "look", "arguments": "{}"},
+                  {"type": "function_call_output", "call_id": f"call_{n}", "output": long}]
+    items.append({"role": "user", "content": "And now?"})
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.responses.create(model="llama3.2", instructions="Be brief.", input=items, max_output_tokens=100)
+    assert err.value.code == "context_length_exceeded"
+    reply = await client.responses.create(model="llama3.2", instructions="Be brief.", input=items, max_output_tokens=100,
+                                          truncation="auto")
+    assert reply.truncation == "auto" and reply.output_text == "Hello!"
+    sent = recorder.bodies[-1]["messages"]
+    assert sent[0] == {"role": "system", "content": "Be brief."} and sent[-1]["content"] == "And now?"
+    assert sent[1]["role"] != "tool" and 3 < len(sent) < 1 + len(items)
+    # The fewest dropped: one more item would not have fit.
+    kept_from = next(n for n in range(12) if sent[1]["content"].startswith(f"{n}:")) if sent[1]["role"] == "user" else None
+    assert kept_from is not None and kept_from > 0
+    assert len([item async for item in client.responses.input_items.list(reply.id, limit=100)]) == len(items)
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.responses.create(model="llama3.2", input="x", extra_body={"truncation": "sometimes"})
+    assert err.value.param == "truncation"

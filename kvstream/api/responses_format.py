@@ -25,7 +25,7 @@ from kvstream.api.errors import APIError
 from kvstream.types import Token, Usage
 
 # Request fields the response object repeats as the client sent them (or their defaults).
-ECHOED = {"background": False, "previous_response_id": None, "conversation": None, "store": True, "instructions": None, "max_output_tokens": None, "metadata": {},
+ECHOED = {"background": False, "truncation": "disabled", "previous_response_id": None, "conversation": None, "store": True, "instructions": None, "max_output_tokens": None, "metadata": {},
           "parallel_tool_calls": True, "temperature": None, "top_p": None, "tool_choice": "auto", "tools": [], "reasoning": None,
           "text": {"format": {"type": "text"}}, "user": None}
 # Fields that change nothing about the answer here: accepted and not forwarded.
@@ -55,6 +55,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("prompt") is not None:
         raise _invalid("'prompt' (a stored prompt template) is not supported here: send its text as 'instructions' or "
                        "'input'.", "prompt")
+    if body.get("truncation") not in (None, "auto", "disabled"):
+        raise _invalid("Invalid value for 'truncation': 'auto' or 'disabled'.", "truncation")
     if body.get("background") not in (None, True, False):
         raise _invalid("Invalid type for 'background': expected a boolean.", "background")
     for field in ("text", "reasoning"):
@@ -285,7 +287,7 @@ class ResponseAnswer:
         out: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "model": self.model, "output": [dict(item) for item in self.output], "truncation": "disabled", **self.echo,
+            "model": self.model, "output": [dict(item) for item in self.output], **self.echo,
         }
         if usage is not None:
             out["usage"] = {

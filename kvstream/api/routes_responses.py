@@ -32,7 +32,8 @@ from kvstream.api.routes_passthrough import unless_forwarded
 from kvstream.api.state import CACHE_SALT, KEY_IN_FLIGHT, STATE
 from kvstream.api.streaming import GuardedResponse
 from kvstream.api.translated_api import TranslatedAPI, api_routes, sse
-from kvstream.engine import Generation
+from kvstream.engine import Generation, KVStreamEngine
+from kvstream.types import GenerateRequest
 
 # The stored items a request continues (empty for a new one), set by _prepare; and the
 # conversation it is made in, if any.
@@ -180,9 +181,33 @@ async def _replay(events: tuple[dict[str, Any], ...], after: int) -> AsyncIterat
     yield list(events[max(after + 1, 0):])
 
 
+async def _fit(engine: KVStreamEngine, generate: GenerateRequest, body: dict[str, Any]) -> None:
+    """``truncation: "auto"``: while the prompt and ``max_output_tokens`` do not fit the
+    context, drop the conversation's earliest items, as OpenAI does (the instructions stay,
+    and a tool's result never opens what is kept); the fewest dropped that fit. None fitting
+    leaves the shortest, whose 400 then says how far it is. ``disabled`` (the default):
+    the request fails with the 400."""
+    messages = generate.messages
+    if body.get("truncation") != "auto" or not messages or await engine.fits(generate):
+        return
+    head = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), len(messages))
+    cuts = [i for i in range(head + 1, len(messages)) if messages[i].get("role") != "tool"]
+    if not cuts:
+        return
+    low, high = 0, len(cuts) - 1  # the first cut that fits: a later cut keeps less
+    while low < high:
+        middle = (low + high) // 2
+        generate.messages = messages[:head] + messages[cuts[middle]:]
+        if await engine.fits(generate):
+            high = middle
+        else:
+            low = middle + 1
+    generate.messages = messages[:head] + messages[cuts[low]:]
+
+
 RESPONSES = TranslatedAPI(chat_body=chat_body, answer=ResponseAnswer, error_shape=_shaped, invalid=_invalid,
                           counted=lambda tokens: {"object": "response.input_tokens", "input_tokens": tokens}, count_defaults={},
-                          prepare=_prepare, keep=_keep, detach=_detach)
+                          prepare=_prepare, keep=_keep, detach=_detach, fit=_fit)
 
 
 routes = api_routes(RESPONSES, "responses", ("/v1/responses", "/responses"), "/input_tokens")

@@ -82,6 +82,9 @@ class TranslatedAPI:
     # called with the request, the prepared body, the submitted generation and its answer,
     # it takes the generation over and answers the request. None: nothing runs detached.
     detach: Callable[[web.Request, dict[str, Any], Any, Answer], Awaitable[web.StreamResponse]] | None = None
+    # Fits the request to the model's context where the body asks it to (the Responses API's
+    # ``truncation: "auto"``): called with the engine, the request and the prepared body.
+    fit: Callable[[Any, GenerateRequest, dict[str, Any]], Awaitable[None]] | None = None
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -129,6 +132,8 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
         return await forward(request)  # the runtime's own
     arrived_at = time.monotonic()
     generate, data, named = await _generate_request(request, api, {})
+    if api.fit is not None:
+        await api.fit(state.engine, generate, data)
     request_id = request[REQUEST_ID]
     generate.stream = data.get("stream") is True
     generate.queue_deadline_s = parse_deadline(request)

@@ -31,7 +31,7 @@ from kvstream.engine.estimate import CHARS_PER_TOKEN, estimate_tokens, flatten_m
 from kvstream.engine.hot import HotPrefixes
 from kvstream.engine.runners import Runner, runner_for
 from kvstream.kv.hashing import tenant_root
-from kvstream.scheduler import Priority, Scheduler, SchedulerError, Sequence
+from kvstream.scheduler import NeverFits, Priority, Scheduler, SchedulerError, Sequence
 from kvstream.types import BackendError, BackendRejected, GenerateRequest, ModelInfo, RuntimeLimits, Token, Usage
 
 if TYPE_CHECKING:
@@ -400,15 +400,7 @@ class KVStreamEngine:
         # Never preempted: KVStream cannot pause a stream it does not read.
         return self._enqueue(request, prompt_ids, False, priority, None, preemptible=False)
 
-    def _enqueue(
-        self,
-        request: GenerateRequest,
-        prompt_ids: list[int],
-        exact: bool,
-        priority: Priority,
-        arrived_at: float | None,
-        preemptible: bool = True,
-    ) -> Generation:
+    def _sequence(self, request: GenerateRequest, prompt_ids: list[int], priority: Priority) -> Sequence:
         # Without max_tokens a request may run to the end of the context; with no known
         # context, assume FALLBACK_MAX_TOKENS, within what the pool can ever hold.
         scheduler = self.scheduler
@@ -419,6 +411,28 @@ class KVStreamEngine:
         max_tokens = request.max_tokens if request.max_tokens is not None else max(1, limit - len(prompt_ids))
         seq = Sequence(prompt_ids, max_tokens, priority)
         seq.cache_root = tenant_root(request.cache_salt)
+        return seq
+
+    async def fits(self, request: GenerateRequest) -> bool:
+        """Whether ``request``'s prompt and ``max_tokens`` fit the model's context and the pool
+        (the check ``submit`` makes, NeverFits past it), without queueing it."""
+        prompt_ids, _ = await self.prompt_tokens(request)
+        try:
+            self.scheduler.check_fits(self._sequence(request, prompt_ids, Priority.NORMAL))
+        except NeverFits:
+            return False
+        return True
+
+    def _enqueue(
+        self,
+        request: GenerateRequest,
+        prompt_ids: list[int],
+        exact: bool,
+        priority: Priority,
+        arrived_at: float | None,
+        preemptible: bool = True,
+    ) -> Generation:
+        seq = self._sequence(request, prompt_ids, priority)
         if self.backend.capabilities.preemptible:
             seq.preemptible = preemptible and self.backend.can_resume(request)
         gen = Generation(self, request, seq, exact, arrived_at)
