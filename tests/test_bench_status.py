@@ -92,6 +92,17 @@ def test_status_renders_a_recorded_snapshot():
                      "TTFT p50 250 ms", "2 failed", "queue_full 3", "3 restores", "1 failed", "history"):
         assert expected in text, expected
     assert status_cli.sparkline([0, 1, 2, 4]) == "▁▂▄█"
+    assert "responses" not in text  # none stored: no row
+
+
+def test_status_shows_the_stored_and_background_responses():
+    console = Console(record=True, width=140, file=io.StringIO())
+    snap = SNAPSHOT | {"responses": {"stored": 12, "bytes": 3 * 2**20, "running": 2, "evicted": 0},
+                       "conversations": {"stored": 3, "bytes": 900, "evicted": 0}}
+    console.print(status_cli.render(snap, None, "http://127.0.0.1:8080"))
+    text = console.export_text()
+    for expected in ("12 stored (3 MB)", "2 running in the background", "3 conversations"):
+        assert expected in text, expected
 
 
 

@@ -121,6 +121,12 @@ def render(snap: dict[str, Any], history: History | None = None, url: str = "") 
     engine = _in_process_engine(backend)
     if engine is not None:
         parts.append(engine)
+    stored, conversations = snap.get("responses") or {}, snap.get("conversations") or {}
+    if stored.get("stored") or stored.get("running") or conversations.get("stored"):
+        t = Table.grid(padding=(0, 2))
+        t.add_row("responses", f"{stored.get('stored', 0):,} stored ({_mb(stored.get('bytes', 0))})",
+                  f"{stored.get('running', 0)} running in the background", f"{conversations.get('stored', 0):,} conversations")
+        parts.append(t)
     replicas = backend.get("replicas")
     if replicas:
         t = Table.grid(padding=(0, 2))
