@@ -192,3 +192,27 @@ async def test_shutting_down_cancels_what_runs(start_upstream, aiohttp_server):
             break
         await asyncio.sleep(0.02)
     assert (recorder.cancelled, recorder.completed) == (1, 0) and not engine._generations
+
+
+@pytest.mark.parametrize("script", [Script(status=500), Script(tokens=["Hel", "lo"], error_after=1)],
+                         ids=["an error status", "an error mid-stream"])
+async def test_a_background_response_the_runtime_failed_reads_failed(start_upstream, start_proxy, script):
+    """Polled: ``failed`` with its error, stored, and not added to its conversation; streamed
+    again: the events end with ``response.failed``."""
+    proxy, _ = await _proxy(start_upstream, start_proxy, script)
+    async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as client:
+        conversation = await client.conversations.create()
+        created = await client.responses.create(model="llama3.2", input="Hi", background=True, stream=True,
+                                                conversation=conversation.id)
+        events = [event async for event in created]
+        assert events[-1].type == "response.failed"
+        response_id = events[0].response.id
+        failed = await client.responses.retrieve(response_id)
+        assert failed.status == "failed" and failed.error.code == "server_error" and failed.error.message
+        assert [e.model_dump() for e in await _all(client, response_id)] == [e.model_dump() for e in events]
+        assert [item async for item in client.conversations.items.list(conversation.id)] == []
+    await wait_released(proxy)
+
+
+async def _all(client: openai.AsyncOpenAI, response_id: str) -> list:
+    return [event async for event in await client.responses.retrieve(response_id, stream=True)]
