@@ -121,6 +121,40 @@ async def test_generate_templates_the_prompt_as_a_user_turn_unless_raw(front):
     assert recorder.bodies[-1]["prompt"] == "1, 2,"
 
 
+async def test_generate_carries_its_images_and_a_suffix_for_fill_in_the_middle(front, http):
+    """Images go with the templated user turn; a suffix makes the request a completion
+    between the prompt and the suffix (code completion), OpenAI's ``suffix`` upstream; what
+    cannot be said so is a 400 in Ollama's shape."""
+    proxy, _, recorder, client = front
+    await client.generate(model="llama3.2", prompt="What is in this picture?", images=["aGVsbG8="], stream=False)
+    assert recorder.bodies[-1]["messages"] == [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]
+    reply = await client.generate(model="llama3.2", prompt="def area(r):\n    return ", suffix="\n\nprint(area(2))", stream=False)
+    assert reply.response == "Hello!"
+    sent = recorder.bodies[-1]
+    assert (sent["prompt"], sent["suffix"], "messages" in sent) == ("def area(r):\n    return ", "\n\nprint(area(2))", False)
+    for body, error in (({"raw": True, "system": "x"}, "raw mode does not support"), ({"suffix": 5}, "suffix must be a string"),
+                        ({"suffix": "x", "images": ["aGVsbG8="]}, "images in a templated prompt only"),
+                        ({"images": "aGVsbG8="}, "images must be a list")):
+        async with http.post(proxy.url + "/api/generate", json={"model": "llama3.2", "prompt": "p"} | body) as resp:
+            assert resp.status == 400 and error in (await resp.json())["error"], body
+
+
+async def test_in_front_of_ollama_a_completions_suffix_reaches_its_generate(start_upstream, start_proxy):
+    """An OpenAI client's fill-in-the-middle (``suffix``, as code-completion plugins send it)
+    becomes Ollama's own ``suffix``, as Ollama's /v1/completions passes it."""
+    import openai
+
+    url, recorder = await start_upstream(Script(tokens=["x"]), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url))
+    async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as client:
+        await client.completions.create(model="llama3.2", prompt="def area(r):\n    return ", suffix="\n", max_tokens=8)
+    sent = recorder.bodies[-1]
+    assert (sent["prompt"], sent["suffix"]) == ("def area(r):\n    return ", "\n")
+    await wait_released(proxy)
+
+
 async def test_model_routes_describe_the_backend(front, http):
     proxy, _, _, client = front
     assert [m.model for m in (await client.list()).models] == ["test-model"]

@@ -294,12 +294,25 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         prompt = body.get("prompt") or ""
         if not isinstance(prompt, str):
             raise OllamaError(400, "prompt must be a string")
-        if body.get("raw"):
+        suffix, images, system = body.get("suffix"), body.get("images"), body.get("system")
+        if suffix is not None and not isinstance(suffix, str):
+            raise OllamaError(400, "suffix must be a string")
+        if images is not None and not (isinstance(images, list) and all(isinstance(i, str) for i in images)):
+            raise OllamaError(400, "images must be a list of base64-encoded images")
+        if body.get("raw") or suffix:
+            # The prompt as it is (raw), or a fill-in-the-middle between the prompt and the
+            # suffix (code completion): a completion, the suffix in OpenAI's field.
+            if images:
+                raise OllamaError(400, "this runtime takes images in a templated prompt only: leave raw and suffix out")
+            if body.get("raw") and system:
+                raise OllamaError(400, "raw mode does not support template, system, or context")
             generate = _request(body, request_id, None, prompt)
-        else:  # Ollama templates a generate prompt as a user turn (with its system prompt)
-            system = body.get("system")
+            if suffix:
+                generate.extra["suffix"] = suffix
+        else:  # Ollama templates a generate prompt as a user turn (with its system prompt and images)
             messages = ([{"role": "system", "content": system}] if isinstance(system, str) and system else [])
-            generate = _request(body, request_id, messages + [{"role": "user", "content": prompt}], None)
+            user = {"role": "user", "content": prompt} | ({"images": images} if images else {})
+            generate = _request(body, request_id, messages + _messages([user]), None)
     model_name = body.get("model") if isinstance(body.get("model"), str) else None
     generate.model = await _model(state, body)
     if chat and not generate.messages:

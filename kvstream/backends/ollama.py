@@ -285,6 +285,8 @@ class OllamaBackend(BaseBackend):
                 body["tools"] = request.extra["tools"]
             return "/api/chat", body
         body["prompt"] = request.prompt or ""
+        if request.extra.get("suffix"):  # fill-in-the-middle (code completion): OpenAI's field, and Ollama's
+            body["suffix"] = request.extra["suffix"]
         return "/api/generate", body
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
