@@ -263,6 +263,29 @@ async def test_a_background_response_is_the_foreground_answer_and_cancels_cleanl
     assert runner.counters.decode_tokens - before < 50  # stopped, not run to its 400
 
 
+async def test_truncation_auto_keeps_the_latest_items_that_fit(oa, hf_proxy, smollm2):
+    """A conversation past the pool (4,096 tokens here): a 400 by default; with ``truncation:
+    "auto"`` the prompt is the instructions and the latest items whose exact token count
+    (the model's template) fits with ``max_output_tokens``, one item more not fitting."""
+    from kvstream.hf.loader import chat_token_ids
+
+    _, _, tokenizer = smollm2
+    long = "The quick brown fox jumps over the lazy dog. " * 45
+    items = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i}: {long}"} for i in range(11)]
+    items.append({"role": "user", "content": "Say hi."})
+    body = {"model": "smollm2", "instructions": "Be brief.", "input": items, "max_output_tokens": 16, "temperature": 0}
+    with pytest.raises(openai.BadRequestError) as err:
+        await oa.responses.create(**body)
+    assert err.value.code == "context_length_exceeded"
+
+    def prompt(kept: int) -> int:
+        return len(chat_token_ids(tokenizer, [{"role": "system", "content": "Be brief."}] + items[len(items) - kept:]))
+
+    fitting = max(kept for kept in range(1, len(items)) if prompt(kept) + 16 <= 4096)
+    reply = await oa.responses.create(**body, truncation="auto")
+    assert reply.truncation == "auto" and reply.usage.input_tokens == prompt(fitting) and prompt(fitting + 1) + 16 > 4096
+
+
 async def test_input_tokens_is_the_prompt_a_response_would_have(oa):
     counted = await oa.responses.input_tokens.count(model="smollm2", instructions="Answer briefly.", input="What is 2+2?")
     reply = await oa.responses.create(model="smollm2", instructions="Answer briefly.", input="What is 2+2?",
