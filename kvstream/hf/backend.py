@@ -680,8 +680,8 @@ class HFBackend(InProcessBackend):
             # A budget counts thinking: none where the answer is not read for it (the model's
             # template shows no <think> block, or a constraint holds the answer).
             opened = reading.thinking_opened if reading is not None else None
-            params = dataclasses.replace(params, thinking_budget=params.thinking_budget if opened is not None else None,
-                             thinking_opened=bool(opened))
+            budget = params.thinking_budget if opened is not None else None
+            params = dataclasses.replace(params, thinking_budget=budget, thinking_opened=bool(opened))
         echo = None
         if request.echo:
             echo = request.prompt if request.prompt_token_ids is None else self.runner.tokenizer.decode(request.prompt_token_ids)
