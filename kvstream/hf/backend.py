@@ -598,6 +598,9 @@ class HFBackend(InProcessBackend):
         self._sampling_params(request, 1)
         tokenizer = self.runner.tokenizer
         if request.is_chat:
+            if request.extra.get("suffix"):
+                raise BackendRejected("'suffix' is a completions field: a chat has no text after the answer.",
+                                      param="suffix", code="invalid_value")
             # Tools go to the template, as the model was trained to see them; with
             # tool_choice "none" the client wants none called, and they are left out.
             tools = request.extra.get("tools") if request.extra.get("tool_choice") != "none" else None
@@ -628,6 +631,9 @@ class HFBackend(InProcessBackend):
                                           f"render content parts of type {', '.join(kinds)}", param="messages",
                                           code="unsupported_content") from None
                 raise BackendRejected(f"the model's chat template rejected the messages: {exc}", param="messages") from None
+        suffix = request.extra.get("suffix")
+        if suffix is not None and suffix != "":
+            return self._fill_in_middle_ids(request, suffix)
         if request.prompt_token_ids is not None:
             vocab = self.runner.vocab_size
             if vocab is not None and max(request.prompt_token_ids) >= vocab:
@@ -635,6 +641,22 @@ class HFBackend(InProcessBackend):
                                       f"the vocabulary of {vocab}.", param="prompt", code="invalid_value")
             return list(request.prompt_token_ids)
         return list(tokenizer(request.prompt or "").input_ids) or [tokenizer.bos_token_id or 0]
+
+    def _fill_in_middle_ids(self, request: GenerateRequest, suffix: Any) -> list[int]:
+        """A completion between the prompt and ``suffix`` (fill_in_middle.py); 400 where the
+        model has no FIM tokens or the request cannot be one."""
+        from kvstream.hf.fill_in_middle import fim_prompt_ids, fim_tokens
+
+        assert self.runner is not None
+        if not isinstance(suffix, str):
+            raise BackendRejected("Invalid type for 'suffix': expected a string.", param="suffix", code="invalid_type")
+        if request.prompt_token_ids is not None or request.echo:
+            raise BackendRejected("'suffix' takes a text prompt, without echo.", param="suffix", code="invalid_value")
+        tokens = fim_tokens(self.runner.tokenizer)
+        if tokens is None:
+            raise BackendRejected(f"{self.model_name or 'this model'} cannot fill in the middle: its tokenizer has no "
+                                  "fill-in-the-middle tokens (a code model's).", param="suffix", code="unsupported_parameter")
+        return fim_prompt_ids(self.runner.tokenizer, tokens, request.prompt or "", suffix)
 
     def _blend_params(self, request: GenerateRequest) -> Any:
         """BlendParams when the request (or the configured default) asks for blend reuse."""

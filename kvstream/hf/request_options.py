@@ -15,7 +15,7 @@ says what schemas it takes), ``tool_choice`` forcing a call (a schema too, tool_
 and from Ollama's options (or llama-server's fields) ``repeat_penalty``, ``repeat_last_n``,
 ``min_p``, ``typical_p``; completions' ``echo`` (``GenerateRequest.echo``: with ``logprobs``, the prompt's tokens are scored too,
 and ``max_tokens`` may be 0). Refused: a schema outside what json_schema.py takes,
-``echo`` in a chat request, ``suffix``, ``best_of`` > 1.
+``echo`` in a chat request, ``best_of`` > 1 (a ``suffix`` is the backend's: fill_in_middle.py).
 """
 
 from __future__ import annotations
@@ -66,8 +66,6 @@ def check_unsupported(extra: dict[str, Any]) -> None:
                               param="response_format", code="invalid_value")
     if extra.get("echo"):  # completions' own echo is GenerateRequest.echo, not extra
         raise _unsupported("echo", "a chat request does not echo its messages (completions do)")
-    if extra.get("suffix"):
-        raise _unsupported("suffix", "it does not fill in between a prompt and a suffix")
     best_of = extra.get("best_of")
     if best_of is not None and best_of != 1:
         raise _unsupported("best_of", "use n for several choices")
