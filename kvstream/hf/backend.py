@@ -697,6 +697,11 @@ class HFBackend(InProcessBackend):
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
         params = self._sampling_params(request, seq.max_tokens)
+        if request.extra.get("suffix") and not request.is_chat:  # fill in the middle: its end tokens end it
+            from kvstream.hf.fill_in_middle import end_ids
+
+            ends = end_ids(self.runner.tokenizer)
+            params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *ends))
         reading = self._answer_reading(request, seq)
         if params.thinking_budget is not None:
             # A budget counts thinking: none where the answer is not read for it (the model's

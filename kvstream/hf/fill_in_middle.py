@@ -5,8 +5,9 @@ cursor has code on both sides.
 Code models are trained on it with three special tokens: the prompt is the prefix token,
 the text before the cursor, the suffix token, the text after it, and the middle token,
 after which the model writes what goes between and ends its turn (the prefix-suffix-middle
-order, llama.cpp's ``/infill`` and Ollama's templates build the same). A model has FIM when
-its tokenizer holds one of the known spellings as single tokens; any other gets a 400.
+order, llama.cpp's ``/infill`` and Ollama's templates build the same), or a token that ends
+it as well (``ENDS``). A model has FIM when its tokenizer holds one of the known spellings as
+single tokens; any other gets a 400.
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ SPELLINGS = (
     ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2, Granite code
     ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
 )
+
+
+# Tokens a code model may write after the middle instead of its end of turn (llama.cpp ends
+# the generation at them too): the middle is done.
+ENDS = ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<fim_pad>", "<file_sep>", "<repo_name>")
+
+
+def end_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The ids of ``ENDS`` the tokenizer has, as single tokens."""
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    ids = [(tokenizer.convert_tokens_to_ids(token), token) for token in ENDS]
+    return tuple(i for i, token in ids if isinstance(i, int) and i != unknown and tokenizer.convert_ids_to_tokens(i) == token)
 
 
 def fim_tokens(tokenizer: Any) -> tuple[int, int, int] | None:

@@ -763,7 +763,7 @@ class ModelRunner:
     def _emit(self, req: RunnerRequest, token: int) -> None:
         req.num_generated += 1
         params, index = req.params, req.index
-        if token in self.eos_ids and not params.ignore_eos:
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             self._finish(req, TokenEvent("token", token, req.detokenizer.flush(), "stop", index=index))
             return
         text = req.detokenizer.add(token)

@@ -71,6 +71,21 @@ def check_unsupported(extra: dict[str, Any]) -> None:
         raise _unsupported("best_of", "use n for several choices")
 
 
+def stop_token_ids(extra: dict[str, Any], vocab_size: int | None) -> tuple[int, ...]:
+    """``stop_token_ids`` (vLLM's field): tokens that end the answer as its end of turn does."""
+    raw = extra.get("stop_token_ids")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        raise BackendRejected("Invalid type for 'stop_token_ids': expected a list of token ids.", param="stop_token_ids",
+                              code="invalid_type")
+    for token in raw:
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise BackendRejected(f"Invalid value in 'stop_token_ids': token {token} is outside the vocabulary of "
+                                  f"{vocab_size}.", param="stop_token_ids", code="invalid_value")
+    return tuple(raw)
+
+
 def logit_bias(extra: dict[str, Any], vocab_size: int | None) -> dict[int, float]:
     """``logit_bias`` as token id -> bias (ids as JSON object keys are strings)."""
     raw = extra.get("logit_bias")
@@ -193,6 +208,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             repeat_penalty=_number(extra, "repeat_penalty", 1.0, 0.0),
             repeat_last_n=int(_number(extra, "repeat_last_n", 64, -1)),
             logit_bias=logit_bias(extra, vocab_size),
+            stop_token_ids=stop_token_ids(extra, vocab_size),
             logprobs=request.logprobs,
             prompt_logprobs=request.logprobs if request.echo else None,
             json_object=(extra.get("response_format") or {}).get("type") == "json_object",

@@ -40,6 +40,7 @@ class SamplingParams:
     repeat_penalty: float = 1.0  # llama.cpp: logits of the last repeat_last_n tokens / (or x) this
     repeat_last_n: int = 64  # prompt and output, as llama.cpp counts them; -1: the whole context
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the answer as the end of turn does
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely (k <= 20)
     # The same for each prompt token after the first (echo): the whole prompt is computed,
     # none of it taken from the prefix cache, since a cached position has no logits.

@@ -12,7 +12,7 @@ import copy
 import openai
 import pytest
 
-from kvstream.hf.fill_in_middle import fim_prompt_ids, fim_tokens
+from kvstream.hf.fill_in_middle import end_ids, fim_prompt_ids, fim_tokens
 from tests.conftest import require_import
 
 require_import("torch")
@@ -53,6 +53,7 @@ def test_the_prompt_is_prefix_suffix_middle_in_the_models_own_tokens(coder, smol
     ids = fim_prompt_ids(tokenizer, tokens, PREFIX, SUFFIX)
     assert tokenizer.decode(ids) == f"<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>"
     assert fim_tokens(smollm2[2]) is None  # SmolLM2 as shipped has none
+    assert [tokenizer.convert_ids_to_tokens(i) for i in end_ids(tokenizer)] == ["<file_sep>", "<repo_name>"]
 
 
 async def test_a_completion_with_a_suffix_is_transformers_greedy_middle(coder, coder_proxy):
@@ -61,8 +62,10 @@ async def test_a_completion_with_a_suffix_is_transformers_greedy_middle(coder, c
 
     _, reference, tokenizer = coder
     ids = fim_prompt_ids(tokenizer, fim_tokens(tokenizer), PREFIX, SUFFIX)
-    out = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
-    expected = tokenizer.decode(out[0][len(ids):], skip_special_tokens=True)
+    out = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0][len(ids):].tolist()
+    ends = set(end_ids(tokenizer))  # (SmolLM2's vocabulary has <file_sep> and <repo_name>)
+    written = out[:next((i for i, token in enumerate(out) if token in ends), len(out))]
+    expected = tokenizer.decode(written, skip_special_tokens=True)
     async with openai.AsyncOpenAI(base_url=coder_proxy.v1, api_key="unused", max_retries=0) as oa:
         reply = await oa.completions.create(model="coder", prompt=PREFIX, suffix=SUFFIX, max_tokens=12, temperature=0)
         assert expected and reply.usage.prompt_tokens == len(ids) and reply.choices[0].text == expected

@@ -386,6 +386,26 @@ async def test_completions_refuse_suffix_and_best_of_and_take_tools_none(oa):
     assert reply.choices[0].message.content is not None
 
 
+async def test_stop_token_ids_end_the_answer_at_that_token(oa, smollm2):
+    """vLLM's ``stop_token_ids``: the answer ends at the first of them, as at its end of turn
+    (the token's own text left out), against transformers' greedy tokens."""
+    import torch
+
+    _, reference, tokenizer = smollm2
+    ids = tokenizer("1, 2, 3, 4,").input_ids
+    generated = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0][len(ids):].tolist()
+    stop = generated[3]
+    cut = generated[:generated.index(stop)]
+    reply = await oa.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=8, temperature=0,
+                                        extra_body={"stop_token_ids": [stop]})
+    assert reply.choices[0].text == tokenizer.decode(cut) and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == len(cut) + 1
+    for bad in ("x", [-1], [10**9], [True]):
+        with pytest.raises(BadRequestError) as err:
+            await oa.completions.create(model="smollm2", prompt="x", max_tokens=2, extra_body={"stop_token_ids": bad})
+        assert err.value.param == "stop_token_ids"
+
+
 async def test_typical_p_is_honoured_and_seeded_answers_repeat(oa):
     """llama-server's and Ollama's ``typical_p`` (locally typical sampling): served, and a seed
     repeats its answer."""
