@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 START, END, FORCED = "<think>", "</think>", "\n</think>\n\n"
+OPEN, CLOSE = START.encode(), END.encode()
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class ThinkingBudget:
                 self._look_for_end()
             elif not OPEN.startswith(start):
                 self.state = "done"  # the answer did not open a block
+            else:
+                self._text = start  # (whitespace before the tag is not kept)
             return
         if self._look_for_end():
             return
@@ -111,9 +114,6 @@ class ThinkingBudget:
             self.state = "waiting"
         else:
             self.state = "forcing" if self.tokens.forced else "done"
-
-
-OPEN, CLOSE = START.encode(), END.encode()
 
 
 def _unfinished_utf8(tail: bytes) -> bytes:
