@@ -173,7 +173,7 @@ class AWQSettings(_Section):
     keep_last_k: int = Field(2, ge=0, description="decoder layers at the end kept resident")
     staging_slots: int = Field(2, ge=1, description="layers staged at once: the one computing and slots - 1 prefetched ahead (copy: preallocated slots they are copied into; mapped: layers whose pages are faulted in ahead)")
     drop_page_cache: bool = Field(False, description="drop each streamed layer's checkpoint pages once staged, so that the page cache does not hold the model (every forward reads streamed layers from disk)")
-    stream_embeddings: bool = Field(False, description="with streaming: the token embeddings and LM head are read from the mapped checkpoint too instead of held in memory (the head reads its whole table from the page cache every token, as a streamed layer does; an untied input table is left mapped anyway)")
+    stream_embeddings: bool | None = Field(None, description="with streaming: the token embeddings and LM head are read from the mapped checkpoint too instead of held in memory (the head reads its whole table from the page cache every token, as a streamed layer does; an untied input table is left mapped anyway). Unset: on where it can be (the CPU, a head that keeps its table as stored); false keeps them held")
     staging: Literal["copy", "mapped"] = Field("mapped", description="mapped (CPU) = streamed layers compute straight from the memory-mapped checkpoint, the next layers' pages faulted in ahead where they left the page cache (no copies, no slots; faster warm and cold here); copy = their packed weights copied into the staging slots before they compute")
 
 

@@ -110,7 +110,7 @@ def serve(
     staging_slots: Annotated[Optional[int], typer.Option(help="with --awq-streaming: layers staged at once, slots - 1 prefetched ahead (default 2)")] = None,
     drop_page_cache: Annotated[Optional[bool], typer.Option("--drop-page-cache", help="with --awq-streaming: drop streamed layers' checkpoint pages once staged")] = None,
     staging: Annotated[Optional[str], typer.Option(help="with --awq-streaming on CPU: mapped (default; compute from the mapped checkpoint, no copies) | copy (into the staging slots first); on CUDA always copies from pinned host memory")] = None,
-    stream_embeddings: Annotated[Optional[bool], typer.Option("--stream-embeddings", help="with --awq-streaming: read the token embeddings and LM head from the mapped checkpoint too (the head reads its whole table every token)")] = None,
+    stream_embeddings: Annotated[Optional[bool], typer.Option("--stream-embeddings/--no-stream-embeddings", help="with --awq-streaming: read the token embeddings and LM head from the mapped checkpoint too (the head reads its whole table every token); default: on the CPU where the head keeps its table as stored")] = None,
     config: ConfigOpt = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:

@@ -616,7 +616,7 @@ def test_mapped_staging_faults_pages_in_only_where_they_left_the_page_cache(rtn_
     calls = []
     populate = streaming.populate_pages
     monkeypatch.setattr(streaming, "populate_pages", lambda start, end: (calls.append(start), populate(start, end)))
-    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, drop, "mapped"))
+    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, drop, "mapped", stream_embeddings=False))
     ids = torch.randint(0, 40000, (1, 4), generator=torch.Generator().manual_seed(5))
     try:
         with torch.no_grad():
@@ -650,7 +650,8 @@ def test_warm_mapped_forwards_check_the_page_cache_every_few_and_find_an_evicted
     cached, populate = streaming.pages_cached, streaming.populate_pages
     monkeypatch.setattr(streaming, "pages_cached", lambda start, end, vector=None: checks.append(start) or cached(start, end, vector))
     monkeypatch.setattr(streaming, "populate_pages", lambda start, end: (populated.append(start), populate(start, end)))
-    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, staging="mapped"))
+    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, staging="mapped",
+                                                                               stream_embeddings=False))
     streamer = report.streamer
     ranges = sum(len(r) for r in streamer.page_ranges.values())  # one check each, per checking forward
     ids = torch.randint(0, 40000, (1, 4), generator=torch.Generator().manual_seed(5))
@@ -761,7 +762,8 @@ def test_resident_bytes_are_exactly_the_resident_parts(rtn_folder, resident):
     index = SafetensorsIndex(rtn_folder)
     everything = sum(held_bytes(name, ref) for name, ref in index.refs.items())
     assert full.resident_bytes == everything  # every tensor once (the tied head is the embeddings)
-    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, staging="copy"))
+    model, report = load_awq_model(rtn_folder, torch.float32,
+                                   StreamingConfig("partial_resident", 2, 2, 2, staging="copy", stream_embeddings=False))
     try:
         layers = len(decoder_layers(model))
         streamed = sum(
@@ -777,7 +779,8 @@ def test_resident_bytes_are_exactly_the_resident_parts(rtn_folder, resident):
         assert snapshot["staging"] == "copy" and snapshot["staging_slots"] == 2
     finally:
         report.streamer.close()
-    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, staging="mapped"))
+    model, report = load_awq_model(rtn_folder, torch.float32,
+                                   StreamingConfig("partial_resident", 2, 2, 2, staging="mapped", stream_embeddings=False))
     try:
         snapshot = report.snapshot()
         assert report.resident_bytes == everything - streamed and report.streamed_bytes == streamed
@@ -922,7 +925,8 @@ def test_a_streamed_untied_model_leaves_its_input_table_mapped_with_the_resident
     with torch.no_grad():
         want = model(ids, use_cache=False).logits
     for staging in ("copy", "mapped"):
-        model, report = load_awq_model(folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, staging=staging))
+        model, report = load_awq_model(folder, torch.float32,
+                                       StreamingConfig("partial_resident", 2, 2, 2, staging=staging, stream_embeddings=False))
         try:
             embed = model.model.embed_tokens
             assert isinstance(embed, HalfEmbedding) and embed.weight.dtype == torch.float16
@@ -975,11 +979,30 @@ def test_stream_embeddings_leaves_the_tables_mapped_with_the_resident_run_s_logi
             report.streamer.close()
 
 
-def test_stream_embeddings_keeps_a_tied_table_the_head_must_upcast_resident(rtn_folder, monkeypatch):
+def test_streaming_leaves_the_tables_mapped_by_default_where_the_head_keeps_them_as_stored(rtn_folder, resident):
+    """``stream_embeddings`` unset: on the CPU the default is ``True``'s load (what streaming
+    is asked for is the memory; a resident head reads the same bytes every token); on a GPU,
+    whose path holds its tables there, it resolves to off instead of the explicit flag's error."""
+    if resident[2].embeddings.startswith("float32"):
+        pytest.skip(f"embeddings upcast here: {resident[2].embeddings}")
+    table = SafetensorsIndex(rtn_folder).refs["model.embed_tokens.weight"].nbytes
+    reports = {}
+    for flag in (None, True, False):
+        model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, stream_embeddings=flag))
+        reports[flag] = (report.embeddings, report.mapped_bytes, report.mapped_bytes_per_forward, report.resident_bytes)
+        report.streamer.close()
+    assert reports[None] == reports[True] and reports[None][1:3] == (table, table)
+    assert reports[False][1:3] == (0, 0) and reports[False][3] == reports[None][3] + table  # 54 of SmolLM2's 61 MB at K=2
+    assert StreamingConfig().maps_head(on_gpu=False) and not StreamingConfig().maps_head(on_gpu=True)
+    assert StreamingConfig(stream_embeddings=True).maps_head(on_gpu=True)  # refused at load on CUDA (tested on a GPU)
+
+
+@pytest.mark.parametrize("flag", [True, None], ids=["flag", "default"])
+def test_stream_embeddings_keeps_a_tied_table_the_head_must_upcast_resident(rtn_folder, monkeypatch, flag):
     from kvstream.hf import native_linear
 
     monkeypatch.setattr(native_linear, "load", lambda: (None, "no C++ compiler (test)"))
-    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, stream_embeddings=True))
+    model, report = load_awq_model(rtn_folder, torch.float32, StreamingConfig("partial_resident", 2, 2, 2, stream_embeddings=flag))
     try:
         assert report.embeddings == "float32 (upcast at load: the native kernel is not built: no C++ compiler (test))"
         assert report.mapped_bytes == report.mapped_bytes_per_forward == 0

@@ -104,7 +104,7 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
         raise CheckpointError(str(exc)) from None
     device = torch.device(device)
     cuda = device.type == "cuda"
-    if cuda and (streaming.drop_page_cache or streaming.stream_embeddings):
+    if cuda and (streaming.drop_page_cache or streaming.stream_embeddings is True):
         raise CheckpointError("--drop-page-cache and --stream-embeddings are for streaming on the CPU: on CUDA the "
                               "streamed layers are held in pinned host memory and the embeddings on the GPU")
 
@@ -142,7 +142,7 @@ def load_awq_model(folder: Path | str, dtype: torch.dtype, streaming: StreamingC
                 plan.setdefault(layer_index, []).append((relative, quantized))
 
     embeddings, head_replaced = _hold_embeddings(model, index, dtype, map_input=bool(plan) and not cuda,
-                                                 map_head=bool(plan) and streaming.stream_embeddings, on_gpu=cuda)
+                                                 map_head=bool(plan) and streaming.maps_head(cuda), on_gpu=cuda)
 
     # Everything that is not a packed projection: assigned from the checkpoint.
     state = {}

@@ -81,10 +81,18 @@ class StreamingConfig:
     # instead of held in memory: the head then reads its whole table from the page cache every
     # forward, as a streamed layer does (the input lookup only its tokens' rows): faulted in
     # ahead where it has left the page cache, dropped with ``drop_page_cache`` as the layers
-    # are (the input table, read by rows, is not). Off by default: on the
-    # large models streaming is for, the table is a small share of the weights, and a
-    # resident head adds nothing to the bytes read from the mapping per token.
-    stream_embeddings: bool = False
+    # are (the input table, read by rows, is not). None (the default) is on where it can be:
+    # on the CPU, where the head keeps its table as stored. A resident head reads the same
+    # bytes every token as a mapped one, so warm it costs nothing (benchmarks/awq_streaming.py:
+    # within the rounds' noise), and what streaming is asked for is the memory: a tied table is
+    # most of a small model's resident bytes (SmolLM2: 54 of 61 MB at K=2) and a large share
+    # of mid-sized ones' (Llama-3.2-1B's 128k x 2048 in float16, 0.5 GB). False keeps it held.
+    stream_embeddings: bool | None = None
+
+    def maps_head(self, on_gpu: bool) -> bool:
+        """Whether the head's table is left in the mapping (``stream_embeddings`` resolved):
+        the CUDA path holds its tables on the GPU."""
+        return (not on_gpu) if self.stream_embeddings is None else self.stream_embeddings
 
     def check(self, num_layers: int) -> None:
         """Raise ValueError naming the setting the model cannot take."""
