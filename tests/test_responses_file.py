@@ -139,3 +139,64 @@ def test_an_unwritable_file_is_logged_not_raised(tmp_path, caplog):
     with caplog.at_level(logging.ERROR, logger="kvstream.api.responses_file"):
         save(blocked / "responses.json", ResponseStore(1, 1024), ConversationStore(1, 1024))
     assert "could not write" in caplog.text
+
+
+async def test_a_running_server_writes_what_changed_every_interval(start_upstream, start_server, tmp_path, monkeypatch, caplog):
+    """``server.responses_save_interval_s``: while the server runs, the file follows the
+    stores (what a killed process would leave), written only after a change; a write that
+    fails is logged and the server goes on."""
+    import asyncio
+
+    from kvstream.api import responses_file
+
+    writes = []
+    replace = responses_file._replace
+    monkeypatch.setattr(responses_file, "_replace", lambda path, data: (writes.append(path), replace(path, data)))
+
+    def stored_ids() -> set[str]:
+        responses, conversations = ResponseStore(10, 1 << 20), ConversationStore(10, 1 << 20)
+        load(kept, responses, conversations)
+        return {stored.response["id"] for stored in responses.values()}
+
+    async def until(condition) -> None:
+        for _ in range(100):
+            if condition():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the file did not follow the stores")
+
+    url, _ = await start_upstream(Script(tokens=["Hi"]), factory=ollama_double)
+    kept = tmp_path / "responses.json"
+    server = await start_server(url, responses_file=kept, responses_save_interval_s=0.05)
+    async with _client(server) as client:
+        await asyncio.sleep(0.2)
+        assert writes == []  # nothing changed: nothing written
+        first = await client.responses.create(model="llama3.2", input="Hi")
+        await until(lambda: kept.exists() and stored_ids() == {first.id})
+        assert stat.S_IMODE(os.stat(kept).st_mode) == 0o600
+        count = len(writes)
+        await asyncio.sleep(0.3)
+        assert len(writes) == count  # unchanged since: not written again
+        await client.responses.retrieve(first.id)  # reading changes nothing either
+        await asyncio.sleep(0.2)
+        assert len(writes) == count
+        second = await client.responses.create(model="llama3.2", input="Again")
+        await until(lambda: stored_ids() == {first.id, second.id})
+        await client.responses.delete(first.id)
+        await until(lambda: stored_ids() == {second.id})
+        conversation = await client.conversations.create(items=[{"type": "message", "role": "user", "content": "kept"}])
+        await until(lambda: len(json.loads(kept.read_bytes())["conversations"]) == 1)
+
+        # The file's folder replaced by a file: every write fails; the server answers on.
+        kept.unlink()
+        blocked = tmp_path / "blocked"
+        blocked.write_text("a file where a directory should be")
+        monkeypatch.setattr(responses_file, "_replace", lambda path, data: replace(blocked / "responses.json", data))
+        with caplog.at_level(logging.ERROR, logger="kvstream.api.responses_file"):
+            third = await client.responses.create(model="llama3.2", input="Still answered")
+            await until(lambda: "could not write" in caplog.text)
+        assert third.status == "completed"
+        assert (await client.conversations.retrieve(conversation.id)).id == conversation.id
+    monkeypatch.setattr(responses_file, "_replace", replace)
+    await server.close()  # the stop writes the last state
+    assert stored_ids() == {second.id, third.id}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -140,7 +141,13 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
             responses_file.load(kept, state.responses, state.conversations)
         await engine.start()
         await warm_prefixes(engine, settings.prefix_cache.warm)
+        every = settings.server.responses_save_interval_s
+        saver = (asyncio.create_task(responses_file.keep_saved(kept, state.responses, state.conversations, every))
+                 if kept is not None and every > 0 else None)
         yield
+        if saver is not None:
+            saver.cancel()
+            await asyncio.gather(saver, return_exceptions=True)
         await app[BACKGROUND].close()  # before the engine: each run releases its generation
         await engine.close()
         if kept is not None:

@@ -50,6 +50,7 @@ class ConversationStore:
         self._conversations: OrderedDict[str, Conversation] = OrderedDict()
         self.bytes = 0
         self.evicted = 0
+        self.changes = 0  # counts every change of what is stored (responses_file writes when it moved)
 
     def __len__(self) -> int:
         return len(self._conversations)
@@ -61,6 +62,7 @@ class ConversationStore:
     def clear(self) -> None:
         self._conversations.clear()
         self.bytes = 0
+        self.changes += 1
 
     @property
     def enabled(self) -> bool:
@@ -115,6 +117,7 @@ class ConversationStore:
             return False
         del self._conversations[conversation_id]
         self.bytes -= conversation.size
+        self.changes += 1
         return True
 
     def _resize(self, conversation: Conversation, change: int) -> None:
@@ -122,6 +125,7 @@ class ConversationStore:
         others while over a bound (never the one just changed: it is in use)."""
         conversation.size += change
         self.bytes += change
+        self.changes += 1
         while len(self._conversations) > 1 and (len(self._conversations) > self.max_conversations or self.bytes > self.max_bytes):
             oldest_id = next(iter(self._conversations))
             if oldest_id == conversation.id:

@@ -49,6 +49,7 @@ class ResponseStore:
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self.bytes = 0
         self.evicted = 0
+        self.changes = 0  # counts every change of what is stored (responses_file writes when it moved)
 
     def __len__(self) -> int:
         return len(self._responses)
@@ -60,6 +61,7 @@ class ResponseStore:
     def clear(self) -> None:
         self._responses.clear()
         self.bytes = 0
+        self.changes += 1
 
     @property
     def enabled(self) -> bool:
@@ -73,6 +75,7 @@ class ResponseStore:
             return False
         self._drop(response["id"])
         self._responses[response["id"]] = StoredResponse(response, context, input_items, owner, size, events)
+        self.changes += 1
         self.bytes += size
         while len(self._responses) > self.max_responses or self.bytes > self.max_bytes:
             _, oldest = self._responses.popitem(last=False)
@@ -105,6 +108,7 @@ class ResponseStore:
         if self.get(owner, response_id) is None:
             return False
         self._drop(response_id)
+        self.changes += 1
         return True
 
     def _drop(self, response_id: str) -> None:

@@ -6,8 +6,11 @@ the earlier turns' own item objects (response_store.py), so the file holds a tab
 items and each response and conversation lists its items by index into it; read back, the
 sharing is the same as before. The file is written whole to a temporary file beside it,
 readable by its owner only, and moved over the old one, so that a stop mid-write leaves the
-previous file. It is written at a graceful stop only (SIGTERM, Ctrl-C): a process that is
-killed keeps what the previous stop wrote.
+previous file. It is written at a graceful stop (SIGTERM, Ctrl-C) and, while the server
+runs, every ``server.responses_save_interval_s`` in which the stores changed
+(``keep_saved``), so that a process that is killed loses at most that interval's changes.
+Background responses still running are not in the stores (background.py keeps them until
+they end): a graceful stop cancels them and writes them cancelled; a killed process loses them.
 
 A file that cannot be read (damaged, another version) is set aside as ``<file>.unreadable``
 with a warning, and the server starts with empty stores.
@@ -15,8 +18,10 @@ with a warning, and the server starts with empty stores.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +33,44 @@ logger = logging.getLogger(__name__)
 
 VERSION = 1
 
+# One write at a time: the stop's write waits for a periodic one still in its thread, and
+# then replaces it with what is newer.
+_writing = threading.Lock()
+
 
 def save(path: Path, responses: ResponseStore, conversations: ConversationStore) -> None:
     """Write both stores to ``path`` (the least recently used of each first); a failure is
     logged (the server is stopping: nobody else is left to tell)."""
     try:
-        _write(path, responses, conversations)
+        _replace(path, _encode(responses, conversations))
     except OSError as exc:
         logger.error("could not write the stored responses to %s: %s", path, exc)
         return
     logger.info("wrote %d stored responses and %d conversations to %s", len(responses), len(conversations), path)
 
 
-def _write(path: Path, responses: ResponseStore, conversations: ConversationStore) -> None:
+async def keep_saved(path: Path, responses: ResponseStore, conversations: ConversationStore, interval_s: float) -> None:
+    """Write both stores to ``path`` every ``interval_s`` in which they changed, until
+    cancelled (the stop's ``save`` writes the last state). The encoding runs on the event
+    loop, where the stores change (a snapshot, at most ``server.responses_max_bytes`` of
+    JSON twice over), the write and fsync on a thread. A failed write is logged and tried
+    again at the next change."""
+    written = (responses.changes, conversations.changes)
+    while True:
+        await asyncio.sleep(interval_s)
+        now = (responses.changes, conversations.changes)
+        if now == written:
+            continue
+        try:
+            await asyncio.to_thread(_replace, path, _encode(responses, conversations))
+        except OSError as exc:
+            logger.error("could not write the stored responses to %s: %s", path, exc)
+            continue
+        written = now
+        logger.debug("wrote %d stored responses and %d conversations to %s", len(responses), len(conversations), path)
+
+
+def _encode(responses: ResponseStore, conversations: ConversationStore) -> bytes:
     items: list[dict[str, Any]] = []
     index: dict[int, int] = {}  # id() of an item object -> its place in ``items``
 
@@ -63,14 +93,20 @@ def _write(path: Path, responses: ResponseStore, conversations: ConversationStor
                            "items": refs(c.items)} for c in conversations.values()],
         "items": items,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".writing")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "wb") as out:
-        out.write(dumps(data))
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, path)
+    return dumps(data)
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Put ``data`` in ``path``: written beside it, owner-only, fsynced, moved over it."""
+    with _writing:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(path.name + ".writing")
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
 
 
 def load(path: Path, responses: ResponseStore, conversations: ConversationStore) -> None:

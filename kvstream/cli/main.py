@@ -88,7 +88,7 @@ def serve(
     kv_dtype: Annotated[Optional[str], typer.Option(help="hf: the KV pool's dtype: auto (the model's) | float32 | float16 | bfloat16 (half the pool bytes under a float32 model)")] = None,
     half_weights: Annotated[Optional[bool], typer.Option("--half-weights/--no-half-weights", help="hf, CPU float32: hold a bfloat16/float16 checkpoint's linear layers and embeddings as stored (default on)")] = None,
     slot_save_path: Annotated[Optional[Path], typer.Option(help="llamacpp: the server's slot directory (enables hard KV inject)")] = None,
-    responses_file: Annotated[Optional[Path], typer.Option(help="keep the Responses API's stored responses and conversations across restarts in this file (written at a graceful stop)")] = None,
+    responses_file: Annotated[Optional[Path], typer.Option(help="keep the Responses API's stored responses and conversations across restarts in this file (written at a graceful stop and every server.responses_save_interval_s, 30 s, in which they changed)")] = None,
     host: Annotated[Optional[str], typer.Option(help="address to bind (default 127.0.0.1)")] = None,
     port: Annotated[Optional[int], typer.Option(help="port to listen on (default 8080)")] = None,
     max_batch_size: Annotated[Optional[int], typer.Option(help="most requests in flight at once (default auto: 8 in front of a runtime, hf: sized from the KV pool)")] = None,
