@@ -170,6 +170,7 @@ class _EngineCollector(Collector):
         blocks.add_metric(["gpu", "used"], pool.num_used)
         blocks.add_metric(["gpu", "free"], pool.num_free)
         blocks.add_metric(["gpu", "cached"], pool.num_cached)
+        blocks.add_metric(["gpu", "retained"], pool.num_retained)
         blocks.add_metric(["cpu", "used"], bm.num_cpu_blocks - bm.num_free_cpu_blocks)
         blocks.add_metric(["cpu", "free"], bm.num_free_cpu_blocks)
         yield blocks

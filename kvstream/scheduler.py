@@ -106,6 +106,9 @@ class Sequence:
     overtaken: int = 0  # lpm: times a later arrival was admitted first
     unforked: int = 0  # forks still to come (reserved slots)
     forked: bool = False  # the forks were made (a re-admitted parent reserves none)
+    # (prompt tokens, seconds): once it finishes, the cached blocks of those first tokens
+    # are kept past ordinary cached blocks that long (BlockPool.retain); a client asked.
+    cache_retention: tuple[tuple[int, float], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -505,7 +508,8 @@ class Scheduler:
                 queue.remove(seq)
         self._release_growth(seq)
         self._release_forks(seq)
-        self.bm.free(seq.seq_id)
+        now = self.bm.pool.clock()  # type: ignore[operator]
+        self.bm.free(seq.seq_id, [(tokens, now + seconds) for tokens, seconds in seq.cache_retention])
         seq.status = SeqStatus.FINISHED
 
     # ----------------------------------------------------------------- checks

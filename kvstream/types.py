@@ -114,6 +114,17 @@ class RequestControl:
             callback()
 
 
+@dataclass(frozen=True, slots=True)
+class CacheBreakpoint:
+    """A client asked for a prefix of its prompt to stay cached for ``seconds`` after the
+    request (Anthropic's ``cache_control``, OpenAI's ``prompt_cache_retention``).
+    ``messages``: the prefix that renders the first that many chat messages (with the tools;
+    0: the tools alone); None: the whole prompt."""
+
+    seconds: float
+    messages: int | None = None
+
+
 @dataclass
 class GenerateRequest:
     """One generation, runtime-neutral. ``messages`` for chat, ``prompt`` for completions."""
@@ -170,6 +181,9 @@ class GenerateRequest:
     # X-Conversation-Id stream sessions) works through KVStream as it does directly.
     headers: dict[str, str] | None = None
     control: RequestControl = field(default_factory=RequestControl, repr=False, compare=False)
+    # Prefixes to keep cached after the request; only a backend that holds the KV itself
+    # (the in-process engine) can keep them (Backend.retained_prefixes).
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
 
     @property
     def is_chat(self) -> bool:

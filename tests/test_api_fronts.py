@@ -60,6 +60,29 @@ async def test_anthropics_messages_in_front_of_ollama_are_translated(start_upstr
     await wait_released(proxy)
 
 
+async def test_cache_marks_do_not_reach_ollama_which_keeps_its_own_cache(start_upstream, start_proxy):
+    """``cache_control`` (Anthropic's blocks and tools) and ``prompt_cache_retention`` are
+    read and taken out: Ollama's body is the unmarked request's, nothing is retained in
+    KVStream's model of a runtime's cache (the runtime evicts as it will)."""
+    anthropic = pytest.importorskip("anthropic")
+    url, recorder = await start_upstream(Script(tokens=["Hi"]), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url))
+    mark = {"cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    tool = {"name": "get_time", "input_schema": {"type": "object"}}
+    async with anthropic.AsyncAnthropic(base_url=proxy.url, api_key="unused", max_retries=0) as client:
+        for marked in (True, False):
+            extra = mark if marked else {}
+            await client.messages.create(model="llama3.2", max_tokens=8, tools=[tool | extra],
+                                         system=[{"type": "text", "text": "Be brief."} | extra],
+                                         messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"} | extra]}])
+        assert recorder.bodies[-2] == recorder.bodies[-1] and "cache_control" not in str(recorder.bodies[-1])
+    async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+        await oa.chat.completions.create(model="llama3.2", messages=[{"role": "user", "content": "Hi"}],
+                                         extra_body={"prompt_cache_retention": "24h"})
+    await wait_released(proxy)
+    assert proxy.engine.scheduler.bm.pool.num_retained == 0
+
+
 async def test_the_anthropic_client_authenticates_with_its_own_header(start_upstream, start_proxy):
     """With API keys configured, the anthropic client's ``x-api-key`` is a key like a Bearer one;
     a wrong one is refused in Anthropic's error shape (the key is checked before the route

@@ -113,7 +113,7 @@ async def test_labels_stay_bounded_whatever_clients_send(proxied):
         "how": {"exact", "estimated"},
         "kind": {"unavailable", "rejected", "timeout", "error"},
         "tier": {"gpu", "cpu"},
-        "state": {"used", "free", "cached"},
+        "state": {"used", "free", "cached", "retained"},
         "outcome": {"finished", "failed", "cancelled"},
         "reason": {"queue_full", "queue_timeout", "context_length_exceeded"},
         "direction": {"in", "out"},

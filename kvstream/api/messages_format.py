@@ -18,6 +18,7 @@ import json
 import secrets
 from typing import Any
 
+from kvstream.api.cache_control import too_many, ttl
 from kvstream.api.errors import APIError
 from kvstream.types import Token, Usage
 
@@ -59,14 +60,25 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool) or body["max_tokens"] < 1:
         raise _invalid("max_tokens: a positive integer is required.", "max_tokens")
     messages: list[dict[str, Any]] = []
+    marks = 0  # cache_control breakpoints, counted as Anthropic counts them (blocks)
     system = body.get("system")
     if system is not None:
         messages.append({"role": "system", "content": _text(system, "system")})
+        for mark in _cache_marks(system, "system"):
+            messages[-1]["cache_control"], marks = mark, marks + 1
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise _invalid("messages: a non-empty list is required.", "messages")
     for i, message in enumerate(raw):
         messages += _message(message, i)
+        for mark in _cache_marks(message.get("content"), f"messages.{i}.content"):
+            if messages:  # the prefix kept ends with this message's last chat message
+                messages[-1]["cache_control"] = mark
+            marks += 1
+    for i, tool in enumerate(body.get("tools") or []):
+        marks += len(_cache_marks([tool], "tools", offset=i))
+    if (refusal := too_many(marks)) is not None:
+        raise _invalid(refusal, "cache_control")
     chat: dict[str, Any] = {"messages": messages, "max_completion_tokens": body["max_tokens"]}
     for key in ("model", "temperature", "top_p", "top_k", "stream"):
         if key in body:
@@ -99,6 +111,21 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
                                "thinking.budget_tokens")
             chat["thinking_token_budget"] = budget  # the in-process engine holds the thinking to it
     return chat
+
+
+def _cache_marks(blocks: Any, param: str, offset: int = 0) -> list[dict[str, Any]]:
+    """The ``cache_control`` values of ``blocks`` (a list of content blocks, or anything
+    else: none), checked and in the chat body's form."""
+    marks = []
+    for j, block in enumerate(blocks if isinstance(blocks, list) else []):
+        if isinstance(block, dict) and "cache_control" in block:
+            where = f"{param}.{j + offset}.cache_control"
+            try:
+                ttl(block["cache_control"], where)
+            except ValueError as exc:
+                raise _invalid(f"{exc}.", where) from None
+            marks.append({"type": "ephemeral", "ttl": block["cache_control"].get("ttl", "5m")})
+    return marks
 
 
 def _text(value: Any, param: str) -> str:
@@ -163,7 +190,8 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
             raise _invalid(f"tools.{i}: only custom tools (name, input_schema) are supported here.", f"tools.{i}")
         # (In OpenAI's order: templates render the tool as JSON, keys in the order given.)
         function = {"name": tool["name"]} | ({"description": tool["description"]} if isinstance(tool.get("description"), str) else {})
-        out.append({"type": "function", "function": function | {"parameters": tool.get("input_schema") or {"type": "object"}}})
+        out.append({"type": "function", "function": function | {"parameters": tool.get("input_schema") or {"type": "object"}}}
+                   | {"cache_control": mark for mark in _cache_marks([tool], "tools", offset=i)})
     return out
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from kvstream.types import GenerateRequest
+from kvstream.api.cache_control import chat_breakpoints, without_cache_control
+from kvstream.types import CacheBreakpoint, GenerateRequest
 
 Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
 # Choices one request may ask for: n, or prompts x n for a completions batch.
@@ -70,6 +71,8 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    # OpenAI's: "24h" keeps the whole prompt cached a day (cache_control.py); passed on too.
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     # KVStream's own fields; never sent upstream. priority: also the X-KVStream-Priority
     # header. reuse / blend_ratio: the in-process engine's reuse of moved chunks (hf only).
     priority: str | int | None = None
@@ -118,24 +121,39 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("needs 'logprobs' set to true")
         return value
 
+    _breakpoints: tuple[CacheBreakpoint, ...] = PrivateAttr(())
+
+    @model_validator(mode="after")
+    def _cache_breakpoints(self) -> ChatCompletionRequest:
+        messages = [m.model_dump(exclude_none=True) for m in self.messages]
+        self._breakpoints = chat_breakpoints(messages, (self.model_extra or {}).get("tools"), self.prompt_cache_retention)
+        return self
+
     def _own_extra(self) -> set[str]:
         return {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 
     def to_generate(self, request_id: str) -> GenerateRequest:
+        extra = self.passthrough()
+        messages = [m.model_dump(exclude_none=True) for m in self.messages]
+        if self._breakpoints or "tools" in extra:  # (templates render a tool's every key)
+            messages, tools = without_cache_control(messages, extra.get("tools"))
+            if tools is not None:
+                extra["tools"] = tools
         return GenerateRequest(
             model=self.model,
-            messages=[m.model_dump(exclude_none=True) for m in self.messages],
+            messages=messages,
             max_tokens=self.max_completion_tokens or self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
             stop=self.stop or [],  # type: ignore[arg-type]
-            extra=self.passthrough(),
+            extra=extra,
             request_id=request_id,
             reuse=self.reuse,
             blend_ratio=self.blend_ratio,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            cache_breakpoints=self._breakpoints,
         )
 
 
@@ -187,6 +205,7 @@ class CompletionRequest(_Sampling):
             reuse=self.reuse,
             blend_ratio=self.blend_ratio,
             logprobs=self.logprobs,
+            cache_breakpoints=chat_breakpoints([], None, self.prompt_cache_retention),
         )
 
 

@@ -124,6 +124,13 @@ class BaseBackend(abc.ABC):
         None when the backend cannot tell (the default); the engine then estimates."""
         return None
 
+    def retained_prefixes(self, request: GenerateRequest, prompt_ids: list[int]) -> list[tuple[int, float]]:
+        """``(prompt tokens, seconds)`` to keep cached after ``request``, one per
+        ``request.cache_breakpoints`` that this backend can keep. Only a backend whose KV
+        KVStream holds can (the in-process engine); a runtime evicts its own cache as it will,
+        and KVStream's model of it must not say otherwise: none by default."""
+        return []
+
     def can_resume(self, request: GenerateRequest) -> bool:
         """Whether this request could be paused and resumed (only asked of backends whose
         capabilities say ``preemptible``)."""

@@ -386,7 +386,8 @@ class KVStreamEngine:
             self.stats.prompts_exact += 1
         else:
             self.stats.prompts_estimated += 1
-        return self._enqueue(request, prompt_ids, exact, priority, arrived_at)
+        retention = self.backend.retained_prefixes(request, prompt_ids) if request.cache_breakpoints and exact else []
+        return self._enqueue(request, prompt_ids, exact, priority, arrived_at, retention=tuple(retention))
 
     def reserve(self, body_size: int, max_tokens: int | None, priority: Priority = Priority.NORMAL) -> Generation:
         """A batch slot for a generation KVStream forwards without reading it (a runtime's
@@ -431,8 +432,10 @@ class KVStreamEngine:
         priority: Priority,
         arrived_at: float | None,
         preemptible: bool = True,
+        retention: tuple[tuple[int, float], ...] = (),
     ) -> Generation:
         seq = self._sequence(request, prompt_ids, priority)
+        seq.cache_retention = retention
         if self.backend.capabilities.preemptible:
             seq.preemptible = preemptible and self.backend.can_resume(request)
         gen = Generation(self, request, seq, exact, arrived_at)
@@ -551,6 +554,8 @@ class KVStreamEngine:
                 "blocks_used": pool.num_used,
                 "blocks_free": pool.num_free,
                 "blocks_cached": pool.num_cached,
+                # Of the free cached ones, those a client asked to keep (cache_control)
+                "blocks_retained": pool.num_retained,
                 "usage_ratio": round(pool.usage(), 4),
                 "cpu_blocks_total": bm.num_cpu_blocks,
                 "cpu_blocks_free": bm.num_free_cpu_blocks,

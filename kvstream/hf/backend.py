@@ -570,6 +570,40 @@ class HFBackend(InProcessBackend):
             return shown if shown is not None or self._template_renders_tools() else GENERIC
         return None if chosen == "none" else chosen
 
+    def _chat_ids(self, request: GenerateRequest, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+        """``messages`` through the template as ``request`` has them rendered: its tools
+        (left out with ``tool_choice`` "none"; in the system message the generic way) and
+        template switches."""
+        from kvstream.hf.loader import chat_token_ids
+        from kvstream.hf.request_options import template_kwargs
+
+        tools = request.extra.get("tools") if request.extra.get("tool_choice") != "none" else None
+        kwargs = template_kwargs(request.extra)
+        if self._generic_calls(request):
+            messages = with_tools_prompt(messages, tools, request.extra.get("parallel_tool_calls") is False)
+            tools = None
+        return chat_token_ids(self.runner.tokenizer, messages, generation_prompt=generation_prompt, tools=tools,
+                              template_kwargs=kwargs)
+
+    def retained_prefixes(self, request: GenerateRequest, prompt_ids: list[int]) -> list[tuple[int, float]]:
+        """Each breakpoint's prefix in tokens: the whole prompt, or the tokens it shares with
+        the first ``messages`` messages rendered alone (without a generation prompt; 0: the
+        tools alone), so a breakpoint never claims a token its prefix does not render. A
+        template that cannot render such a prefix keeps that breakpoint's nothing."""
+        kept = []
+        for breakpoint in request.cache_breakpoints:
+            if breakpoint.messages is None or not request.is_chat:
+                kept.append((len(prompt_ids), breakpoint.seconds))
+                continue
+            try:
+                prefix = self._chat_ids(request, (request.messages or [])[: breakpoint.messages], False)
+            except Exception as exc:  # e.g. a template that wants a user message
+                logger.debug("cache breakpoint after %d messages not kept: %s", breakpoint.messages, exc)
+                continue
+            shared = next((i for i, (a, b) in enumerate(zip(prefix, prompt_ids)) if a != b), min(len(prefix), len(prompt_ids)))
+            kept.append((shared, breakpoint.seconds))
+        return kept
+
     def _generic_calls(self, request: GenerateRequest) -> bool:
         """Whether the request's tools are offered the generic way (generic_calls.py): a
         chat offering tools, the model to decide (``tool_choice`` auto), no JSON
@@ -609,10 +643,8 @@ class HFBackend(InProcessBackend):
                 # which later requests would not share.
                 kwargs = template_kwargs(request.extra)
                 if self._generic_calls(request):  # the tools in the system message instead
-                    messages = with_tools_prompt(request.messages or [], tools, request.extra.get("parallel_tool_calls") is False)
-                    return chat_token_ids(tokenizer, messages, generation_prompt=not request.prefix_only, template_kwargs=kwargs)
-                ids = chat_token_ids(tokenizer, request.messages or [], generation_prompt=not request.prefix_only, tools=tools,
-                                     template_kwargs=kwargs)
+                    return self._chat_ids(request, request.messages or [], not request.prefix_only)
+                ids = self._chat_ids(request, request.messages or [], not request.prefix_only)
                 if tools and not forces_call(request) and ids == chat_token_ids(
                     tokenizer, request.messages or [], generation_prompt=not request.prefix_only, template_kwargs=kwargs
                 ):

@@ -63,6 +63,7 @@ class ReusePool(BlockPool):
 
     def allocate(self) -> Block:
         """BlockPool.allocate, logging a reclaimed full cached block first (when logging)."""
+        self._end_retention()  # (what allocate hands out is then the queue's first)
         if self.evictions is not None and self._free:
             block = next(iter(self._free.values()))
             if block.block_hash is not None and self._cached.get(block.block_hash) is block:
@@ -240,10 +241,10 @@ class ReuseBlockManager(BlockManager):
         if parent_id in self.exact_until:
             self.exact_until[child_id] = self.exact_until[parent_id]
 
-    def free(self, seq_id: SeqId) -> None:
+    def free(self, seq_id: SeqId, retain: Sequence[tuple[int, float]] = ()) -> None:
         """BlockManager.free, keeping the computed head of the table's partial last block."""
         table = self.tables.get(seq_id)
-        super().free(seq_id)
+        super().free(seq_id, retain)
         exact = self.exact_until.pop(seq_id, None)
         if table is not None:
             self._keep_partial_tail(table, table.computed if exact is None else min(table.computed, exact))

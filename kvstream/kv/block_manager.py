@@ -265,12 +265,20 @@ class BlockManager:
             parent.root,
         )
 
-    def free(self, seq_id: SeqId) -> None:
+    def free(self, seq_id: SeqId, retain: Sequence[tuple[int, float]] = ()) -> None:
         """Release everything a sequence holds, running or swapped: device blocks lose one
         holder each (tail first, so a chain's tail is evicted before its head), host blocks go
-        back to the host pool. Unknown ids are ignored, so every exit path may call it."""
+        back to the host pool. Unknown ids are ignored, so every exit path may call it.
+
+        ``retain``: ``(tokens, until)`` pairs: the cached blocks that hold the first
+        ``tokens`` tokens are kept past ordinary cached blocks until clock time ``until``
+        (BlockPool.retain; only a running sequence's, whose blocks are on the device)."""
         table = self.tables.pop(seq_id, None)
         if table is not None:
+            for tokens, until in retain:
+                for block in table.blocks[: min(tokens // self.block_size, len(table.hashes))]:
+                    if block.block_hash is not None:
+                        self.pool.retain(block, until)
             self.pool.free(reversed(table.blocks))
         swapped = self.swapped.pop(seq_id, None)
         if swapped is not None:

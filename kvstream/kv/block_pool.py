@@ -9,10 +9,17 @@ Every block is in exactly one of three states:
 
 The free queue is ordered for eviction: blocks without a hash are handed out first, then
 cached blocks from least to most recently used.
+
+A free cached block may also be *retained* until a time (a client asked for its prefix to
+be kept: Anthropic's ``cache_control``, OpenAI's ``prompt_cache_retention``): it then waits
+apart from the free queue and is handed out only when the queue is empty, the one whose
+retention ends first. Retention orders eviction; it never refuses an allocation, so no
+client can hold the pool. When it ends, the block joins the free queue as used then.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -38,6 +45,8 @@ class Block:
     # Position of the block's first token in the sequence that computed it (for moving its
     # KV elsewhere: RoPE keys carry their position).
     start: int = 0
+    # Kept past ordinary cached blocks until this clock time once free (0: not retained).
+    retain_until: float = 0.0
 
 
 @dataclass(slots=True)
@@ -48,6 +57,7 @@ class PoolStats:
     cache_hits: int = 0  # blocks found
     evictions: int = 0  # cached blocks whose hash was dropped to reuse the block
     expired: int = 0  # cached blocks dropped by the TTL
+    retained_evictions: int = 0  # retained blocks handed out before their retention ended
 
 
 @dataclass
@@ -67,17 +77,26 @@ class BlockPool:
         # Insertion order is eviction order: the first entry is handed out next.
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
+        # Free cached blocks whose retention has not ended (handed out after the queue).
+        self._retained: dict[int, Block] = {}
+        self._next_lapse = math.inf  # the earliest retain_until among them
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free(self) -> int:
-        """Blocks with no holder, cached or not (all of them can be handed out)."""
-        return len(self._free)
+        """Blocks with no holder, cached, retained or not (all of them can be handed out)."""
+        return len(self._free) + len(self._retained)
 
     @property
     def num_used(self) -> int:
         """Blocks held by at least one block table (ref_cnt >= 1)."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_retained(self) -> int:
+        """Free cached blocks kept past the others (their retention not yet ended)."""
+        self._release_lapsed()
+        return len(self._retained)
 
     @property
     def num_cached(self) -> int:
@@ -85,8 +104,11 @@ class BlockPool:
         return len(self._cached)
 
     def free_block_ids(self) -> list[int]:
-        """Ids of the free blocks in eviction order: the first is handed out next."""
-        return list(self._free)
+        """Ids of the free blocks in eviction order: the first is handed out next (retained
+        blocks last, whose retention ends first first: where they go when it ends)."""
+        self._release_lapsed()
+        retained = sorted(self._retained.values(), key=lambda b: b.retain_until)
+        return [*self._free, *(b.block_id for b in retained)]
 
     def usage(self) -> float:
         """Fraction of blocks held by live sequences, 0..1."""
@@ -103,6 +125,7 @@ class BlockPool:
     def allocate(self) -> Block:
         """Take the next block off the free queue (ref_cnt 1); it loses any cached hash.
         Raises NoFreeBlocks when none is free."""
+        self._end_retention()
         if not self._free:
             raise NoFreeBlocks
         _, block = self._free.popitem(last=False)
@@ -117,7 +140,8 @@ class BlockPool:
         """Add a holder to ``block`` (a prefix hit or a fork); a free block leaves the free
         queue, so in-use blocks are never handed out."""
         if block.ref_cnt == 0:
-            del self._free[block.block_id]
+            if self._retained.pop(block.block_id, None) is None:
+                del self._free[block.block_id]
         block.ref_cnt += 1
         block.last_used = self.clock()
 
@@ -135,6 +159,11 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 block.last_used = self.clock()
+                if block.block_hash is not None and block.retain_until > block.last_used:
+                    self._retained[block.block_id] = block
+                    self._next_lapse = min(self._next_lapse, block.retain_until)
+                    continue
+                block.retain_until = 0.0
                 self._free[block.block_id] = block
                 if block.block_hash is None:
                     # Nothing worth keeping: hand it out before any cached block.
@@ -160,9 +189,39 @@ class BlockPool:
         self._cached[block_hash] = block
         return block
 
+    def retain(self, block: Block, until: float) -> None:
+        """Keep ``block`` (held, and in the prefix cache) past ordinary cached blocks until
+        clock time ``until`` once it is free; a later ``until`` extends it."""
+        assert block.ref_cnt > 0 and block.block_hash is not None, f"block {block.block_id} is not held and cached"
+        block.retain_until = max(block.retain_until, until)
+
+    def _release_lapsed(self) -> None:
+        """Blocks whose retention ended join the free queue, as used now (lazily: whenever
+        the pool is asked about them)."""
+        now = self.clock()
+        if now < self._next_lapse:
+            return
+        for block in [b for b in self._retained.values() if b.retain_until <= now]:
+            del self._retained[block.block_id]
+            block.retain_until, block.last_used = 0.0, now
+            self._free[block.block_id] = block
+        self._next_lapse = min((b.retain_until for b in self._retained.values()), default=math.inf)
+
+    def _end_retention(self) -> None:
+        """Before handing a block out: lapsed retention ended; with the queue empty, the
+        retained block whose retention ends first joins it early."""
+        self._release_lapsed()
+        if not self._free and self._retained:
+            block = min(self._retained.values(), key=lambda b: b.retain_until)
+            del self._retained[block.block_id]
+            block.retain_until = 0.0
+            self._free[block.block_id] = block
+            self.stats.retained_evictions += 1
+
     def drop_expired(self, ttl_seconds: float) -> int:
         """Forget cached blocks nobody holds that were last used over ``ttl_seconds`` ago;
         they move to the head of the free queue (handed out first). Returns how many."""
+        self._release_lapsed()
         deadline = self.clock() - ttl_seconds
         stale = [b for b in self._free.values() if b.block_hash is not None and b.last_used < deadline]
         for block in stale:
@@ -174,6 +233,11 @@ class BlockPool:
     def reset_cache(self) -> None:
         """Forget every cached hash held by no one (the runtime lost its KV); in-use blocks
         keep theirs."""
+        for block in self._retained.values():
+            block.retain_until = 0.0
+            self._free[block.block_id] = block
+        self._retained.clear()
+        self._next_lapse = math.inf
         for block in list(self._free.values()):
             if block.block_hash is not None:
                 self._uncache(block)
@@ -200,7 +264,10 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's own state is inconsistent."""
         for block in self.blocks:
-            in_free = block.block_id in self._free
+            in_free = block.block_id in self._free or block.block_id in self._retained
+            assert not (block.block_id in self._free and block.block_id in self._retained), f"block {block.block_id} is free twice"
+            if block.block_id in self._retained:
+                assert block.block_hash is not None and block.retain_until > 0, f"retained block {block.block_id} is not cached"
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
             assert in_free == (block.ref_cnt == 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue={in_free}"
@@ -209,4 +276,4 @@ class BlockPool:
                 self._check_hashed(block)
         for block_hash, block in self._cached.items():
             assert block.block_hash == block_hash, f"cache map entry for block {block.block_id} is stale"
-        assert len(self._free) + sum(1 for b in self.blocks if b.ref_cnt > 0) == self.num_blocks
+        assert self.num_free + sum(1 for b in self.blocks if b.ref_cnt > 0) == self.num_blocks

@@ -103,6 +103,59 @@ def test_ttl_drops_only_idle_stale_blocks():
     bm.check_invariants()
 
 
+def test_retained_blocks_are_evicted_after_every_ordinary_cached_block_and_never_refused():
+    """A client's retention (cache_control): the prefix's cached blocks wait apart from the
+    free queue until their time, handed out only once the queue is empty (the one whose
+    retention ends first), and join the queue as used when their time ends."""
+    clock = FakeClock()
+    bm = make_bm(num_blocks=6, block_size=2, cpu=0, clock=clock)
+    bm.allocate("a", [1, 2, 3, 4, 5])
+    kept = [b.block_id for b in bm.tables["a"].blocks[:2]]
+    bm.free("a", retain=[(4, 10.0), (3, 20.0)])  # [1,2] until 20, [3,4] until 10; the tail [5] is not full
+    assert bm.pool.num_retained == 2 and bm.pool.num_free == 6
+    assert bm.pool.free_block_ids()[-2:] == [kept[1], kept[0]]  # the one released first is handed out first
+    bm.allocate("b", [7, 8, 9])
+    bm.free("b")  # [7,8] cached, ordinary
+    clock.now = 1
+    bm.allocate("c", [6, 6, 6, 6, 6, 6, 6])  # 4 blocks: the unhashed ones, then [7,8], not [1,2] or [3,4]
+    assert bm.cached_prefix([7, 8, 0]) == [] and len(bm.cached_prefix([1, 2, 3, 4, 0])) == 2
+    assert bm.pool.stats.retained_evictions == 0
+    bm.check_invariants()
+    bm.free("c")
+    bm.allocate("d", [1, 2, 3, 4, 0, 0])  # a hit takes the retained blocks back...
+    assert bm.pool.num_retained == 0 and bm.tables["d"].num_cached_tokens == 4
+    bm.free("d")  # ...and freed without a retention of its own, they are retained as before
+    assert bm.pool.num_retained == 2
+    bm.allocate("e", [9] * 11)  # every block: the queue's, then [3,4] (ends first), then [1,2]
+    assert bm.pool.num_free == 0 and bm.pool.stats.retained_evictions == 2 and bm.cached_prefix([1, 2, 3, 4, 0]) == []
+    bm.free("e")
+    bm.check_invariants()
+
+    bm.allocate("f", [1, 2, 3, 4, 5])
+    first, second = (b.block_id for b in bm.tables["f"].blocks[:2])
+    bm.free("f", retain=[(4, clock.now + 5)])
+    clock.now += 6  # its time ended: ordinary cached blocks again, the most recently used
+    assert bm.pool.free_block_ids()[-2:] == [second, first] and bm.pool.num_retained == 0
+    bm.pool.drop_expired(ttl_seconds=10)  # used as its retention ended, not before
+    assert len(bm.cached_prefix([1, 2, 3, 4, 0])) == 2
+    clock.now += 11
+    bm.pool.drop_expired(ttl_seconds=10)
+    assert bm.cached_prefix([1, 2, 3, 4, 0]) == []
+    bm.check_invariants()
+    assert bm.is_idle()
+
+
+def test_a_lost_cache_forgets_retained_blocks_too():
+    clock = FakeClock()
+    bm = make_bm(num_blocks=4, block_size=2, cpu=0, clock=clock)
+    bm.allocate("a", [1, 2, 3, 4])
+    bm.free("a", retain=[(4, 100.0)])
+    assert bm.pool.num_retained == 2
+    bm.pool.reset_cache()
+    assert bm.pool.num_retained == 0 and bm.pool.num_cached == 0 and bm.cached_prefix([1, 2, 3, 4, 5]) == []
+    bm.check_invariants()
+
+
 def test_collision_guard_compares_tokens():
     bm = make_bm(block_size=2)
     bm.allocate("a", [1, 2, 3])

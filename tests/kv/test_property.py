@@ -21,7 +21,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(12, 4, 6, model_identity="prop")
+        self.now = 0.0
+        self.bm = BlockManager(12, 4, 6, model_identity="prop", clock=lambda: self.now)
         self.counter = 0
         # What each sequence's tokens must be, tracked independently of the manager.
         self.expected: dict[str, list[int]] = {}
@@ -90,6 +91,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def free(self, seq):
         self.bm.free(seq)
         self.expected.pop(seq, None)
+
+    @rule(seq=consumes(seqs), tokens=st.integers(0, 16), seconds=st.sampled_from([1.0, 5.0]))
+    def free_retaining(self, seq, tokens, seconds):
+        self.bm.free(seq, retain=[(tokens, self.now + seconds)])
+        self.expected.pop(seq, None)
+
+    @rule(seconds=st.sampled_from([0.5, 2.0, 6.0]))
+    def tick(self, seconds):
+        self.now += seconds
 
     @rule()
     def evict_all_cached(self):
