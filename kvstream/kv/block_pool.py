@@ -14,7 +14,10 @@ A free cached block may also be *retained* until a time (a client asked for its 
 be kept: Anthropic's ``cache_control``, OpenAI's ``prompt_cache_retention``): it then waits
 apart from the free queue and is handed out only when the queue is empty, the one whose
 retention ends first. Retention orders eviction; it never refuses an allocation, so no
-client can hold the pool. When it ends, the block joins the free queue as used then.
+client can hold the pool, and at most half the pool's blocks wait retained (past that, the
+one whose retention ends first becomes an ordinary cached block), so that one client's marks
+cannot push every other prefix out first. When it ends, the block joins the free queue as
+used then.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class PoolStats:
     cache_hits: int = 0  # blocks found
     evictions: int = 0  # cached blocks whose hash was dropped to reuse the block
     expired: int = 0  # cached blocks dropped by the TTL
-    retained_evictions: int = 0  # retained blocks handed out before their retention ended
+    retained_evictions: int = 0  # retained blocks made ordinary before their retention ended
 
 
 @dataclass
@@ -162,6 +165,8 @@ class BlockPool:
                 if block.block_hash is not None and block.retain_until > block.last_used:
                     self._retained[block.block_id] = block
                     self._next_lapse = min(self._next_lapse, block.retain_until)
+                    if len(self._retained) > self.num_blocks // 2:
+                        self._end_one_retention()
                     continue
                 block.retain_until = 0.0
                 self._free[block.block_id] = block
@@ -212,11 +217,15 @@ class BlockPool:
         retained block whose retention ends first joins it early."""
         self._release_lapsed()
         if not self._free and self._retained:
-            block = min(self._retained.values(), key=lambda b: b.retain_until)
-            del self._retained[block.block_id]
-            block.retain_until = 0.0
-            self._free[block.block_id] = block
-            self.stats.retained_evictions += 1
+            self._end_one_retention()
+
+    def _end_one_retention(self) -> None:
+        """The retained block whose retention ends first joins the free queue now (its end)."""
+        block = min(self._retained.values(), key=lambda b: b.retain_until)
+        del self._retained[block.block_id]
+        block.retain_until = 0.0
+        self._free[block.block_id] = block
+        self.stats.retained_evictions += 1
 
     def drop_expired(self, ttl_seconds: float) -> int:
         """Forget cached blocks nobody holds that were last used over ``ttl_seconds`` ago;

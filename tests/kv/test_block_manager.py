@@ -145,6 +145,22 @@ def test_retained_blocks_are_evicted_after_every_ordinary_cached_block_and_never
     assert bm.is_idle()
 
 
+def test_at_most_half_the_pool_waits_retained():
+    """One client's marks cannot rank every other prefix below theirs: past half the pool,
+    the retained block whose time ends first becomes an ordinary cached one."""
+    clock = FakeClock()
+    bm = make_bm(num_blocks=4, block_size=2, cpu=0, clock=clock)
+    bm.allocate("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    head = {b.block_id for b in bm.tables["a"].blocks[:2]}
+    bm.free("a", retain=[(8, 50.0), (4, 60.0)])  # the first two blocks longer
+    assert bm.pool.num_retained == 2 and bm.pool.stats.retained_evictions == 2
+    assert set(bm.pool.free_block_ids()[-2:]) == head  # still retained: handed out last
+    bm.allocate("b", [9, 9, 9])  # two blocks: the two ordinary ones go first
+    assert len(bm.cached_prefix([1, 2, 3, 4, 0])) == 2 and bm.cached_prefix([1, 2, 3, 4, 5, 6, 7, 8])[2:] == []
+    bm.free("b")
+    bm.check_invariants()
+
+
 def test_a_lost_cache_forgets_retained_blocks_too():
     clock = FakeClock()
     bm = make_bm(num_blocks=4, block_size=2, cpu=0, clock=clock)
