@@ -198,6 +198,10 @@ class Usage:
     # Of completion_tokens, those the model spent thinking, where the backend knows (the
     # in-process engine reading a thinking block); None otherwise.
     reasoning_tokens: int | None = None
+    # Of prompt_tokens, those computed and written to the cache under a client's retention
+    # (cache_control, prompt_cache_retention: past cached_tokens, up to its furthest mark);
+    # None where nothing was asked or the backend cannot keep it.
+    cache_write_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:

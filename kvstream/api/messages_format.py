@@ -270,12 +270,16 @@ class MessageAnswer:
         return message, events
 
     def message(self, stop_reason: str | None, usage: Usage | None, stop_sequence: str | None = None) -> dict[str, Any]:
+        # Anthropic's split: read from the cache, written to it (a marked prefix computed
+        # now), and the rest; the three add up to the prompt.
         cached = (usage.cached_tokens or 0) if usage else 0
+        written = (usage.cache_write_tokens or 0) if usage else 0
         return {
             "id": self.id, "type": "message", "role": "assistant", "model": self.model,
             "content": [dict(block) for block in self.content], "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": (usage.prompt_tokens - cached) if usage else 0, "output_tokens": usage.completion_tokens if usage else 0,
-                      "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0},
+            "usage": {"input_tokens": (usage.prompt_tokens - cached - written) if usage else 0,
+                      "output_tokens": usage.completion_tokens if usage else 0,
+                      "cache_read_input_tokens": cached, "cache_creation_input_tokens": written},
         }
 
     def _write(self, kind: str, field: str, text: str) -> list[dict[str, Any]]:

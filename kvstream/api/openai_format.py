@@ -37,6 +37,8 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
     }
     if usage.cached_tokens is not None:
         body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+        if usage.cache_write_tokens is not None:
+            body["prompt_tokens_details"]["cache_write_tokens"] = usage.cache_write_tokens
     if usage.reasoning_tokens is not None:
         body["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
     return body

@@ -209,7 +209,9 @@ class HFStream:
                     yield Token(index=event.index, choice_finish_reason=reason)
                     continue
                 self._finished = True
-                usage = Usage(len(seq.prompt_token_ids), generated, seq.num_cached_tokens, self._reasoning_tokens)
+                kept = max((tokens for tokens, _ in seq.cache_retention), default=None)
+                written = None if kept is None else max(0, kept - seq.num_cached_tokens)
+                usage = Usage(len(seq.prompt_token_ids), generated, seq.num_cached_tokens, self._reasoning_tokens, written)
                 stop_sequence = event.stop_sequence if reason == "stop" else None
                 yield Token(finish_reason=reason, usage=usage, index=event.index, stop_sequence=stop_sequence)
                 return

@@ -72,7 +72,12 @@ async def test_retained_prefixes_outlive_a_flood_that_evicts_the_others(small_pr
         assert again_a.prompt_tokens_details.cached_tokens == (a.prompt_tokens - 1) // BLOCK * BLOCK  # all but the last token's block
         again_c = await ask_c("And low tide?")  # another question after the kept system prompt
         assert again_c.cache_read_input_tokens == system_c // BLOCK * BLOCK
-        assert c.cache_read_input_tokens == 0 and c.cache_creation_input_tokens == 0  # (no write is reported as such)
+        # Usage splits the prompt as Anthropic does: read, written under a mark (computed
+        # now, up to the mark), the rest; OpenAI's cache_write_tokens the same.
+        assert (c.cache_read_input_tokens, c.cache_creation_input_tokens) == (0, system_c) and c.input_tokens > 0
+        assert again_c.cache_creation_input_tokens == system_c - again_c.cache_read_input_tokens  # the mark's last, partial block
+        assert a.prompt_tokens_details.cache_write_tokens == a.prompt_tokens and b.prompt_tokens_details.cache_write_tokens is None
+        assert again_a.prompt_tokens_details.cache_write_tokens == a.prompt_tokens - again_a.prompt_tokens_details.cached_tokens
 
 
 async def test_malformed_marks_are_400s_in_each_api_s_shape(small_proxy):
@@ -100,5 +105,7 @@ async def test_malformed_marks_are_400s_in_each_api_s_shape(small_proxy):
                                               extra_body={"temperature": 0})
         plain = await claude.messages.create(model="smollm2", max_tokens=1, extra_body={"temperature": 0},
                                              messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}] * 4}])
-        assert marked.usage.input_tokens + marked.usage.cache_read_input_tokens == \
-            plain.usage.input_tokens + plain.usage.cache_read_input_tokens
+        def prompt(usage) -> int:
+            return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+        assert prompt(marked.usage) == prompt(plain.usage) and plain.usage.cache_creation_input_tokens == 0
