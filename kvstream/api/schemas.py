@@ -125,8 +125,10 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _cache_breakpoints(self) -> ChatCompletionRequest:
-        messages = [m.model_dump(exclude_none=True) for m in self.messages]
-        self._breakpoints = chat_breakpoints(messages, (self.model_extra or {}).get("tools"), self.prompt_cache_retention)
+        tools = (self.model_extra or {}).get("tools")
+        if self.prompt_cache_retention is not None or _marked(self.messages, tools):  # (the hot path skips the rest)
+            messages = [m.model_dump(exclude_none=True) for m in self.messages]
+            self._breakpoints = chat_breakpoints(messages, tools, self.prompt_cache_retention)
         return self
 
     def _own_extra(self) -> set[str]:
@@ -135,7 +137,7 @@ class ChatCompletionRequest(_Sampling):
     def to_generate(self, request_id: str) -> GenerateRequest:
         extra = self.passthrough()
         messages = [m.model_dump(exclude_none=True) for m in self.messages]
-        if self._breakpoints or "tools" in extra:  # (templates render a tool's every key)
+        if self._breakpoints:  # (templates render a tool's every key)
             messages, tools = without_cache_control(messages, extra.get("tools"))
             if tools is not None:
                 extra["tools"] = tools
@@ -155,6 +157,16 @@ class ChatCompletionRequest(_Sampling):
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             cache_breakpoints=self._breakpoints,
         )
+
+
+def _marked(messages: list[Message], tools: Any) -> bool:
+    """Whether a message, a content part or a tool carries ``cache_control``."""
+    for message in messages:
+        if message.model_extra and "cache_control" in message.model_extra:
+            return True
+        if isinstance(message.content, list) and any(part.model_extra and "cache_control" in part.model_extra for part in message.content):
+            return True
+    return isinstance(tools, list) and any(isinstance(tool, dict) and "cache_control" in tool for tool in tools)
 
 
 class CompletionRequest(_Sampling):
