@@ -22,7 +22,7 @@ used then.
 
 from __future__ import annotations
 
-import math
+import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -82,7 +82,9 @@ class BlockPool:
         self._cached: dict[BlockHash, Block] = {}
         # Free cached blocks whose retention has not ended (handed out after the queue).
         self._retained: dict[int, Block] = {}
-        self._next_lapse = math.inf  # the earliest retain_until among them
+        # (retain_until, block_id), earliest first; entries of blocks taken back or retained
+        # again since are skipped when they come up (_first_retained).
+        self._lapses: list[tuple[float, int]] = []
 
     # ------------------------------------------------------------------ queries
     @property
@@ -163,10 +165,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 block.last_used = self.clock()
                 if block.block_hash is not None and block.retain_until > block.last_used:
-                    self._retained[block.block_id] = block
-                    self._next_lapse = min(self._next_lapse, block.retain_until)
-                    if len(self._retained) > self.num_blocks // 2:
-                        self._end_one_retention()
+                    self._keep_retained(block)
                     continue
                 block.retain_until = 0.0
                 self._free[block.block_id] = block
@@ -200,32 +199,46 @@ class BlockPool:
         assert block.ref_cnt > 0 and block.block_hash is not None, f"block {block.block_id} is not held and cached"
         block.retain_until = max(block.retain_until, until)
 
+    def _keep_retained(self, block: Block) -> None:
+        """A free block whose retention runs: apart from the queue, within half the pool."""
+        self._retained[block.block_id] = block
+        heapq.heappush(self._lapses, (block.retain_until, block.block_id))
+        if len(self._lapses) > 2 * len(self._retained) + 64:  # mostly skipped entries: rebuild
+            self._lapses = [(b.retain_until, b.block_id) for b in self._retained.values()]
+            heapq.heapify(self._lapses)
+        if len(self._retained) > self.num_blocks // 2:
+            self._unretain(self._first_retained(), early=True)  # type: ignore[arg-type]
+
+    def _first_retained(self) -> Block | None:
+        """The retained block whose retention ends first, or None."""
+        while self._lapses:
+            until, block_id = self._lapses[0]
+            block = self._retained.get(block_id)
+            if block is not None and block.retain_until == until:
+                return block
+            heapq.heappop(self._lapses)  # taken back (or retained again) since
+        return None
+
+    def _unretain(self, block: Block, early: bool) -> None:
+        """``block``'s retention ends: it joins the free queue as used now."""
+        del self._retained[block.block_id]
+        block.retain_until, block.last_used = 0.0, self.clock()
+        self._free[block.block_id] = block
+        self.stats.retained_evictions += early
+
     def _release_lapsed(self) -> None:
-        """Blocks whose retention ended join the free queue, as used now (lazily: whenever
-        the pool is asked about them)."""
+        """Blocks whose retention ended join the free queue (lazily: whenever the pool is
+        asked about them)."""
         now = self.clock()
-        if now < self._next_lapse:
-            return
-        for block in [b for b in self._retained.values() if b.retain_until <= now]:
-            del self._retained[block.block_id]
-            block.retain_until, block.last_used = 0.0, now
-            self._free[block.block_id] = block
-        self._next_lapse = min((b.retain_until for b in self._retained.values()), default=math.inf)
+        while (block := self._first_retained()) is not None and block.retain_until <= now:
+            self._unretain(block, early=False)
 
     def _end_retention(self) -> None:
         """Before handing a block out: lapsed retention ended; with the queue empty, the
         retained block whose retention ends first joins it early."""
         self._release_lapsed()
         if not self._free and self._retained:
-            self._end_one_retention()
-
-    def _end_one_retention(self) -> None:
-        """The retained block whose retention ends first joins the free queue now (its end)."""
-        block = min(self._retained.values(), key=lambda b: b.retain_until)
-        del self._retained[block.block_id]
-        block.retain_until = 0.0
-        self._free[block.block_id] = block
-        self.stats.retained_evictions += 1
+            self._unretain(self._first_retained(), early=True)  # type: ignore[arg-type]
 
     def drop_expired(self, ttl_seconds: float) -> int:
         """Forget cached blocks nobody holds that were last used over ``ttl_seconds`` ago;
@@ -246,7 +259,7 @@ class BlockPool:
             block.retain_until = 0.0
             self._free[block.block_id] = block
         self._retained.clear()
-        self._next_lapse = math.inf
+        self._lapses.clear()
         for block in list(self._free.values()):
             if block.block_hash is not None:
                 self._uncache(block)
@@ -277,6 +290,7 @@ class BlockPool:
             assert not (block.block_id in self._free and block.block_id in self._retained), f"block {block.block_id} is free twice"
             if block.block_id in self._retained:
                 assert block.block_hash is not None and block.retain_until > 0, f"retained block {block.block_id} is not cached"
+                assert (block.retain_until, block.block_id) in self._lapses, f"retained block {block.block_id} never lapses"
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
             assert in_free == (block.ref_cnt == 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue={in_free}"
