@@ -31,7 +31,7 @@ ECHOED = {"background": False, "truncation": "disabled", "previous_response_id":
 # Fields that change nothing about the answer here: accepted and not forwarded.
 IGNORED = {"store", "include", "metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier",
            "truncation", "stream_options", "max_tool_calls", "top_logprobs", "reasoning", "text", "input",
-           "instructions", "max_output_tokens", "tools", "tool_choice", "prompt_cache_retention",
+           "instructions", "max_output_tokens", "tools", "tool_choice",
            "previous_response_id", "conversation", "background"}
 # A chat field named in an error -> the Responses field the client sent.
 PARAMS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
