@@ -994,7 +994,7 @@ def test_streaming_leaves_the_tables_mapped_by_default_where_the_head_keeps_them
     assert reports[None] == reports[True] and reports[None][1:3] == (table, table)
     assert reports[False][1:3] == (0, 0) and reports[False][3] == reports[None][3] + table  # 54 of SmolLM2's 61 MB at K=2
     assert StreamingConfig().maps_head(on_gpu=False) and not StreamingConfig().maps_head(on_gpu=True)
-    assert StreamingConfig(stream_embeddings=True).maps_head(on_gpu=True)  # refused at load on CUDA (tested on a GPU)
+    assert StreamingConfig(stream_embeddings=True).maps_head(on_gpu=True)  # refused at load on CUDA (test_awq_triton.py)
 
 
 @pytest.mark.parametrize("flag", [True, None], ids=["flag", "default"])
