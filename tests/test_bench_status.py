@@ -92,7 +92,10 @@ def test_status_renders_a_recorded_snapshot():
                      "TTFT p50 250 ms", "2 failed", "queue_full 3", "3 restores", "1 failed", "history"):
         assert expected in text, expected
     assert status_cli.sparkline([0, 1, 2, 4]) == "▁▂▄█"
-    assert "responses" not in text  # none stored: no row
+    assert "responses" not in text and "retained" not in text  # none stored, none retained: not shown
+    console = Console(record=True, width=140, file=io.StringIO())
+    console.print(status_cli.render(SNAPSHOT | {"kv": SNAPSHOT["kv"] | {"blocks_retained": 6}}, None, "http://127.0.0.1:8080"))
+    assert "10 cached (6 retained)" in console.export_text()
 
 
 def test_status_shows_the_stored_and_background_responses():

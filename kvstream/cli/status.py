@@ -95,7 +95,9 @@ def render(snap: dict[str, Any], history: History | None = None, url: str = "") 
     kv_table.add_row(
         "KV blocks" + (" (estimated)" if kv.get("estimated") else ""),
         Group(ProgressBar(total=total, completed=used, width=24),
-              Text(f"{used}/{total} used, {kv.get('blocks_cached', 0)} cached, {kv.get('block_size')} tokens/block")),
+              Text(f"{used}/{total} used, {kv.get('blocks_cached', 0)} cached"
+                   + (f" ({kv['blocks_retained']} retained)" if kv.get("blocks_retained") else "")
+                   + f", {kv.get('block_size')} tokens/block")),
     )
     kv_table.add_row("prefix cache", f"hit ratio {prefix.get('hit_ratio', 0):.1%}", f"{prefix.get('hit_tokens', 0):,} of {prefix.get('query_tokens', 0):,} prompt tokens")
     pre = snap.get("preemption", {})
