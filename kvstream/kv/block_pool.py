@@ -229,6 +229,8 @@ class BlockPool:
     def _release_lapsed(self) -> None:
         """Blocks whose retention ended join the free queue (lazily: whenever the pool is
         asked about them)."""
+        if not self._lapses:  # (none retained: no clock read on the hot path)
+            return
         now = self.clock()
         while (block := self._first_retained()) is not None and block.retain_until <= now:
             self._unretain(block, early=False)
