@@ -18,11 +18,13 @@ import shutil
 import statistics
 import struct
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _util import scratch_dir  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -56,7 +58,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    work = Path(tempfile.mkdtemp(prefix="kvstream-awq-alignment-"))
+    work = scratch_dir("kvstream-awq-alignment-")
     aligned = Path(args.folder) if args.folder else None
     if aligned is None:
         from awq_streaming import quantize, synthetic

@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _util import scratch_dir  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -46,7 +48,7 @@ def main() -> None:
     if folder is None:
         from awq_streaming import quantize, synthetic
 
-        work = Path(tempfile.mkdtemp(prefix="kvstream-awq-mapped-"))
+        work = scratch_dir("kvstream-awq-mapped-")
         source = synthetic(work / f"synthetic-{args.layers}", args.layers)
         folder = str(work / f"synthetic-{args.layers}-awq")
         quantize(str(source), Path(folder), False)  # RTN: random weights have no text to calibrate on

@@ -39,11 +39,10 @@ import ctypes
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from _util import PYTHON, ROOT
+from _util import PYTHON, ROOT, scratch_dir
 
 WORKER = r"""
 import json, sys, threading, time
@@ -184,7 +183,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    work = Path(tempfile.mkdtemp(prefix="kvstream-awq-"))
+    work = scratch_dir("kvstream-awq-")
     results: dict = {}
     if not args.skip_quality:
         from kvstream.hf.awq import quantize as awq

@@ -19,10 +19,12 @@ import argparse
 import dataclasses
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _util import scratch_dir  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -100,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     print(f"decode ms per token, {torch.get_num_threads()} threads, {args.rounds} rounds alternating, {args.tokens} tokens a request")
-    work = Path(tempfile.mkdtemp(prefix="kvstream-fast-decoder-"))
+    work = scratch_dir("kvstream-fast-decoder-")
     models = [("smollm2-135m fp32", None, None), ("smollm2-135m awq (rtn)", str(rtn_checkpoint(work / "rtn")), None)]
     streaming = None if args.mapped is None else StreamingConfig("partial_resident", args.mapped, args.mapped, 2, staging="mapped")
     models += [(Path(f).name + ("" if streaming is None else f" mapped K={args.mapped}"), f, streaming) for f in args.folder]
