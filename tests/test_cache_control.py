@@ -75,3 +75,13 @@ def test_anthropic_blocks_become_message_marks_counted_as_anthropic_counts_them(
     with pytest.raises(messages_format.MessagesError, match=r"messages\.0\.content\.1\.cache_control\.ttl"):
         messages_format.chat_body(body | {"messages": [{"role": "user", "content": [
             {"type": "text", "text": "a"}, {"type": "text", "text": "b", "cache_control": EPHEMERAL | {"ttl": "1d"}}]}]})
+
+
+@pytest.mark.parametrize("tools", [5, "x", {"name": "f"}, None])
+def test_a_messages_body_whose_tools_are_not_a_list_is_a_400_not_a_crash(tools):
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}], "tools": tools}
+    if tools is None:
+        assert "tools" not in messages_format.chat_body(body)
+        return
+    with pytest.raises(messages_format.MessagesError, match="tools: a list is required"):
+        messages_format.chat_body(body)

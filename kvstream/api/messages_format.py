@@ -75,8 +75,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
             if messages:  # the prefix kept ends with this message's last chat message
                 messages[-1]["cache_control"] = mark
             marks += 1
-    for i, tool in enumerate(body.get("tools") or []):
-        marks += len(_cache_marks([tool], "tools", offset=i))
+    tools = body.get("tools")
+    marks += len(_cache_marks(tools, "tools"))  # (a tools value that is not a list is _tools' 400)
     if (refusal := too_many(marks)) is not None:
         raise _invalid(refusal, "cache_control")
     chat: dict[str, Any] = {"messages": messages, "max_completion_tokens": body["max_tokens"]}

@@ -54,7 +54,7 @@ async def keep_saved(path: Path, responses: ResponseStore, conversations: Conver
     cancelled (the stop's ``save`` writes the last state). The encoding runs on the event
     loop, where the stores change (a snapshot, at most ``server.responses_max_bytes`` of
     JSON twice over), the write and fsync on a thread. A failed write is logged and tried
-    again at the next change."""
+    again an interval later."""
     written = (responses.changes, conversations.changes)
     while True:
         await asyncio.sleep(interval_s)
