@@ -200,3 +200,65 @@ async def test_a_running_server_writes_what_changed_every_interval(start_upstrea
     monkeypatch.setattr(responses_file, "_replace", replace)
     await server.close()  # the stop writes the last state
     assert stored_ids() == {second.id, third.id}
+
+
+async def test_background_responses_a_killed_server_ran_read_back_failed(start_upstream, start_server, tmp_path):
+    """The periodic writes hold the background responses running as they stand: the file a
+    killed process leaves (copied while they run) gives each, after a restart, ``failed``
+    with the output it had written and why; a streamed one streams again to a
+    ``response.failed`` event, which the official client reads as the stream's end. (In
+    front of Ollama one generation runs at a time: the second waits ``queued``.)"""
+    import asyncio
+    import shutil
+
+    from kvstream.api.responses_file import INTERRUPTED
+
+    url, _ = await start_upstream(Script(tokens=["Once", " upon", " a", " time"] * 50, delay_s=0.05), factory=ollama_double)
+    kept, left = tmp_path / "responses.json", tmp_path / "left-by-a-kill.json"
+    server = await start_server(url, responses_file=kept, responses_save_interval_s=0.05)
+
+    def running_entries() -> dict[str, dict]:
+        if not kept.exists():
+            return {}
+        return {e["response"]["id"]: e for e in json.loads(kept.read_bytes())["responses"]
+                if e["response"]["status"] in ("queued", "in_progress")}
+
+    async with _client(server) as client:
+        stream = await client.responses.create(model="llama3.2", input="Go on, streamed", background=True, stream=True)
+        seen = []
+        async for event in stream:
+            seen.append(event)
+            if len(seen) == 8:
+                break
+        await stream.close()  # the client leaves; the run goes on
+        streamed = seen[0].response.id
+        queued = await client.responses.create(model="llama3.2", input="Go on", background=True)
+        for _ in range(200):  # until a write holds both, the first with some output
+            entries = running_entries()
+            if queued.id in entries and streamed in entries and len(entries[streamed]["events"]) >= 8:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the periodic writes did not hold the running responses")
+        shutil.copy(kept, left)  # what a kill at this moment leaves
+    await server.close()  # (a graceful stop: the runs are cancelled, and written so; the copy is the kill's)
+    assert {e["response"]["status"] for e in json.loads(kept.read_bytes())["responses"]} == {"cancelled"}
+
+    server = await start_server(url, responses_file=left)
+    async with _client(server) as client:
+        for response_id in (streamed, queued.id):
+            failed = await client.responses.retrieve(response_id)
+            assert failed.status == "failed" and failed.background is True
+            assert failed.error.code == "server_error" and failed.error.message == INTERRUPTED
+        assert (await client.responses.retrieve(streamed)).output_text.startswith("Once upon")  # what it had written
+        assert (await client.responses.retrieve(queued.id)).output == []
+        again = [event async for event in await client.responses.retrieve(streamed, stream=True)]
+        assert [e.model_dump() for e in again[:8]] == [e.model_dump() for e in seen]
+        assert again[-1].type == "response.failed" and again[-1].response.status == "failed"
+        assert [e.sequence_number for e in again] == list(range(len(again)))
+        with pytest.raises(openai.BadRequestError, match="status is 'failed'"):
+            await client.responses.cancel(queued.id)
+        # A failed response can still be continued, as any stored one.
+        onward = await client.responses.create(model="llama3.2", input="Again", previous_response_id=streamed)
+        assert onward.status == "completed"
+    await server.close()

@@ -142,7 +142,8 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
         await engine.start()
         await warm_prefixes(engine, settings.prefix_cache.warm)
         every = settings.server.responses_save_interval_s
-        saver = (asyncio.create_task(responses_file.keep_saved(kept, state.responses, state.conversations, every))
+        saver = (asyncio.create_task(responses_file.keep_saved(kept, state.responses, state.conversations, every,
+                                                               app[BACKGROUND]))
                  if kept is not None and every > 0 else None)
         yield
         if saver is not None:

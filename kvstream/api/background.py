@@ -7,7 +7,10 @@ whether the client stays or not. The response is read as it stands (``queued``,
 cancelled while it runs; a run created with ``stream: true`` keeps every event it sent, so
 that a client whose connection dropped streams it again from the event after the last it
 saw, live while it runs. A finished run is handed to whoever keeps responses
-(routes_responses.py puts it in the response store, its events with it).
+(routes_responses.py puts it in the response store, its events with it). While it runs,
+``BackgroundRuns.snapshot`` gives each run as it stands, for the responses file's periodic
+writes (responses_file.py): a server that is killed leaves the runs it had in the file,
+read back as failed.
 
 A run keeps its API key's place among the generations in flight
 (``server.max_concurrent_per_key``) until it ends: background work does not get round the
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from kvstream.api.errors import APIError, from_exception
+from kvstream.api.response_store import StoredResponse
 from kvstream.api.responses_format import ResponseAnswer
 from kvstream.api.routes_openai import _next
 from kvstream.api.state import KeyInFlight
@@ -43,20 +47,27 @@ class BackgroundRun:
     event it sent, numbered from 0 by their ``sequence_number``."""
 
     def __init__(self, answer: ResponseAnswer, owner: str | None, streamed: bool,
-                 items: tuple[dict[str, Any], ...]) -> None:
+                 context: tuple[dict[str, Any], ...], input_items: tuple[dict[str, Any], ...]) -> None:
         self.answer = answer
         self.owner = owner  # the cache salt of the key that made it
         self.streamed = streamed
-        self.items = items  # what it was made from: the conversation it continued, its own input
+        self.context = context  # the conversation it continued
+        self.input_items = input_items  # its own input
         self.status = "queued"
         self.final: dict[str, Any] | None = None  # the whole response, once ended
         self.events: list[dict[str, Any]] = []
         self.task: asyncio.Task[None] | None = None
+        self.changes = 0  # counts what it published (the responses file writes when it moved)
         self._changed = asyncio.Event()
 
     @property
     def id(self) -> str:
         return self.answer.id
+
+    @property
+    def items(self) -> tuple[dict[str, Any], ...]:
+        """What it was made from: the conversation it continued, then its own input."""
+        return self.context + self.input_items
 
     def response(self) -> dict[str, Any]:
         """The response as it stands: the output written so far while it runs."""
@@ -72,6 +83,7 @@ class BackgroundRun:
         self._wake()
 
     def _wake(self) -> None:
+        self.changes += 1
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -135,9 +147,24 @@ class BackgroundRuns:
 
     def __init__(self) -> None:
         self._runs: dict[str, BackgroundRun] = {}
+        self._ended_changes = 0  # the changes of runs no longer here (so that ``changes`` never goes back)
 
     def __len__(self) -> int:
         return len(self._runs)
+
+    @property
+    def changes(self) -> int:
+        """Counts every change of a run (begun, published, ended): it moved when a snapshot
+        would differ."""
+        return self._ended_changes + sum(run.changes for run in self._runs.values())
+
+    def snapshot(self) -> list[StoredResponse]:
+        """Each run still running as it stands (``queued`` or ``in_progress``, the output
+        written so far, a streamed one's events so far), as the response store keeps a
+        response (``size`` not counted: 0). An ended run is in the store already."""
+        return [StoredResponse(run.response(), run.context, run.input_items, run.owner, 0,
+                               tuple(run.events) if run.streamed else None)
+                for run in self._runs.values() if run.final is None]
 
     def start(self, run: BackgroundRun, gen: Generation, keep: Keeper, held: KeyInFlight | None) -> None:
         """Drive ``gen`` as ``run`` in a task of its own; ``held``, the requester's key's
@@ -149,6 +176,7 @@ class BackgroundRuns:
 
         def ended(task: asyncio.Task[None]) -> None:
             self._runs.pop(run.id, None)
+            self._ended_changes += run.changes + 1
             if held is not None:
                 held.give()
             if run.final is not None:

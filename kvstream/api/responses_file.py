@@ -10,7 +10,11 @@ previous file. It is written at a graceful stop (SIGTERM, Ctrl-C) and, while the
 runs, every ``server.responses_save_interval_s`` in which the stores changed
 (``keep_saved``), so that a process that is killed loses at most that interval's changes.
 Background responses still running are not in the stores (background.py keeps them until
-they end): a graceful stop cancels them and writes them cancelled; a killed process loses them.
+they end): a graceful stop cancels them and writes them cancelled; the periodic writes
+include them as they stand, and one read back ``queued`` or ``in_progress`` (the process
+that ran it was killed) is stored ``failed``, with the output it had written, a
+``server_error`` saying why, and (streamed) a ``response.failed`` event after its last:
+a client polling it, or streaming it again, sees it end instead of waiting for ever.
 
 A file that cannot be read (damaged, another version) is set aside as ``<file>.unreadable``
 with a warning, and the server starts with empty stores.
@@ -22,16 +26,24 @@ import asyncio
 import logging
 import os
 import threading
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstream.api.conversation_store import Conversation, ConversationStore
-from kvstream.api.response_store import ResponseStore
+from kvstream.api.response_store import ResponseStore, StoredResponse
 from kvstream.jsonfast import dumps, loads
+
+if TYPE_CHECKING:
+    from kvstream.api.background import BackgroundRuns
 
 logger = logging.getLogger(__name__)
 
 VERSION = 1
+
+# The statuses of a response that was still running when the file was written.
+RUNNING = frozenset({"queued", "in_progress"})
+INTERRUPTED = "The server stopped while this background response ran, before it finished: its output ends where it stopped."
 
 # One write at a time: the stop's write waits for a periodic one still in its thread, and
 # then replaces it with what is newer.
@@ -49,20 +61,27 @@ def save(path: Path, responses: ResponseStore, conversations: ConversationStore)
     logger.info("wrote %d stored responses and %d conversations to %s", len(responses), len(conversations), path)
 
 
-async def keep_saved(path: Path, responses: ResponseStore, conversations: ConversationStore, interval_s: float) -> None:
-    """Write both stores to ``path`` every ``interval_s`` in which they changed, until
-    cancelled (the stop's ``save`` writes the last state). The encoding runs on the event
-    loop, where the stores change (a snapshot, at most ``server.responses_max_bytes`` of
-    JSON twice over), the write and fsync on a thread. A failed write is logged and tried
-    again an interval later."""
-    written = (responses.changes, conversations.changes)
+async def keep_saved(path: Path, responses: ResponseStore, conversations: ConversationStore, interval_s: float,
+                     running: BackgroundRuns | None = None) -> None:
+    """Write both stores, and the background responses ``running`` as they stand, to
+    ``path`` every ``interval_s`` in which any of them changed, until cancelled (the stop's
+    ``save`` writes the last state). The encoding runs on the event loop, where they change
+    (a snapshot, at most ``server.responses_max_bytes`` of JSON twice over, and the runs'),
+    the write and fsync on a thread. A failed write is logged and tried again an interval
+    later."""
+
+    def changes() -> tuple[int, int, int]:
+        return responses.changes, conversations.changes, running.changes if running is not None else 0
+
+    written = changes()
     while True:
         await asyncio.sleep(interval_s)
-        now = (responses.changes, conversations.changes)
+        now = changes()
         if now == written:
             continue
         try:
-            await asyncio.to_thread(_replace, path, _encode(responses, conversations))
+            runs = running.snapshot() if running is not None else []
+            await asyncio.to_thread(_replace, path, _encode(responses, conversations, runs))
         except OSError as exc:
             logger.error("could not write the stored responses to %s: %s", path, exc)
             continue
@@ -70,7 +89,7 @@ async def keep_saved(path: Path, responses: ResponseStore, conversations: Conver
         logger.debug("wrote %d stored responses and %d conversations to %s", len(responses), len(conversations), path)
 
 
-def _encode(responses: ResponseStore, conversations: ConversationStore) -> bytes:
+def _encode(responses: ResponseStore, conversations: ConversationStore, running: Iterable[StoredResponse] = ()) -> bytes:
     items: list[dict[str, Any]] = []
     index: dict[int, int] = {}  # id() of an item object -> its place in ``items``
 
@@ -88,7 +107,7 @@ def _encode(responses: ResponseStore, conversations: ConversationStore) -> bytes
         "version": VERSION,
         "responses": [{"response": stored.response | {"output": refs(stored.response["output"])}, "owner": stored.owner,
                        "context": refs(stored.context), "input": refs(stored.input_items), "events": stored.events}
-                      for stored in responses.values()],
+                      for stored in [*responses.values(), *running]],
         "conversations": [{"id": c.id, "owner": c.owner, "metadata": c.metadata, "created_at": c.created_at,
                            "items": refs(c.items)} for c in conversations.values()],
         "items": items,
@@ -109,6 +128,16 @@ def _replace(path: Path, data: bytes) -> None:
         os.replace(temporary, path)
 
 
+def _interrupted(response: dict[str, Any], events: tuple[dict[str, Any], ...] | None
+                 ) -> tuple[dict[str, Any], tuple[dict[str, Any], ...] | None]:
+    """A background response the file kept running, as it ended: failed where it stopped
+    (see the module docstring)."""
+    failed = response | {"status": "failed", "error": {"code": "server_error", "message": INTERRUPTED}}
+    if events is not None:
+        events += ({"type": "response.failed", "sequence_number": len(events), "response": failed},)
+    return failed, events
+
+
 def load(path: Path, responses: ResponseStore, conversations: ConversationStore) -> None:
     """Read ``path`` into the (empty) stores, within their bounds; nothing if there is no
     file; a file that cannot be read is set aside (see the module docstring)."""
@@ -125,6 +154,8 @@ def load(path: Path, responses: ResponseStore, conversations: ConversationStore)
         for entry in data["responses"]:
             response = entry["response"] | {"output": [items[i] for i in entry["response"]["output"]]}
             events = tuple(entry["events"]) if entry["events"] is not None else None
+            if response.get("status") in RUNNING:
+                response, events = _interrupted(response, events)
             responses.put(entry["owner"], response, tuple(items[i] for i in entry["context"]),
                           tuple(items[i] for i in entry["input"]), events)
         for entry in data["conversations"]:

@@ -151,8 +151,8 @@ def _keep(request: web.Request, body: dict[str, Any], answer: dict[str, Any]) ->
 async def _detach(request: web.Request, body: dict[str, Any], gen: Generation, answer: Any) -> web.StreamResponse:
     """Start a background response: answered ``queued`` at once, or, with ``stream``, its
     events followed as they come (the run goes on if the client leaves)."""
-    run = BackgroundRun(answer, request.get(CACHE_SALT), body.get("stream") is True,
-                        request[CONTEXT] + _own_items(request, body))
+    run = BackgroundRun(answer, request.get(CACHE_SALT), body.get("stream") is True, request[CONTEXT],
+                        _own_items(request, body))
     run.publish(answer.queued())
     request.app[BACKGROUND].start(run, gen, _keeper(request, body), request.get(KEY_IN_FLIGHT))
     headers = {"X-Request-Id": request[REQUEST_ID]}
