@@ -217,6 +217,7 @@ class TokenLogprob:
     logprob: float | None  # None only for an echoed prompt's first token: nothing predicts it
     bytes: list[int]
     top: list[TokenLogprob] = field(default_factory=list)  # the most likely tokens at its place
+    token_id: int | None = None  # where the backend knows it (the in-process engine): llama.cpp's API shows it
 
 
 @dataclass

@@ -14,7 +14,7 @@ from prometheus_client.core import GaugeMetricFamily
 from kvstream import __version__
 from kvstream.api import (
     routes_conversations, routes_embeddings, routes_messages, routes_ollama, routes_openai, routes_ops, routes_passthrough,
-    responses_file, routes_responses,
+    responses_file, routes_llamacpp, routes_responses,
 )
 from kvstream.api.background import BACKGROUND, BackgroundRuns
 from kvstream.api.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware
@@ -132,6 +132,7 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
     app.add_routes(routes_responses.routes)
     app.add_routes(routes_conversations.routes)
     app.add_routes(routes_messages.routes)
+    app.add_routes(routes_llamacpp.routes)
     app.add_routes(routes_ops.routes)
     app.add_routes(routes_passthrough.routes)  # last: it takes every route the others did not
 

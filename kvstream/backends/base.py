@@ -124,6 +124,23 @@ class BaseBackend(abc.ABC):
         None when the backend cannot tell (the default); the engine then estimates."""
         return None
 
+    def text_tokens(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int] | None:
+        """``text``'s token ids by the model's own tokenizer (llama-server's ``/tokenize``):
+        ``add_special`` adds what the tokenizer puts around a text (a BOS), ``parse_special``
+        reads special tokens' spellings as those tokens. None where the backend holds no
+        tokenizer (the default: a runtime's is the runtime's own route)."""
+        return None
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes] | None:
+        """Each token's bytes (a token may hold part of a UTF-8 character), or None where the
+        backend holds no tokenizer; ValueError for an id outside the vocabulary."""
+        return None
+
+    def detokenize(self, token_ids: list[int]) -> str | None:
+        """The text ``token_ids`` spell (special tokens included), or None where the backend
+        holds no tokenizer; ValueError for an id outside the vocabulary."""
+        return None
+
     def retained_prefixes(self, request: GenerateRequest, prompt_ids: list[int]) -> list[tuple[int, float]]:
         """``(prompt tokens, seconds)`` to keep cached after ``request``, one per
         ``request.cache_breakpoints`` that this backend can keep. Only a backend whose KV

@@ -676,6 +676,30 @@ class HFBackend(InProcessBackend):
             return list(request.prompt_token_ids)
         return list(tokenizer(request.prompt or "").input_ids) or [tokenizer.bos_token_id or 0]
 
+    def text_tokens(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int] | None:
+        tokenizer = self._loaded_tokenizer()
+        return list(tokenizer(text, add_special_tokens=add_special, split_special_tokens=not parse_special).input_ids)
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes] | None:
+        self._check_vocabulary(token_ids)
+        return [self.runner.token_bytes(token) for token in token_ids]  # type: ignore[union-attr]
+
+    def detokenize(self, token_ids: list[int]) -> str | None:
+        self._check_vocabulary(token_ids)
+        return self._loaded_tokenizer().decode(token_ids)
+
+    def _loaded_tokenizer(self) -> Any:
+        if self.runner is None:
+            raise BackendUnavailable(self._error or "the model is still loading")
+        return self.runner.tokenizer
+
+    def _check_vocabulary(self, token_ids: list[int]) -> None:
+        self._loaded_tokenizer()  # the model is loaded
+        vocab = self.runner.vocab_size  # type: ignore[union-attr]
+        outside = next((t for t in token_ids if t < 0 or (vocab is not None and t >= vocab)), None)
+        if outside is not None:
+            raise ValueError(f"token {outside} is outside the vocabulary of {vocab}")
+
     def _fill_in_middle_ids(self, request: GenerateRequest, suffix: Any) -> list[int]:
         """A completion between the prompt and ``suffix`` (fill_in_middle.py); 400 where the
         model has no FIM tokens or the request cannot be one."""

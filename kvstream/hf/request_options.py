@@ -13,7 +13,7 @@ mode, json_constraint.py) and ``json_schema`` (structured outputs, json_schema.p
 says what schemas it takes), ``tool_choice`` forcing a call (a schema too, tool_calls.py),
 ``logit_bias``, ``presence_penalty``, ``frequency_penalty``,
 and from Ollama's options (or llama-server's fields) ``repeat_penalty``, ``repeat_last_n``,
-``min_p``, ``typical_p``; completions' ``echo`` (``GenerateRequest.echo``: with ``logprobs``, the prompt's tokens are scored too,
+``min_p``, ``typical_p``, and ``ignore_eos`` (vLLM's and llama-server's); completions' ``echo`` (``GenerateRequest.echo``: with ``logprobs``, the prompt's tokens are scored too,
 and ``max_tokens`` may be 0). Refused: a schema outside what json_schema.py takes,
 ``echo`` in a chat request, ``best_of`` > 1 (a ``suffix`` is the backend's: fill_in_middle.py).
 """
@@ -40,6 +40,13 @@ def _number(extra: dict[str, Any], name: str, default: float, low: float | None 
     if (low is not None and value < low) or (high is not None and value > high):
         raise BackendRejected(f"Invalid value for '{name}': {value} is outside [{low}, {high}].", param=name, code="invalid_value")
     return float(value)
+
+
+def _flag(extra: dict[str, Any], name: str) -> bool:
+    value = extra.get(name, False)
+    if not isinstance(value, bool):
+        raise BackendRejected(f"Invalid type for '{name}': expected a boolean.", param=name, code="invalid_type")
+    return value
 
 
 def _budget(extra: dict[str, Any]) -> int | None:
@@ -214,6 +221,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             json_object=(extra.get("response_format") or {}).get("type") == "json_object",
             json_schema=forced or answer or json_schema(extra),
             thinking_budget=_budget(extra),
+            ignore_eos=_flag(extra, "ignore_eos"),
         )
     except ValueError as exc:
         raise BackendRejected(str(exc)) from None

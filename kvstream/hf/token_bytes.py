@@ -60,7 +60,7 @@ class TokenBytes:
 
     def entry(self, token_id: int, logprob: float | None) -> TokenLogprob:
         raw = self(token_id)
-        return TokenLogprob(raw.decode("utf-8", errors="replace"), logprob, list(raw))
+        return TokenLogprob(raw.decode("utf-8", errors="replace"), logprob, list(raw), token_id=token_id)
 
     def logprob(self, token_id: int, logprobs: TokenLogprobs) -> TokenLogprob:
         """Token ``token_id``'s log-probability and its alternatives, as the APIs take them."""

@@ -1,0 +1,348 @@
+"""llama-server's native completion API in KVStream's terms: its body read as a
+GenerateRequest, and each generation answered as llama-server answers ``/completion``.
+
+What is read (llama-server's names and defaults, so that a body means what it means there):
+``prompt`` as a text, token ids, a sequence mixing both, ``{"prompt_string": ...}``, or a
+list of such prompts (a batch, answered with a list); ``n_predict`` (-1: until the end of
+the text or of the context; 0: the prompt is computed into the prefix cache and nothing is
+generated), ``temperature`` (0.8; <= 0 is greedy), ``top_k`` (40), ``top_p`` (0.95),
+``min_p`` (0.05), ``typical_p``, ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``,
+``frequency_penalty``, ``seed`` (-1: random), ``stop``, ``ignore_eos``, ``logit_bias`` (its
+list form, a token as its id or a text, and OpenAI's object of ids; ``false`` bans a token), ``n_probs`` (each token's log-probability
+and its n most likely alternatives, ``completion_probabilities``), ``json_schema``,
+``return_tokens``, ``response_fields`` and ``stream``. Slot and cache controls
+(``cache_prompt``, ``id_slot``, ``n_keep``, ``n_cache_reuse``, ``t_max_predict_ms``,
+``samplers``, ``timings_per_token``...) change nothing about the tokens here and are taken as
+given. Samplers the engine does not have (``mirostat``, DRY, XTC, ``top_n_sigma``, dynamic
+temperature), ``grammar``, ``lora``, media, ``post_sampling_probs`` and ``n_cmpl`` are a 400
+naming the field when set to a value that turns them on, never dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvstream.api.errors import APIError
+from kvstream.api.schemas import MAX_BATCH_PROMPTS
+from kvstream.types import GenerateRequest, Token, TokenLogprob, Usage
+
+# llama-server's sampling defaults (common/common.h), used where the body leaves one out.
+DEFAULTS: dict[str, Any] = {
+    "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "typical_p": 1.0, "repeat_penalty": 1.0,
+    "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+}
+# The seed llama-server reports for a random one (LLAMA_DEFAULT_SEED).
+RANDOM_SEED = 0xFFFFFFFF
+# Fields that change the tokens in a way the engine cannot, and when a value leaves them off
+# (llama.cpp's samplers do nothing at these values; clients such as its web UI send them).
+def _zero_or_less(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value <= 0
+
+
+INACTIVE: dict[str, Callable[[Any], bool]] = {
+    "mirostat": _zero_or_less, "dry_multiplier": _zero_or_less, "xtc_probability": _zero_or_less,
+    "top_n_sigma": _zero_or_less, "dynatemp_range": _zero_or_less, "grammar": lambda v: v == "",
+    "lora": lambda v: v == [], "n_cmpl": lambda v: v == 1, "post_sampling_probs": lambda v: v is False,
+}
+MAX_N_PROBS = 20  # the engine's most alternatives per token
+
+
+class LlamaCppError(APIError):
+    """An error in llama-server's shape: ``{"error": {"code", "message", "type"}}``."""
+
+    def body(self) -> dict:
+        return {"error": {"code": self.status, "message": self.message, "type": super().body()["error"]["type"]}}
+
+
+def invalid(message: str, param: str | None = None) -> LlamaCppError:
+    return LlamaCppError(400, message, param=param, code="invalid_value")
+
+
+# ------------------------------------------------------------------ the body
+
+
+def prompts(value: Any, tokenize: Callable[[str, bool], list[int]]) -> tuple[list[str | list[int]], bool]:
+    """The body's prompts (a text or token ids each) and whether they are a batch, read as
+    llama-server reads them: a text, token ids or a sequence mixing both is one prompt (its
+    texts tokenized, the first with the tokenizer's specials: ``tokenize(text, first)``); any
+    other list is a batch of such prompts."""
+    if isinstance(value, str | dict):
+        return [_one(value, tokenize)], False
+    if not isinstance(value, list) or not value:
+        raise invalid("'prompt' must be a text, token ids, a mix of both, or a non-empty list of those.", "prompt")
+    if all(_is_id(p) or isinstance(p, str) for p in value) and any(_is_id(p) for p in value):
+        return [_one(value, tokenize)], False
+    if len(value) > MAX_BATCH_PROMPTS:
+        raise invalid(f"At most {MAX_BATCH_PROMPTS} prompts in one request.", "prompt")
+    return [_one(p, tokenize) for p in value], True
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _one(value: Any, tokenize: Callable[[str, bool], list[int]]) -> str | list[int]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        if value.get("multimodal_data"):
+            raise LlamaCppError(400, "This model takes text only: 'multimodal_data' cannot be read.",
+                                param="prompt", code="unsupported_content")
+        text = value.get("prompt_string")
+        if not isinstance(text, str):
+            raise invalid("A prompt object needs 'prompt_string', a text.", "prompt")
+        return text
+    if isinstance(value, list) and value and all(_is_id(p) or isinstance(p, str) for p in value):
+        ids: list[int] = []
+        for i, part in enumerate(value):
+            ids += tokenize(part, i == 0) if isinstance(part, str) else [part]
+        if any(t < 0 for t in ids):
+            raise invalid("Token ids are integers >= 0.", "prompt")
+        return ids or _empty()
+    raise invalid("Each prompt must be a text, token ids, a mix of both, or {\"prompt_string\": ...}.", "prompt")
+
+
+def _empty() -> list[int]:
+    raise invalid("A prompt of no tokens cannot be completed.", "prompt")
+
+
+def _number(body: dict[str, Any], name: str, low: float | None = None, high: float | None = None) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid(f"'{name}' must be a number.", name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise invalid(f"'{name}' must be within [{low}, {high}], not {value}.", name)
+    return value
+
+
+def _integer(body: dict[str, Any], name: str, low: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_id(value):
+        raise invalid(f"'{name}' must be an integer.", name)
+    if low is not None and value < low:
+        raise invalid(f"'{name}' must be at least {low}, not {value}.", name)
+    return value
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise invalid(f"'{name}' must be true or false.", name)
+    return value
+
+
+def _stops(value: Any) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid("'stop' must be a list of texts.", "stop")
+    return [s for s in stops if s]
+
+
+def _logit_bias(value: Any, tokenize: Callable[[str, bool], list[int]]) -> dict[str, float]:
+    """llama-server's ``logit_bias``: ``[[token, bias], ...]`` (a token as its id or a text,
+    every token of the text biased) or ``{"id": bias}``; a bias of ``false`` bans the token.
+    As the engine's ``logit_bias`` (OpenAI's object of ids)."""
+    if value is None:
+        return {}
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(pairs, list) or not all(isinstance(p, list | tuple) and len(p) == 2 for p in pairs):
+        raise invalid("'logit_bias' must be a list of [token, bias] pairs or an object of token ids to biases.", "logit_bias")
+    bias: dict[str, float] = {}
+    for token, amount in pairs:
+        if amount is False:
+            amount = -100.0  # the engine's floor: never sampled
+        if isinstance(amount, bool) or not isinstance(amount, int | float):
+            raise invalid("A 'logit_bias' bias is a number, or false to ban the token.", "logit_bias")
+        if isinstance(token, str) and not isinstance(value, dict):  # a text: each of its tokens
+            ids = tokenize(token, False)
+        else:
+            try:
+                ids = [int(token)]
+            except (TypeError, ValueError):
+                raise invalid(f"{token!r} in 'logit_bias' is not a token.", "logit_bias") from None
+        for token_id in ids:
+            bias[str(token_id)] = max(-100.0, min(100.0, float(amount)))
+    return bias
+
+
+def generate_request(body: dict[str, Any], prompt: str | list[int], request_id: str,
+                     tokenize: Callable[[str, bool], list[int]]) -> GenerateRequest:
+    """The GenerateRequest ``body`` asks for ``prompt`` (one of ``prompts``); LlamaCppError
+    (400) for a value it cannot take."""
+    for name, inactive in INACTIVE.items():
+        if body.get(name) is not None and not inactive(body[name]):
+            raise LlamaCppError(400, f"'{name}' is not supported by the in-process engine (only at a value that turns "
+                                f"it off), not {body[name]!r}.", param=name, code="unsupported_parameter")
+    n_predict = _integer(body, "n_predict", -1)
+    if n_predict is None:
+        n_predict = _integer(body, "max_tokens", -1)  # llama-server reads it as n_predict's other name
+    temperature = _number(body, "temperature")
+    top_p = _number(body, "top_p", 0, 1)
+    top_k = _integer(body, "top_k")
+    seed = _integer(body, "seed", -1)
+    n_probs = _integer(body, "n_probs", 0) or 0
+    if n_probs > MAX_N_PROBS:
+        raise LlamaCppError(400, f"'n_probs' is at most {MAX_N_PROBS} here.", param="n_probs", code="invalid_value")
+    extra: dict[str, Any] = {}
+    for name, low, high in (("min_p", 0, 1), ("typical_p", 0, 1), ("repeat_penalty", 0, None),
+                            ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
+        value = _number(body, name, low, high)
+        extra[name] = DEFAULTS[name] if value is None else value
+    repeat_last_n = _integer(body, "repeat_last_n", -1)
+    extra["repeat_last_n"] = DEFAULTS["repeat_last_n"] if repeat_last_n is None else repeat_last_n
+    extra["ignore_eos"] = _flag(body, "ignore_eos")
+    if bias := _logit_bias(body.get("logit_bias"), tokenize):
+        extra["logit_bias"] = bias
+    schema = body.get("json_schema")
+    if schema is not None and schema != {}:
+        if not isinstance(schema, dict):
+            raise invalid("'json_schema' must be a JSON schema object.", "json_schema")
+        extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
+    request = GenerateRequest(
+        model=body.get("model") if isinstance(body.get("model"), str) and body.get("model") else None,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=prompt if isinstance(prompt, list) else None,
+        max_tokens=None if n_predict in (None, -1) else n_predict,
+        temperature=DEFAULTS["temperature"] if temperature is None else max(0.0, temperature),
+        top_p=DEFAULTS["top_p"] if top_p is None else top_p,
+        top_k=DEFAULTS["top_k"] if top_k is None else max(0, top_k),
+        seed=None if seed in (None, -1) else seed,
+        stop=_stops(body.get("stop")),
+        extra=extra,
+        request_id=request_id,
+        logprobs=n_probs or None,
+        stream=_flag(body, "stream"),
+    )
+    if request.max_tokens == 0:
+        # Only the prompt, into the prefix cache: the engine computes it as an echo of it
+        # with nothing generated (the echo itself is not answered).
+        request.echo = True
+    return request
+
+
+# ------------------------------------------------------------------ the answer
+
+
+class CompletionAnswer:
+    """One prompt's answer as llama-server gives it: built token by token; streamed, each
+    token as a partial object, then the final one (``stop: true``) with the settings, the
+    stop's kind and the timings."""
+
+    def __init__(self, request: GenerateRequest, body: dict[str, Any], model: str, index: int = 0) -> None:
+        self.request, self.model, self.index = request, model, index
+        self.return_tokens = body.get("return_tokens") is True
+        self.fields = body.get("response_fields") if isinstance(body.get("response_fields"), list) else []
+        self.content: list[str] = []
+        self.tokens: list[int] = []
+        self.probabilities: list[dict[str, Any]] = []
+        self.submitted_at = time.perf_counter()  # made as the request is submitted
+        self.first_at = 0.0
+        self.predicted = 0
+
+    def add(self, token: Token, prompt_tokens: int) -> dict[str, Any] | None:
+        """Take one token; the partial object a stream sends for it (None: nothing to send)."""
+        if getattr(token, "echo", False):  # n_predict 0: the prompt alone
+            return None
+        if not self.first_at:
+            self.first_at = time.perf_counter()
+        ids = [token.token_id] if token.token_id is not None else []
+        self.predicted += len(ids)
+        self.content.append(token.text)
+        self.tokens += ids
+        probabilities = [_probability(entry) for entry in token.token_logprobs or ()] if self.request.logprobs else []
+        self.probabilities += probabilities
+        if not token.text and not ids:
+            return None
+        partial = {"index": self.index, "content": token.text, "tokens": ids, "stop": False, "id_slot": 0,
+                   "tokens_predicted": self.predicted, "tokens_evaluated": prompt_tokens}
+        if probabilities:
+            partial["completion_probabilities"] = probabilities
+        return partial
+
+    def final(self, last: Token, usage: Usage | None, queue_ms: float, prompt_text: str, streamed: bool) -> dict[str, Any]:
+        """The final object (streamed: without the content and tokens already sent). The
+        prompt's time is from submission to the first token less the time queued."""
+        ended = time.perf_counter()
+        first = self.first_at or ended
+        prompt_n = usage.prompt_tokens if usage is not None else 0
+        cached = (usage.cached_tokens or 0) if usage is not None else 0
+        predicted = usage.completion_tokens if usage is not None else self.predicted
+        content = "".join(self.content)
+        request = self.request
+        if last.finish_reason == "length":
+            stop_type = "limit"
+        elif last.stop_sequence:
+            stop_type = "word"
+        else:
+            stop_type = "eos"
+        prompt_ms = max(0.0, (first - self.submitted_at) * 1000 - queue_ms)
+        predicted_ms = (ended - first) * 1000
+        whole: dict[str, Any] = {
+            "index": self.index,
+            "content": "" if streamed else content,
+            "tokens": [] if streamed or not self.return_tokens else self.tokens,
+            "id_slot": 0,
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": predicted,
+            "tokens_evaluated": prompt_n,
+            "generation_settings": {
+                "n_predict": -1 if request.max_tokens is None else request.max_tokens,
+                "seed": RANDOM_SEED if request.seed is None else request.seed,
+                "temperature": request.temperature, "top_k": request.top_k, "top_p": request.top_p,
+                **{name: request.extra[name] for name in ("min_p", "typical_p", "repeat_last_n", "repeat_penalty",
+                                                          "presence_penalty", "frequency_penalty", "ignore_eos")},
+                "stop": list(request.stop), "n_probs": request.logprobs or 0, "stream": request.stream,
+                "logit_bias": [[int(k), v] for k, v in request.extra.get("logit_bias", {}).items()],
+                "json_schema": request.extra.get("response_format", {}).get("json_schema", {}).get("schema", {}),
+            },
+            "prompt": prompt_text,
+            "has_new_line": "\n" in content,
+            "truncated": False,  # a prompt past the context is a 400 here, never cut
+            "stop_type": stop_type,
+            "stopping_word": last.stop_sequence or "",
+            "tokens_cached": prompt_n + predicted,
+            "timings": {
+                "cache_n": cached, "prompt_n": prompt_n - cached, "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_ms / max(1, prompt_n - cached),
+                "prompt_per_second": (prompt_n - cached) / (prompt_ms / 1000) if prompt_ms > 0 else 0.0,
+                "predicted_n": predicted, "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": predicted_ms / max(1, predicted),
+                "predicted_per_second": predicted / (predicted_ms / 1000) if predicted_ms > 0 else 0.0,
+            },
+        }
+        if request.logprobs and not streamed:
+            whole["completion_probabilities"] = self.probabilities
+        return _selected(whole, self.fields) if self.fields else whole
+
+
+def _probability(entry: TokenLogprob) -> dict[str, Any]:
+    def one(e: TokenLogprob) -> dict[str, Any]:
+        return {"id": e.token_id, "token": e.token, "logprob": e.logprob, "bytes": e.bytes}
+
+    return one(entry) | {"top_logprobs": [one(alternative) for alternative in entry.top]}
+
+
+def _selected(whole: dict[str, Any], fields: list[Any]) -> dict[str, Any]:
+    """``response_fields``: only the fields named, a nested one by its path (``a/b``), under
+    the name given; a name that is not there is left out."""
+    out = {}
+    for name in fields:
+        if not isinstance(name, str):
+            continue
+        value: Any = whole
+        for part in name.split("/"):
+            if not isinstance(value, dict) or part not in value:
+                break
+            value = value[part]
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,254 @@
+"""llama-server's own routes where KVStream is the runtime: ``POST /completion`` (and its
+other name ``/completions``), ``/tokenize`` and ``/detokenize``.
+
+In front of a runtime these paths are the runtime's and pass through unchanged
+(routes_passthrough.py): llama-server answers them itself. With no runtime behind KVStream
+(the in-process engine) they are answered here as llama-server answers them
+(llamacpp_format.py), on the same path as every generation (queue, admission, prefix cache),
+so that a client written for llama-server works with the embedded model too. Their errors
+come in llama-server's shape. A batch of prompts is answered as a list, each prompt its own
+generation; streamed, one prompt at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from kvstream.api import llamacpp_format as fmt
+from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception
+from kvstream.api.llamacpp_format import CompletionAnswer, LlamaCppError, invalid
+from kvstream.api.routes_openai import _next, default_model, parse_deadline, parse_priority, read_object, resolve_model, retry_after
+from kvstream.api.routes_passthrough import passthrough
+from kvstream.api.state import CACHE_SALT, STATE, AppState
+from kvstream.api.streaming import GuardedResponse
+from kvstream.jsonfast import dumps
+from kvstream.scheduler import Priority, SchedulerError
+from kvstream.types import BackendError, GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+routes = web.RouteTableDef()
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def answered_here(label: str) -> Callable[[Handler], Handler]:
+    """The route answered by ``handler`` (counted as ``label``, errors in llama-server's
+    shape) where there is no runtime; passed through to the runtime where there is one."""
+
+    def wrap(handler: Handler) -> Handler:
+        local = counted(label)(handler)
+
+        @functools.wraps(handler)
+        async def route(request: web.Request) -> web.StreamResponse:
+            state = request.app[STATE]
+            if state.engine.backend.upstream() is not None:
+                return await passthrough(request)
+            try:
+                return await local(request)
+            except LlamaCppError:
+                raise
+            except (APIError, SchedulerError, BackendError) as exc:
+                error = from_exception(exc, retry_after(state))
+                raise LlamaCppError(error.status, error.message, code=error.code, param=error.param,
+                                    retry_after=error.retry_after) from None
+
+        return route
+
+    return wrap
+
+
+def _tokenizer(state: AppState) -> Callable[[str, bool], list[int]]:
+    """``(text, add_special) -> ids`` by the model's tokenizer (special tokens' spellings read
+    as those tokens, as llama-server reads prompts)."""
+    backend = state.engine.backend
+
+    def tokenize(text: str, add_special: bool) -> list[int]:
+        ids = backend.text_tokens(text, add_special=add_special, parse_special=True)
+        if ids is None:  # a backend with neither a runtime nor a tokenizer (tests' doubles)
+            raise LlamaCppError(404, "This backend has no tokenizer to serve llama-server's routes with.", code="unknown_route")
+        return ids
+
+    return tokenize
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise invalid(f"'{name}' must be true or false.", name)
+    return value
+
+
+@routes.post("/tokenize")
+@answered_here("llamacpp_tokenize")
+async def tokenize(request: web.Request) -> web.StreamResponse:
+    """``{"content", "add_special" (false), "parse_special" (true), "with_pieces" (false)}``
+    -> ``{"tokens": [ids]}``, or with pieces ``[{"id", "piece"}]`` (a piece that is not
+    whole UTF-8 as its bytes)."""
+    state = request.app[STATE]
+    body = await read_object(request)
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise invalid("'content' must be a text.", "content")
+    backend = state.engine.backend
+    _tokenizer(state)("", False)  # 404 without a tokenizer
+    ids = backend.text_tokens(content, add_special=_flag(body, "add_special", False),
+                              parse_special=_flag(body, "parse_special", True)) or []
+    if not _flag(body, "with_pieces", False):
+        return web.json_response({"tokens": ids})
+    pieces = []
+    for token, raw in zip(ids, backend.token_bytes(ids) or [], strict=True):
+        try:
+            piece: Any = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        pieces.append({"id": token, "piece": piece})
+    return web.json_response({"tokens": pieces})
+
+
+@routes.post("/detokenize")
+@answered_here("llamacpp_detokenize")
+async def detokenize(request: web.Request) -> web.StreamResponse:
+    """``{"tokens": [ids]}`` -> ``{"content": text}``."""
+    state = request.app[STATE]
+    body = await read_object(request)
+    tokens = body.get("tokens", [])
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise invalid("'tokens' must be a list of token ids.", "tokens")
+    _tokenizer(state)("", False)
+    try:
+        content = state.engine.backend.detokenize(tokens)
+    except ValueError as exc:
+        raise invalid(f"Invalid 'tokens': {exc}.", "tokens") from None
+    return web.json_response({"content": content or ""})
+
+
+async def _completion(request: web.Request) -> web.StreamResponse:
+    """``/completion``: one prompt's answer, a batch's list of answers, or one prompt's stream."""
+    arrived_at = time.monotonic()
+    state = request.app[STATE]
+    body = await read_object(request)
+    if "prompt" not in body:
+        raise invalid("'prompt' is required.", "prompt")
+    tokenize = _tokenizer(state)
+    prompts, batch = fmt.prompts(body["prompt"], tokenize)
+    requests = [fmt.generate_request(body, prompt, request[REQUEST_ID], tokenize) for prompt in prompts]
+    if batch and requests[0].stream:
+        raise LlamaCppError(400, "Streaming several prompts at once is not served here: stream them one per request.",
+                            param="stream", code="unsupported_parameter")
+    named = requests[0].model
+    model = await resolve_model(state, named) if named else state.engine.backend.model or await default_model(state)
+    priority = parse_priority(request, body.get("priority"))
+    deadline = parse_deadline(request)
+    for generate in requests:
+        generate.model, generate.cache_salt, generate.queue_deadline_s = model, request.get(CACHE_SALT), deadline
+    answers = [CompletionAnswer(generate, body, named or model or "", index) for index, generate in enumerate(requests)]
+    headers = {"X-Request-Id": request[REQUEST_ID]}
+    if requests[0].stream:
+        return await _stream(request, requests[0], answers[0], priority, arrived_at, headers)
+    try:
+        async with asyncio.TaskGroup() as group:  # one failing cancels the others
+            tasks = [group.create_task(_whole(state, generate, answer, priority, arrived_at))
+                     for generate, answer in zip(requests, answers, strict=True)]
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None  # the request's error: the first prompt's that failed
+    results = [task.result() for task in tasks]
+    return web.Response(body=dumps(results if batch else results[0]), content_type="application/json", headers=headers)
+
+
+async def _whole(state: AppState, generate: GenerateRequest, answer: CompletionAnswer, priority: Priority,
+                 arrived_at: float) -> dict[str, Any]:
+    gen = await state.engine.submit(generate, priority, arrived_at)
+    stream = aiter(gen)
+    outcome = "cancelled"
+    try:
+        await gen.admitted()
+        prompt_tokens = len(gen.seq.prompt_token_ids)
+        token = await _next(stream)
+        while token.finish_reason is None:
+            answer.add(token, prompt_tokens)
+            token = await _next(stream)
+        answer.add(token, prompt_tokens)
+        whole = answer.final(token, gen.usage, gen.queue_ms, _prompt_text(state, gen.seq.prompt_token_ids), streamed=False)
+        outcome = "finished"
+        return whole
+    except BackendError:
+        outcome = "failed"
+        raise
+    finally:
+        try:
+            await stream.aclose()
+        finally:
+            gen.close(outcome)
+
+
+def _prompt_text(state: AppState, ids: list[int]) -> str:
+    try:
+        return state.engine.backend.detokenize(ids) or ""
+    except ValueError:
+        return ""
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    """One server-sent event as llama-server sends them: ``data:`` alone, no ``[DONE]`` after the last."""
+    return b"data: " + dumps(data) + b"\n\n"
+
+
+async def _stream(request: web.Request, generate: GenerateRequest, answer: CompletionAnswer, priority: Priority,
+                  arrived_at: float, headers: dict[str, str]) -> web.StreamResponse:
+    state = request.app[STATE]
+    gen = await state.engine.submit(generate, priority, arrived_at)
+    stream = aiter(gen)
+    outcome = "cancelled"
+    try:
+        await gen.admitted()  # a refusal before the first token is an HTTP error with its status
+        prompt_tokens = len(gen.seq.prompt_token_ids)
+        token = await _next(stream)
+        out = GuardedResponse(headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                 "X-Accel-Buffering": "no"})
+        await out.prepare(request)
+        try:
+            held: list[bytes] = []
+            while True:
+                partial = answer.add(token, prompt_tokens)
+                if partial is not None:
+                    held.append(_event(partial))
+                if token.finish_reason is not None:
+                    break
+                if not token.more:  # nothing else is ready: send what is held now
+                    await out.write(b"".join(held))
+                    held.clear()
+                token = await _next(stream)
+            final = answer.final(token, gen.usage, gen.queue_ms, _prompt_text(state, gen.seq.prompt_token_ids), streamed=True)
+            await out.write_eof(b"".join(held) + _event(final))
+            outcome = "finished"
+        except BackendError as exc:
+            outcome = "failed"
+            logger.warning("[%s] backend failed mid-stream: %s", request[REQUEST_ID], exc.message)
+            error = from_exception(exc)
+            try:  # llama-server's later errors: a data event holding the error, and the stream ends
+                await out.write_eof(_event(LlamaCppError(error.status, error.message).body()))
+            except ConnectionError:
+                pass
+        except ConnectionError:
+            pass  # the client left: the finally below cancels the generation
+        return out
+    except BackendError:
+        outcome = "failed"
+        raise
+    finally:
+        try:
+            await stream.aclose()
+        finally:
+            gen.close(outcome)
+
+
+for _path in ("/completion", "/completions"):
+    routes.post(_path)(answered_here("llamacpp_completion")(_completion))

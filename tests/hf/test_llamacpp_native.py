@@ -1,0 +1,215 @@
+"""llama-server's own routes (``/completion``, ``/tokenize``, ``/detokenize``) answered by
+the in-process engine as llama-server answers them: a client written for llama-server works
+with the embedded model. The text is plain transformers' greedy text on the same ids; the
+shapes are llama-server's (``../shared/protocols/llamacpp``, its server tests' assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import pytest
+
+from tests.conftest import require_import
+
+torch = require_import("torch")
+
+PROMPT = "I believe the meaning of life is"
+
+
+def reference(smollm2, ids: list[int], tokens: int) -> list[int]:
+    """Plain transformers' greedy continuation of ``ids``."""
+    _, model, tokenizer = smollm2
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    return out[0][len(ids):].tolist()
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, object]:
+    async with session.post(url, json=body) as response:
+        return response.status, await response.json()
+
+
+async def events(session: aiohttp.ClientSession, url: str, body: dict) -> list[dict]:
+    """A llama-server stream's events: ``data:`` lines, and no ``[DONE]`` after the last."""
+    async with session.post(url, json=body) as response:
+        assert response.status == 200 and response.content_type == "text/event-stream"
+        text = (await response.read()).decode()
+    lines = [line for line in text.split("\n") if line]
+    assert all(line.startswith("data: ") for line in lines) and "[DONE]" not in text
+    return [json.loads(line.removeprefix("data: ")) for line in lines]
+
+
+async def test_tokenize_and_detokenize_are_the_models_tokenizer(hf_proxy, smollm2):
+    tokenizer = smollm2[2]
+    async with aiohttp.ClientSession() as session:
+        status, body = await post(session, hf_proxy.url + "/tokenize", {"content": PROMPT})
+        assert status == 200 and body == {"tokens": tokenizer(PROMPT, add_special_tokens=False).input_ids}
+        status, back = await post(session, hf_proxy.url + "/detokenize", {"tokens": body["tokens"]})
+        assert status == 200 and back == {"content": PROMPT}
+
+        # Special tokens' spellings are those tokens unless parse_special is false.
+        special = "<|im_start|>user"
+        _, parsed = await post(session, hf_proxy.url + "/tokenize", {"content": special})
+        _, spelled = await post(session, hf_proxy.url + "/tokenize", {"content": special, "parse_special": False})
+        assert parsed["tokens"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+        assert len(spelled["tokens"]) > len(parsed["tokens"])
+
+        # Pieces: text where a token is whole UTF-8, its bytes where it holds part of a character.
+        text = "unicode 媽 and emoji 🤗"
+        _, pieces = await post(session, hf_proxy.url + "/tokenize", {"content": text, "with_pieces": True})
+        raw = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces["tokens"])
+        assert raw.decode() == text
+        assert any(isinstance(p["piece"], list) for p in pieces["tokens"]) and all(p["id"] >= 0 for p in pieces["tokens"])
+
+        status, error = await post(session, hf_proxy.url + "/detokenize", {"tokens": [10 ** 9]})
+        assert status == 400 and error["error"]["code"] == 400 and "vocabulary" in error["error"]["message"]
+        status, error = await post(session, hf_proxy.url + "/tokenize", {"content": 5})
+        assert status == 400 and error["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_completion_is_greedy_transformers_in_llama_servers_shape(hf_proxy, smollm2):
+    tokenizer = smollm2[2]
+    ids = tokenizer(PROMPT).input_ids
+    expected = reference(smollm2, ids, 8)
+    async with aiohttp.ClientSession() as session:
+        status, body = await post(session, hf_proxy.url + "/completion",
+                                  {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "return_tokens": True})
+        assert status == 200
+        assert body["tokens"] == expected and body["content"] == tokenizer.decode(expected)
+        assert body["stop"] is True and body["stop_type"] == "limit" and body["truncated"] is False
+        assert body["tokens_predicted"] == 8 and body["tokens_evaluated"] == len(ids)
+        assert body["timings"]["predicted_n"] == 8
+        assert body["timings"]["prompt_n"] + body["timings"]["cache_n"] == len(ids)
+        assert body["prompt"] == PROMPT and isinstance(body["has_new_line"], bool)
+        settings = body["generation_settings"]
+        assert settings["n_predict"] == 8 and settings["temperature"] == 0 and settings["top_k"] == 40
+        assert settings["seed"] == 0xFFFFFFFF  # llama-server's "random"
+
+        # Streamed: the same text a token at a time, then the final object without it.
+        streamed = await events(session, hf_proxy.url + "/completion",
+                                {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "stream": True})
+        *partials, final = streamed
+        assert all(p["stop"] is False and len(p["tokens"]) == 1 for p in partials)
+        assert [p["tokens"][0] for p in partials] == expected
+        assert "".join(p["content"] for p in partials) == body["content"]
+        assert final["stop"] is True and final["content"] == "" and final["stop_type"] == "limit"
+        assert final["timings"]["cache_n"] > 0  # the prompt was cached by the first request
+
+        # Token ids, a mix of ids and text, and {"prompt_string"} are the same prompt.
+        half = len(PROMPT) // 2
+        split = PROMPT.rfind(" ", 0, half)
+        for prompt in (ids, {"prompt_string": PROMPT}, tokenizer(PROMPT[:split]).input_ids + [PROMPT[split:]]):
+            _, again = await post(session, hf_proxy.url + "/completion",
+                                  {"prompt": prompt, "n_predict": 8, "temperature": 0, "return_tokens": True})
+            assert again["tokens"] == expected, prompt
+
+        # A list of prompts is a batch: a list of answers, in order.
+        status, batch = await post(session, hf_proxy.url + "/completion",
+                                   {"prompt": [ids, "The capital of France is"], "n_predict": 4, "temperature": 0,
+                                    "return_tokens": True})
+        assert status == 200 and [answer["index"] for answer in batch] == [0, 1]
+        assert batch[0]["tokens"] == expected[:4]
+        assert batch[1]["tokens"] == reference(smollm2, tokenizer("The capital of France is").input_ids, 4)
+
+        # response_fields keeps only what it names, a nested field by its path.
+        _, picked = await post(session, hf_proxy.url + "/completion",
+                               {"prompt": PROMPT, "n_predict": 2, "response_fields": ["content", "generation_settings/n_predict"]})
+        assert set(picked) == {"content", "generation_settings/n_predict"} and picked["generation_settings/n_predict"] == 2
+
+
+async def test_stops_probabilities_bias_and_prefill_only(hf_proxy, smollm2):
+    tokenizer = smollm2[2]
+    ids = tokenizer(PROMPT).input_ids
+    expected = tokenizer.decode(reference(smollm2, ids, 8))
+    word = expected.split()[2]
+    async with aiohttp.ClientSession() as session:
+        _, stopped = await post(session, hf_proxy.url + "/completion",
+                                {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "stop": [word]})
+        assert stopped["stop_type"] == "word" and stopped["stopping_word"] == word
+        assert stopped["content"] == expected[: expected.index(word)]
+
+        # n_probs: each token's log-probability and its alternatives, with ids (and the
+        # OpenAI route's numbers for the same tokens).
+        _, probed = await post(session, hf_proxy.url + "/completion",
+                               {"prompt": PROMPT, "n_predict": 3, "temperature": 0, "n_probs": 5, "return_tokens": True})
+        probabilities = probed["completion_probabilities"]
+        assert [p["id"] for p in probabilities] == probed["tokens"]
+        for entry in probabilities:
+            assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 5
+            assert entry["top_logprobs"][0]["id"] == entry["id"]  # greedy: the most likely
+            assert all(isinstance(alt["id"], int) and alt["bytes"] for alt in entry["top_logprobs"])
+        _, openai_body = await post(session, hf_proxy.v1 + "/completions",
+                                    {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 1})
+        assert [p["logprob"] for p in probabilities] == pytest.approx(openai_body["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
+
+        # logit_bias in llama-server's list form pushes the end of text first; ignore_eos
+        # then generates on to n_predict.
+        eos = tokenizer.eos_token_id
+        _, ended = await post(session, hf_proxy.url + "/completion",
+                              {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "logit_bias": [[eos, 100]]})
+        assert ended["stop_type"] == "eos" and ended["content"] == "" and ended["tokens_predicted"] == 0
+        _, kept_on = await post(session, hf_proxy.url + "/completion",
+                                {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "logit_bias": [[eos, 100]],
+                                 "ignore_eos": True})
+        assert kept_on["stop_type"] == "limit" and kept_on["tokens_predicted"] == 6
+        _, banned = await post(session, hf_proxy.url + "/completion",
+                               {"prompt": PROMPT, "n_predict": 3, "temperature": 0, "return_tokens": True,
+                                "logit_bias": [[probed["tokens"][0], False]]})
+        assert banned["tokens"][0] != probed["tokens"][0]
+        # A text in the list form biases each of its tokens; OpenAI's object form takes ids.
+        first_text = tokenizer.decode(probed["tokens"][:1])
+        _, by_text = await post(session, hf_proxy.url + "/completion",
+                                {"prompt": PROMPT, "n_predict": 1, "temperature": 0, "return_tokens": True,
+                                 "logit_bias": [[first_text, -100]]})
+        _, by_key = await post(session, hf_proxy.url + "/completion",
+                               {"prompt": PROMPT, "n_predict": 1, "temperature": 0, "return_tokens": True,
+                                "logit_bias": {str(probed["tokens"][0]): -100}})
+        assert by_text["tokens"] == by_key["tokens"] == banned["tokens"][:1]
+
+        # n_predict 0: the prompt computed into the cache, nothing generated.
+        fresh = "A prompt that only fills the cache, " * 6
+        _, prefilled = await post(session, hf_proxy.url + "/completion", {"prompt": fresh, "n_predict": 0})
+        assert prefilled["content"] == "" and prefilled["tokens_predicted"] == 0 and prefilled["stop_type"] == "limit"
+        _, after = await post(session, hf_proxy.url + "/completion", {"prompt": fresh, "n_predict": 1})
+        assert after["timings"]["cache_n"] >= 32
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"n_predict": 4}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[1, 2], 7]}, "prompt"),
+    ({"prompt": {"prompt_string": "x", "multimodal_data": ["aGk="]}}, "prompt"),
+    ({"prompt": [10 ** 9]}, "prompt"),
+    ({"prompt": "x", "mirostat": 2}, "mirostat"),
+    ({"prompt": "x", "grammar": "root ::= \"a\""}, "grammar"),
+    ({"prompt": "x", "n_probs": 50}, "n_probs"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 2}, "top_p"),
+    ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": "x", "logit_bias": [[1]]}, "logit_bias"),
+    ({"prompt": "x", "n_predict": -5}, "n_predict"),
+    ({"prompt": ["a", "b"], "stream": True}, "stream"),
+    ({"prompt": ["a"] * 129}, "prompt"),
+    ({"prompt": "x", "xtc_probability": 0.5}, "xtc_probability"),
+    ({"prompt": "x", "top_n_sigma": 1.5}, "top_n_sigma"),
+    ({"prompt": "x", "dry_multiplier": "on"}, "dry_multiplier"),
+    ({"prompt": "x", "post_sampling_probs": True}, "post_sampling_probs"),
+    ({"prompt": "x", "n_predict": 100000}, None),
+])
+async def test_bad_completions_are_400s_in_llama_servers_shape(hf_proxy, body, param):
+    """Every refusal names what is wrong, and the neutral values of samplers the engine
+    lacks (what llama.cpp's web UI sends with every request) are taken."""
+    async with aiohttp.ClientSession() as session:
+        status, error = await post(session, hf_proxy.url + "/completion", body)
+        assert status == 400, error
+        assert set(error) == {"error"} and set(error["error"]) == {"code", "message", "type"}
+        assert error["error"]["code"] == 400 and error["error"]["type"] == "invalid_request_error"
+        if param is not None:
+            assert param in error["error"]["message"] or param == "prompt"
+        status, fine = await post(session, hf_proxy.url + "/completion", {
+            "prompt": "x", "n_predict": 1, "mirostat": 0, "dry_multiplier": 0, "xtc_probability": 0, "top_n_sigma": -1,
+            "grammar": "", "cache_prompt": True, "id_slot": -1, "samplers": ["top_k", "temperature"], "top_n_sigma": 0,
+            "dynatemp_range": 0, "lora": [], "post_sampling_probs": False})
+        assert status == 200 and fine["tokens_predicted"] == 1
