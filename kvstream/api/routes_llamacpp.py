@@ -99,8 +99,9 @@ async def tokenize(request: web.Request) -> web.StreamResponse:
         raise invalid("'content' must be a text.", "content")
     backend = state.engine.backend
     _tokenizer(state)("", False)  # 404 without a tokenizer
-    ids = backend.text_tokens(content, add_special=_flag(body, "add_special", False),
-                              parse_special=_flag(body, "parse_special", True)) or []
+    add_special, parse_special = _flag(body, "add_special", False), _flag(body, "parse_special", True)
+    # On a thread: a body of megabytes takes the tokenizer a while, which the loop must not wait for.
+    ids = await asyncio.to_thread(backend.text_tokens, content, add_special, parse_special) or []
     if not _flag(body, "with_pieces", False):
         return web.json_response({"tokens": ids})
     pieces = []
@@ -124,7 +125,7 @@ async def detokenize(request: web.Request) -> web.StreamResponse:
         raise invalid("'tokens' must be a list of token ids.", "tokens")
     _tokenizer(state)("", False)
     try:
-        content = state.engine.backend.detokenize(tokens)
+        content = await asyncio.to_thread(state.engine.backend.detokenize, tokens)
     except ValueError as exc:
         raise invalid(f"Invalid 'tokens': {exc}.", "tokens") from None
     return web.json_response({"content": content or ""})

@@ -210,6 +210,6 @@ async def test_bad_completions_are_400s_in_llama_servers_shape(hf_proxy, body, p
             assert param in error["error"]["message"] or param == "prompt"
         status, fine = await post(session, hf_proxy.url + "/completion", {
             "prompt": "x", "n_predict": 1, "mirostat": 0, "dry_multiplier": 0, "xtc_probability": 0, "top_n_sigma": -1,
-            "grammar": "", "cache_prompt": True, "id_slot": -1, "samplers": ["top_k", "temperature"], "top_n_sigma": 0,
-            "dynatemp_range": 0, "lora": [], "post_sampling_probs": False})
+            "grammar": "", "cache_prompt": True, "id_slot": -1, "samplers": ["top_k", "temperature"],
+            "dynatemp_range": 0, "xtc_threshold": 0.1, "lora": [], "post_sampling_probs": False})
         assert status == 200 and fine["tokens_predicted"] == 1
