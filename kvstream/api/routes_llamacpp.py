@@ -13,11 +13,13 @@ generation; streamed, one prompt at a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -30,7 +32,10 @@ from kvstream.api.state import CACHE_SALT, STATE, AppState
 from kvstream.api.streaming import GuardedResponse
 from kvstream.jsonfast import dumps
 from kvstream.scheduler import Priority, SchedulerError
-from kvstream.types import BackendError, GenerateRequest
+from kvstream.types import BackendError, GenerateRequest, Token
+
+if TYPE_CHECKING:
+    from kvstream.engine import Generation
 
 logger = logging.getLogger(__name__)
 
@@ -164,30 +169,47 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     return web.Response(body=dumps(results if batch else results[0]), content_type="application/json", headers=headers)
 
 
-async def _whole(state: AppState, generate: GenerateRequest, answer: CompletionAnswer, priority: Priority,
-                 arrived_at: float) -> dict[str, Any]:
+@dataclass
+class _Run:
+    """A submitted generation, its token stream, and how it ended (for its release)."""
+
+    gen: Generation
+    stream: AsyncIterator[Token]
+    outcome: str = "cancelled"
+
+
+@contextlib.asynccontextmanager
+async def _running(state: AppState, generate: GenerateRequest, priority: Priority, arrived_at: float) -> AsyncIterator[_Run]:
+    """``generate`` submitted and admitted (a refusal raises here, before anything is sent);
+    its stream closed and its generation released on the way out, as the run's outcome says."""
     gen = await state.engine.submit(generate, priority, arrived_at)
-    stream = aiter(gen)
-    outcome = "cancelled"
+    run = _Run(gen, aiter(gen))
     try:
         await gen.admitted()
-        prompt_tokens = len(gen.seq.prompt_token_ids)
-        token = await _next(stream)
-        while token.finish_reason is None:
-            answer.add(token, prompt_tokens)
-            token = await _next(stream)
-        answer.add(token, prompt_tokens)
-        whole = answer.final(token, gen.usage, gen.queue_ms, _prompt_text(state, gen.seq.prompt_token_ids), streamed=False)
-        outcome = "finished"
-        return whole
+        yield run
     except BackendError:
-        outcome = "failed"
+        run.outcome = "failed"
         raise
     finally:
         try:
-            await stream.aclose()
+            await run.stream.aclose()  # type: ignore[attr-defined]
         finally:
-            gen.close(outcome)
+            gen.close(run.outcome)
+
+
+async def _whole(state: AppState, generate: GenerateRequest, answer: CompletionAnswer, priority: Priority,
+                 arrived_at: float) -> dict[str, Any]:
+    async with _running(state, generate, priority, arrived_at) as run:
+        prompt_tokens = len(run.gen.seq.prompt_token_ids)
+        token = await _next(run.stream)
+        while token.finish_reason is None:
+            answer.add(token, prompt_tokens)
+            token = await _next(run.stream)
+        answer.add(token, prompt_tokens)
+        whole = answer.final(token, run.gen.usage, run.gen.queue_ms, _prompt_text(state, run.gen.seq.prompt_token_ids),
+                             streamed=False)
+        run.outcome = "finished"
+        return whole
 
 
 def _prompt_text(state: AppState, ids: list[int]) -> str:
@@ -205,13 +227,9 @@ def _event(data: dict[str, Any]) -> bytes:
 async def _stream(request: web.Request, generate: GenerateRequest, answer: CompletionAnswer, priority: Priority,
                   arrived_at: float, headers: dict[str, str]) -> web.StreamResponse:
     state = request.app[STATE]
-    gen = await state.engine.submit(generate, priority, arrived_at)
-    stream = aiter(gen)
-    outcome = "cancelled"
-    try:
-        await gen.admitted()  # a refusal before the first token is an HTTP error with its status
-        prompt_tokens = len(gen.seq.prompt_token_ids)
-        token = await _next(stream)
+    async with _running(state, generate, priority, arrived_at) as run:
+        prompt_tokens = len(run.gen.seq.prompt_token_ids)
+        token = await _next(run.stream)  # a failure before the first token is an HTTP error with its status
         out = GuardedResponse(headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                  "X-Accel-Buffering": "no"})
         await out.prepare(request)
@@ -226,12 +244,13 @@ async def _stream(request: web.Request, generate: GenerateRequest, answer: Compl
                 if not token.more:  # nothing else is ready: send what is held now
                     await out.write(b"".join(held))
                     held.clear()
-                token = await _next(stream)
-            final = answer.final(token, gen.usage, gen.queue_ms, _prompt_text(state, gen.seq.prompt_token_ids), streamed=True)
+                token = await _next(run.stream)
+            final = answer.final(token, run.gen.usage, run.gen.queue_ms, _prompt_text(state, run.gen.seq.prompt_token_ids),
+                                 streamed=True)
             await out.write_eof(b"".join(held) + _event(final))
-            outcome = "finished"
+            run.outcome = "finished"
         except BackendError as exc:
-            outcome = "failed"
+            run.outcome = "failed"
             logger.warning("[%s] backend failed mid-stream: %s", request[REQUEST_ID], exc.message)
             error = from_exception(exc)
             try:  # llama-server's later errors: a data event holding the error, and the stream ends
@@ -239,16 +258,8 @@ async def _stream(request: web.Request, generate: GenerateRequest, answer: Compl
             except ConnectionError:
                 pass
         except ConnectionError:
-            pass  # the client left: the finally below cancels the generation
+            pass  # the client left: the generation is cancelled on the way out
         return out
-    except BackendError:
-        outcome = "failed"
-        raise
-    finally:
-        try:
-            await stream.aclose()
-        finally:
-            gen.close(outcome)
 
 
 for _path in ("/completion", "/completions"):

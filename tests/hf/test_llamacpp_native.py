@@ -213,3 +213,32 @@ async def test_bad_completions_are_400s_in_llama_servers_shape(hf_proxy, body, p
             "grammar": "", "cache_prompt": True, "id_slot": -1, "samplers": ["top_k", "temperature"],
             "dynatemp_range": 0, "xtc_threshold": 0.1, "lora": [], "post_sampling_probs": False})
         assert status == 200 and fine["tokens_predicted"] == 1
+
+
+async def test_a_client_leaving_a_stream_or_a_batch_frees_what_it_held(hf_proxy):
+    """A stream the client drops mid-way, and a batch whose request is cut off, are
+    cancelled and every block is released; a batch with one bad prompt is refused whole."""
+    import asyncio
+
+    from tests.conftest import wait_released
+
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(hf_proxy.url + "/completion",
+                                      json={"prompt": PROMPT, "n_predict": 2000, "ignore_eos": True, "stream": True})
+        assert (await response.content.readline()).startswith(b"data: ")
+        response.close()
+    await wait_released(hf_proxy)
+    assert not hf_proxy.engine._generations
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as session:
+        with pytest.raises(asyncio.TimeoutError):
+            await post(session, hf_proxy.url + "/completion",
+                       {"prompt": [PROMPT, PROMPT + " indeed"], "n_predict": 2000, "ignore_eos": True})
+    await wait_released(hf_proxy)
+    assert not hf_proxy.engine._generations
+
+    async with aiohttp.ClientSession() as session:
+        status, error = await post(session, hf_proxy.url + "/completion", {"prompt": [PROMPT, [10 ** 9]], "n_predict": 4})
+        assert status == 400 and "vocabulary" in error["error"]["message"]
+    await wait_released(hf_proxy)
+    assert not hf_proxy.engine._generations
