@@ -43,6 +43,9 @@ routes = web.RouteTableDef()
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# The engine's (OpenAI's) names of fields this API sends under its own, for its errors.
+OWN_NAMES = {"response_format": "json_schema", "logprobs": "n_probs"}
+
 
 def answered_here(label: str) -> Callable[[Handler], Handler]:
     """The route answered by ``handler`` (counted as ``label``, errors in llama-server's
@@ -62,7 +65,10 @@ def answered_here(label: str) -> Callable[[Handler], Handler]:
                 raise
             except (APIError, SchedulerError, BackendError) as exc:
                 error = from_exception(exc, retry_after(state))
-                raise LlamaCppError(error.status, error.message, code=error.code, param=error.param,
+                message, param = error.message, error.param
+                if param in OWN_NAMES:  # the engine's name for a field this API names otherwise
+                    message, param = message.replace(f"'{param}'", f"'{OWN_NAMES[param]}'"), OWN_NAMES[param]
+                raise LlamaCppError(error.status, message, code=error.code, param=param,
                                     retry_after=error.retry_after) from None
 
         return route

@@ -197,6 +197,7 @@ async def test_stops_probabilities_bias_and_prefill_only(hf_proxy, smollm2):
     ({"prompt": "x", "dry_multiplier": "on"}, "dry_multiplier"),
     ({"prompt": "x", "post_sampling_probs": True}, "post_sampling_probs"),
     ({"prompt": "x", "n_predict": 100000}, None),
+    ({"prompt": "x", "json_schema": {"type": "object", "patternProperties": {"a": {}}}}, "json_schema"),
 ])
 async def test_bad_completions_are_400s_in_llama_servers_shape(hf_proxy, body, param):
     """Every refusal names what is wrong, and the neutral values of samplers the engine
@@ -208,6 +209,7 @@ async def test_bad_completions_are_400s_in_llama_servers_shape(hf_proxy, body, p
         assert error["error"]["code"] == 400 and error["error"]["type"] == "invalid_request_error"
         if param is not None:
             assert param in error["error"]["message"] or param == "prompt"
+            assert "response_format" not in error["error"]["message"]
         status, fine = await post(session, hf_proxy.url + "/completion", {
             "prompt": "x", "n_predict": 1, "mirostat": 0, "dry_multiplier": 0, "xtc_probability": 0, "top_n_sigma": -1,
             "grammar": "", "cache_prompt": True, "id_slot": -1, "samplers": ["top_k", "temperature"],
