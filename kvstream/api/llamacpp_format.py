@@ -249,7 +249,7 @@ class CompletionAnswer:
 
     def add(self, token: Token, prompt_tokens: int) -> dict[str, Any] | None:
         """Take one token; the partial object a stream sends for it (None: nothing to send)."""
-        if getattr(token, "echo", False):  # n_predict 0: the prompt alone
+        if token.echo:  # n_predict 0: the prompt alone, not answered
             return None
         if not self.first_at:
             self.first_at = time.perf_counter()

@@ -17,7 +17,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -180,7 +180,7 @@ class _Run:
     """A submitted generation, its token stream, and how it ended (for its release)."""
 
     gen: Generation
-    stream: AsyncIterator[Token]
+    stream: AsyncGenerator[Token, None]
     outcome: str = "cancelled"
 
 
@@ -198,7 +198,7 @@ async def _running(state: AppState, generate: GenerateRequest, priority: Priorit
         raise
     finally:
         try:
-            await run.stream.aclose()  # type: ignore[attr-defined]
+            await run.stream.aclose()
         finally:
             gen.close(run.outcome)
 

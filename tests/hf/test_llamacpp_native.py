@@ -244,3 +244,42 @@ async def test_a_client_leaving_a_stream_or_a_batch_frees_what_it_held(hf_proxy)
         assert status == 400 and "vocabulary" in error["error"]["message"]
     await wait_released(hf_proxy)
     assert not hf_proxy.engine._generations
+
+
+@pytest.mark.parametrize("failing_step", [1, 4], ids=["before the first token", "mid-stream"])
+async def test_the_engine_failing_ends_the_answer_with_llama_servers_error(hf_proxy, monkeypatch, failing_step):
+    """Before anything is sent, the failure is the HTTP error (500, llama-server's shape);
+    mid-stream, the tokens sent stay sent and a ``data:`` event holding the error ends the
+    stream, as newer llama-servers do. Either way everything is released and the next
+    request is served."""
+    from kvstream.hf import compat
+    from tests.conftest import wait_released
+
+    real = compat.forward_logits
+    calls = {"n": 0}
+
+    def dies(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == failing_step:
+            raise RuntimeError("device fell over")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compat, "forward_logits", dies)
+    body = {"prompt": "1, 2, 3, 4,", "n_predict": 40, "temperature": 0, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(hf_proxy.url + "/completion", json=body) as response:
+            if failing_step == 1:
+                error = await response.json()
+                assert response.status == 500 and set(error["error"]) == {"code", "message", "type"}
+                assert error["error"]["code"] == 500
+            else:
+                assert response.status == 200
+                lines = [line for line in (await response.read()).decode().split("\n") if line]
+                sent = [json.loads(line.removeprefix("data: ")) for line in lines]
+                assert sent[0]["stop"] is False and sent[0]["content"]  # tokens before the failure
+                assert set(sent[-1]) == {"error"} and sent[-1]["error"]["code"] == 500
+                assert not any(event.get("stop") is True for event in sent)  # no fake finish
+        await wait_released(hf_proxy)
+        assert not hf_proxy.engine._generations
+        status, after = await post(session, hf_proxy.url + "/completion", {"prompt": "1, 2, 3, 4,", "n_predict": 2})
+        assert status == 200 and after["stop_type"] == "limit"
