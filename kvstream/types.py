@@ -184,10 +184,27 @@ class GenerateRequest:
     # Prefixes to keep cached after the request; only a backend that holds the KV itself
     # (the in-process engine) can keep them (Backend.retained_prefixes).
     cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
+    # The prompt is a fill-in-the-middle one (its ids built by Backend.infill_tokens): the
+    # tokens a code model may end the middle with end the generation too.
+    fill_in_middle: bool = False
 
     @property
     def is_chat(self) -> bool:
         return self.messages is not None
+
+
+@dataclass(frozen=True)
+class InfillParts:
+    """What llama-server's ``/infill`` fills in: the code before the cursor (``prefix``), the
+    start of the line being written (``prompt``), the code after it (``suffix``), other files
+    of the project as ``(file name, text)``, and the tokens to write (-1: unbounded), which
+    the prompt leaves room for."""
+
+    prefix: str
+    suffix: str
+    prompt: str = ""
+    other_files: tuple[tuple[str, str], ...] = ()
+    n_predict: int = -1
 
 
 @dataclass

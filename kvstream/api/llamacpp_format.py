@@ -26,7 +26,7 @@ from typing import Any
 
 from kvstream.api.errors import APIError
 from kvstream.api.schemas import MAX_BATCH_PROMPTS
-from kvstream.types import GenerateRequest, Token, TokenLogprob, Usage
+from kvstream.types import GenerateRequest, InfillParts, Token, TokenLogprob, Usage
 
 # llama-server's sampling defaults (common/common.h), used where the body leaves one out.
 DEFAULTS: dict[str, Any] = {
@@ -49,11 +49,16 @@ INACTIVE: dict[str, Callable[[Any], bool]] = {
 MAX_N_PROBS = 20  # the engine's most alternatives per token
 
 
+# llama-server's error types by status (format_error_response), where they differ from OpenAI's.
+ERROR_TYPES = {501: "not_supported_error", 503: "unavailable_error"}
+
+
 class LlamaCppError(APIError):
     """An error in llama-server's shape: ``{"error": {"code", "message", "type"}}``."""
 
     def body(self) -> dict:
-        return {"error": {"code": self.status, "message": self.message, "type": super().body()["error"]["type"]}}
+        kind = ERROR_TYPES.get(self.status) or super().body()["error"]["type"]
+        return {"error": {"code": self.status, "message": self.message, "type": kind}}
 
 
 def invalid(message: str, param: str | None = None) -> LlamaCppError:
@@ -226,6 +231,47 @@ def generate_request(body: dict[str, Any], prompt: str | list[int], request_id: 
         # with nothing generated (the echo itself is not answered).
         request.echo = True
     return request
+
+
+def infill_parts(body: dict[str, Any]) -> InfillParts:
+    """``/infill``'s parts: ``input_prefix`` and ``input_suffix`` (required), ``prompt`` (the
+    start of the line being written, after the prefix), ``input_extra`` (other files, a list
+    of ``{"text", "filename"}``, the name "tmp" where none is given) and ``n_predict``; 400
+    in llama-server's words for what it refuses."""
+    for name in ("input_prefix", "input_suffix"):
+        if name not in body:
+            raise invalid(f'"{name}" is required', name)
+        if not isinstance(body[name], str):
+            raise invalid(f'"{name}" must be a string', name)
+    prompt = body.get("prompt", "")
+    if not isinstance(prompt, str):
+        raise invalid('"prompt" must be a string', "prompt")
+    chunks = body.get("input_extra", [])
+    if not isinstance(chunks, list):
+        raise invalid('"input_extra" must be an array of {"filename": string, "text": string}', "input_extra")
+    other_files = []
+    for chunk in chunks:
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
+            raise invalid('extra_context chunk must contain a "text" field with a string value', "input_extra")
+        name = chunk.get("filename", "tmp")
+        if not isinstance(name, str):
+            raise invalid('extra_context chunk\'s "filename" field must be a string', "input_extra")
+        other_files.append((name, chunk["text"]))
+    n_predict = _integer(body, "n_predict", -1)
+    return InfillParts(body["input_prefix"], body["input_suffix"], prompt, tuple(other_files),
+                       -1 if n_predict is None else n_predict)
+
+
+def default_settings() -> dict[str, Any]:
+    """The sampling a body that sets nothing gets (``/props``' ``default_generation_settings``
+    ``params``): llama-server's defaults, its samplers this engine lacks at the values that
+    turn them off."""
+    return {
+        "seed": RANDOM_SEED, **DEFAULTS, "n_predict": -1, "max_tokens": -1, "ignore_eos": False, "stream": False,
+        "n_probs": 0, "stop": [], "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0,
+        "dynatemp_range": 0.0, "post_sampling_probs": False, "lora": [],
+        "samplers": ["penalties", "temperature", "top_k", "typ_p", "top_p", "min_p"],  # the engine's order
+    }
 
 
 # ------------------------------------------------------------------ the answer

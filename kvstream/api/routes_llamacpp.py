@@ -23,16 +23,28 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from kvstream import __version__
 from kvstream.api import llamacpp_format as fmt
 from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception
 from kvstream.api.llamacpp_format import CompletionAnswer, LlamaCppError, invalid
-from kvstream.api.routes_openai import _next, default_model, parse_deadline, parse_priority, read_object, resolve_model, retry_after
+from kvstream.api.routes_openai import (
+    _next,
+    check_message_count,
+    default_model,
+    parse_deadline,
+    parse_priority,
+    read_object,
+    resolve_model,
+    retry_after,
+    validated,
+)
 from kvstream.api.routes_passthrough import passthrough
+from kvstream.api.schemas import ChatCompletionRequest
 from kvstream.api.state import CACHE_SALT, STATE, AppState
 from kvstream.api.streaming import GuardedResponse
 from kvstream.jsonfast import dumps
 from kvstream.scheduler import Priority, SchedulerError
-from kvstream.types import BackendError, GenerateRequest, Token
+from kvstream.types import BackendError, GenerateRequest, InfillParts, RuntimeLimits, Token
 
 if TYPE_CHECKING:
     from kvstream.engine import Generation
@@ -142,6 +154,79 @@ async def detokenize(request: web.Request) -> web.StreamResponse:
     return web.json_response({"content": content or ""})
 
 
+@routes.post("/apply-template")
+@answered_here("llamacpp_apply_template")
+async def apply_template(request: web.Request) -> web.StreamResponse:
+    """A chat body (``/v1/chat/completions``': messages, tools, ``chat_template_kwargs``...)
+    -> ``{"prompt": text}``, the prompt the engine would compute for it, special tokens
+    spelled out; ``add_generation_prompt: false`` leaves the assistant's header off."""
+    state = request.app[STATE]
+    data = await read_object(request)
+    add_generation_prompt = _flag(data, "add_generation_prompt", True)
+    generate = validated(data, ChatCompletionRequest).to_generate(request[REQUEST_ID])
+    check_message_count(state, generate)
+    generate.prefix_only = not add_generation_prompt  # (the engine's name: a prefix that later turns share)
+    backend = state.engine.backend
+    _tokenizer(state)("", False)  # 404 without a tokenizer
+    ids = await backend.tokenize(generate) or []
+    return web.json_response({"prompt": await asyncio.to_thread(backend.detokenize, ids) or ""})
+
+
+@routes.get("/props")
+@answered_here("llamacpp_props")
+async def props(request: web.Request) -> web.StreamResponse:
+    """llama-server's server properties, of the in-process engine: the context a request may
+    use, its batch lanes as slots, the default sampling, the chat template."""
+    state = request.app[STATE]
+    backend = state.engine.backend
+    limits = await _ready_limits(state)
+    model = backend.model or await default_model(state) or ""
+    return web.json_response({
+        "default_generation_settings": {"n_ctx": limits.n_ctx_per_request, "params": fmt.default_settings()},
+        "total_slots": limits.parallel,
+        "model_alias": model,
+        "model_path": model,
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": True,
+        "endpoint_props": False,
+        "endpoint_metrics": True,
+        "chat_template": backend.chat_template() or "",
+        "build_info": f"kvstream {__version__}",
+        "is_sleeping": False,
+    })
+
+
+@routes.get("/slots")
+@answered_here("llamacpp_slots")
+async def slots(request: web.Request) -> web.StreamResponse:
+    """The engine's batch lanes as llama-server's slots (``?fail_on_no_slot=1``: 503 when
+    every one is generating). The in-process engine keeps no slot files: saving, restoring
+    and erasing one is llama-server's 501."""
+    state = request.app[STATE]
+    limits = await _ready_limits(state)
+    busy = len(state.engine.scheduler.running)
+    lanes = limits.parallel or 0
+    if request.query.get("fail_on_no_slot") not in (None, "", "0", "false") and busy >= lanes:
+        raise LlamaCppError(503, "no slot available", code="no_slot_available")
+    return web.json_response([{"id": i, "n_ctx": limits.n_ctx_per_request, "speculative": False, "is_processing": i < busy}
+                              for i in range(lanes)])
+
+
+@routes.post("/slots/{id_slot}")
+@answered_here("llamacpp_slots_action")
+async def slot_action(request: web.Request) -> web.StreamResponse:
+    raise LlamaCppError(501, "This server does not support slots action: the in-process engine keeps its KV in its "
+                        "own prefix cache, not in slot files.", code="not_supported")
+
+
+async def _ready_limits(state: AppState) -> RuntimeLimits:
+    """The engine's limits; llama-server's 503 while the model loads."""
+    limits = await state.engine.backend.limits()
+    if limits.parallel is None:
+        raise LlamaCppError(503, "Loading model", code="unavailable")
+    return limits
+
+
 async def _completion(request: web.Request) -> web.StreamResponse:
     """``/completion``: one prompt's answer, a batch's list of answers, or one prompt's stream."""
     arrived_at = time.monotonic()
@@ -149,8 +234,35 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     body = await read_object(request)
     if "prompt" not in body:
         raise invalid("'prompt' is required.", "prompt")
+    prompts, batch = fmt.prompts(body["prompt"], _tokenizer(state))
+    return await _generate(request, body, prompts, batch, arrived_at)
+
+
+@routes.post("/infill")
+@answered_here("llamacpp_infill")
+async def infill(request: web.Request) -> web.StreamResponse:
+    """``/infill``: code between ``input_prefix`` and ``input_suffix``, answered as
+    ``/completion`` answers; the prompt laid out as llama-server lays it out (other files of
+    ``input_extra`` first) in the model's fill-in-the-middle tokens. A model without them
+    answers llama-server's 501, whatever the body."""
+    arrived_at = time.monotonic()
+    state = request.app[STATE]
+    backend = state.engine.backend
+    body = await read_object(request)
+    _tokenizer(state)("", False)  # 404 without a tokenizer
+    await asyncio.to_thread(backend.infill_tokens, InfillParts("", ""))  # the model's 501 comes first, as there
+    parts = fmt.infill_parts(body)
+    # On a thread: other files of megabytes take the tokenizer a while.
+    ids = await asyncio.to_thread(backend.infill_tokens, parts)
+    return await _generate(request, body, [ids or []], False, arrived_at, fill_in_middle=True)
+
+
+async def _generate(request: web.Request, body: dict[str, Any], prompts: list[str | list[int]], batch: bool,
+                    arrived_at: float, fill_in_middle: bool = False) -> web.StreamResponse:
+    """``prompts`` generated as ``body`` asks (a batch as a list of answers, one prompt's
+    stream as its events)."""
+    state = request.app[STATE]
     tokenize = _tokenizer(state)
-    prompts, batch = fmt.prompts(body["prompt"], tokenize)
     requests = [fmt.generate_request(body, prompt, request[REQUEST_ID], tokenize) for prompt in prompts]
     if batch and requests[0].stream:
         raise LlamaCppError(400, "Streaming several prompts at once is not served here: stream them one per request.",
@@ -161,6 +273,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     deadline = parse_deadline(request)
     for generate in requests:
         generate.model, generate.cache_salt, generate.queue_deadline_s = model, request.get(CACHE_SALT), deadline
+        generate.fill_in_middle = fill_in_middle
     answers = [CompletionAnswer(generate, body, named or model or "", index) for index, generate in enumerate(requests)]
     headers = {"X-Request-Id": request[REQUEST_ID]}
     if requests[0].stream:

@@ -52,7 +52,11 @@ async def read_object(request: web.Request) -> dict[str, Any]:
 async def read_body(request: web.Request, model: type[BaseModel]) -> Any:
     """Parse and validate a JSON body; 400 ``invalid_request_error`` for any bad value, as
     OpenAI answers (never 422)."""
-    data = await read_object(request)
+    return validated(await read_object(request), model)
+
+
+def validated(data: dict[str, Any], model: type[BaseModel]) -> Any:
+    """``data`` as ``model``; 400 ``invalid_request_error`` naming the first bad value."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:

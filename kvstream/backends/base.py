@@ -14,7 +14,7 @@ from kvstream.backends import federation
 from kvstream.backends.http import UpstreamSession, split_credentials
 from kvstream.config import ConfigError, Settings
 from kvstream.scheduler import Scheduler, Sequence
-from kvstream.types import Embeddings, GenerateRequest, ModelInfo, RuntimeLimits, Token, UpstreamLoad
+from kvstream.types import Embeddings, GenerateRequest, InfillParts, ModelInfo, RuntimeLimits, Token, UpstreamLoad
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,17 @@ class BaseBackend(abc.ABC):
     async def tokenize(self, request: GenerateRequest) -> list[int] | None:
         """Exact prompt token ids as the runtime will see them (chat template applied), or
         None when the backend cannot tell (the default); the engine then estimates."""
+        return None
+
+    def infill_tokens(self, parts: InfillParts) -> list[int] | None:
+        """The fill-in-the-middle prompt of ``parts`` in the model's own tokens, laid out as
+        llama-server's ``/infill`` lays it out; None where the backend holds no tokenizer (the
+        default). BackendRejected (501) where the model has no fill-in-the-middle tokens."""
+        return None
+
+    def chat_template(self) -> str | None:
+        """The chat template the backend renders chats with (the model's, or the one
+        configured instead), or None where it holds none (a runtime templates itself)."""
         return None
 
     def text_tokens(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int] | None:

@@ -37,6 +37,7 @@ from kvstream.types import (
     BackendUnavailable,
     Embeddings,
     GenerateRequest,
+    InfillParts,
     ModelInfo,
     RuntimeLimits,
     Token,
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MISSING_EXTRA = "the hf backend needs torch and transformers: pip install 'kvstream[hf]'"
+# llama-server's default --batch-size, which sizes the parts of its /infill prompts (InfillWindow).
+INFILL_BATCH = 2048
 
 
 def missing_requirements() -> str | None:
@@ -676,6 +679,23 @@ class HFBackend(InProcessBackend):
             return list(request.prompt_token_ids)
         return list(tokenizer(request.prompt or "").input_ids) or [tokenizer.bos_token_id or 0]
 
+    def infill_tokens(self, parts: InfillParts) -> list[int] | None:
+        from kvstream.hf.fill_in_middle import InfillWindow, fim_tokens, infill_prompt_ids, missing_tokens
+
+        tokenizer = self._loaded_tokenizer()
+        tokens = fim_tokens(tokenizer)
+        if tokens is None:  # llama-server's answer, word for word: clients match on it
+            raise BackendRejected(f"Infill is not supported by this model: {missing_tokens(tokenizer)}", 501,
+                                  code="not_supported")
+        context = self.runner.config.max_model_len or INFILL_BATCH  # type: ignore[union-attr]
+        window = InfillWindow(min(INFILL_BATCH, context), context, max(0, parts.n_predict))
+        return infill_prompt_ids(tokenizer, tokens, parts.prefix, parts.suffix, list(parts.other_files), parts.prompt,
+                                 window)
+
+    def chat_template(self) -> str | None:
+        template = self.loaded.tokenizer.chat_template if self.loaded is not None else None
+        return template if isinstance(template, str) else None
+
     def text_tokens(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int] | None:
         tokenizer = self._loaded_tokenizer()
         return list(tokenizer(text, add_special_tokens=add_special, split_special_tokens=not parse_special).input_ids)
@@ -755,7 +775,7 @@ class HFBackend(InProcessBackend):
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
         params = self._sampling_params(request, seq.max_tokens)
-        if request.extra.get("suffix") and not request.is_chat:  # fill in the middle: its end tokens end it
+        if request.fill_in_middle or (request.extra.get("suffix") and not request.is_chat):  # its end tokens end it
             from kvstream.hf.fill_in_middle import end_ids
 
             ends = end_ids(self.runner.tokenizer)

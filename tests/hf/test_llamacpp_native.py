@@ -283,3 +283,67 @@ async def test_the_engine_failing_ends_the_answer_with_llama_servers_error(hf_pr
         assert not hf_proxy.engine._generations
         status, after = await post(session, hf_proxy.url + "/completion", {"prompt": "1, 2, 3, 4,", "n_predict": 2})
         assert status == 200 and after["stop_type"] == "limit"
+
+
+async def test_props_slots_and_apply_template_are_llama_servers(hf_proxy, smollm2):
+    """What clients of llama-server read before they generate (its web UI, editor plugins):
+    ``/props``, ``/slots`` and ``/apply-template``, of the in-process engine."""
+    import asyncio
+
+    from tests.conftest import wait_released
+
+    tokenizer = smollm2[2]
+    limits = await hf_proxy.engine.backend.limits()
+    async with aiohttp.ClientSession() as session:
+        async with session.get(hf_proxy.url + "/props") as response:
+            props = await response.json()
+        assert response.status == 200
+        assert props["default_generation_settings"]["n_ctx"] == limits.n_ctx_per_request == 8192
+        assert props["total_slots"] == limits.parallel == 16 and props["is_sleeping"] is False
+        assert props["chat_template"] == tokenizer.chat_template and props["modalities"]["vision"] is False
+        # The defaults it reports are those a body that sets nothing gets.
+        _, done = await post(session, hf_proxy.url + "/completion", {"prompt": PROMPT, "n_predict": 1})
+        params = props["default_generation_settings"]["params"]
+        for name, value in done["generation_settings"].items():
+            if name in params and name != "n_predict":
+                assert params[name] == value, name
+
+        messages = [{"role": "user", "content": "What is today?"}]
+        for generation_prompt in (True, False):
+            status, templated = await post(session, hf_proxy.url + "/apply-template",
+                                           {"messages": messages, "add_generation_prompt": generation_prompt})
+            expected = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+            assert status == 200 and templated == {"prompt": expected}
+        for body in ({}, {"messages": "x"}, {"messages": messages, "add_generation_prompt": "yes"}):
+            status, error = await post(session, hf_proxy.url + "/apply-template", body)
+            assert status == 400 and error["error"]["type"] == "invalid_request_error", error
+
+        # SmolLM2 has no fill-in-the-middle tokens: llama-server's 501, word for word, whatever the body.
+        for body in ({"input_prefix": "def f(", "input_suffix": ")\n"}, {"input_extra": "x"}):
+            status, error = await post(session, hf_proxy.url + "/infill", body)
+            assert status == 501 and error == {"error": {
+                "code": 501, "type": "not_supported_error", "message": "Infill is not supported by this model: prefix "
+                "token is missing. suffix token is missing. middle token is missing. "}}
+
+        status, error = await post(session, hf_proxy.url + "/slots/0?action=save", {"filename": "x.bin"})
+        assert status == 501 and error["error"]["type"] == "not_supported_error"
+
+        # Slots are the engine's batch lanes: busy while generating; with all busy,
+        # fail_on_no_slot is llama-server's 503.
+        async with session.get(hf_proxy.url + "/slots?fail_on_no_slot=1") as response:
+            idle = await response.json()
+        assert response.status == 200 and len(idle) == 16 and not any(slot["is_processing"] for slot in idle)
+        streams = await asyncio.gather(*(session.post(hf_proxy.url + "/completion", json={
+            "prompt": f"{PROMPT} {i}", "n_predict": 2000, "ignore_eos": True, "stream": True}) for i in range(16)))
+        try:
+            for stream in streams:
+                assert (await stream.content.readline()).startswith(b"data: ")
+            async with session.get(hf_proxy.url + "/slots") as response:
+                assert all(slot["is_processing"] for slot in await response.json())
+            async with session.get(hf_proxy.url + "/slots?fail_on_no_slot=1") as response:
+                assert response.status == 503 and (await response.json())["error"] == {
+                    "code": 503, "message": "no slot available", "type": "unavailable_error"}
+        finally:
+            for stream in streams:
+                stream.close()
+    await wait_released(hf_proxy)
