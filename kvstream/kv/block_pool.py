@@ -17,7 +17,8 @@ retention ends first. Retention orders eviction; it never refuses an allocation,
 client can hold the pool, and at most half the pool's blocks wait retained (past that, the
 one whose retention ends first becomes an ordinary cached block), so that one client's marks
 cannot push every other prefix out first. When it ends, the block joins the free queue as
-used then.
+used then. A retained block used again (a prefix hit) is kept for its whole retention again
+from when that use frees it: each read refreshes it, as Anthropic's cache is refreshed.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ class Block:
     # Position of the block's first token in the sequence that computed it (for moving its
     # KV elsewhere: RoPE keys carry their position).
     start: int = 0
-    # Kept past ordinary cached blocks until this clock time once free (0: not retained).
+    # Kept past ordinary cached blocks until this clock time once free (0: not retained),
+    # and for how long (seconds): a use while retained keeps it that long again.
     retain_until: float = 0.0
+    retain_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -163,11 +166,12 @@ class BlockPool:
                 raise AssertionError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                block.last_used = self.clock()
-                if block.block_hash is not None and block.retain_until > block.last_used:
+                now = block.last_used = self.clock()
+                if block.block_hash is not None and block.retain_s:  # used while retained: kept anew
+                    block.retain_until = max(block.retain_until, now + block.retain_s)
                     self._keep_retained(block)
                     continue
-                block.retain_until = 0.0
+                block.retain_until = block.retain_s = 0.0
                 self._free[block.block_id] = block
                 if block.block_hash is None:
                     # Nothing worth keeping: hand it out before any cached block.
@@ -198,6 +202,7 @@ class BlockPool:
         clock time ``until`` once it is free; a later ``until`` extends it."""
         assert block.ref_cnt > 0 and block.block_hash is not None, f"block {block.block_id} is not held and cached"
         block.retain_until = max(block.retain_until, until)
+        block.retain_s = max(block.retain_s, until - self.clock())
 
     def _keep_retained(self, block: Block) -> None:
         """A free block whose retention runs: apart from the queue, within half the pool."""
@@ -222,7 +227,7 @@ class BlockPool:
     def _unretain(self, block: Block, early: bool) -> None:
         """``block``'s retention ends: it joins the free queue as used now."""
         del self._retained[block.block_id]
-        block.retain_until, block.last_used = 0.0, self.clock()
+        block.retain_until, block.retain_s, block.last_used = 0.0, 0.0, self.clock()
         self._free[block.block_id] = block
         self.stats.retained_evictions += early
 
@@ -258,7 +263,7 @@ class BlockPool:
         """Forget every cached hash held by no one (the runtime lost its KV); in-use blocks
         keep theirs."""
         for block in self._retained.values():
-            block.retain_until = 0.0
+            block.retain_until = block.retain_s = 0.0
             self._free[block.block_id] = block
         self._retained.clear()
         self._lapses.clear()
@@ -291,7 +296,8 @@ class BlockPool:
             in_free = block.block_id in self._free or block.block_id in self._retained
             assert not (block.block_id in self._free and block.block_id in self._retained), f"block {block.block_id} is free twice"
             if block.block_id in self._retained:
-                assert block.block_hash is not None and block.retain_until > 0, f"retained block {block.block_id} is not cached"
+                assert block.block_hash is not None and block.retain_until > 0 < block.retain_s, \
+                    f"retained block {block.block_id} is not cached"
                 assert (block.retain_until, block.block_id) in self._lapses, f"retained block {block.block_id} never lapses"
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
             assert in_free == (block.ref_cnt == 0), (

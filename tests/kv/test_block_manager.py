@@ -296,3 +296,28 @@ def test_a_chain_root_keeps_tenants_prefixes_apart():
     assert bm.allocate("shared", prompt) == 0  # nor can an untagged request
     assert bm.allocate("a2", prompt, alice) == 12  # Alice hits her own
     bm.check_invariants()
+
+
+def test_a_hit_on_a_retained_prefix_keeps_it_for_its_whole_retention_again():
+    """Each read refreshes a retention (Anthropic's cache is kept its TTL from its last use):
+    a prefix retained for 10 s and hit at 8 s is retained until 10 s after that request ends,
+    by a request with no retention of its own; one not hit lapses at its time."""
+    clock = FakeClock()
+    bm = make_bm(num_blocks=8, block_size=2, cpu=0, clock=clock)
+    bm.allocate("a", [1, 2, 3, 4])
+    bm.free("a", retain=[(4, clock.now + 10)])
+    bm.allocate("b", [5, 6, 7, 8])
+    bm.free("b", retain=[(4, clock.now + 10)])
+    clock.now = 8
+    bm.allocate("c", [1, 2, 3, 4, 9])  # a hit on [1,2,3,4], no retention asked
+    assert bm.tables["c"].num_cached_tokens == 4
+    clock.now = 9
+    bm.free("c")
+    assert bm.pool.num_retained == 4
+    clock.now = 12  # [5..8] lapsed at 10; [1..4] runs until 19
+    assert bm.pool.num_retained == 2
+    assert {b.block_id for b in bm.pool.blocks if b.retain_until == 19} == {
+        b.block_id for b in bm.cached_prefix([1, 2, 3, 4, 0])}
+    clock.now = 19.5
+    assert bm.pool.num_retained == 0 and len(bm.cached_prefix([1, 2, 3, 4, 0])) == 2  # ordinary cached blocks now
+    bm.check_invariants()
