@@ -71,6 +71,7 @@ class BackendSettings(_Section):
     model_aliases: dict[str, str] = Field(default_factory=dict, description="model names clients send -> the runtime's model id (applied before anything else)")
     model_fallback: bool | None = Field(None, description="serve a model name the runtime does not list with its one model (as llama-server does); none = on unless the backend is ollama (which answers 404 itself)")
     gguf_file: str | None = Field(None, description="hf: the .gguf file inside the --model folder, for transformers' GGUF loader")
+    max_tokens: int | None = Field(None, ge=1, description="hf: the most tokens one request generates (llama-server's --n-predict): a request that sets no bound, or a higher one, gets this many and ends with finish_reason length; none = up to the end of the context")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="hf: where the model runs; auto = cuda when available")
     threads: int | None = Field(None, ge=1, description="hf: torch CPU threads; none = torch's default")
     chat_template: Path | None = Field(None, description="hf, or a llama-server KVStream starts: a Jinja chat template file used instead of the model's own (vLLM's --chat-template, llama-server's --chat-template-file): for a model whose template does not show it tools, e.g. DeepSeek-R1's distillations")

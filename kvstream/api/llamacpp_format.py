@@ -262,12 +262,13 @@ def infill_parts(body: dict[str, Any]) -> InfillParts:
                        -1 if n_predict is None else n_predict)
 
 
-def default_settings() -> dict[str, Any]:
+def default_settings(n_predict: int | None) -> dict[str, Any]:
     """The sampling a body that sets nothing gets (``/props``' ``default_generation_settings``
     ``params``): llama-server's defaults, its samplers this engine lacks at the values that
-    turn them off."""
+    turn them off; ``n_predict`` the server's cap (None: none)."""
+    limit = -1 if n_predict is None else n_predict
     return {
-        "seed": RANDOM_SEED, **DEFAULTS, "n_predict": -1, "max_tokens": -1, "ignore_eos": False, "stream": False,
+        "seed": RANDOM_SEED, **DEFAULTS, "n_predict": limit, "max_tokens": limit, "ignore_eos": False, "stream": False,
         "n_probs": 0, "stop": [], "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0,
         "dynatemp_range": 0.0, "post_sampling_probs": False, "lora": [],
         "samplers": ["penalties", "temperature", "top_k", "typ_p", "top_p", "min_p"],  # the engine's order

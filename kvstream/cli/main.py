@@ -39,7 +39,7 @@ def _load(cli: dict[str, dict[str, Any]], config: Path | None) -> LoadedSettings
 # every setting, whichever backend runs.)
 HF_FLAGS = {
     ("backend", "gguf_file"): "--gguf-file", ("backend", "device"): "--device", ("memory", "dtype"): "--dtype",
-    ("backend", "tool_call_syntax"): "--tool-call-syntax",
+    ("backend", "tool_call_syntax"): "--tool-call-syntax", ("backend", "max_tokens"): "--max-tokens",
     ("memory", "kv_dtype"): "--kv-dtype", ("memory", "half_weights"): "--half-weights/--no-half-weights",
     ("memory", "kv_cache_bytes"): "--max-cache-bytes", ("memory", "host_cache_bytes"): "--host-cache-bytes",
     ("memory", "kv_cache_bits"): "--kv-cache-bits", ("memory", "disk_cache_dir"): "--disk-cache-dir",
@@ -81,6 +81,7 @@ def serve(
     routing: Annotated[Optional[str], typer.Option(help="with several replicas: cache_aware | least_loaded | round_robin")] = None,
     model: Annotated[Optional[str], typer.Option(help="model to serve (default: the runtime's); llamacpp: a .gguf to run; hf: a folder, hub id or .gguf (default: the embedded SmolLM2)")] = None,
     gguf_file: Annotated[Optional[str], typer.Option(help="hf: the .gguf file inside the --model folder")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(help="hf: the most tokens one request generates (llama-server's --n-predict; default: up to the end of the context)")] = None,
     chat_template: Annotated[Optional[Path], typer.Option(help="hf, or llamacpp with --model FILE.gguf: a Jinja chat template file to use instead of the model's own")] = None,
     tool_call_syntax: Annotated[Optional[str], typer.Option(help="hf: how the model's tool calls are read: auto (what its template shows; generic where it shows no tools) | hermes | qwen3_xml | llama3_json | mistral | granite | deepseek | pythonic | generic | none")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="hf: auto | float32 | float16 | bfloat16")] = None,
@@ -121,7 +122,7 @@ def serve(
             "type": backend, "base_url": backend_url[0] if backend_url else None,
             "replicas": backend_url if backend_url and len(backend_url) > 1 else None,
             "model": model, "slot_save_path": slot_save_path,
-            "gguf_file": gguf_file, "device": device, "chat_template": chat_template, "tool_call_syntax": tool_call_syntax,
+            "gguf_file": gguf_file, "max_tokens": max_tokens, "device": device, "chat_template": chat_template, "tool_call_syntax": tool_call_syntax,
         },
         "server": {"host": host, "port": port, "responses_file": responses_file},
         "routing": {"policy": routing},

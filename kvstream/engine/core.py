@@ -410,7 +410,8 @@ class KVStreamEngine:
             pool_tokens = scheduler.bm.pool.num_blocks * scheduler.bm.block_size
             limit = len(prompt_ids) + min(FALLBACK_MAX_TOKENS, pool_tokens - len(prompt_ids))
         max_tokens = request.max_tokens if request.max_tokens is not None else max(1, limit - len(prompt_ids))
-        seq = Sequence(prompt_ids, max_tokens, priority)
+        cap = self.backend.max_tokens_limit()
+        seq = Sequence(prompt_ids, max_tokens if cap is None else min(max_tokens, cap), priority)
         seq.cache_root = tenant_root(request.cache_salt)
         return seq
 

@@ -526,6 +526,9 @@ class HFBackend(InProcessBackend):
         }
         return capabilities, details
 
+    def max_tokens_limit(self) -> int | None:
+        return self.settings.backend.max_tokens
+
     async def limits(self) -> RuntimeLimits:
         if self.runner is None:
             return RuntimeLimits()

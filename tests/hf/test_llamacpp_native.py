@@ -347,3 +347,37 @@ async def test_props_slots_and_apply_template_are_llama_servers(hf_proxy, smollm
             for stream in streams:
                 stream.close()
     await wait_released(hf_proxy)
+
+
+async def test_a_server_wide_max_tokens_caps_every_route(smollm2, start_proxy):
+    """``backend.max_tokens`` (``--max-tokens``, llama-server's ``--n-predict``): a request
+    with no bound or a higher one gets that many tokens and ends as a length stop; a lower
+    bound stays the request's."""
+    import openai
+
+    from kvstream.config import Settings
+    from kvstream.hf import HFBackend
+    from kvstream.hf.loader import LoadedModel
+
+    model, _, tokenizer = smollm2
+    backend = HFBackend(None, None, Settings(backend={"type": "hf", "max_tokens": 5}),
+                        preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"), block_size=16, num_gpu_blocks=64,
+                        num_cpu_blocks=0, max_batch_size=4)
+    proxy = await start_proxy(backend)
+    await proxy.engine.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for body, predicted in (({}, 5), ({"n_predict": -1}, 5), ({"n_predict": 50}, 5), ({"n_predict": 3}, 3)):
+                _, answer = await post(session, proxy.url + "/completion",
+                                       {"prompt": PROMPT, "ignore_eos": True, "temperature": 0} | body)
+                assert answer["tokens_predicted"] == predicted and answer["stop_type"] == "limit", (body, answer)
+            async with session.get(proxy.url + "/props") as response:
+                assert (await response.json())["default_generation_settings"]["params"]["n_predict"] == 5
+        async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+            for kwargs, tokens in (({}, 5), ({"max_tokens": 500}, 5), ({"max_tokens": 2}, 2)):
+                reply = await oa.chat.completions.create(
+                    model="smollm2", messages=[{"role": "user", "content": "Count to a hundred, one number a line."}],
+                    extra_body={"ignore_eos": True}, temperature=0, **kwargs)
+                assert reply.usage.completion_tokens == tokens and reply.choices[0].finish_reason == "length", kwargs
+    finally:
+        await proxy.engine.close()
