@@ -224,6 +224,18 @@ class Usage:
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    @classmethod
+    def summed(cls, usages: list[Usage]) -> Usage:
+        """The usage of several generations answered as one (a completions batch): each count
+        summed, an optional one None where none of them has it."""
+
+        def optional(name: str) -> int | None:
+            values = [getattr(u, name) for u in usages if getattr(u, name) is not None]
+            return sum(values) if values else None
+
+        return cls(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+                   optional("cached_tokens"), optional("reasoning_tokens"), optional("cache_write_tokens"))
+
 
 @dataclass
 class TokenLogprob:

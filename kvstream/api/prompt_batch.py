@@ -82,9 +82,7 @@ class PromptBatch:
                 if len(usages) < len(self.gens):
                     yield Token(index=index, choice_finish_reason=item.finish_reason, more=not queue.empty())
                     continue
-                cached = [u.cached_tokens for u in usages if u.cached_tokens is not None]
-                self.usage = Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
-                                   sum(cached) if cached else None)
+                self.usage = Usage.summed(usages)
                 yield Token(finish_reason=item.finish_reason, usage=self.usage, index=index)
         finally:
             for task in tasks:

@@ -1,5 +1,6 @@
 """llama-server's own routes where KVStream is the runtime: ``POST /completion`` (and its
-other name ``/completions``), ``/tokenize`` and ``/detokenize``.
+other name ``/completions``), ``/infill``, ``/tokenize``, ``/detokenize`` and
+``/apply-template``, ``GET /props`` and ``/slots``.
 
 In front of a runtime these paths are the runtime's and pass through unchanged
 (routes_passthrough.py): llama-server answers them itself. With no runtime behind KVStream
@@ -200,8 +201,7 @@ async def props(request: web.Request) -> web.StreamResponse:
 @answered_here("llamacpp_slots")
 async def slots(request: web.Request) -> web.StreamResponse:
     """The engine's batch lanes as llama-server's slots (``?fail_on_no_slot=1``: 503 when
-    every one is generating). The in-process engine keeps no slot files: saving, restoring
-    and erasing one is llama-server's 501."""
+    every one is generating)."""
     state = request.app[STATE]
     limits = await _ready_limits(state)
     busy = len(state.engine.scheduler.running)
@@ -215,6 +215,7 @@ async def slots(request: web.Request) -> web.StreamResponse:
 @routes.post("/slots/{id_slot}")
 @answered_here("llamacpp_slots_action")
 async def slot_action(request: web.Request) -> web.StreamResponse:
+    """Saving, restoring or erasing a slot: llama-server's 501 (the in-process engine has no slot files)."""
     raise LlamaCppError(501, "This server does not support slots action: the in-process engine keeps its KV in its "
                         "own prefix cache, not in slot files.", code="not_supported")
 

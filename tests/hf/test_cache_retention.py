@@ -109,3 +109,18 @@ async def test_malformed_marks_are_400s_in_each_api_s_shape(small_proxy):
             return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
 
         assert prompt(marked.usage) == prompt(plain.usage) and plain.usage.cache_creation_input_tokens == 0
+
+
+async def test_a_completions_batch_reports_what_its_prompts_wrote_under_retention(small_proxy):
+    """A batch of prompts is answered with one usage: what each prompt wrote to the cache
+    under ``prompt_cache_retention`` is summed like the rest of it."""
+    proxy, tokenizer = small_proxy
+    prompts = ["The alpha ship leaves the harbour at", "The bravo train leaves the station at"]
+    async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+        kept = await oa.completions.create(model="smollm2", prompt=prompts, max_tokens=1, temperature=0,
+                                           extra_body={"prompt_cache_retention": "24h"})
+        plain = await oa.completions.create(model="smollm2", prompt=["Another", "Other"], max_tokens=1, temperature=0)
+    tokens = sum(len(tokenizer(p).input_ids) for p in prompts)
+    details = kept.usage.prompt_tokens_details  # (the second prompt may read the first's opening token)
+    assert kept.usage.prompt_tokens == tokens and details.cache_write_tokens == tokens - details.cached_tokens > tokens // 2
+    assert getattr(plain.usage.prompt_tokens_details, "cache_write_tokens", None) is None
