@@ -265,7 +265,7 @@ def infill_parts(body: dict[str, Any]) -> InfillParts:
 def default_settings(n_predict: int | None) -> dict[str, Any]:
     """The sampling a body that sets nothing gets (``/props``' ``default_generation_settings``
     ``params``): llama-server's defaults, its samplers this engine lacks at the values that
-    turn them off; ``n_predict`` the server's cap (None: none)."""
+    turn them off; ``n_predict`` the server's default (None: none)."""
     limit = -1 if n_predict is None else n_predict
     return {
         "seed": RANDOM_SEED, **DEFAULTS, "n_predict": limit, "max_tokens": limit, "ignore_eos": False, "stream": False,

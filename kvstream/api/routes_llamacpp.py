@@ -183,7 +183,7 @@ async def props(request: web.Request) -> web.StreamResponse:
     limits = await _ready_limits(state)
     model = backend.model or await default_model(state) or ""
     return web.json_response({
-        "default_generation_settings": {"n_ctx": limits.n_ctx_per_request, "params": fmt.default_settings(backend.max_tokens_limit())},
+        "default_generation_settings": {"n_ctx": limits.n_ctx_per_request, "params": fmt.default_settings(backend.default_max_tokens())},
         "total_slots": limits.parallel,
         "model_alias": model,
         "model_path": model,

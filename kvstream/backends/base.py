@@ -168,9 +168,9 @@ class BaseBackend(abc.ABC):
         """Drop whatever was saved to resume ``request`` after a preemption (it ended while
         paused). Backends that can pause a stream override this."""
 
-    def max_tokens_limit(self) -> int | None:
-        """The most tokens the backend generates for one request whatever it asks, or None
-        (up to the end of the context; the default: a runtime applies its own)."""
+    def default_max_tokens(self) -> int | None:
+        """The tokens the backend generates for a request that sets no bound, or None (up to
+        the end of the context; the default: a runtime applies its own)."""
         return None
 
     async def limits(self) -> RuntimeLimits:

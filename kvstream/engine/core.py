@@ -402,16 +402,20 @@ class KVStreamEngine:
         return self._enqueue(request, prompt_ids, False, priority, None, preemptible=False)
 
     def _sequence(self, request: GenerateRequest, prompt_ids: list[int], priority: Priority) -> Sequence:
-        # Without max_tokens a request may run to the end of the context; with no known
-        # context, assume FALLBACK_MAX_TOKENS, within what the pool can ever hold.
+        # Without max_tokens a request gets the backend's default, else may run to the end of
+        # the context; with no known context, assume FALLBACK_MAX_TOKENS, within what the pool
+        # can ever hold.
         scheduler = self.scheduler
         limit = scheduler.config.max_model_len
         if limit is None:
             pool_tokens = scheduler.bm.pool.num_blocks * scheduler.bm.block_size
             limit = len(prompt_ids) + min(FALLBACK_MAX_TOKENS, pool_tokens - len(prompt_ids))
-        max_tokens = request.max_tokens if request.max_tokens is not None else max(1, limit - len(prompt_ids))
-        cap = self.backend.max_tokens_limit()
-        seq = Sequence(prompt_ids, max_tokens if cap is None else min(max_tokens, cap), priority)
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, limit - len(prompt_ids))
+            default = self.backend.default_max_tokens()
+            max_tokens = max_tokens if default is None else min(default, max_tokens)
+        seq = Sequence(prompt_ids, max_tokens, priority)
         seq.cache_root = tenant_root(request.cache_salt)
         return seq
 

@@ -526,8 +526,8 @@ class HFBackend(InProcessBackend):
         }
         return capabilities, details
 
-    def max_tokens_limit(self) -> int | None:
-        return self.settings.backend.max_tokens
+    def default_max_tokens(self) -> int | None:
+        return self.settings.backend.default_max_tokens
 
     async def limits(self) -> RuntimeLimits:
         if self.runner is None:

@@ -349,10 +349,10 @@ async def test_props_slots_and_apply_template_are_llama_servers(hf_proxy, smollm
     await wait_released(hf_proxy)
 
 
-async def test_a_server_wide_max_tokens_caps_every_route(smollm2, start_proxy):
-    """``backend.max_tokens`` (``--max-tokens``, llama-server's ``--n-predict``): a request
-    with no bound or a higher one gets that many tokens and ends as a length stop; a lower
-    bound stays the request's."""
+async def test_a_server_default_max_tokens_bounds_requests_that_set_none(smollm2, start_proxy):
+    """``backend.default_max_tokens`` (``--default-max-tokens``, llama-server's
+    ``--n-predict``): a request with no bound gets that many tokens on every route and ends
+    as a length stop; a request's own bound, higher or lower, stays its own."""
     import openai
 
     from kvstream.config import Settings
@@ -360,21 +360,21 @@ async def test_a_server_wide_max_tokens_caps_every_route(smollm2, start_proxy):
     from kvstream.hf.loader import LoadedModel
 
     model, _, tokenizer = smollm2
-    backend = HFBackend(None, None, Settings(backend={"type": "hf", "max_tokens": 5}),
+    backend = HFBackend(None, None, Settings(backend={"type": "hf", "default_max_tokens": 5}),
                         preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"), block_size=16, num_gpu_blocks=64,
                         num_cpu_blocks=0, max_batch_size=4)
     proxy = await start_proxy(backend)
     await proxy.engine.start()
     try:
         async with aiohttp.ClientSession() as session:
-            for body, predicted in (({}, 5), ({"n_predict": -1}, 5), ({"n_predict": 50}, 5), ({"n_predict": 3}, 3)):
+            for body, predicted in (({}, 5), ({"n_predict": -1}, 5), ({"n_predict": 12}, 12), ({"n_predict": 3}, 3)):
                 _, answer = await post(session, proxy.url + "/completion",
                                        {"prompt": PROMPT, "ignore_eos": True, "temperature": 0} | body)
                 assert answer["tokens_predicted"] == predicted and answer["stop_type"] == "limit", (body, answer)
             async with session.get(proxy.url + "/props") as response:
                 assert (await response.json())["default_generation_settings"]["params"]["n_predict"] == 5
         async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
-            for kwargs, tokens in (({}, 5), ({"max_tokens": 500}, 5), ({"max_tokens": 2}, 2)):
+            for kwargs, tokens in (({}, 5), ({"max_tokens": 12}, 12), ({"max_tokens": 2}, 2)):
                 reply = await oa.chat.completions.create(
                     model="smollm2", messages=[{"role": "user", "content": "Count to a hundred, one number a line."}],
                     extra_body={"ignore_eos": True}, temperature=0, **kwargs)
