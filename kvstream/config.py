@@ -204,6 +204,7 @@ class ServerSettings(_Section):
     responses_max_bytes: int = Field(64 * 1024**2, ge=0, description="most bytes of stored responses (each one's output and own input, as JSON), and as many of conversations' items")
     responses_file: Path | None = Field(None, description="keep stored responses and conversations across a restart: written to this file (owner-only) at a graceful stop, and while running every responses_save_interval_s in which they changed, and read back at start; none = memory only")
     responses_save_interval_s: float = Field(30.0, ge=0, description="with responses_file: seconds between writes while the stores or the background responses running change (what a killed process can lose; a run it had reads failed after a restart); 0 = at a graceful stop only")
+    cors_origins: list[str] = Field(["localhost"], description="in-process engine (no runtime behind it): origins whose web pages may call KVStream from a browser: localhost (any port on localhost, 127.0.0.1, [::1]), exact origins (https://app.example.com), or * for any; in front of a runtime its own CORS policy answers")
     runtime_metrics: bool = Field(True, description="carry the runtime's own Prometheus families (llama-server with --metrics, vLLM, SGLang) on /metrics after KVStream's, read at scrape time; several replicas' labelled kvstream_backend")
 
     @field_validator("api_keys", mode="before")

@@ -13,7 +13,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from kvstream import __version__
 from kvstream.api import (
-    routes_conversations, routes_embeddings, routes_messages, routes_ollama, routes_openai, routes_ops, routes_passthrough,
+    cors, routes_conversations, routes_embeddings, routes_messages, routes_ollama, routes_openai, routes_ops, routes_passthrough,
     responses_file, routes_llamacpp, routes_responses,
 )
 from kvstream.api.background import BACKGROUND, BackgroundRuns
@@ -115,7 +115,8 @@ async def warm_prefixes(engine: KVStreamEngine, prompts: list[str]) -> None:
 def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
     """The KVStream application. The engine is started and closed with the app."""
     keys = settings.accepted_keys()
-    middlewares = [error_middleware]
+    # Preflights first: they carry no credentials and compute nothing (cors.py).
+    middlewares = [cors.preflight_middleware(settings.server.cors_origins), error_middleware]
     if keys:
         isolate = settings.prefix_cache.tenant_isolation is not False  # default (None): on with keys
         middlewares.append(auth_middleware(keys, settings.server.max_concurrent_per_key, isolate))
@@ -157,6 +158,7 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
 
     app.cleanup_ctx.append(engine_lifecycle)
     app.on_response_prepare.append(add_via)
+    app.on_response_prepare.append(cors.grant_on_prepare(settings.server.cors_origins))
     return app
 
 
