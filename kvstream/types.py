@@ -184,6 +184,10 @@ class GenerateRequest:
     # Prefixes to keep cached after the request; only a backend that holds the KV itself
     # (the in-process engine) can keep them (Backend.retained_prefixes).
     cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
+    # A chat whose last message is the assistant's, to be continued (Anthropic's and Ollama's
+    # prefill, vLLM's continue_final_message): rendered without its end of turn and with no
+    # new assistant header; the answer is what follows it.
+    continue_final_message: bool = False
     # The prompt is a fill-in-the-middle one (its ids built by Backend.infill_tokens): the
     # tokens a code model may end the middle with end the generation too.
     fill_in_middle: bool = False

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvstream.api.cache_control import too_many, ttl
 from kvstream.api.errors import APIError
+from kvstream.api.schemas import is_prefill
 from kvstream.types import Token, Usage
 
 # A chat field named in an error -> the Messages field the client sent.
@@ -80,6 +81,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     if (refusal := too_many(marks)) is not None:
         raise _invalid(refusal, "cache_control")
     chat: dict[str, Any] = {"messages": messages, "max_completion_tokens": body["max_tokens"]}
+    if is_prefill(messages):  # the answer continues the assistant's text (Anthropic's prefill), as vLLM is told
+        chat["continue_final_message"], chat["add_generation_prompt"] = True, False
     for key in ("model", "temperature", "top_p", "top_k", "stream"):
         if key in body:
             chat[key] = body[key]

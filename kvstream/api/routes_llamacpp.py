@@ -160,13 +160,11 @@ async def detokenize(request: web.Request) -> web.StreamResponse:
 async def apply_template(request: web.Request) -> web.StreamResponse:
     """A chat body (``/v1/chat/completions``': messages, tools, ``chat_template_kwargs``...)
     -> ``{"prompt": text}``, the prompt the engine would compute for it, special tokens
-    spelled out; ``add_generation_prompt: false`` leaves the assistant's header off."""
+    spelled out; ``add_generation_prompt: false`` leaves the assistant's header off,
+    ``continue_final_message`` the assistant's last message open."""
     state = request.app[STATE]
-    data = await read_object(request)
-    add_generation_prompt = _flag(data, "add_generation_prompt", True)
-    generate = validated(data, ChatCompletionRequest).to_generate(request[REQUEST_ID])
+    generate = validated(await read_object(request), ChatCompletionRequest).to_generate(request[REQUEST_ID])
     check_message_count(state, generate)
-    generate.prefix_only = not add_generation_prompt  # (the engine's name: a prefix that later turns share)
     backend = state.engine.backend
     _tokenizer(state)("", False)  # 404 without a tokenizer
     ids = await backend.tokenize(generate) or []

@@ -26,6 +26,7 @@ from kvstream import __version__
 from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception
 from kvstream.api.routes_openai import default_model, parse_deadline, read_object, resolve_model
 from kvstream.api.routes_passthrough import forward
+from kvstream.api.schemas import is_prefill
 from kvstream.api.state import CACHE_SALT, STATE, AppState
 from kvstream.api.streaming import GuardedResponse
 from kvstream.engine import Generation
@@ -140,7 +141,9 @@ def _request(body: dict[str, Any], request_id: str, messages: list[dict[str, Any
     try:
         return GenerateRequest(
             model=None, messages=messages, prompt=prompt, extra=extra, request_id=request_id,
-            stream=body.get("stream", True) is not False, **fields,
+            stream=body.get("stream", True) is not False,
+            continue_final_message=messages is not None and is_prefill(messages),  # Ollama continues it
+            **fields,
         )
     except TypeError as exc:
         raise OllamaError(400, str(exc)) from None

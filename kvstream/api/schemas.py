@@ -106,6 +106,15 @@ class _Sampling(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def is_prefill(messages: list[dict[str, Any]]) -> bool:
+    """Whether a chat ends with the assistant's own text, which Anthropic's Messages API and
+    Ollama's chat continue (the "prefill") rather than answer."""
+    last = messages[-1] if messages else {}
+    content = last.get("content")
+    return last.get("role") == "assistant" and not last.get("tool_calls") and bool(content) and (
+        isinstance(content, str) or all(isinstance(p, dict) and p.get("type") == "text" for p in content))
+
+
 class ChatCompletionRequest(_Sampling):
     """Body of POST /v1/chat/completions."""
 
@@ -113,6 +122,16 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM's and llama-server's: the last (assistant) message continued, not answered.
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
+
+    @field_validator("add_generation_prompt")
+    @classmethod
+    def _one_final_turn(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("continue_final_message"):  # as vLLM and llama-server refuse it
+            raise ValueError("cannot be true together with 'continue_final_message'")
+        return value
 
     @field_validator("top_logprobs")
     @classmethod
@@ -132,7 +151,8 @@ class ChatCompletionRequest(_Sampling):
         return self
 
     def _own_extra(self) -> set[str]:
-        return {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+        return {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "continue_final_message",
+                "add_generation_prompt"}
 
     def to_generate(self, request_id: str) -> GenerateRequest:
         extra = self.passthrough()
@@ -156,6 +176,9 @@ class ChatCompletionRequest(_Sampling):
             blend_ratio=self.blend_ratio,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             cache_breakpoints=self._breakpoints,
+            continue_final_message=self.continue_final_message,
+            # No assistant header after the messages (vLLM's add_generation_prompt false).
+            prefix_only=self.add_generation_prompt is False,
         )
 
 

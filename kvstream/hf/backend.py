@@ -578,10 +578,11 @@ class HFBackend(InProcessBackend):
             return shown if shown is not None or self._template_renders_tools() else GENERIC
         return None if chosen == "none" else chosen
 
-    def _chat_ids(self, request: GenerateRequest, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+    def _chat_ids(self, request: GenerateRequest, messages: list[dict[str, Any]], generation_prompt: bool,
+                  continue_final: bool = False) -> list[int]:
         """``messages`` through the template as ``request`` has them rendered: its tools
         (left out with ``tool_choice`` "none"; in the system message the generic way) and
-        template switches."""
+        template switches; ``continue_final``: the last (assistant) message left open."""
         from kvstream.hf.loader import chat_token_ids
         from kvstream.hf.request_options import template_kwargs
 
@@ -591,7 +592,7 @@ class HFBackend(InProcessBackend):
             messages = with_tools_prompt(messages, tools, request.extra.get("parallel_tool_calls") is False)
             tools = None
         return chat_token_ids(self.runner.tokenizer, messages, generation_prompt=generation_prompt, tools=tools,
-                              template_kwargs=kwargs)
+                              template_kwargs=kwargs, continue_final=continue_final)
 
     def retained_prefixes(self, request: GenerateRequest, prompt_ids: list[int]) -> list[tuple[int, float]]:
         """Each breakpoint's prefix in tokens: the whole prompt, or the tokens it shares with
@@ -646,15 +647,21 @@ class HFBackend(InProcessBackend):
             # Tools go to the template, as the model was trained to see them; with
             # tool_choice "none" the client wants none called, and they are left out.
             tools = request.extra.get("tools") if request.extra.get("tool_choice") != "none" else None
+            continuing = request.continue_final_message
+            if continuing and (request.messages or [{}])[-1].get("role") != "assistant":
+                raise BackendRejected("'continue_final_message' continues the assistant's message: the last message "
+                                      "must be the assistant's.", param="continue_final_message", code="invalid_value")
+            # A warm-up prefills the conversation's prefix: no assistant header after it, which
+            # later requests would not share; nor does a continued assistant message have one.
+            generation_prompt = not request.prefix_only and not continuing
             try:
-                # A warm-up prefills the conversation's prefix: no assistant header after it,
-                # which later requests would not share.
                 kwargs = template_kwargs(request.extra)
                 if self._generic_calls(request):  # the tools in the system message instead
-                    return self._chat_ids(request, request.messages or [], not request.prefix_only)
-                ids = self._chat_ids(request, request.messages or [], not request.prefix_only)
+                    return self._chat_ids(request, request.messages or [], generation_prompt, continuing)
+                ids = self._chat_ids(request, request.messages or [], generation_prompt, continuing)
                 if tools and not forces_call(request) and ids == chat_token_ids(
-                    tokenizer, request.messages or [], generation_prompt=not request.prefix_only, template_kwargs=kwargs
+                    tokenizer, request.messages or [], generation_prompt=generation_prompt, template_kwargs=kwargs,
+                    continue_final=continuing,
                 ):
                     # Its template drops them: the model would never see them (Ollama's answer
                     # too). A forced call is held to the tool's schema all the same.

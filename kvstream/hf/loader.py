@@ -59,12 +59,14 @@ class LoadedModel:
 
 def chat_token_ids(
     tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
-    template_kwargs: dict[str, Any] | None = None,
+    template_kwargs: dict[str, Any] | None = None, continue_final: bool = False,
 ) -> list[int]:
     """Token ids of chat messages through the model's template, generation prompt added
     (without it: the prefix that later conversations starting with these messages share),
     ``tools`` (OpenAI's function definitions) rendered as the template renders them,
-    ``template_kwargs`` passed to the template (e.g. Qwen3's ``enable_thinking``).
+    ``template_kwargs`` passed to the template (e.g. Qwen3's ``enable_thinking``);
+    ``continue_final``: the last message (the assistant's) left open, cut after its text, for
+    the model to go on with it (transformers' ``continue_final_message``).
 
     Content given as a list of text parts reaches it as one string (``_text_content``).
     Earlier calls' arguments reach the template as objects (template_messages), as most
@@ -77,7 +79,7 @@ def chat_token_ids(
     def render(chat: list[dict[str, Any]]) -> list[int]:
         ids = tokenizer.apply_chat_template(
             chat, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False,
-            **(template_kwargs or {}))
+            continue_final_message=continue_final, **(template_kwargs or {}))
         return list(ids["input_ids"] if hasattr(ids, "get") else ids)  # some versions return a BatchEncoding
 
     def rendered_calls(chat: list[dict[str, Any]], ids: list[int]) -> list[int]:
