@@ -26,6 +26,7 @@ from typing import Any
 
 from kvstream.api.errors import APIError
 from kvstream.api.schemas import MAX_BATCH_PROMPTS
+from kvstream.samplers import OFF_WHEN
 from kvstream.types import GenerateRequest, InfillParts, Token, TokenLogprob, Usage
 
 # llama-server's sampling defaults (common/common.h), used where the body leaves one out.
@@ -36,15 +37,10 @@ DEFAULTS: dict[str, Any] = {
 # The seed llama-server reports for a random one (LLAMA_DEFAULT_SEED).
 RANDOM_SEED = 0xFFFFFFFF
 # Fields that change the tokens in a way the engine cannot, and when a value leaves them off
-# (llama.cpp's samplers do nothing at these values; clients such as its web UI send them).
-def _zero_or_less(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value <= 0
-
-
+# (llama.cpp's samplers do nothing at these values; clients such as its web UI send them):
+# the engine's missing samplers (samplers.py) and llama-server's own extras.
 INACTIVE: dict[str, Callable[[Any], bool]] = {
-    "mirostat": _zero_or_less, "dry_multiplier": _zero_or_less, "xtc_probability": _zero_or_less,
-    "top_n_sigma": _zero_or_less, "dynatemp_range": _zero_or_less, "grammar": lambda v: v == "",
-    "lora": lambda v: v == [], "n_cmpl": lambda v: v == 1, "post_sampling_probs": lambda v: v is False,
+    **OFF_WHEN, "lora": lambda v: v == [], "n_cmpl": lambda v: v == 1, "post_sampling_probs": lambda v: v is False,
 }
 MAX_N_PROBS = 20  # the engine's most alternatives per token
 
@@ -153,7 +149,8 @@ def _stops(value: Any) -> list[str]:
 
 def _logit_bias(value: Any, tokenize: Callable[[str, bool], list[int]]) -> dict[str, float]:
     """llama-server's ``logit_bias``: ``[[token, bias], ...]`` (a token as its id or a text,
-    every token of the text biased) or ``{"id": bias}``; a bias of ``false`` bans the token.
+    every token of the text biased) or ``{"id" or "text": bias}``; a bias of ``false`` bans
+    the token.
     As the engine's ``logit_bias`` (OpenAI's object of ids)."""
     if value is None:
         return {}
@@ -166,7 +163,8 @@ def _logit_bias(value: Any, tokenize: Callable[[str, bool], list[int]]) -> dict[
             amount = -100.0  # the engine's floor: never sampled
         if isinstance(amount, bool) or not isinstance(amount, int | float):
             raise invalid("A 'logit_bias' bias is a number, or false to ban the token.", "logit_bias")
-        if isinstance(token, str) and not isinstance(value, dict):  # a text: each of its tokens
+        # A text is each of its tokens; an object's keys are ids where they are numbers.
+        if isinstance(token, str) and not (isinstance(value, dict) and token.strip().isdigit()):
             ids = tokenize(token, False)
         else:
             try:

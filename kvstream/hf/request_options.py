@@ -15,7 +15,9 @@ says what schemas it takes), ``tool_choice`` forcing a call (a schema too, tool_
 and from Ollama's options (or llama-server's fields) ``repeat_penalty``, ``repeat_last_n``,
 ``min_p``, ``typical_p``, and ``ignore_eos`` (vLLM's and llama-server's); completions' ``echo`` (``GenerateRequest.echo``: with ``logprobs``, the prompt's tokens are scored too,
 and ``max_tokens`` may be 0). Refused: a schema outside what json_schema.py takes,
-``echo`` in a chat request, ``best_of`` > 1 (a ``suffix`` is the backend's: fill_in_middle.py).
+``echo`` in a chat request, ``best_of`` > 1, samplers and constraints it lacks set on
+(samplers.py: mirostat, DRY, XTC, grammars, vLLM's guided decoding...); a ``suffix`` is the
+backend's (fill_in_middle.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvstream.hf.json_schema import SchemaError, compile_schema
 from kvstream.hf.sampling import SamplingParams
 from kvstream.hf.generic_calls import answer_schema
 from kvstream.hf.tool_calls import forced_call_schema
+from kvstream.samplers import first_unsupported
 from kvstream.types import BackendRejected, GenerateRequest
 
 LOGIT_BIAS_LIMIT = 100.0
@@ -76,6 +79,10 @@ def check_unsupported(extra: dict[str, Any]) -> None:
     best_of = extra.get("best_of")
     if best_of is not None and best_of != 1:
         raise _unsupported("best_of", "use n for several choices")
+    sampler = first_unsupported(extra)
+    if sampler is not None:
+        raise _unsupported(sampler, f"it has no such sampler or constraint (taken only at a value that turns it off, not "
+                                    f"{extra[sampler]!r})")
 
 
 def stop_token_ids(extra: dict[str, Any], vocab_size: int | None) -> tuple[int, ...]:

@@ -157,7 +157,8 @@ async def test_stops_probabilities_bias_and_prefill_only(hf_proxy, smollm2):
                                {"prompt": PROMPT, "n_predict": 3, "temperature": 0, "return_tokens": True,
                                 "logit_bias": [[probed["tokens"][0], False]]})
         assert banned["tokens"][0] != probed["tokens"][0]
-        # A text in the list form biases each of its tokens; OpenAI's object form takes ids.
+        # A text biases each of its tokens, in the list form and as an object's key; an
+        # object's number keys are ids (OpenAI's form).
         first_text = tokenizer.decode(probed["tokens"][:1])
         _, by_text = await post(session, hf_proxy.url + "/completion",
                                 {"prompt": PROMPT, "n_predict": 1, "temperature": 0, "return_tokens": True,
@@ -165,7 +166,10 @@ async def test_stops_probabilities_bias_and_prefill_only(hf_proxy, smollm2):
         _, by_key = await post(session, hf_proxy.url + "/completion",
                                {"prompt": PROMPT, "n_predict": 1, "temperature": 0, "return_tokens": True,
                                 "logit_bias": {str(probed["tokens"][0]): -100}})
-        assert by_text["tokens"] == by_key["tokens"] == banned["tokens"][:1]
+        _, by_text_key = await post(session, hf_proxy.url + "/completion",
+                                    {"prompt": PROMPT, "n_predict": 1, "temperature": 0, "return_tokens": True,
+                                     "logit_bias": {first_text: -100}})
+        assert by_text["tokens"] == by_key["tokens"] == by_text_key["tokens"] == banned["tokens"][:1]
 
         # n_predict 0: the prompt computed into the cache, nothing generated.
         fresh = "A prompt that only fills the cache, " * 6

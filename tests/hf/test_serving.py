@@ -363,6 +363,12 @@ async def test_logit_bias_and_penalties_change_the_answer(oa, smollm2):
         ({"extra_body": {"repeat_penalty": "strong"}}, "repeat_penalty"),  # Ollama's options arrive unchecked
         ({"extra_body": {"repeat_last_n": -2}}, "repeat_last_n"),
         ({"extra_body": {"logit_bias": [5, 1]}}, "logit_bias"),
+        # Samplers and constraints of llama-server, Ollama and vLLM the engine lacks, set on.
+        ({"extra_body": {"grammar": 'root ::= "a"'}}, "grammar"),
+        ({"extra_body": {"mirostat": 2}}, "mirostat"),
+        ({"extra_body": {"dry_multiplier": 0.8}}, "dry_multiplier"),
+        ({"extra_body": {"guided_regex": "a+"}}, "guided_regex"),
+        ({"extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice"),
     ],
 )
 async def test_what_the_engine_cannot_honour_is_a_400_naming_the_field(hf_proxy, oa, kwargs, param):
@@ -383,6 +389,11 @@ async def test_completions_refuse_suffix_and_best_of_and_take_tools_none(oa):
     reply = await oa.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2, tool_choice="none",
         tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], user="someone", metadata={"a": "b"}, store=False)
+    assert reply.choices[0].message.content is not None
+    # Samplers the engine lacks, sent at the values that leave them off (llama.cpp's web UI does): taken.
+    reply = await oa.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_body={"grammar": "", "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0, "top_n_sigma": -1})
     assert reply.choices[0].message.content is not None
 
 
