@@ -100,6 +100,12 @@ async def test_a_chat_template_file_reaches_the_llama_server_kvstream_starts(sta
         async with aiohttp.ClientSession() as http:
             async with http.post(proxy.url + "/apply-template", json={"messages": [{"role": "user", "content": "Hi"}]}) as resp:
                 rendered = (await resp.json())["prompt"]
+            # llama-server counts a chat's prompt itself: its own answer, passed through.
+            async with http.post(proxy.url + "/v1/chat/completions/input_tokens",
+                                 json={"messages": [{"role": "user", "content": "Hi"}]}) as resp:
+                counted = await resp.json()
+            assert resp.status == 200 and counted["object"] == "response.input_tokens" and counted["input_tokens"] > 5
+            assert "X-KVStream-Tokens" not in resp.headers
         assert rendered == "<|im_start|>user\nTemplated here: Hi<|im_end|>\n<|im_start|>assistant\n"
     finally:
         await backend.close()

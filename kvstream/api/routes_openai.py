@@ -383,8 +383,28 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=False)
 
 
+@counted("chat_count")
+async def chat_input_tokens(request: web.Request) -> web.StreamResponse:
+    """llama-server's ``/v1/chat/completions/input_tokens``: the prompt a chat body would
+    make, counted as its generation counts it (exact with the model's or runtime's tokenizer,
+    else estimated: the ``X-KVStream-Tokens`` header says which), as the other APIs' count
+    routes are. A runtime that reads the body itself answers it (llama-server does)."""
+    state = request.app[STATE]
+    if state.engine.backend.forwards_body:
+        return await forward(request)
+    generate = (await read_body(request, ChatCompletionRequest)).to_generate(request[REQUEST_ID])
+    check_message_count(state, generate)
+    generate.cache_salt = request.get(CACHE_SALT)
+    generate.model = await resolve_model(state, generate.model) if generate.model else (
+        state.engine.backend.model or await default_model(state))
+    ids, exact = await state.engine.prompt_tokens(generate)
+    return web.json_response({"input_tokens": len(ids), "object": "response.input_tokens"},
+                             headers={"X-KVStream-Tokens": "exact" if exact else "estimated"})
+
+
 for _path in CHAT_PATHS:
     routes.post(_path)(chat_completions)
+    routes.post(_path + "/input_tokens")(chat_input_tokens)
 for _path in COMPLETION_PATHS:
     routes.post(_path)(completions)
 

@@ -313,6 +313,16 @@ async def test_props_slots_and_apply_template_are_llama_servers(hf_proxy, smollm
                 assert params[name] == value, name
 
         messages = [{"role": "user", "content": "What is today?"}]
+        # A chat's prompt counted (llama-server's /v1/chat/completions/input_tokens), exactly.
+        for path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"):
+            async with session.post(hf_proxy.url + path, json={"messages": messages}) as response:
+                counted = await response.json()
+            expected_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            expected_ids = expected_ids["input_ids"] if hasattr(expected_ids, "get") else expected_ids
+            assert counted == {"input_tokens": len(expected_ids), "object": "response.input_tokens"}
+            assert response.headers["X-KVStream-Tokens"] == "exact"
+        status, error = await post(session, hf_proxy.url + "/v1/chat/completions/input_tokens", {"messages": "x"})
+        assert status == 400 and error["error"]["param"] == "messages"
         for generation_prompt in (True, False):
             status, templated = await post(session, hf_proxy.url + "/apply-template",
                                            {"messages": messages, "add_generation_prompt": generation_prompt})
