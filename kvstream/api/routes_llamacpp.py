@@ -179,12 +179,12 @@ async def props(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     backend = state.engine.backend
     limits = await _ready_limits(state)
-    model = backend.model or await default_model(state) or ""
+    model = await default_model(state) or ""  # the name it is served under
     return web.json_response({
         "default_generation_settings": {"n_ctx": limits.n_ctx_per_request, "params": fmt.default_settings(backend.default_max_tokens())},
         "total_slots": limits.parallel,
         "model_alias": model,
-        "model_path": model,
+        "model_path": backend.model or model,
         "modalities": {"vision": False, "video": False, "audio": False},
         "endpoint_slots": True,
         "endpoint_props": False,

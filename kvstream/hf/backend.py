@@ -422,7 +422,7 @@ class HFBackend(InProcessBackend):
             loaded = dataclasses.replace(loaded, tokenizer=copy.copy(loaded.tokenizer))
             loaded.tokenizer.chat_template = template
         self.loaded = loaded
-        self.model_name = loaded.name
+        self.model_name = backend.served_model_name or loaded.name
         context = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 0) or None
         kv_dtype = pool_dtype(memory.kv_dtype)
         num_blocks = memory.num_gpu_blocks

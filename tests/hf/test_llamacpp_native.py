@@ -363,10 +363,12 @@ async def test_props_slots_and_apply_template_are_llama_servers(hf_proxy, smollm
     await wait_released(hf_proxy)
 
 
-async def test_a_server_default_max_tokens_bounds_requests_that_set_none(smollm2, start_proxy):
+async def test_a_server_default_max_tokens_and_served_name(smollm2, start_proxy):
     """``backend.default_max_tokens`` (``--default-max-tokens``, llama-server's
     ``--n-predict``): a request with no bound gets that many tokens on every route and ends
-    as a length stop; a request's own bound, higher or lower, stays its own."""
+    as a length stop; a request's own bound, higher or lower, stays its own.
+    ``backend.served_model_name`` (llama-server's ``--alias``): the name it is listed and
+    answered under."""
     import openai
 
     from kvstream.config import Settings
@@ -374,7 +376,8 @@ async def test_a_server_default_max_tokens_bounds_requests_that_set_none(smollm2
     from kvstream.hf.loader import LoadedModel
 
     model, _, tokenizer = smollm2
-    backend = HFBackend(None, None, Settings(backend={"type": "hf", "default_max_tokens": 5}),
+    backend = HFBackend(None, None, Settings(backend={"type": "hf", "default_max_tokens": 5,
+                                                      "served_model_name": "tinyllama-2"}),
                         preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"), block_size=16, num_gpu_blocks=64,
                         num_cpu_blocks=0, max_batch_size=4)
     proxy = await start_proxy(backend)
@@ -386,12 +389,17 @@ async def test_a_server_default_max_tokens_bounds_requests_that_set_none(smollm2
                                        {"prompt": PROMPT, "ignore_eos": True, "temperature": 0} | body)
                 assert answer["tokens_predicted"] == predicted and answer["stop_type"] == "limit", (body, answer)
             async with session.get(proxy.url + "/props") as response:
-                assert (await response.json())["default_generation_settings"]["params"]["n_predict"] == 5
+                props = await response.json()
+            assert props["default_generation_settings"]["params"]["n_predict"] == 5 and props["model_alias"] == "tinyllama-2"
         async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
             for kwargs, tokens in (({}, 5), ({"max_tokens": 12}, 12), ({"max_tokens": 2}, 2)):
                 reply = await oa.chat.completions.create(
                     model="smollm2", messages=[{"role": "user", "content": "Count to a hundred, one number a line."}],
                     extra_body={"ignore_eos": True}, temperature=0, **kwargs)
                 assert reply.usage.completion_tokens == tokens and reply.choices[0].finish_reason == "length", kwargs
+            assert [m.id async for m in oa.models.list()] == ["tinyllama-2"]
+            named = await oa.chat.completions.create(model="tinyllama-2", max_tokens=1,
+                                                     messages=[{"role": "user", "content": "Hi"}])
+            assert named.model == "tinyllama-2"
     finally:
         await proxy.engine.close()
