@@ -249,8 +249,11 @@ async def infill(request: web.Request) -> web.StreamResponse:
     backend = state.engine.backend
     body = await read_object(request)
     _tokenizer(state)("", False)  # 404 without a tokenizer
-    await asyncio.to_thread(backend.infill_tokens, InfillParts("", ""))  # the model's 501 comes first, as there
-    parts = fmt.infill_parts(body)
+    try:
+        parts = fmt.infill_parts(body)
+    except LlamaCppError:  # a model without FIM tokens answers its 501 before any 400, as llama-server does
+        await asyncio.to_thread(backend.infill_tokens, InfillParts("", ""))
+        raise
     # On a thread: other files of megabytes take the tokenizer a while.
     ids = await asyncio.to_thread(backend.infill_tokens, parts)
     return await _generate(request, body, [ids or []], False, arrived_at, fill_in_middle=True)

@@ -339,6 +339,22 @@ async def test_props_slots_and_apply_template_are_llama_servers(hf_proxy, smollm
                 "code": 501, "type": "not_supported_error", "message": "Infill is not supported by this model: prefix "
                 "token is missing. suffix token is missing. middle token is missing. "}}
 
+        # While the model loads: llama-server's 503.
+        loaded_limits = hf_proxy.engine.backend.limits
+
+        async def loading():
+            from kvstream.types import RuntimeLimits
+            return RuntimeLimits()
+
+        hf_proxy.engine.backend.limits = loading
+        try:
+            for path in ("/props", "/slots"):
+                async with session.get(hf_proxy.url + path) as response:
+                    assert response.status == 503 and (await response.json())["error"] == {
+                        "code": 503, "message": "Loading model", "type": "unavailable_error"}
+        finally:
+            hf_proxy.engine.backend.limits = loaded_limits
+
         status, error = await post(session, hf_proxy.url + "/slots/0?action=save", {"filename": "x.bin"})
         assert status == 501 and error["error"]["type"] == "not_supported_error"
 
