@@ -16,9 +16,9 @@ with other flags, and fail directly too: the difference is what counts.
 llama-server behind it: the in-process engine answering llama-server's API itself
 (routes_llamacpp.py) for a client written for llama-server. The model is the same SmolLM2, in
 fp32 there and Q4_1 in llama-server's GGUF, so a test that expects exact text may pass one way
-only. ``--default-max-tokens 64`` and ``--served-model-name tinyllama-2`` stand for the suite
-server's ``--n-predict 64`` and ``--alias``; KVStream has no counterpart of its ``--seed 42``
-or ``--slot-save-path``.
+only. ``--default-max-tokens 64``, ``--seed 42`` and ``--served-model-name tinyllama-2``
+stand for the suite server's ``--n-predict 64``, ``--seed 42`` and ``--alias``; KVStream has
+no counterpart of its ``--slot-save-path``.
 
 The suite downloads its models in a session fixture; here nothing may be downloaded, so a
 small plugin (written next to the suite) turns that fixture into a no-op.
@@ -141,8 +141,9 @@ def main() -> int:
         direct = run_suite(python, tests, llama_port, work / "direct.xml", args.only, args.keyword)
         if args.engine == "hf":  # llama-server's API answered by the in-process engine, nothing behind it
             stop(server)
-            # The suite's server's --n-predict 64 and --alias.
-            backend = ["--backend", "hf", "--default-max-tokens", "64", "--served-model-name", "tinyllama-2"]
+            # The suite's server's --n-predict 64, --seed 42 and --alias.
+            backend = ["--backend", "hf", "--default-max-tokens", "64", "--seed", "42",
+                       "--served-model-name", "tinyllama-2"]
         else:
             backend = ["--backend", "llamacpp", "--backend-url", f"http://127.0.0.1:{llama_port}"]
         proxy = subprocess.Popen(

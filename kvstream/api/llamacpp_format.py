@@ -7,7 +7,7 @@ list of such prompts (a batch, answered with a list); ``n_predict`` (-1: until t
 the text or of the context; 0: the prompt is computed into the prefix cache and nothing is
 generated), ``temperature`` (0.8; <= 0 is greedy), ``top_k`` (40), ``top_p`` (0.95),
 ``min_p`` (0.05), ``typical_p``, ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``,
-``frequency_penalty``, ``seed`` (-1: random), ``stop``, ``ignore_eos``, ``logit_bias`` (its
+``frequency_penalty``, ``seed`` (-1: random, even where the server has a seed), ``stop``, ``ignore_eos``, ``logit_bias`` (its
 list form, a token as its id or a text, and OpenAI's object of ids; ``false`` bans a token), ``n_probs`` (each token's log-probability
 and its n most likely alternatives, ``completion_probabilities``), ``json_schema``,
 ``return_tokens``, ``response_fields`` and ``stream``. Slot and cache controls
@@ -20,8 +20,10 @@ naming the field when set to a value that turns them on, never dropped.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvstream.api.errors import APIError
@@ -43,6 +45,15 @@ INACTIVE: dict[str, Callable[[Any], bool]] = {
     **OFF_WHEN, "lora": lambda v: v == [], "n_cmpl": lambda v: v == 1, "post_sampling_probs": lambda v: v is False,
 }
 MAX_N_PROBS = 20  # the engine's most alternatives per token
+
+
+@dataclass(frozen=True)
+class ServerDefaults:
+    """What the server gives a body that sets neither (``--default-max-tokens``, ``--seed``):
+    reported in ``/props`` and each answer's ``generation_settings``; None: none."""
+
+    n_predict: int | None = None
+    seed: int | None = None
 
 
 # llama-server's error types by status (format_error_response), where they differ from OpenAI's.
@@ -217,7 +228,9 @@ def generate_request(body: dict[str, Any], prompt: str | list[int], request_id: 
         temperature=DEFAULTS["temperature"] if temperature is None else max(0.0, temperature),
         top_p=DEFAULTS["top_p"] if top_p is None else top_p,
         top_k=DEFAULTS["top_k"] if top_k is None else max(0, top_k),
-        seed=None if seed in (None, -1) else seed,
+        # -1 asks for a random seed, as at llama-server, even where the server has one of
+        # its own (which a body that sets none gets): drawn here.
+        seed=random.getrandbits(32) if seed == -1 else seed,
         stop=_stops(body.get("stop")),
         extra=extra,
         request_id=request_id,
@@ -260,13 +273,13 @@ def infill_parts(body: dict[str, Any]) -> InfillParts:
                        -1 if n_predict is None else n_predict)
 
 
-def default_settings(n_predict: int | None) -> dict[str, Any]:
+def default_settings(server: ServerDefaults) -> dict[str, Any]:
     """The sampling a body that sets nothing gets (``/props``' ``default_generation_settings``
     ``params``): llama-server's defaults, its samplers this engine lacks at the values that
-    turn them off; ``n_predict`` the server's default (None: none)."""
-    limit = -1 if n_predict is None else n_predict
+    turn them off, and the server's own defaults."""
+    limit = -1 if server.n_predict is None else server.n_predict
     return {
-        "seed": RANDOM_SEED, **DEFAULTS, "n_predict": limit, "max_tokens": limit, "ignore_eos": False, "stream": False,
+        "seed": RANDOM_SEED if server.seed is None else server.seed, **DEFAULTS, "n_predict": limit, "max_tokens": limit, "ignore_eos": False, "stream": False,
         "n_probs": 0, "stop": [], "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0,
         "dynatemp_range": 0.0, "post_sampling_probs": False, "lora": [],
         "samplers": ["penalties", "temperature", "top_k", "typ_p", "top_p", "min_p"],  # the engine's order
@@ -281,8 +294,14 @@ class CompletionAnswer:
     token as a partial object, then the final one (``stop: true``) with the settings, the
     stop's kind and the timings."""
 
-    def __init__(self, request: GenerateRequest, body: dict[str, Any], model: str, index: int = 0) -> None:
+    def __init__(self, request: GenerateRequest, body: dict[str, Any], model: str, index: int = 0,
+                 server: ServerDefaults = ServerDefaults()) -> None:
         self.request, self.model, self.index = request, model, index
+        # The settings as they applied: the server's defaults where the body set none.
+        limit = server.n_predict if request.max_tokens is None else request.max_tokens
+        seed = server.seed if request.seed is None else request.seed
+        self.n_predict = -1 if limit is None else limit
+        self.seed = RANDOM_SEED if seed is None or body.get("seed") == -1 else seed
         self.return_tokens = body.get("return_tokens") is True
         self.fields = body.get("response_fields") if isinstance(body.get("response_fields"), list) else []
         self.content: list[str] = []
@@ -340,8 +359,7 @@ class CompletionAnswer:
             "tokens_predicted": predicted,
             "tokens_evaluated": prompt_n,
             "generation_settings": {
-                "n_predict": -1 if request.max_tokens is None else request.max_tokens,
-                "seed": RANDOM_SEED if request.seed is None else request.seed,
+                "n_predict": self.n_predict, "seed": self.seed,
                 "temperature": request.temperature, "top_k": request.top_k, "top_p": request.top_p,
                 **{name: request.extra[name] for name in ("min_p", "typical_p", "repeat_last_n", "repeat_penalty",
                                                           "presence_penalty", "frequency_penalty", "ignore_eos")},

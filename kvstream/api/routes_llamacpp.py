@@ -48,6 +48,7 @@ from kvstream.scheduler import Priority, SchedulerError
 from kvstream.types import BackendError, GenerateRequest, InfillParts, RuntimeLimits, Token
 
 if TYPE_CHECKING:
+    from kvstream.backends.base import BaseBackend
     from kvstream.engine import Generation
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ async def props(request: web.Request) -> web.StreamResponse:
     limits = await _ready_limits(state)
     model = await default_model(state) or ""  # the name it is served under
     return web.json_response({
-        "default_generation_settings": {"n_ctx": limits.n_ctx_per_request, "params": fmt.default_settings(backend.default_max_tokens())},
+        "default_generation_settings": {"n_ctx": limits.n_ctx_per_request, "params": fmt.default_settings(_server_defaults(backend))},
         "total_slots": limits.parallel,
         "model_alias": model,
         "model_path": backend.model or model,
@@ -216,6 +217,11 @@ async def slot_action(request: web.Request) -> web.StreamResponse:
     """Saving, restoring or erasing a slot: llama-server's 501 (the in-process engine has no slot files)."""
     raise LlamaCppError(501, "This server does not support slots action: the in-process engine keeps its KV in its "
                         "own prefix cache, not in slot files.", code="not_supported")
+
+
+def _server_defaults(backend: BaseBackend) -> fmt.ServerDefaults:
+    """The backend's defaults for a body that sets no bound or seed."""
+    return fmt.ServerDefaults(backend.default_max_tokens(), backend.default_seed())
 
 
 async def _ready_limits(state: AppState) -> RuntimeLimits:
@@ -276,7 +282,9 @@ async def _generate(request: web.Request, body: dict[str, Any], prompts: list[st
     for generate in requests:
         generate.model, generate.cache_salt, generate.queue_deadline_s = model, request.get(CACHE_SALT), deadline
         generate.fill_in_middle = fill_in_middle
-    answers = [CompletionAnswer(generate, body, named or model or "", index) for index, generate in enumerate(requests)]
+    server = _server_defaults(state.engine.backend)
+    answers = [CompletionAnswer(generate, body, named or model or "", index, server)
+               for index, generate in enumerate(requests)]
     headers = {"X-Request-Id": request[REQUEST_ID]}
     if requests[0].stream:
         return await _stream(request, requests[0], answers[0], priority, arrived_at, headers)

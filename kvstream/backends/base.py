@@ -173,6 +173,11 @@ class BaseBackend(abc.ABC):
         the end of the context; the default: a runtime applies its own)."""
         return None
 
+    def default_seed(self) -> int | None:
+        """The sampling seed of a request that sets none, or None (a random one; the default:
+        a runtime applies its own)."""
+        return None
+
     async def limits(self) -> RuntimeLimits:
         """The runtime's memory and parallelism, as far as it reports them; by default
         only ``backend.parallel``, the slot count the operator says the runtime has."""

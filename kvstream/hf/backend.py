@@ -529,6 +529,9 @@ class HFBackend(InProcessBackend):
     def default_max_tokens(self) -> int | None:
         return self.settings.backend.default_max_tokens
 
+    def default_seed(self) -> int | None:
+        return self.settings.backend.seed
+
     async def limits(self) -> RuntimeLimits:
         if self.runner is None:
             return RuntimeLimits()
@@ -760,7 +763,8 @@ class HFBackend(InProcessBackend):
         from kvstream.hf.request_options import sampling_params
 
         assert self.runner is not None
-        return sampling_params(request, max_tokens, self.runner.vocab_size, generic_calls=self._generic_calls(request))
+        return sampling_params(request, max_tokens, self.runner.vocab_size, generic_calls=self._generic_calls(request),
+                               default_seed=self.default_seed())
 
     def _answer_reading(self, request: GenerateRequest, seq: Sequence) -> AnswerReading | None:
         """How the answers of a chat are read for thinking and tool calls; None for the rest

@@ -186,11 +186,12 @@ def forced_call(extra: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int | None = None,
-                    generic_calls: bool = False) -> SamplingParams:
+                    generic_calls: bool = False, default_seed: int | None = None) -> SamplingParams:
     """The request's SamplingParams; BackendRejected (400, naming the field) for a value the
     engine refuses. ``vocab_size`` None: token ids in ``logit_bias`` are not range-checked.
     ``generic_calls``: its tools are offered the generic way, the answer held to a call or a
-    response (generic_calls.py)."""
+    response (generic_calls.py). ``default_seed``: the server's seed for a request that sets
+    none (None: a random one)."""
     extra = request.extra
     check_unsupported(extra)
     if generic_calls:
@@ -213,7 +214,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=request.top_k or 0,
-            seed=request.seed,
+            seed=default_seed if request.seed is None else request.seed,
             stop=list(request.stop),
             min_p=_number(extra, "min_p", 0.0, 0.0, 1.0),
             typical_p=_number(extra, "typical_p", 1.0, 0.0, 1.0),

@@ -379,12 +379,15 @@ async def test_props_slots_and_apply_template_are_llama_servers(hf_proxy, smollm
     await wait_released(hf_proxy)
 
 
-async def test_a_server_default_max_tokens_and_served_name(smollm2, start_proxy):
+async def test_a_server_default_max_tokens_seed_and_served_name(smollm2, start_proxy):
     """``backend.default_max_tokens`` (``--default-max-tokens``, llama-server's
     ``--n-predict``): a request with no bound gets that many tokens on every route and ends
     as a length stop; a request's own bound, higher or lower, stays its own.
-    ``backend.served_model_name`` (llama-server's ``--alias``): the name it is listed and
-    answered under."""
+    ``backend.seed`` (llama-server's ``--seed``): a sampled request that sets no seed draws
+    as if it had set that one, on every route; its own seed stays its own; llama-server's
+    ``seed: -1`` is random even so. ``backend.served_model_name`` (llama-server's
+    ``--alias``): the name it is listed and answered under."""
+    import ollama
     import openai
 
     from kvstream.config import Settings
@@ -392,7 +395,7 @@ async def test_a_server_default_max_tokens_and_served_name(smollm2, start_proxy)
     from kvstream.hf.loader import LoadedModel
 
     model, _, tokenizer = smollm2
-    backend = HFBackend(None, None, Settings(backend={"type": "hf", "default_max_tokens": 5,
+    backend = HFBackend(None, None, Settings(backend={"type": "hf", "default_max_tokens": 5, "seed": 7,
                                                       "served_model_name": "tinyllama-2"}),
                         preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"), block_size=16, num_gpu_blocks=64,
                         num_cpu_blocks=0, max_batch_size=4)
@@ -406,7 +409,19 @@ async def test_a_server_default_max_tokens_and_served_name(smollm2, start_proxy)
                 assert answer["tokens_predicted"] == predicted and answer["stop_type"] == "limit", (body, answer)
             async with session.get(proxy.url + "/props") as response:
                 props = await response.json()
-            assert props["default_generation_settings"]["params"]["n_predict"] == 5 and props["model_alias"] == "tinyllama-2"
+            defaults = props["default_generation_settings"]["params"]
+            assert defaults["n_predict"] == 5 and defaults["seed"] == 7 and props["model_alias"] == "tinyllama-2"
+
+            # Sampled at a high temperature: with no seed, the server's; -1 random.
+            sampled = {"prompt": PROMPT, "ignore_eos": True, "temperature": 1.5, "top_k": 0, "top_p": 1.0,
+                       "min_p": 0.0, "n_predict": 16, "return_tokens": True}
+            answers = [(await post(session, proxy.url + "/completion", sampled | body))[1]
+                       for body in ({}, {}, {"seed": 7}, {"seed": 8}, {"seed": -1}, {"seed": -1})]
+            tokens = [answer["tokens"] for answer in answers]
+            assert tokens[0] == tokens[1] == tokens[2] != tokens[3]
+            assert tokens[4] != tokens[5] and tokens[0] not in tokens[4:]
+            assert [a["generation_settings"]["seed"] for a in answers] == [7, 7, 7, 8, 0xFFFFFFFF, 0xFFFFFFFF]
+            assert answers[0]["generation_settings"]["n_predict"] == 16
         async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
             for kwargs, tokens in (({}, 5), ({"max_tokens": 12}, 12), ({"max_tokens": 2}, 2)):
                 reply = await oa.chat.completions.create(
@@ -417,5 +432,14 @@ async def test_a_server_default_max_tokens_and_served_name(smollm2, start_proxy)
             named = await oa.chat.completions.create(model="tinyllama-2", max_tokens=1,
                                                      messages=[{"role": "user", "content": "Hi"}])
             assert named.model == "tinyllama-2"
+            texts = [(await oa.completions.create(model="tinyllama-2", prompt=PROMPT, max_tokens=16, temperature=1.5,
+                                                  extra_body={"ignore_eos": True}, **seed)).choices[0].text
+                     for seed in ({}, {}, {"seed": 7}, {"seed": 8})]
+            assert texts[0] == texts[1] == texts[2] != texts[3]
+        client = ollama.AsyncClient(host=proxy.url)
+        options = {"temperature": 1.5, "num_predict": 16}
+        generated = [(await client.generate(model="tinyllama-2", prompt=PROMPT, raw=True, options=options | seed)).response
+                     for seed in ({}, {}, {"seed": 8})]
+        assert generated[0] == generated[1] == texts[0] and generated[2] == texts[3]
     finally:
         await proxy.engine.close()
