@@ -35,8 +35,8 @@ from kvstream.api.routes_openai import (
     parse_deadline,
     parse_priority,
     read_object,
-    resolve_model,
     retry_after,
+    serving_model,
     validated,
 )
 from kvstream.api.routes_passthrough import passthrough
@@ -276,7 +276,7 @@ async def _generate(request: web.Request, body: dict[str, Any], prompts: list[st
         raise LlamaCppError(400, "Streaming several prompts at once is not served here: stream them one per request.",
                             param="stream", code="unsupported_parameter")
     named = requests[0].model
-    model = await resolve_model(state, named) if named else state.engine.backend.model or await default_model(state)
+    model = await serving_model(state, named)
     priority = parse_priority(request, body.get("priority"))
     deadline = parse_deadline(request)
     for generate in requests:

@@ -235,6 +235,14 @@ async def default_model(state: AppState) -> str | None:
     return models[0].id if models else None
 
 
+async def serving_model(state: AppState, name: str | None) -> str | None:
+    """The model a request naming ``name`` (or none) is served by: the name resolved, else
+    the configured model, else the runtime's first."""
+    if name:
+        return await resolve_model(state, name)
+    return state.engine.backend.model or await default_model(state)
+
+
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     arrived_at = time.monotonic()
     state = request.app[STATE]
@@ -395,8 +403,7 @@ async def chat_input_tokens(request: web.Request) -> web.StreamResponse:
     generate = (await read_body(request, ChatCompletionRequest)).to_generate(request[REQUEST_ID])
     check_message_count(state, generate)
     generate.cache_salt = request.get(CACHE_SALT)
-    generate.model = await resolve_model(state, generate.model) if generate.model else (
-        state.engine.backend.model or await default_model(state))
+    generate.model = await serving_model(state, generate.model)
     ids, exact = await state.engine.prompt_tokens(generate)
     return web.json_response({"input_tokens": len(ids), "object": "response.input_tokens"},
                              headers={"X-KVStream-Tokens": "exact" if exact else "estimated"})
@@ -423,10 +430,7 @@ async def warm(request: web.Request) -> web.Response:
     check_message_count(state, generate)
     generate.cache_salt = request.get(CACHE_SALT)
     try:
-        if body.model:
-            generate.model = await resolve_model(state, body.model)
-        else:  # the configured model, else the runtime's first
-            generate.model = state.engine.backend.model or await default_model(state)
+        generate.model = await serving_model(state, body.model)
         result = await state.engine.warm(generate)
     except (SchedulerError, BackendError) as exc:
         raise from_exception(exc, retry_after(state)) from None

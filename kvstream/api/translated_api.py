@@ -28,12 +28,11 @@ from kvstream.api.routes_openai import (
     _error_kind,
     _next,
     check_message_count,
-    default_model,
     parse_deadline,
     parse_priority,
     read_object,
-    resolve_model,
     retry_after,
+    serving_model,
 )
 from kvstream.api.routes_passthrough import forward
 from kvstream.api.schemas import ChatCompletionRequest
@@ -119,8 +118,8 @@ async def _generate_request(request: web.Request, api: TranslatedAPI,
     generate = body.to_generate(request[REQUEST_ID])
     check_message_count(state, generate)
     generate.cache_salt = request.get(CACHE_SALT)
-    named, backend = generate.model, state.engine.backend
-    generate.model = await resolve_model(state, generate.model) if generate.model else backend.model or await default_model(state)
+    named = generate.model
+    generate.model = await serving_model(state, named)
     return generate, data, named
 
 
