@@ -9,17 +9,19 @@ generated), ``temperature`` (0.8; <= 0 is greedy), ``top_k`` (40), ``top_p`` (0.
 ``min_p`` (0.05), ``typical_p``, ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``,
 ``frequency_penalty``, ``seed`` (-1: random, even where the server has a seed), ``stop``, ``ignore_eos``, ``logit_bias`` (its
 list form, a token as its id or a text, and OpenAI's object of ids; ``false`` bans a token), ``n_probs`` (each token's log-probability
-and its n most likely alternatives, ``completion_probabilities``), ``json_schema``,
+and its n most likely alternatives, ``completion_probabilities``; with ``post_sampling_probs``
+the probabilities of the distribution it was drawn from), ``json_schema``,
 ``return_tokens``, ``response_fields`` and ``stream``. Slot and cache controls
 (``cache_prompt``, ``id_slot``, ``n_keep``, ``n_cache_reuse``, ``t_max_predict_ms``,
 ``samplers``, ``timings_per_token``...) change nothing about the tokens here and are taken as
 given. Samplers the engine does not have (``mirostat``, DRY, XTC, ``top_n_sigma``, dynamic
-temperature), ``grammar``, ``lora``, media, ``post_sampling_probs`` and ``n_cmpl`` are a 400
+temperature), ``grammar``, ``lora``, media and ``n_cmpl`` are a 400
 naming the field when set to a value that turns them on, never dropped.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -42,7 +44,7 @@ RANDOM_SEED = 0xFFFFFFFF
 # (llama.cpp's samplers do nothing at these values; clients such as its web UI send them):
 # the engine's missing samplers (samplers.py) and llama-server's own extras.
 INACTIVE: dict[str, Callable[[Any], bool]] = {
-    **OFF_WHEN, "lora": lambda v: v == [], "n_cmpl": lambda v: v == 1, "post_sampling_probs": lambda v: v is False,
+    **OFF_WHEN, "lora": lambda v: v == [], "n_cmpl": lambda v: v == 1,
 }
 MAX_N_PROBS = 20  # the engine's most alternatives per token
 
@@ -213,6 +215,7 @@ def generate_request(body: dict[str, Any], prompt: str | list[int], request_id: 
     repeat_last_n = _integer(body, "repeat_last_n", -1)
     extra["repeat_last_n"] = DEFAULTS["repeat_last_n"] if repeat_last_n is None else repeat_last_n
     extra["ignore_eos"] = _flag(body, "ignore_eos")
+    extra["post_sampling_probs"] = _flag(body, "post_sampling_probs")
     if bias := _logit_bias(body.get("logit_bias"), tokenize):
         extra["logit_bias"] = bias
     schema = body.get("json_schema")
@@ -321,7 +324,8 @@ class CompletionAnswer:
         self.predicted += len(ids)
         self.content.append(token.text)
         self.tokens += ids
-        probabilities = [_probability(entry) for entry in token.token_logprobs or ()] if self.request.logprobs else []
+        post = self.request.extra.get("post_sampling_probs") is True
+        probabilities = [_probability(entry, post) for entry in token.token_logprobs or ()] if self.request.logprobs else []
         self.probabilities += probabilities
         if not token.text and not ids:
             return None
@@ -363,7 +367,8 @@ class CompletionAnswer:
                 "temperature": request.temperature, "top_k": request.top_k, "top_p": request.top_p,
                 **{name: request.extra[name] for name in ("min_p", "typical_p", "repeat_last_n", "repeat_penalty",
                                                           "presence_penalty", "frequency_penalty", "ignore_eos")},
-                "stop": list(request.stop), "n_probs": request.logprobs or 0, "stream": request.stream,
+                "stop": list(request.stop), "n_probs": request.logprobs or 0,
+                "post_sampling_probs": request.extra.get("post_sampling_probs") is True, "stream": request.stream,
                 "logit_bias": [[int(k), v] for k, v in request.extra.get("logit_bias", {}).items()],
                 "json_schema": request.extra.get("response_format", {}).get("json_schema", {}).get("schema", {}),
             },
@@ -387,11 +392,15 @@ class CompletionAnswer:
         return _selected(whole, self.fields) if self.fields else whole
 
 
-def _probability(entry: TokenLogprob) -> dict[str, Any]:
+def _probability(entry: TokenLogprob, post_sampling: bool) -> dict[str, Any]:
+    """One token of ``completion_probabilities``: log-probabilities of the model's
+    distribution, or (``post_sampling_probs``) probabilities of the one it was drawn from."""
     def one(e: TokenLogprob) -> dict[str, Any]:
-        return {"id": e.token_id, "token": e.token, "logprob": e.logprob, "bytes": e.bytes}
+        value = {"prob": math.exp(e.logprob)} if post_sampling and e.logprob is not None else {"logprob": e.logprob}
+        return {"id": e.token_id, "token": e.token, **value, "bytes": e.bytes}
 
-    return one(entry) | {"top_logprobs": [one(alternative) for alternative in entry.top]}
+    alternatives = [one(alternative) for alternative in entry.top]
+    return one(entry) | ({"top_probs": alternatives} if post_sampling else {"top_logprobs": alternatives})
 
 
 def _selected(whole: dict[str, Any], fields: list[Any]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from kvstream.hf.blend import BlendParams
 from kvstream.hf.detokenize import IncrementalDetokenizer
 from kvstream.hf.kv_cache import KVShape, PagedKVCache, auto_batch_size, pool_dtype
 from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
-from kvstream.hf.sampling import History, SamplingParams, TokenLogprobs, logprobs_of, sample
+from kvstream.hf.sampling import History, SamplingParams, TokenLogprobs, drawn_logprobs, logprobs_of, sample
 from kvstream.hf.json_constraint import JsonObjectConstraint
 from kvstream.hf.json_schema import JsonSchemaConstraint, compile_schema
 from kvstream.hf.prompt_scores import STORED_TOP, PromptScores
@@ -683,12 +683,15 @@ class ModelRunner:
                      for r, p in zip(sampled, params, strict=True)]
         constraints = [r.constraint for r in sampled]
         forced = [r.thinking.forced() if r.thinking is not None else None for r in sampled]
+        drawn_from: dict[int, torch.Tensor] = {}
         tokens = sample(logits, params, [r.generator for r in sampled], histories,
                         constraints if any(c is not None for c in constraints) else None,
-                        forced if any(f is not None for f in forced) else None)
-        wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
+                        forced if any(f is not None for f in forced) else None, drawn_from)
+        wanted = [row for row, p in enumerate(params) if p.logprobs is not None and row not in drawn_from]
         logprobs = dict(zip(wanted, logprobs_of(
             logits, wanted, [tokens[row] for row in wanted], [params[row].logprobs for row in wanted]), strict=True))
+        for row, probs in drawn_from.items():  # post_sampling_probs
+            logprobs[row] = drawn_logprobs(probs, tokens[row], params[row].logprobs or 0)
         for row, (req, token) in enumerate(zip(sampled, tokens, strict=True)):
             first = logits[row].float().cpu() if req.params.keep_first_logits and req.num_generated == 0 else None
             self._emit(req, token)

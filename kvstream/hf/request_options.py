@@ -230,6 +230,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             json_schema=forced or answer or json_schema(extra),
             thinking_budget=_budget(extra),
             ignore_eos=_flag(extra, "ignore_eos"),
+            post_sampling_probs=_flag(extra, "post_sampling_probs"),
         )
     except ValueError as exc:
         raise BackendRejected(str(exc)) from None

@@ -7,11 +7,13 @@ whatever else shares its batch (reproducible per request, as OpenAI's ``seed`` p
 Adjustments apply before the choice, greedy included, in the order llama.cpp applies them
 (bias, repeat penalty, then presence/frequency); log-probabilities are the model's own
 distribution (log-softmax of the raw logits, as vLLM reports by default), whatever the
-adjustments and temperature did to the choice.
+adjustments and temperature did to the choice, unless a request asks for the distribution
+its tokens were drawn from (llama-server's ``post_sampling_probs``).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -42,6 +44,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the answer as the end of turn does
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely (k <= 20)
+    # llama-server's post_sampling_probs: ``logprobs`` of the distribution the token was drawn
+    # from (after the penalties, temperature, top-k, typical-p, top-p and min-p; greedy: the
+    # chosen token, certain), the k most likely of it with any probability, not the model's.
+    post_sampling_probs: bool = False
     # The same for each prompt token after the first (echo): the whole prompt is computed,
     # none of it taken from the prefix cache, since a cached position has no logits.
     prompt_logprobs: int | None = None
@@ -69,6 +75,10 @@ class SamplingParams:
             raise ValueError("repeat_penalty must be > 0")
         if self.repeat_last_n < -1:
             raise ValueError("repeat_last_n must be >= -1")
+        if self.post_sampling_probs and (self.json_object or self.json_schema is not None):
+            # A constraint draws from that distribution restricted to what it accepts, which
+            # is never computed whole: probabilities of it would be made up.
+            raise ValueError("post_sampling_probs cannot be combined with a JSON constraint")
         if self.thinking_budget is not None and self.thinking_budget < 0:
             raise ValueError("thinking_token_budget must be >= 0")
         for k in (self.logprobs, self.prompt_logprobs):
@@ -188,52 +198,70 @@ def adjust(scores: torch.Tensor, p: SamplingParams, history: History | None) -> 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     histories: list[History | None] | None = None, constraints: list[Constraint | None] | None = None,
-    forced: list[int | None] | None = None,
+    forced: list[int | None] | None = None, drawn_from: dict[int, torch.Tensor] | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` ``[N, vocab]``; ``histories`` (per row) feed the
     penalties of the rows that have them, ``constraints`` (per row) limit what they choose,
-    and a row's ``forced`` token (a thinking budget's closing text) is taken as it is."""
+    and a row's ``forced`` token (a thinking budget's closing text) is taken as it is.
+    ``drawn_from``, where given, gets each row whose params ask for logprobs with
+    ``post_sampling_probs``: the (unnormalized) probabilities its token was drawn from, on
+    the CPU."""
     logits = logits.float()
     tokens: list[int] = []
     greedy = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        kept = drawn_from is not None and p.post_sampling_probs and p.logprobs is not None
         if forced is not None and forced[row] is not None:
             tokens.append(forced[row])  # type: ignore[arg-type]
-            continue
-        scores = logits[row]
-        if p.adjusts_logits:
-            scores = adjust(scores, p, histories[row] if histories is not None else None)
-        constraint = constraints[row] if constraints is not None else None
-        if p.greedy:
+        elif p.greedy:
+            scores = adjust(logits[row], p, histories[row] if histories is not None else None) if p.adjusts_logits else logits[row]
+            constraint = constraints[row] if constraints is not None else None
             if constraint is not None:
                 tokens.append(first_accepted(scores, constraint))
             else:
                 tokens.append(int(scores.argmax()) if p.adjusts_logits else greedy[row])
+        else:
+            scores = logits[row]
+            if p.adjusts_logits:
+                scores = adjust(scores, p, histories[row] if histories is not None else None)
+            probs = filtered(scores, p).cpu()
+            constraint = constraints[row] if constraints is not None else None
+            if constraint is not None:
+                drawn = draw_accepted(probs, gen, constraint)
+                # Nothing acceptable where top-k / top-p / min-p left mass: the model's best acceptable.
+                tokens.append(drawn if drawn is not None else first_accepted(scores, constraint))
+                continue
+            tokens.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+            if kept:
+                drawn_from[row] = probs  # type: ignore[index]
             continue
-        scores = scores / p.temperature
-        if p.top_k:
-            kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if p.typical_p < 1.0:  # after top-k and before top-p, as llama.cpp orders them
-            probs = typical(probs, p.typical_p)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            cumulative = sorted_probs.cumsum(-1)
-            # Keep the smallest set whose mass reaches top_p (the first token always stays).
-            drop = cumulative - sorted_probs >= p.top_p
-            drop[0] = False
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        if p.min_p > 0:  # after top-p, as llama.cpp orders them (the most likely token always stays)
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        if constraint is not None:
-            drawn = draw_accepted(probs.cpu(), gen, constraint)
-            # Nothing acceptable where top-k / top-p / min-p left mass: the model's best acceptable.
-            tokens.append(drawn if drawn is not None else first_accepted(scores, constraint))
-            continue
-        tokens.append(int(torch.multinomial(probs.cpu(), 1, generator=gen).item()))
+        if kept:  # greedy or forced: certain
+            drawn_from[row] = torch.zeros(logits.shape[-1]).index_fill_(0, torch.tensor(tokens[-1:]), 1.0)  # type: ignore[index]
     return tokens
+
+
+def filtered(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The probabilities a sampled row draws from (unnormalized): ``scores`` (its logits,
+    adjusted) over the temperature, then top-k, typical-p, top-p and min-p, in llama.cpp's
+    order."""
+    scores = scores / p.temperature
+    if p.top_k:
+        kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if p.typical_p < 1.0:  # after top-k and before top-p, as llama.cpp orders them
+        probs = typical(probs, p.typical_p)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = sorted_probs.cumsum(-1)
+        # Keep the smallest set whose mass reaches top_p (the first token always stays).
+        drop = cumulative - sorted_probs >= p.top_p
+        drop[0] = False
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if p.min_p > 0:  # after top-p, as llama.cpp orders them (the most likely token always stays)
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs
 
 
 def typical(probs: torch.Tensor, mass: float) -> torch.Tensor:
@@ -247,6 +275,14 @@ def typical(probs: torch.Tensor, mass: float) -> torch.Tensor:
     drop = sorted_probs.cumsum(-1) - sorted_probs >= mass
     drop[0] = False
     return probs.masked_fill(torch.zeros_like(drop).scatter_(0, order, drop), 0.0)
+
+
+def drawn_logprobs(probs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """``token``'s log-probability under ``probs`` (what it was drawn from, unnormalized) and
+    the ``k`` most likely tokens' there, only those it could have drawn."""
+    probs = probs / probs.sum()
+    values, ids = probs.topk(min(k, int((probs > 0).sum())))
+    return TokenLogprobs(math.log(float(probs[token])), list(zip(ids.tolist(), values.log().tolist(), strict=True)))
 
 
 def logprobs_of(logits: torch.Tensor, rows: list[int], tokens: list[int], k: list[int]) -> list[TokenLogprobs]:

@@ -179,6 +179,57 @@ async def test_stops_probabilities_bias_and_prefill_only(hf_proxy, smollm2):
         assert after["timings"]["cache_n"] >= 32
 
 
+async def test_post_sampling_probs_are_the_distribution_drawn_from(hf_proxy, smollm2):
+    """``post_sampling_probs`` (llama-server's): ``n_probs`` gives each token's probability
+    under the distribution it was drawn from, after temperature and top-k (here: the
+    model's top 5 at temperature 0.7, renormalized), only tokens it could have drawn; greedy,
+    the chosen token, certain. Without it the model's own log-probabilities, as before. On
+    the OpenAI route the same field gives the same numbers as logprobs."""
+    import math
+
+    import openai
+
+    _, model, tokenizer = smollm2
+    ids = tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    top = torch.topk(logits, 5)
+    drawn = dict(zip(top.indices.tolist(), torch.softmax(top.values / 0.7, -1).tolist(), strict=True))
+    sampled = {"prompt": PROMPT, "n_predict": 1, "temperature": 0.7, "top_k": 5, "top_p": 1.0, "min_p": 0.0,
+               "n_probs": 10, "post_sampling_probs": True, "return_tokens": True, "seed": 3}
+    async with aiohttp.ClientSession() as session:
+        status, body = await post(session, hf_proxy.url + "/completion", sampled)
+        assert status == 200, body
+        [entry] = body["completion_probabilities"]
+        assert "logprob" not in entry and "top_logprobs" not in entry
+        assert entry["id"] == body["tokens"][0] and entry["prob"] == pytest.approx(drawn[entry["id"]], abs=1e-4)
+        assert [alt["id"] for alt in entry["top_probs"]] == list(drawn)  # 5 of the 10 asked: only those it could draw
+        assert [alt["prob"] for alt in entry["top_probs"]] == pytest.approx(list(drawn.values()), abs=1e-4)
+        assert all(alt["bytes"] and isinstance(alt["token"], str) for alt in entry["top_probs"])
+        assert body["generation_settings"]["post_sampling_probs"] is True
+
+        _, greedy = await post(session, hf_proxy.url + "/completion", sampled | {"temperature": 0, "n_predict": 3})
+        for entry in greedy["completion_probabilities"]:
+            assert entry["prob"] == 1.0 and entry["top_probs"] == [{k: entry[k] for k in ("id", "token", "prob", "bytes")}]
+        streamed = await events(session, hf_proxy.url + "/completion", sampled | {"stream": True})
+        assert streamed[0]["completion_probabilities"][0]["id"] == body["tokens"][0]  # the same seed, the same draw
+        assert streamed[0]["completion_probabilities"][0]["prob"] == pytest.approx(entry_prob := drawn[body["tokens"][0]], abs=1e-4)
+
+        _, model_own = await post(session, hf_proxy.url + "/completion", sampled | {"post_sampling_probs": False})
+        [own] = model_own["completion_probabilities"]
+        assert len(own["top_logprobs"]) == 10 and "prob" not in own
+        assert own["logprob"] == pytest.approx(torch.log_softmax(logits, -1)[own["id"]].item(), abs=1e-4)
+
+    async with openai.AsyncOpenAI(base_url=hf_proxy.v1, api_key="unused", max_retries=0) as client:
+        reply = await client.completions.create(
+            model="smollm2", prompt=PROMPT, max_tokens=1, temperature=0.7, seed=3, logprobs=5,
+            extra_body={"top_k": 5, "post_sampling_probs": True})
+        logprobs = reply.choices[0].logprobs
+        assert math.exp(logprobs.token_logprobs[0]) == pytest.approx(entry_prob, abs=1e-4)
+        assert {tokenizer.convert_tokens_to_ids(tokenizer.tokenize(t)[0]) for t in logprobs.top_logprobs[0]} == set(drawn)
+        assert sum(math.exp(v) for v in logprobs.top_logprobs[0].values()) == pytest.approx(1.0, abs=1e-4)
+
+
 @pytest.mark.parametrize("body,param", [
     ({"n_predict": 4}, "prompt"),
     ({"prompt": 5}, "prompt"),
@@ -199,7 +250,8 @@ async def test_stops_probabilities_bias_and_prefill_only(hf_proxy, smollm2):
     ({"prompt": "x", "xtc_probability": 0.5}, "xtc_probability"),
     ({"prompt": "x", "top_n_sigma": 1.5}, "top_n_sigma"),
     ({"prompt": "x", "dry_multiplier": "on"}, "dry_multiplier"),
-    ({"prompt": "x", "post_sampling_probs": True}, "post_sampling_probs"),
+    ({"prompt": "x", "post_sampling_probs": "yes"}, "post_sampling_probs"),
+    ({"prompt": "x", "n_probs": 2, "post_sampling_probs": True, "json_schema": {"type": "object"}}, "post_sampling_probs"),
     ({"prompt": "x", "n_predict": 100000}, None),
     ({"prompt": "x", "json_schema": {"type": "object", "patternProperties": {"a": {}}}}, "json_schema"),
 ])
