@@ -353,6 +353,7 @@ class CompletionAnswer:
             stop_type = "eos"
         prompt_ms = max(0.0, (first - self.submitted_at) * 1000 - queue_ms)
         predicted_ms = (ended - first) * 1000
+        steps = max(0, predicted - 1)
         whole: dict[str, Any] = {
             "index": self.index,
             "content": "" if streamed else content,
@@ -382,9 +383,11 @@ class CompletionAnswer:
                 "cache_n": cached, "prompt_n": prompt_n - cached, "prompt_ms": prompt_ms,
                 "prompt_per_token_ms": prompt_ms / max(1, prompt_n - cached),
                 "prompt_per_second": (prompt_n - cached) / (prompt_ms / 1000) if prompt_ms > 0 else 0.0,
+                # From the first token to the last: a rate over the steps between them (the
+                # first token came with the prompt), as llama-server reports it.
                 "predicted_n": predicted, "predicted_ms": predicted_ms,
-                "predicted_per_token_ms": predicted_ms / max(1, predicted),
-                "predicted_per_second": predicted / (predicted_ms / 1000) if predicted_ms > 0 else 0.0,
+                "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
+                "predicted_per_second": 1000 / predicted_ms * steps if steps and predicted_ms > 0 else 0.0,
             },
         }
         if request.logprobs and not streamed:

@@ -79,7 +79,13 @@ async def test_a_completion_is_greedy_transformers_in_llama_servers_shape(hf_pro
         assert body["tokens"] == expected and body["content"] == tokenizer.decode(expected)
         assert body["stop"] is True and body["stop_type"] == "limit" and body["truncated"] is False
         assert body["tokens_predicted"] == 8 and body["tokens_evaluated"] == len(ids)
-        assert body["timings"]["predicted_n"] == 8
+        timings = body["timings"]
+        assert timings["predicted_n"] == 8
+        # The rate is over the 7 steps after the first token (which came with the prompt).
+        assert timings["predicted_per_second"] == pytest.approx(1000 / timings["predicted_ms"] * 7)
+        assert timings["predicted_per_token_ms"] == pytest.approx(timings["predicted_ms"] / 7)
+        _, single = await post(session, hf_proxy.url + "/completion", {"prompt": PROMPT, "n_predict": 1})
+        assert single["timings"]["predicted_per_second"] == single["timings"]["predicted_per_token_ms"] == 0.0
         assert body["timings"]["prompt_n"] + body["timings"]["cache_n"] == len(ids)
         assert body["prompt"] == PROMPT and isinstance(body["has_new_line"], bool)
         settings = body["generation_settings"]
