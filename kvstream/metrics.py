@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
 
-from kvstream import __version__
+from kvstream import __version__, metrics_llamacpp
 from kvstream.backends import federation
 
 if TYPE_CHECKING:
@@ -124,8 +124,33 @@ class Metrics:
         self.e2e.observe(now - gen.submitted_at)
 
     def render(self) -> bytes:
-        """KVStream's own families."""
-        return generate_latest(self.registry)
+        """KVStream's own families, then, for the in-process engine, llama-server's
+        ``llamacpp:`` series (metrics_llamacpp.py)."""
+        own = generate_latest(self.registry)
+        figures = self._llamacpp_figures()
+        return own if figures is None else own + metrics_llamacpp.render(figures).encode()
+
+    def _llamacpp_figures(self) -> metrics_llamacpp.LlamaCppFigures | None:
+        engine = self._engine
+        passes = engine.backend.forward_passes() if engine is not None else None
+        if engine is None or passes is None:
+            return None
+        stats, scheduler = engine.stats, engine.scheduler
+        steps, held = passes
+        return metrics_llamacpp.LlamaCppFigures(
+            # The in-process engine reports every request's cached tokens.
+            prompt_tokens=stats.runtime_reported_prompt_tokens - stats.runtime_cached_tokens,
+            cached_prompt_tokens=stats.runtime_cached_tokens,
+            prompt_seconds=stats.prompt_seconds,
+            generated_tokens=stats.generation_tokens,
+            generation_seconds=stats.generation_seconds,
+            generation_steps=stats.generation_steps,
+            forward_passes=steps,
+            requests_per_pass=held / steps if steps else 0.0,
+            longest_sequence=stats.longest_sequence,
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+        )
 
     async def render_with_runtime(self) -> tuple[bytes, dict[str, str]]:
         """KVStream's families followed by the runtime's own, read now (federation.py), and

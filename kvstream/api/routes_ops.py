@@ -53,10 +53,12 @@ async def metrics(request: web.Request) -> web.Response:
     then the runtime's own unless ``server.runtime_metrics`` is off."""
     state = request.app[STATE]
     assert state.engine.metrics is not None
+    # llama-server's header, where the engine is in-process (a runtime's comes with its series).
+    own = {"Process-Start-Time-Unix": str(int(state.engine.stats.started_at))} if state.engine.backend.upstream() is None else {}
     if not state.settings.server.runtime_metrics:
-        return web.Response(body=state.engine.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=state.engine.metrics.render(), headers=own | {"Content-Type": CONTENT_TYPE})
     body, carried = await state.engine.metrics.render_with_runtime()
-    return web.Response(body=body, headers=carried | {"Content-Type": CONTENT_TYPE})
+    return web.Response(body=body, headers=own | carried | {"Content-Type": CONTENT_TYPE})
 
 
 @routes.get("/openapi.json")

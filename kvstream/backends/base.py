@@ -173,6 +173,11 @@ class BaseBackend(abc.ABC):
         the end of the context; the default: a runtime applies its own)."""
         return None
 
+    def forward_passes(self) -> tuple[int, int] | None:
+        """The in-process engine's forward passes so far and the requests they held (summed);
+        None for a runtime, whose passes KVStream does not see."""
+        return None
+
     def default_seed(self) -> int | None:
         """The sampling seed of a request that sets none, or None (a random one; the default:
         a runtime applies its own)."""

@@ -77,6 +77,12 @@ class EngineStats:
     # Prompts counted with the model's own tokenizer vs estimated (4 characters a token).
     prompts_exact: int = 0
     prompts_estimated: int = 0
+    # Summed over finished requests: admission to the first token (the prompt's time), the
+    # first token to the last (the answer's), and the longest prompt + answer, in tokens.
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    generation_steps: int = 0  # tokens after each first one, over that time: the generation rate
+    longest_sequence: int = 0
     # Sum of |estimated - reported| prompt tokens for runtimes that cannot tokenize.
     estimate_error: int = 0
     estimated_prompts: int = 0
@@ -225,12 +231,17 @@ class Generation:
             if self.first_token_at is not None:
                 ttft, decode = self.first_token_at - self.arrived_at, now - self.first_token_at
                 rate = (self.num_tokens - 1) / decode if self.num_tokens > 1 and decode > 0 else None
+                started = self.seq.admitted_at if self.seq.admitted_at is not None else self.upstream_at
+                stats.prompt_seconds += max(0.0, self.first_token_at - (started or self.first_token_at))
+                stats.generation_seconds += (self.last_token_at or self.first_token_at) - self.first_token_at
+                stats.generation_steps += self.num_tokens - 1
             stats.recent.append((now, ttft, now - self.arrived_at, rate))
             if engine.metrics is not None:
                 engine.metrics.observe_finished(self)
             if self.usage is not None:
                 stats.prompt_tokens += self.usage.prompt_tokens
                 stats.generation_tokens += self.usage.completion_tokens
+                stats.longest_sequence = max(stats.longest_sequence, self.usage.prompt_tokens + self.usage.completion_tokens)
         elif outcome == "failed":
             stats.requests_failed += 1
         elif outcome == "cancelled":

@@ -532,6 +532,11 @@ class HFBackend(InProcessBackend):
     def default_seed(self) -> int | None:
         return self.settings.backend.seed
 
+    def forward_passes(self) -> tuple[int, int] | None:
+        if self.runner is None:
+            return 0, 0
+        return self.runner.counters.steps, self.runner.counters.step_requests
+
     async def limits(self) -> RuntimeLimits:
         if self.runner is None:
             return RuntimeLimits()

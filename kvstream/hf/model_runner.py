@@ -157,6 +157,7 @@ class RunnerRequest:
 @dataclass
 class RunnerCounters:
     steps: int = 0
+    step_requests: int = 0  # the requests each step held, summed (over steps: busy lanes per step)
     forward_tokens: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -641,6 +642,7 @@ class ModelRunner:
             logits = compat.forward_logits(self.model, id_row, position_row, self._plan(plan_seqs), rows)
         counters = self.counters
         counters.steps += 1
+        counters.step_requests += len(batch)
         counters.forward_tokens += len(ids)
         if sum(take for _, take in batch if take > 1) >= len(ids) // 2:  # mostly prefill: feeds the blend cost model
             self.blend_costs.observe_prefill(time.perf_counter() - started, len(ids))

@@ -501,3 +501,58 @@ async def test_a_server_default_max_tokens_seed_and_served_name(smollm2, start_p
         assert generated[0] == generated[1] == texts[0] and generated[2] == texts[3]
     finally:
         await proxy.engine.close()
+
+
+def llamacpp_series(text: str) -> dict[str, tuple[str, float]]:
+    """``/metrics``' ``llamacpp:`` series as llama.cpp's server tests read them: each sample
+    line named as its own TYPE line, {name: (type, value)}."""
+    types, out = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE llamacpp:"):
+            _, _, name, kind = line.split(" ", 3)
+            types[name] = kind
+        elif line.startswith("llamacpp:"):
+            name, value = line.split(" ", 1)
+            assert name in types and f"# HELP {name} " in text, name
+            out[name] = (types[name], float(value))
+    return out
+
+
+async def test_metrics_carry_llama_servers_series(hf_proxy):
+    """A dashboard written for llama-server's ``--metrics`` reads the embedded engine: its
+    ``llamacpp:`` series, typed and named as llama-server writes them, counting what the
+    answers' timings say (computed prompt tokens apart from cached ones, generated tokens,
+    forward passes), and its ``Process-Start-Time-Unix`` header. The whole text still
+    parses as Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def scrape(session: aiohttp.ClientSession) -> tuple[dict[str, tuple[str, float]], str]:
+        async with session.get(hf_proxy.url + "/metrics") as response:
+            assert response.status == 200 and int(response.headers["Process-Start-Time-Unix"]) > 0
+            text = await response.text()
+        return llamacpp_series(text), text
+
+    prompt = "the quick brown fox jumps over the lazy dog, " * 4
+    async with aiohttp.ClientSession() as session:
+        before, _ = await scrape(session)
+        timings = [(await post(session, hf_proxy.url + "/completion", {"prompt": prompt, "n_predict": n}))[1]["timings"]
+                   for n in (4, 6)]
+        after, text = await scrape(session)
+    assert timings[1]["cache_n"] > 0  # the second prompt came from the prefix cache
+
+    def grew(name: str) -> float:
+        return after[f"llamacpp:{name}"][1] - before[f"llamacpp:{name}"][1]
+
+    assert grew("prompt_tokens_total") == sum(t["prompt_n"] for t in timings)
+    assert grew("prompt_tokens_cached_total") == sum(t["cache_n"] for t in timings)
+    assert grew("tokens_predicted_total") == sum(t["predicted_n"] for t in timings) == 10
+    assert grew("n_decode_total") >= 10 - 2  # each prompt's pass gives its first token
+    assert grew("prompt_seconds_total") > 0 and grew("tokens_predicted_seconds_total") > 0
+    assert after["llamacpp:n_tokens_max"][1] >= timings[0]["prompt_n"] + 4
+    assert after["llamacpp:requests_processing"] == ("gauge", 0.0) and after["llamacpp:requests_deferred"][1] == 0
+    assert after["llamacpp:n_busy_slots_per_decode"][1] >= 1
+    for name in ("prompt_tokens_total", "n_tokens_max", "spec_decode_num_drafts_total"):
+        assert after[f"llamacpp:{name}"][0] == "counter"
+    for name in ("prompt_tokens_seconds", "predicted_tokens_seconds"):
+        assert after[f"llamacpp:{name}"][0] == "gauge" and after[f"llamacpp:{name}"][1] > 0
+    assert {family.name for family in text_string_to_metric_families(text)} >= {"kvstream_requests", "llamacpp:n_tokens_max"}
