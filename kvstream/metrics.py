@@ -103,6 +103,9 @@ class Metrics:
         self.local = [self.http_requests, self.queue_time, self.ttft, self.tpot, self.itl, self.e2e, self.overhead, self.backend_errors]
         self._engine: KVStreamEngine | None = None
         self.registry.register(_LocalCollector(self.local))
+        # (prompt tokens, prompt seconds, generation steps, generation seconds) at the previous
+        # scrape: llama-server's throughput gauges are since then.
+        self._llamacpp_previous = (0, 0.0, 0, 0.0)
 
     def bind(self, engine: KVStreamEngine) -> None:
         """Export the engine's gauges and counters (read at scrape time)."""
@@ -137,14 +140,19 @@ class Metrics:
             return None
         stats, scheduler = engine.stats, engine.scheduler
         steps, held = passes
+        # The in-process engine reports every request's cached tokens.
+        computed = stats.runtime_reported_prompt_tokens - stats.runtime_cached_tokens
+        now = (computed, stats.prompt_seconds, stats.generation_steps, stats.generation_seconds)
+        tokens, seconds, decoded, decoding = (a - b for a, b in zip(now, self._llamacpp_previous, strict=True))
+        self._llamacpp_previous = now
         return metrics_llamacpp.LlamaCppFigures(
-            # The in-process engine reports every request's cached tokens.
-            prompt_tokens=stats.runtime_reported_prompt_tokens - stats.runtime_cached_tokens,
+            prompt_tokens=computed,
             cached_prompt_tokens=stats.runtime_cached_tokens,
             prompt_seconds=stats.prompt_seconds,
             generated_tokens=stats.generation_tokens,
             generation_seconds=stats.generation_seconds,
-            generation_steps=stats.generation_steps,
+            prompt_rate=tokens / seconds if seconds > 0 else 0.0,
+            generation_rate=decoded / decoding if decoding > 0 else 0.0,
             forward_passes=steps,
             requests_per_pass=held / steps if steps else 0.0,
             longest_sequence=stats.longest_sequence,

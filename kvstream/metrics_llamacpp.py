@@ -8,10 +8,10 @@ counter's TYPE line after its ``_total`` sample, where llama-server names both a
 runtime they are not made up: llama-server's own series come through ``/metrics``
 (``server.runtime_metrics``).
 
-The values are the engine's since it started: prompt tokens computed (those taken from the
-prefix cache apart) and the time from admission to each first token; tokens generated and
-the time from each first token to the last; forward passes (llama-server's decode calls)
-and the requests each held.
+The counters are the engine's since it started: prompt tokens computed (those taken from
+the prefix cache apart) and the time from admission to each first token; tokens generated
+and the time from each first token to the last; forward passes (llama-server's decode
+calls). The throughput gauges are since the previous scrape, as llama-server's are.
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ class LlamaCppFigures:
     prompt_seconds: float
     generated_tokens: int
     generation_seconds: float
-    generation_steps: int  # tokens after each answer's first, which came with its prompt
+    # Since the previous scrape, as llama-server's gauges are: prompt tokens computed per
+    # second of prompt time; tokens after each answer's first (which came with its prompt)
+    # per second of generation time.
+    prompt_rate: float
+    generation_rate: float
     forward_passes: int
     requests_per_pass: float  # busy lanes, averaged over the passes
     longest_sequence: int  # tokens, prompt and answer
@@ -54,10 +58,8 @@ def render(figures: LlamaCppFigures) -> str:
         ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", 0),
     ]
     gauges = [
-        ("prompt_tokens_seconds", "Average prompt throughput in tokens/s",
-         f.prompt_tokens / f.prompt_seconds if f.prompt_seconds > 0 else 0.0),
-        ("predicted_tokens_seconds", "Average generation throughput in tokens/s",
-         f.generation_steps / f.generation_seconds if f.generation_seconds > 0 else 0.0),
+        ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", f.prompt_rate),
+        ("predicted_tokens_seconds", "Average generation throughput in tokens/s", f.generation_rate),
         ("requests_processing", "Number of requests processing", f.running),
         ("requests_deferred", "Number of requests deferred", f.waiting),
         ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call", f.requests_per_pass),

@@ -81,7 +81,7 @@ class EngineStats:
     # first token to the last (the answer's), and the longest prompt + answer, in tokens.
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
-    generation_steps: int = 0  # tokens after each first one, over that time: the generation rate
+    generation_steps: int = 0  # tokens after each first one (over that time: the generation rate)
     longest_sequence: int = 0
     # Sum of |estimated - reported| prompt tokens for runtimes that cannot tokenize.
     estimate_error: int = 0

@@ -555,4 +555,9 @@ async def test_metrics_carry_llama_servers_series(hf_proxy):
         assert after[f"llamacpp:{name}"][0] == "counter"
     for name in ("prompt_tokens_seconds", "predicted_tokens_seconds"):
         assert after[f"llamacpp:{name}"][0] == "gauge" and after[f"llamacpp:{name}"][1] > 0
+    # The throughput gauges are since the previous scrape, as llama-server's: none since.
+    async with aiohttp.ClientSession() as session:
+        again, _ = await scrape(session)
+    assert again["llamacpp:prompt_tokens_seconds"][1] == again["llamacpp:predicted_tokens_seconds"][1] == 0
+    assert again["llamacpp:tokens_predicted_total"] == after["llamacpp:tokens_predicted_total"]
     assert {family.name for family in text_string_to_metric_families(text)} >= {"kvstream_requests", "llamacpp:n_tokens_max"}
