@@ -47,6 +47,7 @@ INACTIVE: dict[str, Callable[[Any], bool]] = {
     **OFF_WHEN, "lora": lambda v: v == [], "n_cmpl": lambda v: v == 1,
 }
 MAX_N_PROBS = 20  # the engine's most alternatives per token
+BANNED = -100.0  # the engine's lowest logit bias: never drawn (llama-server's false, its -inf)
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def _logit_bias(value: Any, tokenize: Callable[[str, bool], list[int]]) -> dict[
     bias: dict[str, float] = {}
     for token, amount in pairs:
         if amount is False:
-            amount = -100.0  # the engine's floor: never sampled
+            amount = BANNED
         if isinstance(amount, bool) or not isinstance(amount, int | float):
             raise invalid("A 'logit_bias' bias is a number, or false to ban the token.", "logit_bias")
         # A text is each of its tokens; an object's keys are ids where they are numbers.
@@ -190,9 +191,10 @@ def _logit_bias(value: Any, tokenize: Callable[[str, bool], list[int]]) -> dict[
 
 
 def generate_request(body: dict[str, Any], prompt: str | list[int], request_id: str,
-                     tokenize: Callable[[str, bool], list[int]]) -> GenerateRequest:
+                     tokenize: Callable[[str, bool], list[int]], end_ids: tuple[int, ...] = ()) -> GenerateRequest:
     """The GenerateRequest ``body`` asks for ``prompt`` (one of ``prompts``); LlamaCppError
-    (400) for a value it cannot take."""
+    (400) for a value it cannot take. ``end_ids``: the model's end-of-generation tokens,
+    which ``ignore_eos`` bans (llama-server's meaning: never drawn, not drawn and passed)."""
     for name, inactive in INACTIVE.items():
         if body.get(name) is not None and not inactive(body[name]):
             raise LlamaCppError(400, f"'{name}' is not supported by the in-process engine (only at a value that turns "
@@ -216,7 +218,10 @@ def generate_request(body: dict[str, Any], prompt: str | list[int], request_id: 
     extra["repeat_last_n"] = DEFAULTS["repeat_last_n"] if repeat_last_n is None else repeat_last_n
     extra["ignore_eos"] = _flag(body, "ignore_eos")
     extra["post_sampling_probs"] = _flag(body, "post_sampling_probs")
-    if bias := _logit_bias(body.get("logit_bias"), tokenize):
+    bias = _logit_bias(body.get("logit_bias"), tokenize)
+    if extra["ignore_eos"]:
+        bias |= {str(token_id): BANNED for token_id in end_ids}
+    if bias:
         extra["logit_bias"] = bias
     schema = body.get("json_schema")
     if schema is not None and schema != {}:
@@ -370,7 +375,9 @@ class CompletionAnswer:
                                                           "presence_penalty", "frequency_penalty", "ignore_eos")},
                 "stop": list(request.stop), "n_probs": request.logprobs or 0,
                 "post_sampling_probs": request.extra.get("post_sampling_probs") is True, "stream": request.stream,
-                "logit_bias": [[int(k), v] for k, v in request.extra.get("logit_bias", {}).items()],
+                # llama-server's form: a ban (its -inf) is null.
+                "logit_bias": [{"bias": None if v <= BANNED else v, "token": int(k)}
+                               for k, v in request.extra.get("logit_bias", {}).items()],
                 "json_schema": request.extra.get("response_format", {}).get("json_schema", {}).get("schema", {}),
             },
             "prompt": prompt_text,

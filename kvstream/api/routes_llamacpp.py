@@ -271,7 +271,8 @@ async def _generate(request: web.Request, body: dict[str, Any], prompts: list[st
     stream as its events)."""
     state = request.app[STATE]
     tokenize = _tokenizer(state)
-    requests = [fmt.generate_request(body, prompt, request[REQUEST_ID], tokenize) for prompt in prompts]
+    end_ids = state.engine.backend.end_token_ids()
+    requests = [fmt.generate_request(body, prompt, request[REQUEST_ID], tokenize, end_ids) for prompt in prompts]
     if batch and requests[0].stream:
         raise LlamaCppError(400, "Streaming several prompts at once is not served here: stream them one per request.",
                             param="stream", code="unsupported_parameter")

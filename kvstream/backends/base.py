@@ -173,6 +173,11 @@ class BaseBackend(abc.ABC):
         the end of the context; the default: a runtime applies its own)."""
         return None
 
+    def end_token_ids(self) -> tuple[int, ...]:
+        """The model's end-of-generation tokens, where KVStream knows them (the in-process
+        engine); empty for a runtime."""
+        return ()
+
     def forward_passes(self) -> tuple[int, int] | None:
         """The in-process engine's forward passes so far and the requests they held (summed);
         None for a runtime, whose passes KVStream does not see."""

@@ -532,6 +532,9 @@ class HFBackend(InProcessBackend):
     def default_seed(self) -> int | None:
         return self.settings.backend.seed
 
+    def end_token_ids(self) -> tuple[int, ...]:
+        return tuple(sorted(self.runner.eos_ids)) if self.runner is not None else ()
+
     def forward_passes(self) -> tuple[int, int] | None:
         if self.runner is None:
             return 0, 0

@@ -156,9 +156,16 @@ async def test_stops_probabilities_bias_and_prefill_only(hf_proxy, smollm2):
                               {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "logit_bias": [[eos, 100]]})
         assert ended["stop_type"] == "eos" and ended["content"] == "" and ended["tokens_predicted"] == 0
         _, kept_on = await post(session, hf_proxy.url + "/completion",
-                                {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "logit_bias": [[eos, 100]],
-                                 "ignore_eos": True})
+                                {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "logit_bias": [[eos, 100], [5, 1.5]],
+                                 "ignore_eos": True, "return_tokens": True})
         assert kept_on["stop_type"] == "limit" and kept_on["tokens_predicted"] == 6
+        # llama-server's ignore_eos: the end tokens are banned (never drawn, even pushed
+        # first), and listed in the settings' logit_bias as bans (null: its -inf).
+        ends = hf_proxy.engine.backend.end_token_ids()
+        assert eos in ends and not set(kept_on["tokens"]) & set(ends)
+        reported = kept_on["generation_settings"]["logit_bias"]
+        assert {"bias": 1.5, "token": 5} in reported
+        assert [entry["token"] for entry in reported if entry["bias"] is None] == list(ends)
         _, banned = await post(session, hf_proxy.url + "/completion",
                                {"prompt": PROMPT, "n_predict": 3, "temperature": 0, "return_tokens": True,
                                 "logit_bias": [[probed["tokens"][0], False]]})
