@@ -7,10 +7,11 @@ list of such prompts (a batch, answered with a list); ``n_predict`` (-1: until t
 the text or of the context; 0: the prompt is computed into the prefix cache and nothing is
 generated), ``temperature`` (0.8; <= 0 is greedy), ``top_k`` (40), ``top_p`` (0.95),
 ``min_p`` (0.05), ``typical_p``, ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``,
-``frequency_penalty``, ``seed`` (-1: random, even where the server has a seed), ``stop``, ``ignore_eos``, ``logit_bias`` (its
-list form, a token as its id or a text, and OpenAI's object of ids; ``false`` bans a token), ``n_probs`` (each token's log-probability
-and its n most likely alternatives, ``completion_probabilities``; with ``post_sampling_probs``
-the probabilities of the distribution it was drawn from), ``json_schema``,
+``frequency_penalty``, ``seed`` (-1: random, even where the server has a seed), ``stop``,
+``ignore_eos`` (the model's end tokens banned), ``logit_bias`` (its list form, a token as its
+id or a text, and OpenAI's object of ids; ``false`` bans a token), ``n_probs`` (each token's
+log-probability and its n most likely alternatives, ``completion_probabilities``; with
+``post_sampling_probs`` the probabilities of the distribution it was drawn from), ``json_schema``,
 ``return_tokens``, ``response_fields`` and ``stream``. Slot and cache controls
 (``cache_prompt``, ``id_slot``, ``n_keep``, ``n_cache_reuse``, ``t_max_predict_ms``,
 ``samplers``, ``timings_per_token``...) change nothing about the tokens here and are taken as
@@ -194,7 +195,8 @@ def generate_request(body: dict[str, Any], prompt: str | list[int], request_id: 
                      tokenize: Callable[[str, bool], list[int]], end_ids: tuple[int, ...] = ()) -> GenerateRequest:
     """The GenerateRequest ``body`` asks for ``prompt`` (one of ``prompts``); LlamaCppError
     (400) for a value it cannot take. ``end_ids``: the model's end-of-generation tokens,
-    which ``ignore_eos`` bans (llama-server's meaning: never drawn, not drawn and passed)."""
+    which ``ignore_eos`` bans: llama-server's meaning (on the OpenAI routes, vLLM's: an end
+    token may be drawn, and the answer goes on past it)."""
     for name, inactive in INACTIVE.items():
         if body.get(name) is not None and not inactive(body[name]):
             raise LlamaCppError(400, f"'{name}' is not supported by the in-process engine (only at a value that turns "
@@ -287,7 +289,8 @@ def default_settings(server: ServerDefaults) -> dict[str, Any]:
     turn them off, and the server's own defaults."""
     limit = -1 if server.n_predict is None else server.n_predict
     return {
-        "seed": RANDOM_SEED if server.seed is None else server.seed, **DEFAULTS, "n_predict": limit, "max_tokens": limit, "ignore_eos": False, "stream": False,
+        "seed": RANDOM_SEED if server.seed is None else server.seed, **DEFAULTS, "n_predict": limit, "max_tokens": limit,
+        "ignore_eos": False, "stream": False,
         "n_probs": 0, "stop": [], "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0,
         "dynatemp_range": 0.0, "post_sampling_probs": False, "lora": [],
         "samplers": ["penalties", "temperature", "top_k", "typ_p", "top_p", "min_p"],  # the engine's order

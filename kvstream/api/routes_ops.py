@@ -54,7 +54,8 @@ async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     assert state.engine.metrics is not None
     # llama-server's header, where the engine is in-process (a runtime's comes with its series).
-    own = {"Process-Start-Time-Unix": str(int(state.engine.stats.started_at))} if state.engine.backend.upstream() is None else {}
+    in_process = state.engine.backend.upstream() is None
+    own = {"Process-Start-Time-Unix": str(int(state.engine.stats.started_at))} if in_process else {}
     if not state.settings.server.runtime_metrics:
         return web.Response(body=state.engine.metrics.render(), headers=own | {"Content-Type": CONTENT_TYPE})
     body, carried = await state.engine.metrics.render_with_runtime()

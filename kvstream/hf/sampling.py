@@ -210,33 +210,30 @@ def sample(
     tokens: list[int] = []
     greedy = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        kept = drawn_from is not None and p.post_sampling_probs and p.logprobs is not None
+        constraint = constraints[row] if constraints is not None else None
+        probs = None  # what a sampled row without a constraint draws from
         if forced is not None and forced[row] is not None:
-            tokens.append(forced[row])  # type: ignore[arg-type]
-        elif p.greedy:
-            scores = adjust(logits[row], p, histories[row] if histories is not None else None) if p.adjusts_logits else logits[row]
-            constraint = constraints[row] if constraints is not None else None
-            if constraint is not None:
-                tokens.append(first_accepted(scores, constraint))
-            else:
-                tokens.append(int(scores.argmax()) if p.adjusts_logits else greedy[row])
+            token: int = forced[row]  # type: ignore[assignment]
         else:
             scores = logits[row]
             if p.adjusts_logits:
                 scores = adjust(scores, p, histories[row] if histories is not None else None)
-            probs = filtered(scores, p).cpu()
-            constraint = constraints[row] if constraints is not None else None
-            if constraint is not None:
-                drawn = draw_accepted(probs, gen, constraint)
+            if p.greedy:
+                if constraint is not None:
+                    token = first_accepted(scores, constraint)
+                else:
+                    token = int(scores.argmax()) if p.adjusts_logits else greedy[row]
+            elif constraint is not None:
+                drawn = draw_accepted(filtered(scores, p).cpu(), gen, constraint)
                 # Nothing acceptable where top-k / top-p / min-p left mass: the model's best acceptable.
-                tokens.append(drawn if drawn is not None else first_accepted(scores, constraint))
-                continue
-            tokens.append(int(torch.multinomial(probs, 1, generator=gen).item()))
-            if kept:
-                drawn_from[row] = probs  # type: ignore[index]
-            continue
-        if kept:  # greedy or forced: certain
-            drawn_from[row] = torch.zeros(logits.shape[-1]).index_fill_(0, torch.tensor(tokens[-1:]), 1.0)  # type: ignore[index]
+                token = drawn if drawn is not None else first_accepted(scores, constraint)
+            else:
+                probs = filtered(scores, p).cpu()
+                token = int(torch.multinomial(probs, 1, generator=gen).item())
+        tokens.append(token)
+        if drawn_from is not None and p.post_sampling_probs and p.logprobs is not None and constraint is None:
+            # Greedy or forced: certain.
+            drawn_from[row] = probs if probs is not None else torch.zeros(logits.shape[-1]).index_fill_(0, torch.tensor([token]), 1.0)
     return tokens
 
 
