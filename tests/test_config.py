@@ -56,6 +56,8 @@ def test_explicit_config_path(tmp_path):
         ({"KVSTREAM_MEMORY__BLOCK_SIZE": "12"}, None, "memory.block_size (from KVSTREAM_MEMORY__BLOCK_SIZE)"),
         ({"KVSTREAM_SCHEDULER__PREEMPTION_POLICY": "kill"}, None, "scheduler.preemption_policy"),
         ({"KVSTREAM_MEMORY__NUM_GPU_BLOCKS": "0"}, None, "memory.num_gpu_blocks"),
+        ({"KVSTREAM_BACKEND__SEED": "-2"}, None, "backend.seed"),
+        ({"KVSTREAM_BACKEND__SEED": str(2**32)}, None, "backend.seed"),
         ({"KVSTREAM_SERVER__PORTT": "1"}, None, "unknown setting server.portt"),
         ({}, "memory:\n  block_size: 64\n", "memory.block_size (from"),
         ({}, "memroy:\n  block_size: 16\n", "unknown section 'memroy'"),
@@ -121,3 +123,9 @@ def test_max_batch_size_is_auto_by_default_and_takes_a_number(tmp_path):
     assert load_settings({}, environ={}, cwd=tmp_path).settings.scheduler.max_batch_size == "auto"
     with pytest.raises(ConfigError, match="scheduler.max_batch_size"):
         load_settings({"scheduler": {"max_batch_size": 0}}, environ={}, cwd=tmp_path)
+
+
+def test_a_server_seed_of_minus_one_is_llama_servers_random(tmp_path):
+    """``--seed -1`` means a random seed at llama-server: here too, the same as none."""
+    assert load_settings(environ={"KVSTREAM_BACKEND__SEED": "-1"}, cwd=tmp_path).settings.backend.seed is None
+    assert load_settings(environ={"KVSTREAM_BACKEND__SEED": "42"}, cwd=tmp_path).settings.backend.seed == 42
