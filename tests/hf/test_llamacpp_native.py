@@ -568,3 +568,21 @@ async def test_metrics_carry_llama_servers_series(hf_proxy):
     assert again["llamacpp:prompt_tokens_seconds"][1] == again["llamacpp:predicted_tokens_seconds"][1] == 0
     assert again["llamacpp:tokens_predicted_total"] == after["llamacpp:tokens_predicted_total"]
     assert {family.name for family in text_string_to_metric_families(text)} >= {"kvstream_requests", "llamacpp:n_tokens_max"}
+
+
+def test_llamacpp_series_while_the_model_loads_are_zeros():
+    """Before the in-process engine has its model, ``/metrics`` still writes llama-server's
+    series, all zero (nothing run yet), and no end tokens are known to ban."""
+    from kvstream.config import Settings
+    from kvstream.engine import KVStreamEngine
+    from kvstream.hf import HFBackend
+    from kvstream.metrics import Metrics
+
+    backend = HFBackend(None, None, Settings(backend={"type": "hf"}))
+    assert backend.runner is None and backend.forward_passes() == (0, 0) and backend.end_token_ids() == ()
+    engine = KVStreamEngine(backend, backend.settings)
+    engine.attach_metrics(Metrics())
+    series = llamacpp_series(engine.metrics.render().decode())
+    assert series["llamacpp:n_decode_total"] == ("counter", 0.0)
+    assert series["llamacpp:n_busy_slots_per_decode"] == ("gauge", 0.0)
+    assert all(value == 0 for _, value in series.values())
