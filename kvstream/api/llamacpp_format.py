@@ -314,6 +314,7 @@ class CompletionAnswer:
         self.n_predict = -1 if limit is None else limit
         self.seed = RANDOM_SEED if seed is None or body.get("seed") == -1 else seed
         self.return_tokens = body.get("return_tokens") is True
+        self.post_sampling = request.extra.get("post_sampling_probs") is True
         self.fields = body.get("response_fields") if isinstance(body.get("response_fields"), list) else []
         self.content: list[str] = []
         self.tokens: list[int] = []
@@ -332,8 +333,7 @@ class CompletionAnswer:
         self.predicted += len(ids)
         self.content.append(token.text)
         self.tokens += ids
-        post = self.request.extra.get("post_sampling_probs") is True
-        probabilities = [_probability(entry, post) for entry in token.token_logprobs or ()] if self.request.logprobs else []
+        probabilities = [_probability(entry, self.post_sampling) for entry in token.token_logprobs or ()] if self.request.logprobs else []
         self.probabilities += probabilities
         if not token.text and not ids:
             return None
@@ -377,7 +377,7 @@ class CompletionAnswer:
                 **{name: request.extra[name] for name in ("min_p", "typical_p", "repeat_last_n", "repeat_penalty",
                                                           "presence_penalty", "frequency_penalty", "ignore_eos")},
                 "stop": list(request.stop), "n_probs": request.logprobs or 0,
-                "post_sampling_probs": request.extra.get("post_sampling_probs") is True, "stream": request.stream,
+                "post_sampling_probs": self.post_sampling, "stream": request.stream,
                 # llama-server's form: a ban (its -inf) is null.
                 "logit_bias": [{"bias": None if v <= BANNED else v, "token": int(k)}
                                for k, v in request.extra.get("logit_bias", {}).items()],
