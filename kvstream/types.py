@@ -191,6 +191,10 @@ class GenerateRequest:
     # The prompt is a fill-in-the-middle one (its ids built by Backend.infill_tokens): the
     # tokens a code model may end the middle with end the generation too.
     fill_in_middle: bool = False
+    # Streamed: report the prompt's computation as it goes (llama-server's ``return_progress``),
+    # as Tokens carrying ``progress``; set by the routes that render them, read by backends
+    # that compute the prompt themselves (the in-process engine).
+    return_progress: bool = False
 
     @property
     def is_chat(self) -> bool:
@@ -239,6 +243,22 @@ class Usage:
 
         return cls(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
                    optional("cached_tokens"), optional("reasoning_tokens"), optional("cache_write_tokens"))
+
+
+@dataclass(frozen=True, slots=True)
+class PromptProgress:
+    """How far the prompt of a request is computed, as llama-server's ``return_progress``
+    reports it: ``total`` prompt tokens, ``cache`` of them found cached, ``processed`` (the
+    cached ones included) so far, ``time_ms`` since its computation began."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+    def as_json(self) -> dict[str, int]:
+        """llama-server's ``prompt_progress`` object."""
+        return {"total": self.total, "cache": self.cache, "processed": self.processed, "time_ms": round(self.time_ms)}
 
 
 @dataclass
@@ -291,6 +311,9 @@ class Token:
     # The echoed prompt (completions' ``echo``), sent before the first generated token: not
     # a generated token (no time-to-first-token, not counted).
     echo: bool = False
+    # A report of the prompt's computation (``GenerateRequest.return_progress``), sent before
+    # the first generated token: not a token either.
+    progress: PromptProgress | None = None
 
     def chat_delta(self) -> dict[str, Any]:
         if self.delta is not None:

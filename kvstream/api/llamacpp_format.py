@@ -12,10 +12,11 @@ generated), ``temperature`` (0.8; <= 0 is greedy), ``top_k`` (40), ``top_p`` (0.
 id or a text, and OpenAI's object of ids; ``false`` bans a token), ``n_probs`` (each token's
 log-probability and its n most likely alternatives, ``completion_probabilities``; with
 ``post_sampling_probs`` the probabilities of the distribution it was drawn from), ``json_schema``,
-``return_tokens``, ``response_fields`` and ``stream``. Slot and cache controls
+``return_tokens``, ``response_fields`` and ``stream``; streamed, ``timings_per_token`` (each
+partial object with the timings so far) and ``return_progress`` (partial objects reporting the
+prompt's computation, ``prompt_progress``, before the first token). Slot and cache controls
 (``cache_prompt``, ``id_slot``, ``n_keep``, ``n_cache_reuse``, ``t_max_predict_ms``,
-``samplers``, ``timings_per_token``...) change nothing about the tokens here and are taken as
-given. Samplers the engine does not have (``mirostat``, DRY, XTC, ``top_n_sigma``, dynamic
+``samplers``...) change nothing about the tokens here and are taken as given. Samplers the engine does not have (``mirostat``, DRY, XTC, ``top_n_sigma``, dynamic
 temperature), ``grammar``, ``lora``, media and ``n_cmpl`` are a 400
 naming the field when set to a value that turns them on, never dropped.
 """
@@ -24,11 +25,11 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvstream.api import llama_timings
 from kvstream.api.errors import APIError
 from kvstream.api.schemas import MAX_BATCH_PROMPTS
 from kvstream.samplers import OFF_WHEN
@@ -247,6 +248,7 @@ def generate_request(body: dict[str, Any], prompt: str | list[int], request_id: 
         logprobs=n_probs or None,
         stream=_flag(body, "stream"),
     )
+    request.return_progress = request.stream and llama_timings.wants(body, "return_progress")
     if request.max_tokens == 0:
         # Only the prompt, into the prefix cache: the engine computes it as an echo of it
         # with nothing generated (the echo itself is not answered).
@@ -316,21 +318,27 @@ class CompletionAnswer:
         self.return_tokens = body.get("return_tokens") is True
         self.post_sampling = request.extra.get("post_sampling_probs") is True
         self.fields = body.get("response_fields") if isinstance(body.get("response_fields"), list) else []
+        # Streamed: each partial object with the timings so far (``timings_per_token``).
+        self.timings_per_token = llama_timings.wants(body, "timings_per_token")
         self.content: list[str] = []
         self.tokens: list[int] = []
         self.probabilities: list[dict[str, Any]] = []
-        self.submitted_at = time.perf_counter()  # made as the request is submitted
-        self.first_at = 0.0
-        self.predicted = 0
+        self.clock = llama_timings.AnswerClock()  # made as the request is submitted
+        self.queue_ms = 0.0  # the time it queued, once admitted (a streamed answer's timings)
+        self.cached = 0  # prompt tokens found cached, once admitted
 
     def add(self, token: Token, prompt_tokens: int) -> dict[str, Any] | None:
         """Take one token; the partial object a stream sends for it (None: nothing to send)."""
         if token.echo:  # n_predict 0: the prompt alone, not answered
             return None
-        if not self.first_at:
-            self.first_at = time.perf_counter()
+        if token.progress is not None:  # return_progress: how far the prompt is computed
+            report = {"index": self.index, "content": "", "tokens": [], "stop": False, "id_slot": 0, "tokens_predicted": 0,
+                      "tokens_evaluated": prompt_tokens, "prompt_progress": token.progress.as_json()}
+            if self.timings_per_token:
+                report["timings"] = llama_timings.progress_timings(token.progress)
+            return report
         ids = [token.token_id] if token.token_id is not None else []
-        self.predicted += len(ids)
+        self.clock.token(len(ids))
         self.content.append(token.text)
         self.tokens += ids
         probabilities = [_probability(entry, self.post_sampling) for entry in token.token_logprobs or ()] if self.request.logprobs else []
@@ -338,19 +346,19 @@ class CompletionAnswer:
         if not token.text and not ids:
             return None
         partial = {"index": self.index, "content": token.text, "tokens": ids, "stop": False, "id_slot": 0,
-                   "tokens_predicted": self.predicted, "tokens_evaluated": prompt_tokens}
+                   "tokens_predicted": self.clock.predicted, "tokens_evaluated": prompt_tokens}
         if probabilities:
             partial["completion_probabilities"] = probabilities
+        if self.timings_per_token:
+            partial["timings"] = self.clock.timings(prompt_tokens, self.cached, self.queue_ms)
         return partial
 
     def final(self, last: Token, usage: Usage | None, queue_ms: float, prompt_text: str, streamed: bool) -> dict[str, Any]:
         """The final object (streamed: without the content and tokens already sent). The
         prompt's time is from submission to the first token less the time queued."""
-        ended = time.perf_counter()
-        first = self.first_at or ended
         prompt_n = usage.prompt_tokens if usage is not None else 0
         cached = (usage.cached_tokens or 0) if usage is not None else 0
-        predicted = usage.completion_tokens if usage is not None else self.predicted
+        predicted = usage.completion_tokens if usage is not None else self.clock.predicted
         content = "".join(self.content)
         request = self.request
         if last.finish_reason == "length":
@@ -359,9 +367,6 @@ class CompletionAnswer:
             stop_type = "word"
         else:
             stop_type = "eos"
-        prompt_ms = max(0.0, (first - self.submitted_at) * 1000 - queue_ms)
-        predicted_ms = (ended - first) * 1000
-        steps = max(0, predicted - 1)
         whole: dict[str, Any] = {
             "index": self.index,
             "content": "" if streamed else content,
@@ -389,16 +394,7 @@ class CompletionAnswer:
             "stop_type": stop_type,
             "stopping_word": last.stop_sequence or "",
             "tokens_cached": prompt_n + predicted,
-            "timings": {
-                "cache_n": cached, "prompt_n": prompt_n - cached, "prompt_ms": prompt_ms,
-                "prompt_per_token_ms": prompt_ms / max(1, prompt_n - cached),
-                "prompt_per_second": (prompt_n - cached) / (prompt_ms / 1000) if prompt_ms > 0 else 0.0,
-                # From the first token to the last: a rate over the steps between them (the
-                # first token came with the prompt), as llama-server reports it.
-                "predicted_n": predicted, "predicted_ms": predicted_ms,
-                "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
-                "predicted_per_second": 1000 / predicted_ms * steps if steps and predicted_ms > 0 else 0.0,
-            },
+            "timings": self.clock.timings(prompt_n, cached, queue_ms, predicted),
         }
         if request.logprobs and not streamed:
             whole["completion_probabilities"] = self.probabilities

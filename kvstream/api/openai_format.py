@@ -2,17 +2,20 @@
 
 The stream is framed exactly as OpenAI's: a role chunk first, one chunk per token, a final
 chunk with an empty delta and the finish_reason, then (with include_usage) a chunk whose
-``choices`` is ``[]`` and which carries ``usage``, then ``data: [DONE]``.
+``choices`` is ``[]`` and which carries ``usage``, then ``data: [DONE]``. llama-server's own
+extras, where a request asks for them: ``prompt_progress`` chunks before the first token, and
+``timings`` on token chunks and the last ones.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstream.types import Token, TokenLogprob, Usage
+from kvstream.types import PromptProgress, Token, TokenLogprob, Usage
 from kvstream.jsonfast import dumps
 
 SYSTEM_FINGERPRINT = "kvstream"
@@ -80,6 +83,9 @@ class StreamFormatter:
     chat: bool
     include_usage: bool = False
     n: int = 1  # choices; chunks carry each one's index
+    # llama-server's ``timings_per_token``: the timings so far, on each token chunk and the
+    # last ones (llama_timings.py); None: none.
+    timings: Callable[[], dict[str, Any]] | None = None
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
     _adopted: bool = field(default=False, init=False)
@@ -158,7 +164,18 @@ class StreamFormatter:
             for i in range(self.n)
         )
 
+    def progress_chunk(self, progress: PromptProgress) -> bytes:
+        """llama-server's ``return_progress`` report: how far the prompt is computed, on a
+        chunk that says nothing of any choice (an empty delta or text)."""
+        chunk = self._chunk([self._choice(None, None)])
+        chunk["prompt_progress"] = progress.as_json()
+        return sse(chunk)
+
     def token_chunk(self, token: Token) -> bytes:
+        if self.timings is not None:
+            chunk = self._chunk([self._choice(token, None, token.index)])
+            chunk["timings"] = self.timings()
+            return sse(chunk)
         if token.logprobs is not None or token.token_logprobs is not None or token.index:
             return sse(self._chunk([self._choice(token, None, token.index)]))
         value = token.chat_delta() if self.chat else token.text
@@ -169,10 +186,16 @@ class StreamFormatter:
         return sse(self._chunk([self._choice(None, token.choice_finish_reason, token.index)]))
 
     def finish_chunks(self, finish_reason: str, usage: Usage | None, index: int = 0) -> bytes:
-        out = sse(self._chunk([self._choice(None, finish_reason, index)]))
+        timings = self.timings() if self.timings is not None else None
+        last = self._chunk([self._choice(None, finish_reason, index)])
+        if timings is not None:
+            last["timings"] = timings
+        out = sse(last)
         if self.include_usage and usage is not None:
             chunk = self._chunk([])
             chunk["usage"] = usage_dict(usage)
+            if timings is not None:
+                chunk["timings"] = timings
             out += sse(chunk)
         return out + DONE
 

@@ -249,7 +249,11 @@ class ResponseAnswer:
         return created + [self.event("response.in_progress", response=snapshot)]
 
     def add(self, token: Token) -> list[dict[str, Any]]:
-        """The events one token makes."""
+        """The events one token makes (a report of the prompt's progress: llama-server's
+        ``response.in_progress`` carrying it)."""
+        if token.progress is not None:
+            return [self.event("response.in_progress", response=self.response("in_progress"),
+                               prompt_progress=token.progress.as_json())]
         delta = token.chat_delta()
         events: list[dict[str, Any]] = []
         if delta.get("reasoning_content"):

@@ -359,6 +359,7 @@ async def _stream(request: web.Request, generate: GenerateRequest, answer: Compl
     state = request.app[STATE]
     async with _running(state, generate, priority, arrived_at) as run:
         prompt_tokens = len(run.gen.seq.prompt_token_ids)
+        answer.queue_ms, answer.cached = run.gen.queue_ms, run.gen.seq.num_cached_tokens
         token = await _next(run.stream)  # a failure before the first token is an HTTP error with its status
         out = GuardedResponse(headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                  "X-Accel-Buffering": "no"})

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from kvstream.api import llama_timings
 from kvstream.api.body import read_bytes
 from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception, json_body_error
 from kvstream.api.openai_format import DONE, Aggregate, StreamFormatter
@@ -194,6 +195,9 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[lis
             raise APIError(400, f"The {backend.name} backend does not echo the prompt.", param="echo", code="unsupported_value")
         generate.stream = body.stream
         generate.n = body.n
+        # llama-server's report of the prompt's computation: one prompt's stream (a batch
+        # of prompts streams several generations as one).
+        generate.return_progress = body.stream and len(prompts) <= 1 and llama_timings.wants(generate.extra, "return_progress")
         priority = parse_priority(request, body.priority)
         include_usage = body.include_usage
     check_message_count(state, generate)
@@ -282,6 +286,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             model=named or generate.model or "", chat=chat,
             include_usage=include_usage, n=generate.n * len(batch),
         )
+        if isinstance(gen, Generation) and generate.stream and llama_timings.wants(generate.extra, "timings_per_token"):
+            fmt.timings = functools.partial(llama_timings.of_generation, gen)
         if first.payload is not None:  # the runtime's own non-streamed answer, as it sent it
             outcome = "finished"
             return web.Response(body=dumps(first.payload), content_type="application/json", charset="utf-8", headers=headers)
@@ -349,6 +355,8 @@ async def _write_stream(
                 held.append(fmt.forward(token.events))
             elif token.choice_finish_reason is not None:
                 held.append(fmt.choice_finish_chunk(token))
+            elif token.progress is not None:
+                held.append(fmt.progress_chunk(token.progress))
             else:
                 held.append(fmt.token_chunk(token))
             if not token.more:  # nothing else is ready: send what we hold now

@@ -207,7 +207,8 @@ async def _fit(engine: KVStreamEngine, generate: GenerateRequest, body: dict[str
 
 RESPONSES = TranslatedAPI(chat_body=chat_body, answer=ResponseAnswer, error_shape=_shaped, invalid=_invalid,
                           counted=lambda tokens: {"object": "response.input_tokens", "input_tokens": tokens}, count_defaults={},
-                          prepare=_prepare, keep=_keep, detach=_detach, fit=_fit)
+                          prepare=_prepare, keep=_keep, detach=_detach, fit=_fit,
+                          timed_events=frozenset({"response.in_progress", "response.output_text.delta"}))
 
 
 routes = api_routes(RESPONSES, "responses", ("/v1/responses", "/responses"), "/input_tokens")

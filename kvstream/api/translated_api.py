@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from aiohttp import web
 from pydantic import ValidationError
 
+from kvstream.api import llama_timings
 from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, counted, from_exception
 from kvstream.api.routes_openai import (
     _error_kind,
@@ -84,6 +85,10 @@ class TranslatedAPI:
     # Fits the request to the model's context where the body asks it to (the Responses API's
     # ``truncation: "auto"``): called with the engine, the request and the prepared body.
     fit: Callable[[Any, GenerateRequest, dict[str, Any]], Awaitable[None]] | None = None
+    # llama-server's extras of the API, streamed where a body asks: its answer's progress
+    # reports (``return_progress``), and ``timings`` (``timings_per_token``) on these events
+    # (the last event of the stream has them too). Empty: the API has none.
+    timed_events: frozenset[str] = frozenset()
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -135,6 +140,9 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
         await api.fit(state.engine, generate, data)
     request_id = request[REQUEST_ID]
     generate.stream = data.get("stream") is True
+    extras = bool(api.timed_events) and generate.stream
+    generate.return_progress = extras and llama_timings.wants(data, "return_progress")
+    timed = extras and llama_timings.wants(data, "timings_per_token")
     generate.queue_deadline_s = parse_deadline(request)
     priority = parse_priority(request, data.get("priority"))
     try:
@@ -167,16 +175,29 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
         out = GuardedResponse(headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                  "X-Accel-Buffering": "no"})
         await out.prepare(request)
+
+        def timed_events(token: Token) -> list[dict[str, Any]]:
+            """The events ``token`` makes, with timings where asked."""
+            events = answer.add(token)
+            if timed:
+                for event in events:
+                    if event["type"] in api.timed_events:
+                        event["timings"] = (llama_timings.progress_timings(token.progress) if token.progress is not None
+                                            else llama_timings.of_generation(gen))
+            return events
+
         try:
             held = [sse(event) for event in answer.started(len(gen.seq.prompt_token_ids))]
             while token.finish_reason is None:
-                held += [sse(event) for event in answer.add(token)]
+                held += [sse(event) for event in timed_events(token)]
                 if not token.more:  # nothing else is ready: send what we hold now
                     await out.write(b"".join(held))
                     held.clear()
                 token = await _next(stream)
-            held += [sse(event) for event in answer.add(token)]
+            held += [sse(event) for event in timed_events(token)]
             whole, events = answer.finish(token, gen.usage)
+            if timed and events:
+                events[-1]["timings"] = llama_timings.of_generation(gen)
             api.keep(request, data, whole)  # before the last event: a client continuing at once finds it
             await out.write_eof(b"".join(held + [sse(event) for event in events]))
             outcome = "finished"

@@ -185,7 +185,8 @@ class Generation:
             metrics.overhead.observe(max(0.0, self.upstream_at - self.arrived_at - (self.admitted_at - self.submitted_at)))
         async with contextlib.aclosing(engine.runner.stream(self)) as tokens:
             async for token in tokens:
-                if token.choice_finish_reason is not None or token.echo:  # a choice ended, or the prompt: no token
+                # A choice ended, the prompt echoed, the prompt's progress: no token.
+                if token.choice_finish_reason is not None or token.echo or token.progress is not None:
                     yield token
                     continue
                 if token.finish_reason is None:

@@ -159,6 +159,9 @@ class HFStream:
             for event in await self._events.get():
                 if event.kind == "admitted":
                     continue
+                if event.kind == "progress":
+                    yield Token(progress=event.progress)
+                    continue
                 if event.kind == "error":
                     self._finished = True
                     if isinstance(event.error, SchedulerError):
@@ -815,7 +818,8 @@ class HFBackend(InProcessBackend):
         stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None, echo,
                           tool_call=forced_names(request.extra.get("tools"), request.extra.get("tool_choice")) if forces_call(request) else None,
                           reading=reading)
-        self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n)
+        self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n,
+                                progress=request.return_progress)
         return stream
 
     def embedding_width(self) -> int | None:

@@ -57,6 +57,7 @@ from kvstream.scheduler import (
     Sequence,
     SeqStatus,
 )
+from kvstream.types import PromptProgress
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class RunnerConfig:
 class TokenEvent:
     """What one step produced for one request, delivered to its sink."""
 
-    kind: str  # "admitted" | "prompt" (its tokens' logprobs, echo) | "token" | "error"
+    kind: str  # "admitted" | "progress" (of the prompt) | "prompt" (its tokens' logprobs, echo) | "token" | "error"
     token_id: int | None = None
     text: str = ""
     finish_reason: str | None = None
@@ -121,6 +122,7 @@ class TokenEvent:
     index: int = 0  # the choice this event belongs to (n > 1)
     prompt_logprobs: list[TokenLogprobs] | None = None  # "prompt": each prompt token's after the first
     stop_sequence: str | None = None  # the stop string that ended the choice, if one did
+    progress: PromptProgress | None = None  # "progress": how far the prompt is computed
 
 
 Sink = Callable[[list[TokenEvent]], None]
@@ -152,6 +154,12 @@ class RunnerRequest:
     # rerun scores nothing twice). ``scoring`` until the prompt is scored.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     scoring: bool = False
+    # Report the prompt's computation (llama-server's return_progress): when it began (None:
+    # no reports), and the most tokens reported computed, so reports only ever go forward
+    # (a recompute preemption computes the prompt again).
+    progress_from: float | None = None
+    progress_cache: int = 0  # prompt tokens the cache (or a blend) held at admission
+    progress_reported: int = 0
 
 
 @dataclass
@@ -289,16 +297,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------- requests
     def add_request(
-        self, seq: Sequence, params: SamplingParams, sink: Sink, blend: BlendParams | None = None, n: int = 1
+        self, seq: Sequence, params: SamplingParams, sink: Sink, blend: BlendParams | None = None, n: int = 1,
+        progress: bool = False,
     ) -> RunnerRequest:
         """Queue a request (any thread). Raises NeverFits / QueueFull at once. ``blend``
         opts the request into approximate reuse of moved chunks (blend.py). With ``n`` > 1
         the prompt is computed once and its block table forked into n choices (copy-on-write),
-        each sampled from the same logits; events carry the choice's ``index``."""
+        each sampled from the same logits; events carry the choice's ``index``. ``progress``:
+        "progress" events report the prompt's computation, one at admission (what the cache
+        held) and one after each forward that computed some of it."""
         seq.num_samples = n
         self.scheduler.check_fits(seq)
         req = RunnerRequest(seq, params, IncrementalDetokenizer(self.tokenizer, params.stop), sink, params.make_generator())
         req.blend = blend
+        req.progress_from = 0.0 if progress else None  # the clock starts at admission
         if params.prompt_logprobs is not None:
             req.scoring = True
             seq.max_reused_tokens = 0  # until the kept scores say more (_take_inbox)
@@ -403,11 +415,16 @@ class ModelRunner:
         for seq in out.admitted:
             req = self.requests[seq.seq_id]
             self.counters.cached_tokens += seq.num_cached_tokens
-            if not req.admitted:  # not again when re-admitted after a recompute preemption
+            first = not req.admitted  # not again when re-admitted after a recompute preemption
+            if first:
                 req.admitted = True
                 req.events.append(TokenEvent("admitted"))
             if req.blend is not None and self.rotary is not None:
                 self._blend_prefill(req)
+            if first and req.progress_from is not None:
+                req.progress_from = time.perf_counter()
+                req.progress_cache = req.num_computed
+                self._report_progress(req, 0.0)  # nothing computed yet
         # Latest first: a victim chosen while growing is then one already grown this step
         # (or the grower itself), never one still holding an unappended token.
         for seq in sorted(sched.running, key=lambda s: (s.priority, s.arrival), reverse=True):
@@ -653,6 +670,8 @@ class ModelRunner:
                 counters.prefill_tokens += take
             req.num_computed += take
             bm.commit(req.seq.seq_id, req.num_computed)
+            if req.progress_from is not None and req.num_generated == 0 and req.num_computed > req.progress_reported:
+                self._report_progress(req, (time.perf_counter() - req.progress_from) * 1000)
         if scored:
             self._score_prompts(logits[len(logit_rows):], scored)
             logits = logits[: len(logit_rows)]
@@ -701,6 +720,13 @@ class ModelRunner:
                 req.events[-1].logits = first  # the event _emit just queued
             if row in logprobs:
                 req.events[-1].logprobs = logprobs[row]
+
+    def _report_progress(self, req: RunnerRequest, elapsed_ms: float) -> None:
+        """How far ``req``'s prompt is computed now, ``elapsed_ms`` after its computation
+        began, queued as a "progress" event."""
+        req.progress_reported = req.num_computed
+        progress = PromptProgress(len(req.seq.prompt_token_ids), req.progress_cache, req.num_computed, elapsed_ms)
+        req.events.append(TokenEvent("progress", progress=progress))
 
     def _score_prompts(self, logits: torch.Tensor, scored: list[tuple[RunnerRequest, int]]) -> None:
         """Each scored prompt row's log-probability of the prompt token that follows it, with

@@ -586,3 +586,100 @@ def test_llamacpp_series_while_the_model_loads_are_zeros():
     assert series["llamacpp:n_decode_total"] == ("counter", 0.0)
     assert series["llamacpp:n_busy_slots_per_decode"] == ("gauge", 0.0)
     assert all(value == 0 for _, value in series.values())
+
+
+async def test_return_progress_reports_the_prompt_as_it_is_computed(smollm2, start_proxy):
+    """llama-server's ``return_progress``: a streamed answer reports its prompt's computation
+    before the first token, one report at admission (what the cache held) and one after each
+    chunk of the prompt computed (here at most 16 tokens a forward), on ``/completion``, the
+    OpenAI routes (through the ``openai`` client) and the Responses API; ``timings_per_token``
+    puts llama-server's timings on each event. The text is the text without them."""
+    import openai
+
+    from kvstream.config import Settings
+    from kvstream.hf import HFBackend
+    from kvstream.hf.loader import LoadedModel
+
+    model, _, tokenizer = smollm2
+    backend = HFBackend(None, None, Settings(backend={"type": "hf"}, scheduler={"max_num_batched_tokens": 16}),
+                        preloaded=LoadedModel(model, tokenizer, "smollm2", "hf:test"), block_size=16, num_gpu_blocks=64,
+                        num_cpu_blocks=0, max_batch_size=4)
+    proxy = await start_proxy(backend, scheduler={"max_num_batched_tokens": 16})
+    await proxy.engine.start()
+    prompt = "The quick brown fox jumps over the lazy dog. " * 5
+    total = len(tokenizer(prompt).input_ids)
+    body = {"prompt": prompt, "n_predict": 6, "temperature": 0, "stream": True}
+
+    def checked(reports: list[dict], cache: int) -> None:
+        assert reports[0] == {"total": total, "cache": cache, "processed": cache, "time_ms": 0}
+        steps = [b["processed"] - a["processed"] for a, b in zip(reports, reports[1:])]
+        assert all(0 < step <= 16 for step in steps) and reports[-1]["processed"] == total, reports
+        assert len(reports) == 1 + -(-(total - cache) // 16)
+        assert all(r["total"] == total and r["cache"] == cache for r in reports)
+        assert [r["time_ms"] for r in reports] == sorted(r["time_ms"] for r in reports)
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            answers = []
+            for _ in range(2):  # the second time, the prompt is in the prefix cache but its last token
+                streamed = await events(session, proxy.url + "/completion",
+                                        body | {"return_progress": True, "timings_per_token": True})
+                reports = [e for e in streamed if "prompt_progress" in e]
+                assert streamed[:len(reports)] == reports  # all before the first token
+                cache = streamed[-1]["timings"]["cache_n"]
+                assert cache == (total - 1 if answers else 0)
+                checked([e["prompt_progress"] for e in reports], cache)
+                first = reports[0]["timings"]
+                assert first["prompt_n"] == 0 and first["prompt_ms"] == 0.0 and first["predicted_n"] == 0
+                assert [e["timings"]["prompt_n"] for e in reports] == [e["prompt_progress"]["processed"] - cache
+                                                                       for e in reports]
+                tokens = streamed[len(reports):-1]
+                assert [e["timings"]["predicted_n"] for e in tokens] == list(range(1, len(tokens) + 1))
+                assert all(e["timings"]["cache_n"] == cache for e in tokens) and streamed[-1]["stop"] is True
+                answers.append("".join(e["content"] for e in tokens))
+            plain = await events(session, proxy.url + "/completion", body)
+            assert not any("prompt_progress" in e or "timings" in e for e in plain[:-1])
+            assert answers == ["".join(e["content"] for e in plain[:-1])] * 2
+            # Not streamed: nothing to report it on.
+            _, whole = await post(session, proxy.url + "/completion", body | {"stream": False, "return_progress": True})
+            assert "prompt_progress" not in whole
+
+        question = [{"role": "user", "content": prompt + "What jumps?"}]
+        async with openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+            chunks = [c async for c in await oa.chat.completions.create(
+                model="smollm2", messages=question, max_tokens=5, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"return_progress": True, "timings_per_token": True})]
+            reports = [c for c in chunks if (c.model_extra or {}).get("prompt_progress")]
+            assert reports and all(c.choices[0].delta.content is None for c in reports)
+            progress = [c.model_extra["prompt_progress"] for c in reports]
+            assert progress[-1]["processed"] == progress[-1]["total"] == chunks[-1].usage.prompt_tokens
+            assert len(progress) == 1 + -(-(progress[0]["total"] - progress[0]["cache"]) // 16)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            timed = [c.model_extra["timings"] for c in chunks if c.choices and c.choices[0].delta.content]
+            assert [t["predicted_n"] for t in timed] == list(range(1, len(timed) + 1))
+            assert chunks[-1].model_extra["timings"]["predicted_n"] == chunks[-1].usage.completion_tokens
+            again = await oa.chat.completions.create(model="smollm2", messages=question, max_tokens=5, temperature=0)
+            assert again.choices[0].message.content == text
+            assert "prompt_progress" not in (again.model_extra or {})
+
+            completion = [c async for c in await oa.completions.create(
+                model="smollm2", prompt=prompt + "And then", max_tokens=3, temperature=0, stream=True,
+                extra_body={"return_progress": True})]
+            reported = [c.model_extra["prompt_progress"] for c in completion if (c.model_extra or {}).get("prompt_progress")]
+            assert reported and reported[-1]["processed"] == reported[-1]["total"]
+            assert all(c.choices[0].text == "" for c in completion if (c.model_extra or {}).get("prompt_progress"))
+
+        async with aiohttp.ClientSession() as session:
+            async with session.post(proxy.v1 + "/responses", json={
+                "model": "smollm2", "input": prompt + "Who is lazy?", "max_output_tokens": 4, "stream": True,
+                "return_progress": True, "timings_per_token": True,
+            }) as response:
+                lines = (await response.read()).decode().split("\n")
+            sent = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+            reports = [e for e in sent if "prompt_progress" in e]
+            assert reports and all(e["type"] == "response.in_progress" for e in reports)
+            assert reports[-1]["prompt_progress"]["processed"] == reports[-1]["prompt_progress"]["total"]
+            assert all("prompt_per_second" in e["timings"] for e in sent if e["type"] == "response.output_text.delta")
+            assert sent[-1]["type"] == "response.incomplete" and sent[-1]["timings"]["predicted_n"] == 4  # cut at 4
+    finally:
+        await proxy.engine.close()

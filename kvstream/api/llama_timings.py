@@ -1,0 +1,77 @@
+"""llama-server's per-answer telemetry, for the routes the in-process engine answers itself:
+``timings`` (what the prompt and the generation took, in its own terms) and the
+``prompt_progress`` reports a streamed request asks for with ``return_progress``.
+
+Its definitions, which its own tests check: the prompt's time runs from the answer's start to
+its first token, less the time it queued; the generation's from the first token to the last,
+its rate over the steps after the first (the first token came with the prompt), 0 with one
+token. ``cache_n`` prompt tokens were found cached, ``prompt_n`` computed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvstream.engine import Generation
+from kvstream.types import PromptProgress
+
+
+def wants(body: dict[str, Any], name: str) -> bool:
+    """Whether the body turns llama-server's flag ``name`` on (``timings_per_token``,
+    ``return_progress``); a value that is not ``true`` leaves it off, as there."""
+    return body.get(name) is True
+
+
+def timings(cached: int, prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float) -> dict[str, Any]:
+    """The ``timings`` object: ``prompt_n`` tokens computed (the cached ones apart)."""
+    steps = max(0, predicted_n - 1)
+    return {
+        "cache_n": cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / max(1, prompt_n),
+        "prompt_per_second": prompt_n / (prompt_ms / 1000) if prompt_ms > 0 else 0.0,
+        "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
+        "predicted_per_second": 1000 / predicted_ms * steps if steps and predicted_ms > 0 else 0.0,
+    }
+
+
+def progress_timings(progress: PromptProgress) -> dict[str, Any]:
+    """The timings a progress report carries: the prompt so far, nothing generated yet."""
+    return timings(progress.cache, progress.processed - progress.cache, progress.time_ms, 0, 0.0)
+
+
+def of_generation(gen: Generation) -> dict[str, Any]:
+    """The timings of ``gen`` now: its prompt from admission to the first token, its tokens
+    as the engine counted them."""
+    now = time.monotonic()
+    first = gen.first_token_at or now
+    admitted = gen.seq.admitted_at if gen.seq.admitted_at is not None else gen.submitted_at
+    cached, prompt = gen.seq.num_cached_tokens, len(gen.seq.prompt_token_ids)
+    return timings(cached, prompt - cached, max(0.0, first - admitted) * 1000, gen.num_tokens, (now - first) * 1000)
+
+
+class AnswerClock:
+    """The times of one answer, started as its request is submitted: ``token()`` at each
+    generated token, ``timings()`` at any point (streamed with ``timings_per_token``) or at
+    the end."""
+
+    def __init__(self) -> None:
+        self.started_at = time.perf_counter()
+        self.first_at = 0.0
+        self.predicted = 0
+
+    def token(self, count: int = 1) -> None:
+        """``count`` tokens generated now (0: text with no token of its own)."""
+        if not self.first_at:
+            self.first_at = time.perf_counter()
+        self.predicted += count
+
+    def timings(self, prompt_tokens: int, cached: int, queue_ms: float, predicted: int | None = None) -> dict[str, Any]:
+        """The timings now: ``prompt_tokens`` in all, ``cached`` of them found cached,
+        ``predicted`` tokens generated (default: those counted)."""
+        now = time.perf_counter()
+        first = self.first_at or now
+        prompt_ms = max(0.0, (first - self.started_at) * 1000 - queue_ms)
+        return timings(cached, prompt_tokens - cached, prompt_ms, self.predicted if predicted is None else predicted,
+                       (now - first) * 1000)
