@@ -1,6 +1,8 @@
 """Structured outputs (``response_format: {"type": "json_schema", ...}``, Ollama's ``format``
 as a schema): the answer is constrained to JSON text that a regular expression built from
-the schema accepts, and ends where the root object closes.
+the schema accepts, and ends where the root value is whole and nothing can follow it (an
+object's or an array's close, a string's closing quote); a value that could go on (a number:
+``4`` or ``42``) may end there with the model's end token.
 
 ``schema_pattern`` writes the expression: strings (``enum``, ``const``, ``minLength`` /
 ``maxLength``), integers, numbers, booleans, null, arrays (``items``, ``minItems`` /
@@ -164,12 +166,10 @@ class _Writer:
 
 
 def schema_pattern(schema: Any) -> str:
-    """The regular expression of the JSON texts ``schema`` admits (its root an object)."""
+    """The regular expression of the JSON texts ``schema`` admits (its root any value it
+    describes: an object, an array, a string, a number, a constant...)."""
     if not isinstance(schema, dict):
         raise SchemaError("the schema must be a JSON object")
-    kind = schema.get("type")
-    if kind not in (None, "object") or ("type" not in schema and "properties" not in schema and "$ref" not in schema):
-        raise SchemaError("the schema's root must be an object (type: object)")
     return _Writer(schema).value(schema, "schema")
 
 
@@ -190,14 +190,20 @@ def compile_schema(schema: Any) -> Any:
 
 
 class JsonSchemaConstraint:
-    """One request's structured output: which token may come next, and whether it is done."""
+    """One request's structured output: which token may come next, and whether it is done.
 
-    def __init__(self, pattern: Any, token_bytes: Callable[[int], bytes], banned: Iterable[int]) -> None:
+    ``banned`` tokens never belong to the text (special tokens); of them, ``end_ids`` (the
+    model's end tokens) may end it where the text is a whole value that could still go on."""
+
+    def __init__(self, pattern: Any, token_bytes: Callable[[int], bytes], banned: Iterable[int],
+                 end_ids: Iterable[int] = ()) -> None:
         self.pattern = pattern
         self.token_bytes = token_bytes
         self.banned = frozenset(banned)
+        self.end_ids = frozenset(end_ids)
         self.text = b""
-        self.done = False
+        self.complete = False  # the text is a whole value the schema admits
+        self.done = False  # ... and nothing can follow it: the answer ends
         # First bytes already judged in this state: a token that begins with one the text
         # cannot continue with is refused without matching (most candidates a forced key or
         # brace turns down share a few first bytes).
@@ -205,7 +211,8 @@ class JsonSchemaConstraint:
 
     def copy(self) -> JsonSchemaConstraint:
         other = JsonSchemaConstraint(self.pattern, self.token_bytes, ())
-        other.banned, other.text, other.done = self.banned, self.text, self.done
+        other.banned, other.end_ids, other.text = self.banned, self.end_ids, self.text
+        other.complete, other.done = self.complete, self.done
         return other
 
     def _continues(self, data: bytes) -> bool:
@@ -233,7 +240,11 @@ class JsonSchemaConstraint:
         return first
 
     def accepts(self, token_id: int) -> bool:
-        if token_id in self.banned or self.done:
+        if self.done:
+            return False
+        if token_id in self.end_ids and self.complete:
+            return True
+        if token_id in self.banned:
             return False
         raw = self.token_bytes(token_id)
         return bool(raw) and self._first_ok(raw[0]) and (len(raw) == 1 or self._continues(raw))
@@ -243,12 +254,18 @@ class JsonSchemaConstraint:
         other can be accepted (256 first bytes judged, instead of every token)."""
         if self.done:
             return torch.zeros(vocab, dtype=torch.bool)
-        return first_byte_mask(self.token_bytes, [b for b in range(256) if self._first_ok(b)], vocab)
+        mask = first_byte_mask(self.token_bytes, [b for b in range(256) if self._first_ok(b)], vocab)
+        if self.complete:
+            mask[[t for t in self.end_ids if t < vocab]] = True
+        return mask
 
     def advance(self, token_id: int) -> None:
         self.text += self.token_bytes(token_id)
         self._first = {}
         try:
-            self.done = self.pattern.fullmatch(self.text.decode()) is not None
+            self.complete = self.pattern.fullmatch(self.text.decode()) is not None
         except UnicodeDecodeError:
-            self.done = False
+            self.complete = False
+        # Whole, and no byte goes on from here (a closed object, array or string): done.
+        # Judged only once whole, where it costs 256 prefix matches.
+        self.done = self.complete and not any(self._first_ok(b) for b in range(256))

@@ -316,9 +316,11 @@ class ModelRunner:
             seq.max_reused_tokens = 0  # until the kept scores say more (_take_inbox)
         if params.json_object or params.json_schema is not None:
             # Special tokens (end of turn included) never belong to the JSON text: the answer
-            # ends when the object closes.
+            # ends when the value closes, or (a schema's number, which could go on) with the
+            # end of turn once whole.
             banned = {*self.tokenizer.all_special_ids, *self.eos_ids}
-            req.constraint = (JsonSchemaConstraint(compile_schema(params.json_schema), self.token_bytes, banned)
+            end_ids = () if params.ignore_eos else self.eos_ids
+            req.constraint = (JsonSchemaConstraint(compile_schema(params.json_schema), self.token_bytes, banned, end_ids)
                               if params.json_schema is not None else JsonObjectConstraint(self.token_bytes, banned))
         elif params.thinking_budget is not None:  # (a constraint holds the answer from its first token: no thinking)
             if self._think_tokens is None:

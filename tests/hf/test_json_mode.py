@@ -196,7 +196,7 @@ def test_a_schemas_expression_takes_what_it_admits_prefix_by_prefix_and_nothing_
 
 
 @pytest.mark.parametrize(("schema", "complaint"), [
-    ({"type": "string"}, "root must be an object"),
+    ({"type": "string", "pattern": "^x"}, "'pattern' is not supported"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}, "'pattern' is not supported"),
     ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 3}}}, "'minimum' is not supported"),
     ({"type": "object", "properties": {"a": {"allOf": [{}]}}}, "'allOf' is not supported"),
@@ -297,3 +297,55 @@ def test_maps_follow_additional_properties_and_malformed_bounds_are_schema_error
                 {"type": "object", "properties": {"s": {"type": "string", "maxLength": 10**12}}}):
         with pytest.raises(SchemaError):
             compile_schema(bad)
+
+
+def test_a_root_that_is_not_an_object_ends_when_whole_and_a_number_with_the_end_token():
+    """A schema's root may be any value (llama-server and vLLM take them): a string, an
+    array or a constant ends at its close; a number, whole at every digit, may go on or end
+    with the model's end token, which the constraint otherwise refuses."""
+    spelled = {0: b"4", 1: b"2", 2: b'"foo', 3: b'oooo"', 4: b"[", 5: b"]", 6: b" ", 7: b"<|im_end|>", 8: b"x"}
+    number = JsonSchemaConstraint(compile_schema({"type": "integer"}), spelled.__getitem__, banned={7}, end_ids={7})
+    assert not number.accepts(7) and not number.accepts(2) and number.accepts(0)
+    number.advance(0)
+    assert number.complete and not number.done and number.accepts(1) and number.accepts(7) and not number.accepts(8)
+    assert number.candidates(9)[7] and not number.candidates(9)[8]
+    copy = number.copy()
+    number.advance(1)
+    assert number.complete and number.accepts(7) and copy.text == b"4" and copy.accepts(7)
+    const = JsonSchemaConstraint(compile_schema({"const": "foooooo"}), spelled.__getitem__, banned={7}, end_ids={7})
+    assert const.accepts(2) and not const.accepts(0) and not const.accepts(7)
+    const.advance(2)
+    assert not const.complete and const.accepts(3)
+    const.advance(3)
+    assert const.done and not const.accepts(7)  # closed: it ends here, no end token asked
+    items = JsonSchemaConstraint(compile_schema({"type": "array", "items": {"type": "integer"}}), spelled.__getitem__,
+                                 banned={7}, end_ids={7})
+    for token in (4, 0, 5):
+        assert items.accepts(token)
+        items.advance(token)
+    assert items.done
+    for schema, text in (({"enum": ["yes", "no"]}, '"no"'), ({"type": "boolean"}, "true"), ({"type": "null"}, "null"),
+                         ({"anyOf": [{"type": "string"}, {"type": "number"}]}, "-1.5e3")):
+        assert compile_schema(schema).fullmatch(text), schema
+
+
+async def test_non_object_roots_through_the_openai_client(oa, smollm2):
+    """``response_format`` schemas whose root is a constant, a number or an enum: the answer
+    is that value, ended by its close or, for the number, by the end token (made the model's
+    favourite here: it may only come once a digit is written)."""
+    ask = [{"role": "user", "content": "How many legs has a cat? Answer with a number."}]
+    end = smollm2[2].convert_tokens_to_ids("<|im_end|>")
+
+    async def answer(schema: dict, **kwargs) -> tuple[str, str]:
+        reply = await oa.chat.completions.create(
+            model="smollm2", messages=ask, max_tokens=24, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": schema}}, **kwargs)
+        return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+    assert await answer({"const": "foooooo"}) == ('"foooooo"', "stop")
+    text, reason = await answer({"type": "integer"}, logit_bias={str(end): 100})
+    assert reason == "stop" and re.fullmatch("-?[0-9]", text), text
+    text, reason = await answer({"type": "integer"})  # the model's own choice: digits until it ends or the limit
+    assert re.fullmatch("-?[0-9]+", text) and (reason == "stop" or len(text) >= 20), (text, reason)
+    text, reason = await answer({"enum": ["three", "four"]})
+    assert reason == "stop" and json.loads(text) in ("three", "four")
