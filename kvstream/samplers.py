@@ -20,10 +20,7 @@ def _empty(value: Any) -> bool:
 
 OFF_WHEN: dict[str, Callable[[Any], bool]] = {
     "mirostat": _zero_or_less, "dry_multiplier": _zero_or_less, "xtc_probability": _zero_or_less,
-    "top_n_sigma": _zero_or_less, "dynatemp_range": _zero_or_less, "grammar": _empty,
-    # vLLM's constrained decoding (json_schema and json_object are response_format here).
-    "guided_json": _empty, "guided_regex": _empty, "guided_choice": _empty, "guided_grammar": _empty,
-    "structured_outputs": _empty,
+    "top_n_sigma": _zero_or_less, "dynatemp_range": _zero_or_less,
 }
 
 

@@ -11,14 +11,16 @@ generated), ``temperature`` (0.8; <= 0 is greedy), ``top_k`` (40), ``top_p`` (0.
 ``ignore_eos`` (the model's end tokens banned), ``logit_bias`` (its list form, a token as its
 id or a text, and OpenAI's object of ids; ``false`` bans a token), ``n_probs`` (each token's
 log-probability and its n most likely alternatives, ``completion_probabilities``; with
-``post_sampling_probs`` the probabilities of the distribution it was drawn from), ``json_schema``,
-``return_tokens``, ``response_fields`` and ``stream``; streamed, ``timings_per_token`` (each
-partial object with the timings so far) and ``return_progress`` (partial objects reporting the
-prompt's computation, ``prompt_progress``, before the first token). Slot and cache controls
+``post_sampling_probs`` the probabilities of the distribution it was drawn from),
+``json_schema``, ``grammar`` (GBNF, the engine's grammar.py), ``return_tokens``,
+``response_fields`` and ``stream``; streamed, ``timings_per_token`` (each partial object with
+the timings so far) and ``return_progress`` (partial objects reporting the prompt's
+computation, ``prompt_progress``, before the first token). Slot and cache controls
 (``cache_prompt``, ``id_slot``, ``n_keep``, ``n_cache_reuse``, ``t_max_predict_ms``,
-``samplers``...) change nothing about the tokens here and are taken as given. Samplers the engine does not have (``mirostat``, DRY, XTC, ``top_n_sigma``, dynamic
-temperature), ``grammar``, ``lora``, media and ``n_cmpl`` are a 400
-naming the field when set to a value that turns them on, never dropped.
+``samplers``...) change nothing about the tokens here and are taken as given. Samplers the
+engine does not have (``mirostat``, DRY, XTC, ``top_n_sigma``, dynamic temperature),
+``lora``, media and ``n_cmpl`` are a 400 naming the field when set to a value that turns
+them on, never dropped.
 """
 
 from __future__ import annotations
@@ -226,6 +228,8 @@ def generate_request(body: dict[str, Any], prompt: str | list[int], request_id: 
         bias |= {str(token_id): BANNED for token_id in end_ids}
     if bias:
         extra["logit_bias"] = bias
+    if body.get("grammar") not in (None, ""):  # GBNF, read by the engine (guided.py): a 400 if it cannot be
+        extra["grammar"] = body["grammar"]
     schema = body.get("json_schema")
     if schema is not None and schema != {}:
         if not isinstance(schema, dict):
@@ -387,6 +391,7 @@ class CompletionAnswer:
                 "logit_bias": [{"bias": None if v <= BANNED else v, "token": int(k)}
                                for k, v in request.extra.get("logit_bias", {}).items()],
                 "json_schema": request.extra.get("response_format", {}).get("json_schema", {}).get("schema", {}),
+                "grammar": request.extra.get("grammar", ""),
             },
             "prompt": prompt_text,
             "has_new_line": "\n" in content,

@@ -167,6 +167,8 @@ class HFStream:
                     if isinstance(event.error, SchedulerError):
                         err = event.error
                         raise BackendError(str(err), err.status, code=err.code, retryable=err.status >= 429)
+                    if isinstance(event.error, BackendError):  # the request's own (a constraint given up)
+                        raise event.error
                     raise BackendError(f"the engine failed: {event.error!r}", 500, code="engine_error")
                 if self._echo is not None:
                     entries = self._prompt_entries(event.prompt_logprobs)

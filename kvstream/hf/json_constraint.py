@@ -205,6 +205,8 @@ class JsonPrefix:
 class JsonObjectConstraint:
     """One request's JSON mode: which token may come next, and whether the object is done."""
 
+    failed = False  # (never: its recognizer costs the same on any text; pattern_constraint.py's may fail)
+
     def __init__(self, token_bytes: Callable[[int], bytes], banned: Iterable[int]) -> None:
         self.token_bytes = token_bytes
         self.banned = frozenset(banned)  # special tokens: never part of the JSON text

@@ -15,22 +15,18 @@ way the expression does not (``pattern``, ``minimum``, ``allOf``, ``patternPrope
 ...) is refused (``SchemaError``, a 400 naming it), never ignored; annotations (``title``,
 ``description``, ``format``, ``default``, ...) are ignored, as they constrain nothing.
 
-``JsonSchemaConstraint`` asks the ``regex`` module (a dependency of transformers) whether
-the text so far plus a candidate token is a prefix of some match (``partial=True``): about
-2 us for a short answer, a few candidates per step.
+``pattern_constraint.PatternConstraint`` holds the answer to the expression, asking the
+``regex`` module (a dependency of transformers) whether the text so far plus a candidate
+token is a prefix of some match.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import regex
-import torch
-
-from kvstream.hf.token_bytes import first_byte_mask
 
 WS = r"(?: |\n[ \t]{0,20})?"  # between tokens: what JSON mode allows (json_constraint.MAX_INDENT)
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
@@ -187,85 +183,3 @@ def compile_schema(schema: Any) -> Any:
     """The compiled expression of ``schema`` (cached by its text: clients resend one schema;
     not with sorted keys, as the properties' order is the answer's)."""
     return _compiled(json.dumps(schema))
-
-
-class JsonSchemaConstraint:
-    """One request's structured output: which token may come next, and whether it is done.
-
-    ``banned`` tokens never belong to the text (special tokens); of them, ``end_ids`` (the
-    model's end tokens) may end it where the text is a whole value that could still go on."""
-
-    def __init__(self, pattern: Any, token_bytes: Callable[[int], bytes], banned: Iterable[int],
-                 end_ids: Iterable[int] = ()) -> None:
-        self.pattern = pattern
-        self.token_bytes = token_bytes
-        self.banned = frozenset(banned)
-        self.end_ids = frozenset(end_ids)
-        self.text = b""
-        self.complete = False  # the text is a whole value the schema admits
-        self.done = False  # ... and nothing can follow it: the answer ends
-        # First bytes already judged in this state: a token that begins with one the text
-        # cannot continue with is refused without matching (most candidates a forced key or
-        # brace turns down share a few first bytes).
-        self._first: dict[int, bool] = {}
-
-    def copy(self) -> JsonSchemaConstraint:
-        other = JsonSchemaConstraint(self.pattern, self.token_bytes, ())
-        other.banned, other.end_ids, other.text = self.banned, self.end_ids, self.text
-        other.complete, other.done = self.complete, self.done
-        return other
-
-    def _continues(self, data: bytes) -> bool:
-        try:
-            text = self._decoded(self.text + data)
-        except UnicodeDecodeError:
-            return False
-        return self.pattern.fullmatch(text, partial=True) is not None
-
-    @staticmethod
-    def _decoded(data: bytes) -> str:
-        """``data`` as text; an incomplete character at its end stands as one non-ASCII
-        character, which only a string's inside admits."""
-        try:
-            return data.decode()
-        except UnicodeDecodeError as exc:
-            if exc.start < len(data) - 3 or exc.reason != "unexpected end of data":
-                raise
-            return data[: exc.start].decode() + "\u00e9"
-
-    def _first_ok(self, byte: int) -> bool:
-        first = self._first.get(byte)
-        if first is None:
-            first = self._first[byte] = self._continues(bytes([byte]))
-        return first
-
-    def accepts(self, token_id: int) -> bool:
-        if self.done:
-            return False
-        if token_id in self.end_ids and self.complete:
-            return True
-        if token_id in self.banned:
-            return False
-        raw = self.token_bytes(token_id)
-        return bool(raw) and self._first_ok(raw[0]) and (len(raw) == 1 or self._continues(raw))
-
-    def candidates(self, vocab: int) -> torch.Tensor:
-        """A ``[vocab]`` mask of the tokens whose first byte the text can continue with: no
-        other can be accepted (256 first bytes judged, instead of every token)."""
-        if self.done:
-            return torch.zeros(vocab, dtype=torch.bool)
-        mask = first_byte_mask(self.token_bytes, [b for b in range(256) if self._first_ok(b)], vocab)
-        if self.complete:
-            mask[[t for t in self.end_ids if t < vocab]] = True
-        return mask
-
-    def advance(self, token_id: int) -> None:
-        self.text += self.token_bytes(token_id)
-        self._first = {}
-        try:
-            self.complete = self.pattern.fullmatch(self.text.decode()) is not None
-        except UnicodeDecodeError:
-            self.complete = False
-        # Whole, and no byte goes on from here (a closed object, array or string): done.
-        # Judged only once whole, where it costs 256 prefix matches.
-        self.done = self.complete and not any(self._first_ok(b) for b in range(256))

@@ -43,7 +43,8 @@ from kvstream.hf.kv_cache import KVShape, PagedKVCache, auto_batch_size, pool_dt
 from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
 from kvstream.hf.sampling import History, SamplingParams, TokenLogprobs, drawn_logprobs, logprobs_of, sample
 from kvstream.hf.json_constraint import JsonObjectConstraint
-from kvstream.hf.json_schema import JsonSchemaConstraint, compile_schema
+from kvstream.hf.json_schema import compile_schema
+from kvstream.hf.pattern_constraint import CLIENT_BUDGET_S, PatternConstraint, compile_pattern
 from kvstream.hf.prompt_scores import STORED_TOP, PromptScores
 from kvstream.hf.thinking_budget import ThinkingBudget, ThinkTokens
 from kvstream.hf.token_bytes import TokenBytes
@@ -57,7 +58,7 @@ from kvstream.scheduler import (
     Sequence,
     SeqStatus,
 )
-from kvstream.types import PromptProgress
+from kvstream.types import BackendRejected, PromptProgress
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ class RunnerRequest:
     repaired_tokens: int = 0  # of those, recomputed by the repair
     approx_from: int | None = None  # first position holding moved (approximate) KV
     index: int = 0  # choice index among the request's n (forks carry 1..n-1)
-    constraint: JsonObjectConstraint | JsonSchemaConstraint | None = None  # JSON output: what may come next
+    constraint: JsonObjectConstraint | PatternConstraint | None = None  # a held answer: what may come next
     thinking: ThinkingBudget | None = None  # a cap on its <think> block (thinking_budget.py)
     # Echo with logprobs: entry i scores prompt token i + 1 (kept scores of its prefix
     # first, then filled as prefill chunks run; kept across a recompute preemption, whose
@@ -314,14 +315,19 @@ class ModelRunner:
         if params.prompt_logprobs is not None:
             req.scoring = True
             seq.max_reused_tokens = 0  # until the kept scores say more (_take_inbox)
-        if params.json_object or params.json_schema is not None:
+        if params.json_object or params.json_schema is not None or params.pattern is not None:
             # Special tokens (end of turn included) never belong to the JSON text: the answer
             # ends when the value closes, or (a schema's number, which could go on) with the
             # end of turn once whole.
             banned = {*self.tokenizer.all_special_ids, *self.eos_ids}
             end_ids = () if params.ignore_eos else self.eos_ids
-            req.constraint = (JsonSchemaConstraint(compile_schema(params.json_schema), self.token_bytes, banned, end_ids)
-                              if params.json_schema is not None else JsonObjectConstraint(self.token_bytes, banned))
+            if params.pattern is not None:  # a client's: within a matching budget
+                req.constraint = PatternConstraint(compile_pattern(params.pattern), self.token_bytes, banned, end_ids,
+                                                   budget_s=CLIENT_BUDGET_S)
+            elif params.json_schema is not None:
+                req.constraint = PatternConstraint(compile_schema(params.json_schema), self.token_bytes, banned, end_ids)
+            else:
+                req.constraint = JsonObjectConstraint(self.token_bytes, banned)
         elif params.thinking_budget is not None:  # (a constraint holds the answer from its first token: no thinking)
             if self._think_tokens is None:
                 self._think_tokens = ThinkTokens.of(self.tokenizer)
@@ -796,6 +802,11 @@ class ModelRunner:
     def _emit(self, req: RunnerRequest, token: int) -> None:
         req.num_generated += 1
         params, index = req.params, req.index
+        if req.constraint is not None and req.constraint.failed:  # a client's expression ran past its budget
+            self._finish(req, TokenEvent("error", error=BackendRejected(
+                "The answer cannot be held to the request's grammar or expression: matching it took too long.",
+                code="constraint_too_costly")))
+            return
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             self._finish(req, TokenEvent("token", token, req.detokenizer.flush(), "stop", index=index))
             return

@@ -11,19 +11,22 @@ Honoured: ``GenerateRequest.logprobs`` (the schemas read OpenAI's ``logprobs`` /
 ``top_logprobs``, the Ollama route Ollama's), ``response_format`` ``json_object`` (JSON
 mode, json_constraint.py) and ``json_schema`` (structured outputs, json_schema.py, which
 says what schemas it takes), ``tool_choice`` forcing a call (a schema too, tool_calls.py),
-``logit_bias``, ``presence_penalty``, ``frequency_penalty``,
+grammars and vLLM's guided decoding (guided.py), ``logit_bias``, ``presence_penalty``,
+``frequency_penalty``,
 and from Ollama's options (or llama-server's fields) ``repeat_penalty``, ``repeat_last_n``,
 ``min_p``, ``typical_p``, and ``ignore_eos`` (vLLM's and llama-server's); completions' ``echo`` (``GenerateRequest.echo``: with ``logprobs``, the prompt's tokens are scored too,
 and ``max_tokens`` may be 0). Refused: a schema outside what json_schema.py takes,
 ``echo`` in a chat request, ``best_of`` > 1, samplers and constraints it lacks set on
-(samplers.py: mirostat, DRY, XTC, grammars, vLLM's guided decoding...); a ``suffix`` is the
+(samplers.py: mirostat, DRY, XTC...); a ``suffix`` is the
 backend's (fill_in_middle.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from kvstream.hf.guided import guide
 from kvstream.hf.json_schema import SchemaError, compile_schema
 from kvstream.hf.sampling import SamplingParams
 from kvstream.hf.generic_calls import answer_schema
@@ -205,6 +208,13 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
     forced = forced_call(extra)
     if forced is not None and not request.is_chat:
         raise BackendRejected("'tool_choice' is a chat completions field.", param="tool_choice", code="invalid_value")
+    guided = guide(extra)
+    if guided is not None and (forced is not None or answer is not None or json_schema(extra) is not None
+                               or (extra.get("response_format") or {}).get("type") == "json_object"):
+        raise BackendRejected(f"'{guided.field}' cannot be combined with another hold on the answer (a JSON schema or "
+                              "JSON mode, or tools it must call).", param=guided.field, code="invalid_value")
+    if guided is not None and guided.schema is not None:
+        guided = replace(guided, schema=_checked(guided.schema, guided.field, "its JSON schema"))
     if max_tokens == 0 and request.n > 1:
         raise BackendRejected("Invalid value for 'n': with max_tokens 0 there is one choice, the prompt.",
                               param="n", code="invalid_value")
@@ -227,7 +237,8 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             logprobs=request.logprobs,
             prompt_logprobs=request.logprobs if request.echo else None,
             json_object=(extra.get("response_format") or {}).get("type") == "json_object",
-            json_schema=forced or answer or json_schema(extra),
+            json_schema=forced or answer or json_schema(extra) or (guided.schema if guided is not None else None),
+            pattern=guided.pattern if guided is not None else None,
             thinking_budget=_budget(extra),
             ignore_eos=_flag(extra, "ignore_eos"),
             post_sampling_probs=_flag(extra, "post_sampling_probs"),

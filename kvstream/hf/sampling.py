@@ -53,6 +53,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     json_object: bool = False  # JSON mode: only tokens that keep the output one JSON object (json_constraint.py)
     json_schema: dict | None = None  # structured output: only JSON this schema admits (json_schema.py)
+    # A client's expression the whole answer must match (a GBNF grammar's, vLLM's guided_regex
+    # or guided_choice: guided.py), held to within a matching budget (pattern_constraint.py).
+    pattern: str | None = None
     # Most tokens inside a <think> block before its end is forced (thinking_budget.py); None:
     # no cap. ``thinking_opened``: the prompt left the block open.
     thinking_budget: int | None = None
@@ -75,7 +78,9 @@ class SamplingParams:
             raise ValueError("repeat_penalty must be > 0")
         if self.repeat_last_n < -1:
             raise ValueError("repeat_last_n must be >= -1")
-        if self.post_sampling_probs and (self.json_object or self.json_schema is not None):
+        if self.json_object + (self.json_schema is not None) + (self.pattern is not None) > 1:
+            raise ValueError("one constraint per answer: JSON mode, a schema or an expression")
+        if self.post_sampling_probs and (self.json_object or self.json_schema is not None or self.pattern is not None):
             # A constraint draws from that distribution restricted to what it accepts, which
             # is never computed whole: probabilities of it would be made up.
             raise ValueError("post_sampling_probs cannot be combined with a JSON constraint")
@@ -115,7 +120,7 @@ class TokenLogprobs:
 
 class Constraint(Protocol):
     """Which tokens may come next (JSON mode's ``JsonObjectConstraint``, structured outputs'
-    ``JsonSchemaConstraint``)."""
+    ``PatternConstraint``)."""
 
     def accepts(self, token_id: int) -> bool: ...
 

@@ -159,7 +159,8 @@ async def test_ollamas_format_json_is_json_mode_and_a_schema_it_cannot_follow_is
 # ------------------------------------------------------------------------ structured outputs
 from pydantic import BaseModel  # noqa: E402
 
-from kvstream.hf.json_schema import JsonSchemaConstraint, SchemaError, compile_schema, schema_pattern  # noqa: E402
+from kvstream.hf.json_schema import SchemaError, compile_schema, schema_pattern  # noqa: E402
+from kvstream.hf.pattern_constraint import PatternConstraint  # noqa: E402
 
 
 class Pet(BaseModel):
@@ -211,7 +212,7 @@ def test_what_a_schema_asks_beyond_the_expression_is_refused_not_ignored(schema,
 
 def test_the_schema_constraint_spells_tokens_and_ends_at_the_root_objects_close():
     spelled = {0: b'{"a"', 1: b":", 2: b" 1", 3: b"}", 4: b'"x"', 5: b"\xc3", 6: b"\xa9", 7: b"<|im_end|>"}
-    constraint = JsonSchemaConstraint(
+    constraint = PatternConstraint(
         compile_schema({"type": "object", "properties": {"a": {"type": "integer"}}}), spelled.__getitem__, banned={7})
     assert constraint.accepts(0) and not constraint.accepts(4) and not constraint.accepts(7)
     for token in (0, 1, 2):
@@ -220,7 +221,7 @@ def test_the_schema_constraint_spells_tokens_and_ends_at_the_root_objects_close(
     constraint.advance(3)
     assert constraint.done and not constraint.accepts(2)
     spelled[8] = b'{"s": "'
-    text = JsonSchemaConstraint(compile_schema({"type": "object", "properties": {"s": {"type": "string"}}}), spelled.__getitem__, ())
+    text = PatternConstraint(compile_schema({"type": "object", "properties": {"s": {"type": "string"}}}), spelled.__getitem__, ())
     text.advance(8)
     assert text.accepts(5)  # half of "é": a string may hold it
     text.advance(5)
@@ -239,7 +240,7 @@ def test_the_candidate_mask_holds_every_token_the_constraint_accepts(smollm2, ki
     schema = {"type": "object", "properties": {"title": {"type": "string"}, "kind": {"enum": ["animal", "place"]},
                                                "facts": {"type": "array", "items": {"type": "integer"}}}}
     constraint = (JsonObjectConstraint(spell, ()) if kind == "json_object"
-                  else JsonSchemaConstraint(compile_schema(schema), spell, ()))
+                  else PatternConstraint(compile_schema(schema), spell, ()))
     text = '{"title": "Cats é", "kind": "animal", "facts": [4, 20]}'
     generator = torch.Generator().manual_seed(0)
     for step, token in enumerate(tokenizer(text).input_ids):
@@ -304,7 +305,7 @@ def test_a_root_that_is_not_an_object_ends_when_whole_and_a_number_with_the_end_
     array or a constant ends at its close; a number, whole at every digit, may go on or end
     with the model's end token, which the constraint otherwise refuses."""
     spelled = {0: b"4", 1: b"2", 2: b'"foo', 3: b'oooo"', 4: b"[", 5: b"]", 6: b" ", 7: b"<|im_end|>", 8: b"x"}
-    number = JsonSchemaConstraint(compile_schema({"type": "integer"}), spelled.__getitem__, banned={7}, end_ids={7})
+    number = PatternConstraint(compile_schema({"type": "integer"}), spelled.__getitem__, banned={7}, end_ids={7})
     assert not number.accepts(7) and not number.accepts(2) and number.accepts(0)
     number.advance(0)
     assert number.complete and not number.done and number.accepts(1) and number.accepts(7) and not number.accepts(8)
@@ -312,13 +313,13 @@ def test_a_root_that_is_not_an_object_ends_when_whole_and_a_number_with_the_end_
     copy = number.copy()
     number.advance(1)
     assert number.complete and number.accepts(7) and copy.text == b"4" and copy.accepts(7)
-    const = JsonSchemaConstraint(compile_schema({"const": "foooooo"}), spelled.__getitem__, banned={7}, end_ids={7})
+    const = PatternConstraint(compile_schema({"const": "foooooo"}), spelled.__getitem__, banned={7}, end_ids={7})
     assert const.accepts(2) and not const.accepts(0) and not const.accepts(7)
     const.advance(2)
     assert not const.complete and const.accepts(3)
     const.advance(3)
     assert const.done and not const.accepts(7)  # closed: it ends here, no end token asked
-    items = JsonSchemaConstraint(compile_schema({"type": "array", "items": {"type": "integer"}}), spelled.__getitem__,
+    items = PatternConstraint(compile_schema({"type": "array", "items": {"type": "integer"}}), spelled.__getitem__,
                                  banned={7}, end_ids={7})
     for token in (4, 0, 5):
         assert items.accepts(token)

@@ -251,7 +251,8 @@ async def test_post_sampling_probs_are_the_distribution_drawn_from(hf_proxy, smo
     ({"prompt": {"prompt_string": "x", "multimodal_data": ["aGk="]}}, "prompt"),
     ({"prompt": [10 ** 9]}, "prompt"),
     ({"prompt": "x", "mirostat": 2}, "mirostat"),
-    ({"prompt": "x", "grammar": "root ::= \"a\""}, "grammar"),
+    ({"prompt": "x", "grammar": "root ::= a"}, "grammar"),  # an undefined rule
+    ({"prompt": "x", "grammar": "root ::= \"a\"", "json_schema": {"type": "object"}}, "grammar"),
     ({"prompt": "x", "n_probs": 50}, "n_probs"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "top_p": 2}, "top_p"),

@@ -1,0 +1,303 @@
+"""GBNF grammars (llama.cpp's ``grammar``, vLLM's ``guided_grammar``) as regular expressions
+of the ``regex`` module, whose recursive groups take what a context-free grammar says.
+
+Each rule becomes a named group in a ``(?(DEFINE)...)`` block and each reference a call to it
+(``(?&name)``), so a grammar may be recursive (nested parentheses, JSON); the answer is what
+``root`` matches whole. Read as llama.cpp reads it (its grammars/README.md): ``name ::= ...``
+rules, ``"literals"`` and ``[character classes]`` with its escapes (``\\n``, ``\\t``, ``\\r``,
+``\\\\``, ``\\"``, ``\\]``, ``\\[``, ``\\xHH``, ``\\uHHHH``, ``\\UHHHHHHHH``), ``[^...]``, ``.`` (any
+character), ``( ... )`` groups, ``|`` alternatives, ``*``, ``+``, ``?`` and ``{m}``, ``{m,}``,
+``{m,n}``, ``{,n}`` repetitions, ``#`` comments. A rule may go on over several lines. Left
+recursion (a rule that can reach itself before reading a character) is refused, as llama.cpp
+refuses it: a matcher would recurse forever. Token references (``<[id]>``) are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import regex
+
+MAX_REPEAT = 100_000  # the largest {m,n} bound taken (the regex module's own limit is far higher)
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be read, or that the engine cannot follow; says where."""
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "[": "[", "]": "]", "-": "-", "^": "^", "/": "/"}
+HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+
+
+def _char(text: str) -> str:
+    """One character as a pattern of the regex module, inside a class or out."""
+    return f"\\U{ord(text):08x}"
+
+
+class _Reader:
+    """A recursive-descent reader of one grammar, writing each rule's pattern as it goes."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.pos = 0
+        self.rules: dict[str, str] = {}
+        self.groups: dict[str, str] = {}  # rule name -> its group's name
+        self.referenced: dict[str, int] = {}  # rule name -> where it is first used
+        # Each rule's shape, for the left-recursion check: nested tuples ("seq", parts),
+        # ("alt", options), ("rep", node, least), ("call", name), ("text", may be empty).
+        self.shapes: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- reading
+    def error(self, message: str) -> GrammarError:
+        line = self.text.count("\n", 0, self.pos) + 1
+        column = self.pos - (self.text.rfind("\n", 0, self.pos) + 1) + 1
+        return GrammarError(f"{message} (line {line}, column {column})")
+
+    def space(self) -> None:
+        while self.pos < len(self.text):
+            c = self.text[self.pos]
+            if c == "#":
+                end = self.text.find("\n", self.pos)
+                self.pos = len(self.text) if end < 0 else end
+            elif c.isspace():
+                self.pos += 1
+            else:
+                return
+
+    def name(self) -> str:
+        match = regex.compile(r"[A-Za-z0-9_-]+").match(self.text, self.pos)
+        if match is None:
+            raise self.error("expected a rule name")
+        self.pos = match.end()
+        return match.group()
+
+    def at_rule_start(self) -> bool:
+        """Whether a new rule (``name ::=``) begins here."""
+        return regex.compile(r"[A-Za-z0-9_-]+[ \t]*::=").match(self.text, self.pos) is not None
+
+    def group(self, name: str) -> str:
+        return self.groups.setdefault(name, f"r{len(self.groups)}")
+
+    def read(self) -> str:
+        self.space()
+        if self.pos >= len(self.text):
+            raise GrammarError("the grammar is empty")
+        while self.pos < len(self.text):
+            start = self.pos
+            name = self.name()
+            self.space()
+            if not self.text.startswith("::=", self.pos):
+                raise self.error("expected '::=' after the rule name")
+            self.pos += 3
+            self.space()
+            if name in self.rules:
+                self.pos = start
+                raise self.error(f"rule '{name}' is defined twice")
+            self.rules[name], self.shapes[name] = self.alternatives()
+            self.space()
+        if "root" not in self.rules:
+            raise GrammarError("the grammar has no 'root' rule")
+        for name, where in self.referenced.items():
+            if name not in self.rules:
+                self.pos = where
+                raise self.error(f"rule '{name}' is used but not defined")
+        self.check_left_recursion()
+        defined = "".join(f"(?P<{self.group(name)}>{pattern})" for name, pattern in self.rules.items())
+        return f"(?(DEFINE){defined})(?&{self.group('root')})"
+
+    def alternatives(self) -> tuple[str, Any]:
+        """``a | b | ...``: (pattern, shape)."""
+        options, shapes = [], []
+        while True:
+            pattern, shape = self.sequence()
+            options.append(pattern)
+            shapes.append(shape)
+            self.space()
+            if self.pos < len(self.text) and self.text[self.pos] == "|":
+                self.pos += 1
+                self.space()
+                continue
+            return "(?:" + "|".join(options) + ")", ("alt", shapes)
+
+    def sequence(self) -> tuple[str, Any]:
+        parts, shapes = [], []
+        while True:
+            self.space()
+            if self.pos >= len(self.text) or self.text[self.pos] in "|)" or self.at_rule_start():
+                return "".join(parts), ("seq", shapes)
+            pattern, shape = self.repeated(*self.element())
+            parts.append(pattern)
+            shapes.append(shape)
+
+    def element(self) -> tuple[str, Any]:
+        c = self.text[self.pos]
+        if c == '"':
+            self.pos += 1
+            chars = []
+            while True:
+                if self.pos >= len(self.text):
+                    raise self.error("a literal is not closed")
+                if self.text[self.pos] == '"':
+                    self.pos += 1
+                    break
+                chars.append(self.character())
+            return "".join(_char(ch) for ch in chars), ("text", not chars)
+        if c == "[":
+            return self.char_class(), ("text", False)
+        if c == ".":
+            self.pos += 1
+            return r"[\s\S]", ("text", False)
+        if c == "(":
+            self.pos += 1
+            self.space()
+            pattern, shape = self.alternatives()
+            self.space()
+            if self.pos >= len(self.text) or self.text[self.pos] != ")":
+                raise self.error("expected ')'")
+            self.pos += 1
+            return pattern, shape
+        if c == "<":
+            raise self.error("token references (<...>) are not supported")
+        where = self.pos
+        name = self.name()
+        self.referenced.setdefault(name, where)
+        return f"(?&{self.group(name)})", ("call", name)
+
+    def character(self) -> str:
+        """One character of a literal or class, its escape read."""
+        c = self.text[self.pos]
+        if c != "\\":
+            self.pos += 1
+            return c
+        if self.pos + 1 >= len(self.text):
+            raise self.error("an escape is not finished")
+        kind = self.text[self.pos + 1]
+        if kind in HEX_ESCAPES:
+            digits = self.text[self.pos + 2 : self.pos + 2 + HEX_ESCAPES[kind]]
+            if len(digits) != HEX_ESCAPES[kind] or not all(d in "0123456789abcdefABCDEF" for d in digits):
+                raise self.error(f"'\\{kind}' takes {HEX_ESCAPES[kind]} hexadecimal digits")
+            self.pos += 2 + HEX_ESCAPES[kind]
+            try:
+                return chr(int(digits, 16))
+            except ValueError:
+                raise self.error(f"'\\{kind}{digits}' is not a character") from None
+        if kind not in ESCAPES:
+            raise self.error(f"unknown escape '\\{kind}'")
+        self.pos += 2
+        return ESCAPES[kind]
+
+    def char_class(self) -> str:
+        self.pos += 1
+        negated = self.text.startswith("^", self.pos)
+        if negated:
+            self.pos += 1
+        parts = []
+        while True:
+            if self.pos >= len(self.text):
+                raise self.error("a character class is not closed")
+            if self.text[self.pos] == "]":
+                self.pos += 1
+                break
+            low = self.character()
+            if self.text.startswith("-", self.pos) and not self.text.startswith("-]", self.pos):
+                self.pos += 1
+                high = self.character()
+                if ord(high) < ord(low):
+                    raise self.error("a character range runs backwards")
+                parts.append(f"{_char(low)}-{_char(high)}")
+            else:
+                parts.append(_char(low))
+        if not parts:
+            return r"[\s\S]" if negated else "(?!)"  # [^] is any character; [] none
+        return "[" + ("^" if negated else "") + "".join(parts) + "]"
+
+    def repeated(self, pattern: str, shape: Any) -> tuple[str, Any]:
+        """The element with its repetition suffix, if any."""
+        atom = f"(?:{pattern})"
+        self.space_inline()
+        if self.pos >= len(self.text):
+            return atom, shape
+        c = self.text[self.pos]
+        if c in "*+?":
+            self.pos += 1
+            return atom + c, ("rep", shape, 1 if c == "+" else 0)
+        if c != "{":
+            return atom, shape
+        match = regex.compile(r"\{\s*([0-9]*)\s*(,?)\s*([0-9]*)\s*\}").match(self.text, self.pos)
+        if match is None or (not match.group(1) and not match.group(2)):
+            raise self.error("a repetition is {m}, {m,}, {m,n} or {,n}")
+        self.pos = match.end()
+        low = int(match.group(1) or 0)
+        high = None if match.group(2) and not match.group(3) else int(match.group(3) or low)
+        if max(low, high or 0) > MAX_REPEAT or (high is not None and high < low):
+            raise self.error(f"a repetition's bounds are 0 <= m <= n <= {MAX_REPEAT}")
+        return atom + "{" + str(low) + ("," + ("" if high is None else str(high)) if match.group(2) else "") + "}", \
+            ("rep", shape, low)
+
+    def space_inline(self) -> None:
+        """Spaces before a repetition suffix on the same line (llama.cpp allows none across lines)."""
+        while self.pos < len(self.text) and self.text[self.pos] in " \t":
+            self.pos += 1
+
+    # ---------------------------------------------------------------- checks
+    def check_left_recursion(self) -> None:
+        """Refuse a rule that can call itself before reading a character (through calls at
+        the start of its alternatives, past any that may match nothing)."""
+        nullable = dict.fromkeys(self.shapes, False)
+        changed = True
+        while changed:  # which rules may match nothing: a fixed point
+            changed = False
+            for name, shape in self.shapes.items():
+                if not nullable[name] and _may_be_empty(shape, nullable):
+                    nullable[name] = changed = True
+        leading = {name: _leading_calls(shape, nullable) for name, shape in self.shapes.items()}
+        for start in self.shapes:
+            seen, todo = set(), list(leading[start])
+            while todo:
+                name = todo.pop()
+                if name == start:
+                    raise GrammarError(f"rule '{start}' is left-recursive (it can reach itself before reading a "
+                                       "character): write it with a repetition instead")
+                if name not in seen:
+                    seen.add(name)
+                    todo += leading[name]
+
+
+def _may_be_empty(shape: Any, nullable: dict[str, bool]) -> bool:
+    kind = shape[0]
+    if kind == "text":
+        return shape[1]
+    if kind == "call":
+        return nullable[shape[1]]
+    if kind == "rep":
+        return shape[2] == 0 or _may_be_empty(shape[1], nullable)
+    if kind == "alt":
+        return any(_may_be_empty(option, nullable) for option in shape[1])
+    return all(_may_be_empty(part, nullable) for part in shape[1])  # seq
+
+
+def _leading_calls(shape: Any, nullable: dict[str, bool]) -> set[str]:
+    """The rules ``shape`` may call before it reads a character."""
+    kind = shape[0]
+    if kind == "text":
+        return set()
+    if kind == "call":
+        return {shape[1]}
+    if kind == "rep":
+        return _leading_calls(shape[1], nullable)
+    if kind == "alt":
+        return set().union(*(_leading_calls(option, nullable) for option in shape[1]))
+    calls: set[str] = set()
+    for part in shape[1]:  # seq: each part leads while all before it may be empty
+        calls |= _leading_calls(part, nullable)
+        if not _may_be_empty(part, nullable):
+            break
+    return calls
+
+
+def gbnf_pattern(text: str) -> str:
+    """The regular expression (``regex`` module syntax) of what ``text``'s root rule admits;
+    GrammarError, saying where, for what cannot be read or followed."""
+    if not isinstance(text, str):
+        raise GrammarError("a grammar is a string")
+    return _Reader(text).read()

@@ -1,0 +1,87 @@
+"""Other servers' ways of holding the answer to a shape, read as the engine's constraints:
+llama-server's ``grammar`` (GBNF), vLLM's ``guided_grammar``, ``guided_regex``,
+``guided_choice`` and ``guided_json``, and vLLM's newer ``structured_outputs`` object
+(``{"grammar" | "regex" | "choice" | "json": ...}``).
+
+Each becomes either a JSON schema (json_schema.py, the same as ``response_format``'s) or a
+regular expression the whole answer must match (pattern_constraint.py). One constraint per
+request: two of them, or one with a JSON ``response_format`` or a forced tool call, is a 400,
+as is a grammar or an expression that cannot be read or followed, naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import regex
+
+from kvstream.hf.grammar import GrammarError, gbnf_pattern
+from kvstream.hf.pattern_constraint import PatternError, compile_pattern
+from kvstream.types import BackendRejected
+
+FIELDS = ("grammar", "guided_grammar", "guided_regex", "guided_choice", "guided_json", "structured_outputs")
+STRUCTURED_KINDS = {"grammar": "guided_grammar", "regex": "guided_regex", "choice": "guided_choice", "json": "guided_json"}
+
+
+@dataclass(frozen=True)
+class Guide:
+    """What a request's constraint field asks: a JSON schema or an expression, and the field."""
+
+    field: str
+    schema: dict[str, Any] | None = None
+    pattern: str | None = None
+
+
+def _invalid(field: str, why: str) -> BackendRejected:
+    return BackendRejected(f"Invalid value for '{field}': {why}.", param=field, code="invalid_value")
+
+
+def guide(extra: dict[str, Any]) -> Guide | None:
+    """The request's constraint field read (None: it sets none); BackendRejected (400) for
+    two of them, or one that cannot be read or followed."""
+    present = [name for name in FIELDS if extra.get(name) not in (None, "", [], {})]
+    if not present:
+        return None
+    if len(present) > 1:
+        raise _invalid(present[1], f"only one constraint applies to an answer ('{present[0]}' is set too)")
+    field, value = present[0], extra[present[0]]
+    if field == "structured_outputs":
+        if not isinstance(value, dict):
+            raise _invalid(field, "expected an object such as {\"regex\": ...}")
+        kinds = [k for k in STRUCTURED_KINDS if value.get(k) not in (None, "", [], {})]
+        if len(kinds) != 1:
+            raise _invalid(field, f"expected exactly one of {', '.join(STRUCTURED_KINDS)}")
+        return _read(STRUCTURED_KINDS[kinds[0]], value[kinds[0]], f"{field}.{kinds[0]}")
+    return _read(field, value, field)
+
+
+def _read(kind: str, value: Any, field: str) -> Guide:
+    if kind == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise _invalid(field, "expected a JSON schema (an object, or its JSON text)") from None
+        if not isinstance(value, dict):
+            raise _invalid(field, "expected a JSON schema object")
+        return Guide(field, schema=value)
+    if kind == "guided_choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise _invalid(field, "expected a non-empty list of strings")
+        return Guide(field, pattern="|".join(regex.escape(choice) for choice in value))
+    if not isinstance(value, str):
+        raise _invalid(field, "expected a string")
+    if kind in ("grammar", "guided_grammar"):
+        try:
+            pattern = gbnf_pattern(value)
+        except GrammarError as exc:
+            raise _invalid(field, f"the grammar cannot be read: {exc}") from None
+    else:
+        pattern = value
+    try:
+        compile_pattern(pattern)
+    except PatternError as exc:
+        raise _invalid(field, str(exc)) from None
+    return Guide(field, pattern=pattern)

@@ -1,0 +1,150 @@
+"""An answer held to a regular expression, token by token: structured outputs (a JSON
+schema's expression, json_schema.py), grammars (GBNF, grammar.py), vLLM's ``guided_regex``
+and ``guided_choice``.
+
+The ``regex`` module (a dependency of transformers) says whether the text so far plus a
+candidate token is a prefix of some match (``partial=True``): about 2 us for a short answer, a
+few candidates per step. The answer ends where it is a whole match that no byte can continue
+(a closed object, a closing quote), or, where it is whole but could go on (a number), with
+the model's end token.
+
+An expression a client wrote (a grammar, a regex) may backtrack for a long time on some text:
+its matches share a budget of time per token (``budget_s``); past it the constraint gives up
+(``failed``) and the engine ends that request with an error, so that no client's expression
+stalls the steps every other request shares.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import regex
+import torch
+
+from kvstream.hf.token_bytes import first_byte_mask
+
+CLIENT_BUDGET_S = 0.25  # matching time one token of a client's expression may take
+
+
+class PatternError(ValueError):
+    """An expression that does not compile, or costs too much to follow."""
+
+
+@functools.lru_cache(maxsize=64)
+def compile_pattern(text: str) -> Any:
+    """A client's expression compiled (cached by its text); PatternError if it does not
+    compile, or if judging the empty answer already runs past the budget."""
+    try:
+        pattern = regex.compile(text)
+        pattern.fullmatch("", partial=True, timeout=CLIENT_BUDGET_S)
+    except TimeoutError:
+        raise PatternError("the expression takes too long to match") from None
+    except (regex.error, ValueError, TypeError, RecursionError, OverflowError) as exc:
+        raise PatternError(f"the expression does not compile ({exc})") from None
+    return pattern
+
+
+class PatternConstraint:
+    """One answer's expression: which token may come next, and whether it is done.
+
+    ``banned`` tokens never belong to the text (special tokens); of them, ``end_ids`` (the
+    model's end tokens) may end it where the text is a whole match that could still go on.
+    ``budget_s``: the matching time one token may take (None: unbounded, for expressions
+    KVStream writes itself)."""
+
+    def __init__(self, pattern: Any, token_bytes: Callable[[int], bytes], banned: Iterable[int],
+                 end_ids: Iterable[int] = (), budget_s: float | None = None) -> None:
+        self.pattern = pattern
+        self.token_bytes = token_bytes
+        self.banned = frozenset(banned)
+        self.end_ids = frozenset(end_ids)
+        self.budget_s = budget_s
+        self.text = b""
+        self.complete = False  # the text is a whole match
+        self.done = False  # ... and nothing can follow it: the answer ends
+        self.failed = False  # the budget ran out: the answer cannot be held to the expression
+        self._deadline: float | None = None  # this token's budget, from its first match
+        # First bytes already judged in this state: a token that begins with one the text
+        # cannot continue with is refused without matching (most candidates a forced key or
+        # brace turns down share a few first bytes).
+        self._first: dict[int, bool] = {}
+
+    def copy(self) -> PatternConstraint:
+        other = PatternConstraint(self.pattern, self.token_bytes, (), budget_s=self.budget_s)
+        other.banned, other.end_ids, other.text = self.banned, self.end_ids, self.text
+        other.complete, other.done, other.failed = self.complete, self.done, self.failed
+        return other
+
+    def _match(self, text: str, partial: bool) -> bool:
+        """Whether ``text`` is a match (``partial``: a prefix of one), within the budget."""
+        if self.failed:
+            return False
+        if self.budget_s is None:
+            return self.pattern.fullmatch(text, partial=partial) is not None
+        now = time.perf_counter()
+        if self._deadline is None:
+            self._deadline = now + self.budget_s
+        try:
+            return self.pattern.fullmatch(text, partial=partial, timeout=max(self._deadline - now, 1e-6)) is not None
+        except TimeoutError:
+            self.failed = True
+            return False
+
+    def _continues(self, data: bytes) -> bool:
+        try:
+            text = self._decoded(self.text + data)
+        except UnicodeDecodeError:
+            return False
+        return self._match(text, partial=True)
+
+    @staticmethod
+    def _decoded(data: bytes) -> str:
+        """``data`` as text; an incomplete character at its end stands as one non-ASCII
+        character (which a JSON string's inside admits)."""
+        try:
+            return data.decode()
+        except UnicodeDecodeError as exc:
+            if exc.start < len(data) - 3 or exc.reason != "unexpected end of data":
+                raise
+            return data[: exc.start].decode() + "\u00e9"
+
+    def _first_ok(self, byte: int) -> bool:
+        first = self._first.get(byte)
+        if first is None:
+            first = self._first[byte] = self._continues(bytes([byte]))
+        return first
+
+    def accepts(self, token_id: int) -> bool:
+        if self.done or self.failed:
+            return False
+        if token_id in self.end_ids and self.complete:
+            return True
+        if token_id in self.banned:
+            return False
+        raw = self.token_bytes(token_id)
+        return bool(raw) and self._first_ok(raw[0]) and (len(raw) == 1 or self._continues(raw))
+
+    def candidates(self, vocab: int) -> torch.Tensor:
+        """A ``[vocab]`` mask of the tokens whose first byte the text can continue with: no
+        other can be accepted (256 first bytes judged, instead of every token)."""
+        if self.done or self.failed:
+            return torch.zeros(vocab, dtype=torch.bool)
+        mask = first_byte_mask(self.token_bytes, [b for b in range(256) if self._first_ok(b)], vocab)
+        if self.complete:
+            mask[[t for t in self.end_ids if t < vocab]] = True
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        self.text += self.token_bytes(token_id)
+        self._first = {}
+        self._deadline = None  # a new token, a new budget
+        try:
+            self.complete = self._match(self.text.decode(), partial=False)
+        except UnicodeDecodeError:
+            self.complete = False
+        # Whole, and no byte goes on from here (a closed object, array or string): done.
+        # Judged only once whole, where it costs 256 prefix matches.
+        self.done = self.complete and not any(self._first_ok(b) for b in range(256))

@@ -1,0 +1,196 @@
+"""Grammars and expressions the answer is held to: llama-server's GBNF ``grammar`` and vLLM's
+guided decoding, read into the engine's pattern constraint (grammar.py, guided.py,
+pattern_constraint.py), then through the server with the ``openai`` client and llama-server's
+``/completion``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import regex
+
+from tests.conftest import require_import
+
+require_import("torch")
+
+from kvstream.hf.grammar import GrammarError, gbnf_pattern  # noqa: E402
+from kvstream.hf.guided import guide  # noqa: E402
+from kvstream.hf.pattern_constraint import PatternConstraint, compile_pattern  # noqa: E402
+from kvstream.types import BackendRejected  # noqa: E402
+
+# llama.cpp's grammars/json.gbnf, as it ships.
+JSON_GBNF = r'''
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+
+array  ::=
+  "[" ws (
+            value
+    ("," ws value)*
+  )? "]" ws
+
+string ::=
+  "\"" (
+    [^"\\\x7F\x00-\x1F] |
+    "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) # escapes
+  )* "\"" ws
+
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+
+# Optional space: by convention, applied in this grammar after literal chars when allowed
+ws ::= | " " | "\n" [ \t]{0,20}
+'''
+
+
+def matcher(grammar: str):
+    return regex.compile(gbnf_pattern(grammar))
+
+
+def test_gbnf_reads_literals_classes_escapes_and_repetitions():
+    assert matcher('root ::= "a"{5,5}').fullmatch("aaaaa") and not matcher('root ::= "a"{5,5}').fullmatch("aaaaaa")
+    bounded = matcher('root ::= "x"{2,} "y"{,2} "z"{1}')
+    assert bounded.fullmatch("xxz") and bounded.fullmatch("xxxyyz") and not bounded.fullmatch("xyz")
+    assert not bounded.fullmatch("xxyyyz")
+    classes = matcher(r'root ::= [a-c]+ [^\n\]]* "\x41\u00e9\U0001F600" [\-] .')
+    assert classes.fullmatch("cab q;A\u00e9\U0001F600-\n")
+    assert not classes.fullmatch("cab q]A\u00e9\U0001F600-\n")  # ] is outside the negated class
+    alternatives = matcher('root ::= ("yes" | "no") "!"?  # a comment\n')
+    assert {t for t in ("yes", "no!", "maybe", "yes!!") if alternatives.fullmatch(t)} == {"yes", "no!"}
+    multiline = matcher('root ::= item ("," item)*\nitem ::=\n  [0-9]+\n  | "n/a"')
+    assert multiline.fullmatch("1,22,n/a") and not multiline.fullmatch("1,,2")
+
+
+def test_gbnf_recursion_takes_what_the_grammar_says_and_partial_prefixes():
+    json_like = matcher(JSON_GBNF)
+    for text in ('{"a": [1, {"b": null}], "c": "\\u00e9x"}', '{}', '{"deep": [[[[{"x": -1.5e3}]]]]}'):
+        assert json_like.fullmatch(text), text
+        assert all(json_like.fullmatch(text[:cut], partial=True) for cut in range(len(text))), text
+    for wrong in ('{"a" 1}', '[1, 2]', '{"a": tru}', '{"a": 01}x'):
+        assert not json_like.fullmatch(wrong), wrong
+    parens = matcher('root ::= "(" root* ")"')
+    assert parens.fullmatch("(()(()))") and not parens.fullmatch("(()") and parens.fullmatch("((", partial=True)
+
+
+@pytest.mark.parametrize(("grammar", "complaint"), [
+    ('root ::= root "a" | "b"', "left-recursive"),
+    ('root ::= x root "a" | "b"\nx ::= "y"?', "left-recursive"),  # through a rule that may match nothing
+    ('root ::= x\nx ::= ""? y\ny ::= x "z"', "left-recursive"),
+    ('a ::= "x"', "no 'root' rule"),
+    ('root ::= foo', "'foo' is used but not defined (line 1, column 10)"),
+    ('root ::= "a', "literal is not closed"),
+    ('root ::= [z-a]', "runs backwards"),
+    ('root ::= "\\q"', "unknown escape"),
+    ('root ::= "\\x4"', "hexadecimal"),
+    ('root ::= <[12]>', "token references"),
+    ('root ::= "a"\nroot ::= "b"', "defined twice (line 2, column 1)"),
+    ('root ::= ("a"', "expected ')'"),
+    ('root ::= "a"{3,1}', "bounds"),
+    ('root "a"', "expected '::='"),
+    ("", "empty"),
+])
+def test_gbnf_that_cannot_be_read_or_followed_says_where(grammar, complaint):
+    with pytest.raises(GrammarError, match=regex.escape(complaint)):
+        gbnf_pattern(grammar)
+
+
+def test_a_right_recursive_or_nullable_grammar_is_not_left_recursive():
+    assert matcher('root ::= "a" root | ""').fullmatch("aaa")
+    assert matcher('root ::= x "b"\nx ::= "a" x | ""').fullmatch("aab")
+
+
+def test_guided_fields_become_one_constraint_or_a_400_naming_the_field():
+    assert guide({}) is None and guide({"grammar": ""}) is None
+    choice = guide({"guided_choice": ["yes", "no (really)"]})
+    assert choice.field == "guided_choice" and regex.fullmatch(choice.pattern, "no (really)")
+    assert not regex.fullmatch(choice.pattern, "no really")
+    assert guide({"guided_json": '{"type": "integer"}'}).schema == {"type": "integer"}
+    assert guide({"structured_outputs": {"regex": "[0-9]{3}"}}).pattern == "[0-9]{3}"
+    assert regex.fullmatch(guide({"grammar": 'root ::= "a"+'}).pattern, "aaa")
+    for extra, field in (({"grammar": "root ::= oops"}, "grammar"), ({"guided_regex": "(unclosed"}, "guided_regex"),
+                         ({"guided_choice": "yes"}, "guided_choice"), ({"guided_json": "{not json"}, "guided_json"),
+                         ({"grammar": 'root ::= "a"', "guided_regex": "a"}, "guided_regex"),
+                         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+                         ({"guided_grammar": 5}, "guided_grammar")):
+        with pytest.raises(BackendRejected) as err:
+            guide(extra)
+        assert err.value.param == field and err.value.status == 400, extra
+
+
+def test_an_expression_that_backtracks_without_end_fails_within_its_budget_not_the_engine():
+    """A client's expression may take exponential time on some text: its matches for one
+    token share a budget, past which the constraint gives up (``failed``), refusing everything."""
+    spelled = {0: b"x" * 8, 1: b"xz", 2: b"y"}
+    constraint = PatternConstraint(compile_pattern("(x|x|x)*y"), spelled.__getitem__, (), budget_s=0.05)
+    for _ in range(3):  # 24 x's: a refused "z" after them backtracks 3**24 ways
+        assert constraint.accepts(0)
+        constraint.advance(0)
+    assert not constraint.accepts(1) and constraint.failed
+    assert not constraint.accepts(2)  # given up: nothing more is accepted
+    assert not constraint.candidates(3).any()
+    unbounded = PatternConstraint(compile_pattern("(x|x|x)*y"), spelled.__getitem__, ())
+    assert unbounded.accepts(2) and not unbounded.failed
+
+
+async def test_grammars_and_guided_decoding_through_the_openai_client_and_completion(hf_proxy, oa, http):
+    from openai import BadRequestError
+
+    ask = [{"role": "user", "content": "Does not matter what I say, does it?"}]
+
+    async def chat(extra: dict, max_tokens: int = 24) -> tuple[str, str]:
+        reply = await oa.chat.completions.create(model="smollm2", messages=ask, max_tokens=max_tokens, temperature=0,
+                                                 extra_body=extra)
+        return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+    assert await chat({"grammar": 'root ::= "a"{5,5}'}, 6) == ("aaaaa", "stop")
+    text, reason = await chat({"grammar": JSON_GBNF}, 60)
+    assert matcher(JSON_GBNF).fullmatch(text, partial=True) and (reason == "length" or json.loads(text) is not None)
+    assert (await chat({"guided_choice": ["yes", "no"]}))[0] in ("yes", "no")
+    text, reason = await chat({"guided_regex": "[0-9]{3}-[0-9]{4}"})
+    assert regex.fullmatch("[0-9]{3}-[0-9]{4}", text) and reason == "stop", text
+    assert (await chat({"structured_outputs": {"choice": ["maybe"]}}))[0] == "maybe"
+    # Streamed, the same text.
+    stream = await oa.chat.completions.create(model="smollm2", messages=ask, max_tokens=6, temperature=0, stream=True,
+                                              extra_body={"grammar": 'root ::= "a"{5,5}'})
+    assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == "aaaaa"
+
+    for extra, field in (({"grammar": "root ::= nowhere"}, "grammar"),
+                         ({"guided_regex": "[0-9", "response_format": {"type": "json_object"}}, "guided_regex"),
+                         ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "grammar")):
+        with pytest.raises(BadRequestError) as err:
+            await chat(extra)
+        assert err.value.param == field, (extra, err.value.message)
+
+    async with http.post(hf_proxy.url + "/completion", json={
+        "prompt": "Count: ", "n_predict": 8, "temperature": 0, "grammar": 'root ::= [1-3] ("," [1-3])*',
+    }) as response:
+        answer = await response.json()
+    assert regex.fullmatch("[1-3](,[1-3])*", answer["content"], partial=True), answer["content"]
+    assert answer["stop_type"] == "limit" or regex.fullmatch("[1-3](,[1-3])*", answer["content"])
+    assert answer["generation_settings"]["grammar"] == 'root ::= [1-3] ("," [1-3])*'
+    async with http.post(hf_proxy.url + "/completion", json={"prompt": "x", "grammar": "root ::= [z-a]"}) as response:
+        assert response.status == 400 and "backwards" in (await response.json())["error"]["message"]
+
+
+async def test_a_costly_expression_fails_its_request_and_the_others_go_on(oa, smollm2):
+    """A hostile expression ends its own request with an error; a request sharing the steps
+    gets its whole answer. (The model is made to want a space, which the expression refuses:
+    after a run of x's, refusing it backtracks 3**n ways.)"""
+    from openai import APIError
+
+    space = smollm2[2](" ", add_special_tokens=False).input_ids[0]
+    ask = [{"role": "user", "content": "Write the letter x forty times."}]
+    hostile = oa.chat.completions.create(model="smollm2", messages=ask, max_tokens=60, temperature=0,
+                                         logit_bias={str(space): 100}, extra_body={"guided_regex": "(x|x|x)*y"})
+    fine = oa.chat.completions.create(model="smollm2", messages=ask, max_tokens=30, temperature=0)
+    results = await asyncio.gather(hostile, fine, return_exceptions=True)
+    assert isinstance(results[0], APIError), results[0].choices[0].message.content
+    assert "too long" in str(results[0])
+    assert results[1].usage.completion_tokens == 30 or results[1].choices[0].finish_reason == "stop"
