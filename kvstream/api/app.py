@@ -17,6 +17,7 @@ from kvstream.api import (
     responses_file, routes_llamacpp, routes_responses,
 )
 from kvstream.api.background import BACKGROUND, BackgroundRuns
+from kvstream.api.stream_sessions import STREAM_SESSIONS, StreamSessions
 from kvstream.api.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware
 from kvstream.api.state import CACHE_SALT, KEY_IN_FLIGHT, STATE, AppState, KeyInFlight
 from kvstream.types import BackendError
@@ -126,6 +127,7 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
     app[STATE] = AppState(engine=engine, settings=settings)
     app[MAX_BODY_BYTES] = settings.server.max_body_bytes
     app[BACKGROUND] = BackgroundRuns()
+    app[STREAM_SESSIONS] = StreamSessions()
     engine.metrics.registry.register(_StoresCollector(app))  # type: ignore[union-attr]
     app.add_routes(routes_openai.routes)
     app.add_routes(routes_ollama.routes)
@@ -152,6 +154,7 @@ def create_app(settings: Settings, engine: KVStreamEngine) -> web.Application:
             saver.cancel()
             await asyncio.gather(saver, return_exceptions=True)
         await app[BACKGROUND].close()  # before the engine: each run releases its generation
+        await app[STREAM_SESSIONS].close()
         await engine.close()
         if kept is not None:
             responses_file.save(kept, state.responses, state.conversations)

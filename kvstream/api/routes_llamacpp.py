@@ -1,6 +1,7 @@
 """llama-server's own routes where KVStream is the runtime: ``POST /completion`` (and its
 other name ``/completions``), ``/infill``, ``/tokenize``, ``/detokenize`` and
-``/apply-template``, ``GET /props`` and ``/slots``.
+``/apply-template``, ``GET /props`` and ``/slots``, and ``GET`` / ``DELETE /v1/stream``
+(a stream sent with ``X-Conversation-Id`` followed again or stopped: stream_sessions.py).
 
 In front of a runtime these paths are the runtime's and pass through unchanged
 (routes_passthrough.py): llama-server answers them itself. With no runtime behind KVStream
@@ -42,6 +43,7 @@ from kvstream.api.routes_openai import (
 from kvstream.api.routes_passthrough import passthrough
 from kvstream.api.schemas import ChatCompletionRequest
 from kvstream.api.state import CACHE_SALT, STATE, AppState
+from kvstream.api.stream_sessions import STREAM_SESSIONS, answer_following
 from kvstream.api.streaming import GuardedResponse
 from kvstream.jsonfast import dumps
 from kvstream.scheduler import Priority, SchedulerError
@@ -217,6 +219,36 @@ async def slot_action(request: web.Request) -> web.StreamResponse:
     """Saving, restoring or erasing a slot: llama-server's 501 (the in-process engine has no slot files)."""
     raise LlamaCppError(501, "This server does not support slots action: the in-process engine keeps its KV in its "
                         "own prefix cache, not in slot files.", code="not_supported")
+
+
+def _conversation(request: web.Request) -> str:
+    conv_id = request.query.get("conv_id")
+    if not conv_id:
+        raise invalid("'conv_id' names the stream (the X-Conversation-Id it was sent with).", "conv_id")
+    return conv_id
+
+
+@routes.get("/v1/stream")
+@answered_here("llamacpp_stream_resume")
+async def stream_resume(request: web.Request) -> web.StreamResponse:
+    """A recorded stream (``X-Conversation-Id``, stream_sessions.py) from byte ``from`` on,
+    live while it runs; 404 if there is none under ``conv_id``."""
+    offset = request.query.get("from", "0")
+    if not offset.isdigit():
+        raise invalid(f"'from' is a byte offset (an integer >= 0), not {offset!r}.", "from")
+    session = request.app[STREAM_SESSIONS].get(request.get(CACHE_SALT), _conversation(request))
+    if session is None:
+        raise LlamaCppError(404, "File Not Found", code="not_found")
+    return await answer_following(request, session, int(offset), {"X-Request-Id": request[REQUEST_ID]})
+
+
+@routes.delete("/v1/stream")
+@answered_here("llamacpp_stream_stop")
+async def stream_stop(request: web.Request) -> web.StreamResponse:
+    """Stop a recorded stream's generation and forget it: 204, whether there was one or not
+    (llama-server's answer)."""
+    await request.app[STREAM_SESSIONS].stop(request.get(CACHE_SALT), _conversation(request))
+    return web.Response(status=204)
 
 
 def _server_defaults(backend: BaseBackend) -> fmt.ServerDefaults:

@@ -24,7 +24,8 @@ from kvstream.api.openai_format import DONE, Aggregate, StreamFormatter
 from kvstream.api.prompt_batch import PromptBatch
 from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest, WarmRequest, forwarded_request
 from kvstream.api.routes_passthrough import forward, managed_route_headers
-from kvstream.api.state import CACHE_SALT, STATE, AppState
+from kvstream.api.state import CACHE_SALT, KEY_IN_FLIGHT, STATE, AppState
+from kvstream.api.stream_sessions import CONVERSATION_HEADER, STREAM_SESSIONS, StreamSession, answer_following
 from kvstream.api.streaming import GuardedResponse
 from kvstream.types import BackendError, BackendRejected, BackendUnavailable, GenerateRequest, RequestControl, Token
 from kvstream.engine import Generation
@@ -291,6 +292,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if first.payload is not None:  # the runtime's own non-streamed answer, as it sent it
             outcome = "finished"
             return web.Response(body=dumps(first.payload), content_type="application/json", charset="utf-8", headers=headers)
+        session_id = request.headers.get(CONVERSATION_HEADER)
+        if generate.stream and session_id and state.engine.backend.upstream() is None:
+            # llama-server's resumable stream: recorded, and run to its end whoever follows it.
+            sessions = request.app[STREAM_SESSIONS]
+            session = sessions.open(request.get(CACHE_SALT), session_id)
+            sessions.run(session, _record(request, session, gen, stream, first, fmt), request.get(KEY_IN_FLIGHT))
+            outcome = "detached"  # the recording's task holds the generation now
+            return await answer_following(request, session, 0, headers)
         if generate.stream:
             response = GuardedResponse(
                 headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -316,11 +325,25 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         logger.warning("[%s] backend error: %s", request_id, exc.message)
         raise from_exception(exc, retry_after(state)) from None
     finally:
+        if outcome != "detached":
+            try:
+                await _close_quietly(stream)
+            finally:
+                # Even if this handler is cancelled while closing (the client hung up right
+                # after the last byte), the slot and the blocks must be released.
+                gen.close(outcome)
+
+
+async def _record(request: web.Request, session: StreamSession, gen: Generation | PromptBatch, stream: Any,
+                  first: Token, fmt: StreamFormatter) -> None:
+    """Write the stream into ``session`` to its end (or until stopped), then release it."""
+    outcome = "cancelled"
+    try:
+        outcome = await _write_stream(request, session, gen, stream, first, fmt)
+    finally:
         try:
             await _close_quietly(stream)
         finally:
-            # Even if this handler is cancelled while closing (the client hung up right
-            # after the last byte), the slot and the blocks must be released.
             gen.close(outcome)
 
 
@@ -339,8 +362,8 @@ async def _close_quietly(stream: Any) -> None:
 
 
 async def _write_stream(
-    request: web.Request, response: web.StreamResponse, gen: Generation | PromptBatch, stream: Any, first: Token,
-    fmt: StreamFormatter,
+    request: web.Request, response: web.StreamResponse | StreamSession, gen: Generation | PromptBatch, stream: Any,
+    first: Token, fmt: StreamFormatter,
 ) -> str:
     """Write the SSE response; returns the outcome (finished, failed, cancelled)."""
     try:

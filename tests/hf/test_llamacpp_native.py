@@ -5,6 +5,7 @@ shapes are llama-server's (``../shared/protocols/llamacpp``, its server tests' a
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -684,3 +685,59 @@ async def test_return_progress_reports_the_prompt_as_it_is_computed(smollm2, sta
             assert sent[-1]["type"] == "response.incomplete" and sent[-1]["timings"]["predicted_n"] == 4  # cut at 4
     finally:
         await proxy.engine.close()
+
+
+async def test_a_stream_sent_with_a_conversation_id_can_be_followed_again_and_stopped(hf_proxy):
+    """llama-server's resumable streams: a chat streamed with ``X-Conversation-Id`` is
+    recorded; ``GET /v1/stream`` replays it from any byte (live while it runs), it runs to its
+    end when its client leaves, ``DELETE`` stops and forgets it, and another key's id is
+    another stream."""
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 40, "temperature": 0, "stream": True}
+    headers = {"X-Conversation-Id": "conv-1::org/model:Q8"}
+    stream_url = hf_proxy.url + "/v1/stream?conv_id=" + "conv-1%3A%3Aorg%2Fmodel%3AQ8"
+    async with aiohttp.ClientSession() as session:
+        async with session.post(hf_proxy.v1 + "/chat/completions", json=body, headers=headers) as response:
+            assert response.status == 200
+            sent = await response.read()
+        assert sent.endswith(b"data: [DONE]\n\n") and b'"finish_reason":"length"' in sent
+        async with session.get(stream_url + "&from=0") as response:
+            assert response.status == 200 and response.content_type == "text/event-stream"
+            assert await response.read() == sent
+        async with session.get(stream_url + "&from=7") as response:
+            assert await response.read() == sent[7:]
+        async with session.get(stream_url) as response:  # from 0 by default
+            assert await response.read() == sent
+
+        # The client leaves after its first bytes: the generation goes on, and is there whole.
+        left = {"X-Conversation-Id": "conv-2"}
+        async with session.post(hf_proxy.v1 + "/chat/completions", json=body | {"max_tokens": 60, "ignore_eos": True},
+                                headers=left) as response:
+            await response.content.readany()
+        async with session.get(hf_proxy.url + "/v1/stream?conv_id=conv-2&from=0") as response:
+            replay = await response.read()
+        assert replay.endswith(b"data: [DONE]\n\n") and b'"finish_reason":"length"' in replay
+
+        # Stopped while it runs: the follower's answer ends without [DONE], the slot is free.
+        async with session.post(hf_proxy.v1 + "/chat/completions", json=body | {"max_tokens": 2000, "ignore_eos": True},
+                                headers={"X-Conversation-Id": "conv-3"}) as response:
+            await response.content.readany()
+        async with session.get(hf_proxy.url + "/v1/stream?conv_id=conv-3") as follower:
+            await follower.content.readany()
+            async with session.delete(hf_proxy.url + "/v1/stream?conv_id=conv-3") as response:
+                assert response.status == 204
+            rest = await follower.read()
+            assert b"[DONE]" not in rest
+        for _ in range(100):
+            if not hf_proxy.engine.scheduler.running:
+                break
+            await asyncio.sleep(0.05)
+        assert not hf_proxy.engine.scheduler.running
+        async with session.get(hf_proxy.url + "/v1/stream?conv_id=conv-3") as response:
+            assert response.status == 404
+        async with session.delete(hf_proxy.url + "/v1/stream?conv_id=nothing") as response:
+            assert response.status == 204  # as llama-server answers
+        for query, status in (("", 400), ("?conv_id=conv-1&from=x", 400), ("?conv_id=unknown", 404)):
+            async with session.get(hf_proxy.url + "/v1/stream" + query) as response:
+                assert response.status == status, query
+                assert set((await response.json())["error"]) == {"code", "message", "type"}
