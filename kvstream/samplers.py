@@ -14,10 +14,6 @@ def _zero_or_less(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value <= 0
 
 
-def _empty(value: Any) -> bool:
-    return value in ("", None, [], {})
-
-
 OFF_WHEN: dict[str, Callable[[Any], bool]] = {
     "mirostat": _zero_or_less, "dry_multiplier": _zero_or_less, "xtc_probability": _zero_or_less,
     "top_n_sigma": _zero_or_less, "dynatemp_range": _zero_or_less,

@@ -17,9 +17,9 @@ from kvstream.api import (
     responses_file, routes_llamacpp, routes_responses,
 )
 from kvstream.api.background import BACKGROUND, BackgroundRuns
-from kvstream.api.stream_sessions import STREAM_SESSIONS, StreamSessions
 from kvstream.api.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware
 from kvstream.api.state import CACHE_SALT, KEY_IN_FLIGHT, STATE, AppState, KeyInFlight
+from kvstream.api.stream_sessions import STREAM_SESSIONS, StreamSessions
 from kvstream.types import BackendError
 from kvstream.config import Settings
 from kvstream.engine import KVStreamEngine

@@ -155,11 +155,12 @@ class RunnerRequest:
     # rerun scores nothing twice). ``scoring`` until the prompt is scored.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     scoring: bool = False
-    # Report the prompt's computation (llama-server's return_progress): when it began (None:
-    # no reports), and the most tokens reported computed, so reports only ever go forward
-    # (a recompute preemption computes the prompt again).
-    progress_from: float | None = None
-    progress_cache: int = 0  # prompt tokens the cache (or a blend) held at admission
+    # Report the prompt's computation (llama-server's return_progress): from when (its first
+    # admission), what the cache (or a blend) held then, and the most tokens reported computed,
+    # so that reports only go forward (a recompute preemption computes the prompt again).
+    reports_progress: bool = False
+    progress_from: float = 0.0
+    progress_cache: int = 0
     progress_reported: int = 0
 
 
@@ -311,7 +312,7 @@ class ModelRunner:
         self.scheduler.check_fits(seq)
         req = RunnerRequest(seq, params, IncrementalDetokenizer(self.tokenizer, params.stop), sink, params.make_generator())
         req.blend = blend
-        req.progress_from = 0.0 if progress else None  # the clock starts at admission
+        req.reports_progress = progress
         if params.prompt_logprobs is not None:
             req.scoring = True
             seq.max_reused_tokens = 0  # until the kept scores say more (_take_inbox)
@@ -429,7 +430,7 @@ class ModelRunner:
                 req.events.append(TokenEvent("admitted"))
             if req.blend is not None and self.rotary is not None:
                 self._blend_prefill(req)
-            if first and req.progress_from is not None:
+            if first and req.reports_progress:
                 req.progress_from = time.perf_counter()
                 req.progress_cache = req.num_computed
                 self._report_progress(req, 0.0)  # nothing computed yet
@@ -678,7 +679,7 @@ class ModelRunner:
                 counters.prefill_tokens += take
             req.num_computed += take
             bm.commit(req.seq.seq_id, req.num_computed)
-            if req.progress_from is not None and req.num_generated == 0 and req.num_computed > req.progress_reported:
+            if req.reports_progress and req.num_generated == 0 and req.num_computed > req.progress_reported:
                 self._report_progress(req, (time.perf_counter() - req.progress_from) * 1000)
         if scored:
             self._score_prompts(logits[len(logit_rows):], scored)

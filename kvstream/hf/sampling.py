@@ -83,7 +83,7 @@ class SamplingParams:
         if self.post_sampling_probs and (self.json_object or self.json_schema is not None or self.pattern is not None):
             # A constraint draws from that distribution restricted to what it accepts, which
             # is never computed whole: probabilities of it would be made up.
-            raise ValueError("post_sampling_probs cannot be combined with a JSON constraint")
+            raise ValueError("post_sampling_probs cannot be combined with a constraint on the answer (JSON, a grammar)")
         if self.thinking_budget is not None and self.thinking_budget < 0:
             raise ValueError("thinking_token_budget must be >= 0")
         for k in (self.logprobs, self.prompt_logprobs):
