@@ -253,6 +253,7 @@ async def test_post_sampling_probs_are_the_distribution_drawn_from(hf_proxy, smo
     ({"prompt": [10 ** 9]}, "prompt"),
     ({"prompt": "x", "mirostat": 2}, "mirostat"),
     ({"prompt": "x", "grammar": "root ::= a"}, "grammar"),  # an undefined rule
+    ({"prompt": "x", "grammar": "root ::= \"a\"", "grammar_lazy": True}, "grammar_lazy"),
     ({"prompt": "x", "grammar": "root ::= \"a\"", "json_schema": {"type": "object"}}, "grammar"),
     ({"prompt": "x", "n_probs": 50}, "n_probs"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
@@ -283,7 +284,7 @@ async def test_bad_completions_are_400s_in_llama_servers_shape(hf_proxy, body, p
             assert "response_format" not in error["error"]["message"]
         status, fine = await post(session, hf_proxy.url + "/completion", {
             "prompt": "x", "n_predict": 1, "mirostat": 0, "dry_multiplier": 0, "xtc_probability": 0, "top_n_sigma": -1,
-            "grammar": "", "cache_prompt": True, "id_slot": -1, "samplers": ["top_k", "temperature"],
+            "grammar": "", "grammar_lazy": False, "cache_prompt": True, "id_slot": -1, "samplers": ["top_k", "temperature"],
             "dynatemp_range": 0, "xtc_threshold": 0.1, "lora": [], "post_sampling_probs": False})
         assert status == 200 and fine["tokens_predicted"] == 1
 
