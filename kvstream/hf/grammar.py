@@ -27,6 +27,9 @@ class GrammarError(ValueError):
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "[": "[", "]": "]", "-": "-", "^": "^", "/": "/"}
 HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+NAME = regex.compile(r"[A-Za-z0-9_-]+")
+RULE_START = regex.compile(r"[A-Za-z0-9_-]+[ \t]*::=")
+REPETITION = regex.compile(r"\{\s*([0-9]*)\s*(,?)\s*([0-9]*)\s*\}")
 
 
 def _char(text: str) -> str:
@@ -65,7 +68,7 @@ class _Reader:
                 return
 
     def name(self) -> str:
-        match = regex.compile(r"[A-Za-z0-9_-]+").match(self.text, self.pos)
+        match = NAME.match(self.text, self.pos)
         if match is None:
             raise self.error("expected a rule name")
         self.pos = match.end()
@@ -73,7 +76,7 @@ class _Reader:
 
     def at_rule_start(self) -> bool:
         """Whether a new rule (``name ::=``) begins here."""
-        return regex.compile(r"[A-Za-z0-9_-]+[ \t]*::=").match(self.text, self.pos) is not None
+        return RULE_START.match(self.text, self.pos) is not None
 
     def group(self, name: str) -> str:
         return self.groups.setdefault(name, f"r{len(self.groups)}")
@@ -223,7 +226,7 @@ class _Reader:
             return atom + c, ("rep", shape, 1 if c == "+" else 0)
         if c != "{":
             return atom, shape
-        match = regex.compile(r"\{\s*([0-9]*)\s*(,?)\s*([0-9]*)\s*\}").match(self.text, self.pos)
+        match = REPETITION.match(self.text, self.pos)
         if match is None or (not match.group(1) and not match.group(2)):
             raise self.error("a repetition is {m}, {m,}, {m,n} or {,n}")
         self.pos = match.end()
@@ -300,4 +303,7 @@ def gbnf_pattern(text: str) -> str:
     GrammarError, saying where, for what cannot be read or followed."""
     if not isinstance(text, str):
         raise GrammarError("a grammar is a string")
-    return _Reader(text).read()
+    try:
+        return _Reader(text).read()
+    except RecursionError:
+        raise GrammarError("the grammar nests its groups too deep") from None

@@ -9,9 +9,9 @@ few candidates per step. The answer ends where it is a whole match that no byte 
 the model's end token.
 
 An expression a client wrote (a grammar, a regex) may backtrack for a long time on some text:
-its matches share a budget of time per token (``budget_s``); past it the constraint gives up
-(``failed``) and the engine ends that request with an error, so that no client's expression
-stalls the steps every other request shares.
+its matches share a budget of time per token (``budget_s``) and, ten times that, per answer;
+past either the constraint gives up (``failed``) and the engine ends that request with an
+error, so that no client's expression stalls the steps every other request shares for long.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from kvstream.hf.token_bytes import first_byte_mask
 
 CLIENT_BUDGET_S = 0.25  # matching time one token of a client's expression may take
+ANSWER_BUDGETS = 40  # ... and a whole answer, in those budgets (10 s)
 
 
 class PatternError(ValueError):
@@ -53,10 +54,11 @@ class PatternConstraint:
     ``banned`` tokens never belong to the text (special tokens); of them, ``end_ids`` (the
     model's end tokens) may end it where the text is a whole match that could still go on.
     ``budget_s``: the matching time one token may take (None: unbounded, for expressions
-    KVStream writes itself)."""
+    KVStream writes itself); ``answer_budget_s`` the whole answer (default: ``ANSWER_BUDGETS``
+    times ``budget_s``)."""
 
     def __init__(self, pattern: Any, token_bytes: Callable[[int], bytes], banned: Iterable[int],
-                 end_ids: Iterable[int] = (), budget_s: float | None = None) -> None:
+                 end_ids: Iterable[int] = (), budget_s: float | None = None, answer_budget_s: float | None = None) -> None:
         self.pattern = pattern
         self.token_bytes = token_bytes
         self.banned = frozenset(banned)
@@ -67,6 +69,7 @@ class PatternConstraint:
         self.done = False  # ... and nothing can follow it: the answer ends
         self.failed = False  # the budget ran out: the answer cannot be held to the expression
         self._deadline: float | None = None  # this token's budget, from its first match
+        self._left_s = None if budget_s is None else answer_budget_s or budget_s * ANSWER_BUDGETS  # the answer's
         # First bytes already judged in this state: a token that begins with one the text
         # cannot continue with is refused without matching (most candidates a forced key or
         # brace turns down share a few first bytes).
@@ -75,7 +78,7 @@ class PatternConstraint:
     def copy(self) -> PatternConstraint:
         other = PatternConstraint(self.pattern, self.token_bytes, (), budget_s=self.budget_s)
         other.banned, other.end_ids, other.text = self.banned, self.end_ids, self.text
-        other.complete, other.done, other.failed = self.complete, self.done, self.failed
+        other.complete, other.done, other.failed, other._left_s = self.complete, self.done, self.failed, self._left_s
         return other
 
     def _match(self, text: str, partial: bool) -> bool:
@@ -87,11 +90,17 @@ class PatternConstraint:
         now = time.perf_counter()
         if self._deadline is None:
             self._deadline = now + self.budget_s
+        assert self._left_s is not None
+        timeout = min(self._deadline - now, self._left_s)
         try:
-            return self.pattern.fullmatch(text, partial=partial, timeout=max(self._deadline - now, 1e-6)) is not None
+            if timeout <= 0:
+                raise TimeoutError
+            return self.pattern.fullmatch(text, partial=partial, timeout=timeout) is not None
         except TimeoutError:
             self.failed = True
             return False
+        finally:
+            self._left_s -= time.perf_counter() - now
 
     def _continues(self, data: bytes) -> bool:
         try:

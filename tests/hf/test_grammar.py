@@ -95,6 +95,7 @@ def test_gbnf_recursion_takes_what_the_grammar_says_and_partial_prefixes():
     ('root ::= "a"{3,1}', "bounds"),
     ('root "a"', "expected '::='"),
     ("", "empty"),
+    ("root ::= " + "(" * 5000 + '"a"' + ")" * 5000, "too deep"),
 ])
 def test_gbnf_that_cannot_be_read_or_followed_says_where(grammar, complaint):
     with pytest.raises(GrammarError, match=regex.escape(complaint)):
@@ -135,6 +136,12 @@ def test_an_expression_that_backtracks_without_end_fails_within_its_budget_not_t
     assert not constraint.accepts(1) and constraint.failed
     assert not constraint.accepts(2)  # given up: nothing more is accepted
     assert not constraint.candidates(3).any()
+    # Each token within its budget, but the answer past ten times it: given up too.
+    cheap = PatternConstraint(compile_pattern("x*"), spelled.__getitem__, (), budget_s=10.0, answer_budget_s=0.01)
+    while not cheap.failed:
+        assert cheap.accepts(0)
+        cheap.advance(0)
+    assert len(cheap.text) > 8 and not cheap.accepts(0)
     unbounded = PatternConstraint(compile_pattern("(x|x|x)*y"), spelled.__getitem__, ())
     assert unbounded.accepts(2) and not unbounded.failed
 
