@@ -137,12 +137,7 @@ class _Reader:
         if c == '"':
             self.pos += 1
             chars = []
-            while True:
-                if self.pos >= len(self.text):
-                    raise self.error("a literal is not closed")
-                if self.text[self.pos] == '"':
-                    self.pos += 1
-                    break
+            while not self.closes('"', "a literal"):
                 chars.append(self.character())
             return "".join(_char(ch) for ch in chars), ("text", not chars)
         if c == "[":
@@ -165,6 +160,15 @@ class _Reader:
         name = self.name()
         self.referenced.setdefault(name, where)
         return f"(?&{self.group(name)})", ("call", name)
+
+    def closes(self, end: str, what: str) -> bool:
+        """Whether ``end`` closes ``what`` here (then read past it); an error at the text's end."""
+        if self.pos >= len(self.text):
+            raise self.error(f"{what} is not closed")
+        if self.text[self.pos] == end:
+            self.pos += 1
+            return True
+        return False
 
     def character(self) -> str:
         """One character of a literal or class, its escape read."""
@@ -195,12 +199,7 @@ class _Reader:
         if negated:
             self.pos += 1
         parts = []
-        while True:
-            if self.pos >= len(self.text):
-                raise self.error("a character class is not closed")
-            if self.text[self.pos] == "]":
-                self.pos += 1
-                break
+        while not self.closes("]", "a character class"):
             low = self.character()
             if self.text.startswith("-", self.pos) and not self.text.startswith("-]", self.pos):
                 self.pos += 1
