@@ -122,9 +122,10 @@ class StreamSessions:
         for key, session in list(self._sessions.items()):
             if session.ended_at is not None and now - session.ended_at > KEEP_ENDED_S:
                 del self._sessions[key]
-        ended = sorted((s.ended_at, key) for key, s in self._sessions.items() if s.ended_at is not None)
+        ended = sorted((key for key, s in self._sessions.items() if s.ended_at is not None),
+                       key=lambda key: self._sessions[key].ended_at or 0.0)
         while len(self._sessions) >= MAX_SESSIONS and ended:
-            del self._sessions[ended.pop(0)[1]]
+            del self._sessions[ended.pop(0)]
         if len(self._sessions) >= MAX_SESSIONS:
             raise APIError(429, f"Too many resumable streams running ({MAX_SESSIONS}); send it without "
                                 f"{CONVERSATION_HEADER}, or later.", code="too_many_stream_sessions")
