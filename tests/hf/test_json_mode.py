@@ -320,7 +320,7 @@ def test_a_root_that_is_not_an_object_ends_when_whole_and_a_number_with_the_end_
     const.advance(3)
     assert const.done and not const.accepts(7)  # closed: it ends here, no end token asked
     items = PatternConstraint(compile_schema({"type": "array", "items": {"type": "integer"}}), spelled.__getitem__,
-                                 banned={7}, end_ids={7})
+                              banned={7}, end_ids={7})
     for token in (4, 0, 5):
         assert items.accepts(token)
         items.advance(token)
