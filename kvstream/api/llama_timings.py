@@ -2,19 +2,22 @@
 ``timings`` (what the prompt and the generation took, in its own terms) and the
 ``prompt_progress`` reports a streamed request asks for with ``return_progress``.
 
-Its definitions, which its own tests check: the prompt's time runs from the answer's start to
-its first token, less the time it queued; the generation's from the first token to the last,
-its rate over the steps after the first (the first token came with the prompt), 0 with one
-token. ``cache_n`` prompt tokens were found cached, ``prompt_n`` computed.
+Its definitions, which its own tests check: the prompt's time runs from the request's
+admission to its first token; the generation's from the first token to the last, its rate over
+the steps after the first (the first token came with the prompt), 0 with one token.
+``cache_n`` prompt tokens were found cached, ``prompt_n`` computed. The times are those the
+engine stamps on the generation, so the answers' timings and the ``llamacpp:`` series agree.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvstream.engine import Generation
 from kvstream.types import PromptProgress
+
+if TYPE_CHECKING:
+    from kvstream.engine import Generation
 
 
 def wants(body: dict[str, Any], name: str) -> bool:
@@ -43,35 +46,13 @@ def progress_timings(progress: PromptProgress) -> dict[str, Any]:
 
 def of_generation(gen: Generation) -> dict[str, Any]:
     """The timings of ``gen`` now: its prompt from admission to the first token, its tokens
-    as the engine counted them."""
+    as the engine counted them (once it ended, as its usage says)."""
     now = time.monotonic()
     first = gen.first_token_at or now
     admitted = gen.seq.admitted_at if gen.seq.admitted_at is not None else gen.submitted_at
-    cached, prompt = gen.seq.num_cached_tokens, len(gen.seq.prompt_token_ids)
-    return timings(cached, prompt - cached, max(0.0, first - admitted) * 1000, gen.num_tokens, (now - first) * 1000)
-
-
-class AnswerClock:
-    """The times of one answer, started as its request is submitted: ``token()`` at each
-    generated token, ``timings()`` at any point (streamed with ``timings_per_token``) or at
-    the end."""
-
-    def __init__(self) -> None:
-        self.started_at = time.perf_counter()
-        self.first_at = 0.0
-        self.predicted = 0
-
-    def token(self, count: int = 1) -> None:
-        """``count`` tokens generated now (0: text with no token of its own)."""
-        if not self.first_at:
-            self.first_at = time.perf_counter()
-        self.predicted += count
-
-    def timings(self, prompt_tokens: int, cached: int, queue_ms: float, predicted: int | None = None) -> dict[str, Any]:
-        """The timings now: ``prompt_tokens`` in all, ``cached`` of them found cached,
-        ``predicted`` tokens generated (default: those counted)."""
-        now = time.perf_counter()
-        first = self.first_at or now
-        prompt_ms = max(0.0, (first - self.started_at) * 1000 - queue_ms)
-        return timings(cached, prompt_tokens - cached, prompt_ms, self.predicted if predicted is None else predicted,
-                       (now - first) * 1000)
+    usage = gen.usage
+    prompt = usage.prompt_tokens if usage is not None else len(gen.seq.prompt_token_ids)
+    cached = (usage.cached_tokens or 0) if usage is not None else gen.seq.num_cached_tokens
+    predicted = usage.completion_tokens if usage is not None else gen.num_tokens
+    ended = gen.last_token_at if usage is not None and gen.last_token_at is not None else now
+    return timings(cached, prompt - cached, max(0.0, first - admitted) * 1000, predicted, max(0.0, ended - first) * 1000)

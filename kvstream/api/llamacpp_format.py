@@ -29,13 +29,16 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstream.api import llama_timings
 from kvstream.api.errors import APIError
 from kvstream.api.schemas import MAX_BATCH_PROMPTS
 from kvstream.samplers import OFF_WHEN
-from kvstream.types import GenerateRequest, InfillParts, Token, TokenLogprob, Usage
+from kvstream.types import GenerateRequest, InfillParts, Token, TokenLogprob
+
+if TYPE_CHECKING:
+    from kvstream.engine import Generation
 
 # llama-server's sampling defaults (common/common.h), used where the body leaves one out.
 DEFAULTS: dict[str, Any] = {
@@ -327,14 +330,13 @@ class CompletionAnswer:
         self.content: list[str] = []
         self.tokens: list[int] = []
         self.probabilities: list[dict[str, Any]] = []
-        self.clock = llama_timings.AnswerClock()  # made as the request is submitted
-        self.queue_ms = 0.0  # the time it queued, once admitted (a streamed answer's timings)
-        self.cached = 0  # prompt tokens found cached, once admitted
 
-    def add(self, token: Token, prompt_tokens: int) -> dict[str, Any] | None:
-        """Take one token; the partial object a stream sends for it (None: nothing to send)."""
+    def add(self, token: Token, gen: Generation) -> dict[str, Any] | None:
+        """Take one token of ``gen``; the partial object a stream sends for it (None: nothing
+        to send)."""
         if token.echo:  # n_predict 0: the prompt alone, not answered
             return None
+        prompt_tokens = len(gen.seq.prompt_token_ids)
         if token.progress is not None:  # return_progress: how far the prompt is computed
             report = {"index": self.index, "content": "", "tokens": [], "stop": False, "id_slot": 0, "tokens_predicted": 0,
                       "tokens_evaluated": prompt_tokens, "prompt_progress": token.progress.as_json()}
@@ -342,7 +344,6 @@ class CompletionAnswer:
                 report["timings"] = llama_timings.progress_timings(token.progress)
             return report
         ids = [token.token_id] if token.token_id is not None else []
-        self.clock.token(len(ids))
         self.content.append(token.text)
         self.tokens += ids
         probabilities = [_probability(entry, self.post_sampling) for entry in token.token_logprobs or ()] if self.request.logprobs else []
@@ -350,19 +351,18 @@ class CompletionAnswer:
         if not token.text and not ids:
             return None
         partial = {"index": self.index, "content": token.text, "tokens": ids, "stop": False, "id_slot": 0,
-                   "tokens_predicted": self.clock.predicted, "tokens_evaluated": prompt_tokens}
+                   "tokens_predicted": len(self.tokens), "tokens_evaluated": prompt_tokens}
         if probabilities:
             partial["completion_probabilities"] = probabilities
         if self.timings_per_token:
-            partial["timings"] = self.clock.timings(prompt_tokens, self.cached, self.queue_ms)
+            partial["timings"] = llama_timings.of_generation(gen)
         return partial
 
-    def final(self, last: Token, usage: Usage | None, queue_ms: float, prompt_text: str, streamed: bool) -> dict[str, Any]:
-        """The final object (streamed: without the content and tokens already sent). The
-        prompt's time is from submission to the first token less the time queued."""
+    def final(self, last: Token, gen: Generation, prompt_text: str, streamed: bool) -> dict[str, Any]:
+        """The final object of ``gen`` (streamed: without the content and tokens already sent)."""
+        usage = gen.usage
         prompt_n = usage.prompt_tokens if usage is not None else 0
-        cached = (usage.cached_tokens or 0) if usage is not None else 0
-        predicted = usage.completion_tokens if usage is not None else self.clock.predicted
+        predicted = usage.completion_tokens if usage is not None else len(self.tokens)
         content = "".join(self.content)
         request = self.request
         if last.finish_reason == "length":
@@ -399,7 +399,7 @@ class CompletionAnswer:
             "stop_type": stop_type,
             "stopping_word": last.stop_sequence or "",
             "tokens_cached": prompt_n + predicted,
-            "timings": self.clock.timings(prompt_n, cached, queue_ms, predicted),
+            "timings": llama_timings.of_generation(gen),
         }
         if request.logprobs and not streamed:
             whole["completion_probabilities"] = self.probabilities

@@ -362,13 +362,12 @@ async def _running(state: AppState, generate: GenerateRequest, priority: Priorit
 async def _whole(state: AppState, generate: GenerateRequest, answer: CompletionAnswer, priority: Priority,
                  arrived_at: float) -> dict[str, Any]:
     async with _running(state, generate, priority, arrived_at) as run:
-        prompt_tokens = len(run.gen.seq.prompt_token_ids)
         token = await _next(run.stream)
         while token.finish_reason is None:
-            answer.add(token, prompt_tokens)
+            answer.add(token, run.gen)
             token = await _next(run.stream)
-        answer.add(token, prompt_tokens)
-        whole = answer.final(token, run.gen.usage, run.gen.queue_ms, _prompt_text(state, run.gen.seq.prompt_token_ids),
+        answer.add(token, run.gen)
+        whole = answer.final(token, run.gen, _prompt_text(state, run.gen.seq.prompt_token_ids),
                              streamed=False)
         run.outcome = "finished"
         return whole
@@ -390,8 +389,6 @@ async def _stream(request: web.Request, generate: GenerateRequest, answer: Compl
                   arrived_at: float, headers: dict[str, str]) -> web.StreamResponse:
     state = request.app[STATE]
     async with _running(state, generate, priority, arrived_at) as run:
-        prompt_tokens = len(run.gen.seq.prompt_token_ids)
-        answer.queue_ms, answer.cached = run.gen.queue_ms, run.gen.seq.num_cached_tokens
         token = await _next(run.stream)  # a failure before the first token is an HTTP error with its status
         out = GuardedResponse(headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                  "X-Accel-Buffering": "no"})
@@ -399,7 +396,7 @@ async def _stream(request: web.Request, generate: GenerateRequest, answer: Compl
         try:
             held: list[bytes] = []
             while True:
-                partial = answer.add(token, prompt_tokens)
+                partial = answer.add(token, run.gen)
                 if partial is not None:
                     held.append(_event(partial))
                 if token.finish_reason is not None:
@@ -408,7 +405,7 @@ async def _stream(request: web.Request, generate: GenerateRequest, answer: Compl
                     await out.write(b"".join(held))
                     held.clear()
                 token = await _next(run.stream)
-            final = answer.final(token, run.gen.usage, run.gen.queue_ms, _prompt_text(state, run.gen.seq.prompt_token_ids),
+            final = answer.final(token, run.gen, _prompt_text(state, run.gen.seq.prompt_token_ids),
                                  streamed=True)
             await out.write_eof(b"".join(held) + _event(final))
             run.outcome = "finished"
