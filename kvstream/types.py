@@ -315,6 +315,13 @@ class Token:
     # the first generated token: not a token either.
     progress: PromptProgress | None = None
 
+    @property
+    def generated(self) -> bool:
+        """Whether this step is generated text (or the stream's end), as opposed to the end of
+        one choice among several, the echoed prompt or a progress report: what the engine
+        counts and times as tokens."""
+        return self.choice_finish_reason is None and not self.echo and self.progress is None
+
     def chat_delta(self) -> dict[str, Any]:
         if self.delta is not None:
             return self.delta

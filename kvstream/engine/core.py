@@ -185,8 +185,7 @@ class Generation:
             metrics.overhead.observe(max(0.0, self.upstream_at - self.arrived_at - (self.admitted_at - self.submitted_at)))
         async with contextlib.aclosing(engine.runner.stream(self)) as tokens:
             async for token in tokens:
-                # A choice ended, the prompt echoed, the prompt's progress: no token.
-                if token.choice_finish_reason is not None or token.echo or token.progress is not None:
+                if not token.generated:  # a choice ended, the prompt echoed, its progress
                     yield token
                     continue
                 if token.finish_reason is None:
