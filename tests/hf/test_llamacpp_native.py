@@ -742,3 +742,36 @@ async def test_a_stream_sent_with_a_conversation_id_can_be_followed_again_and_st
             async with session.get(hf_proxy.url + "/v1/stream" + query) as response:
                 assert response.status == status, query
                 assert set((await response.json())["error"]) == {"code", "message", "type"}
+
+
+async def test_a_recorded_stream_the_engine_fails_ends_with_the_error_and_frees_everything(hf_proxy, monkeypatch):
+    """The engine failing mid-way through a recorded stream (``X-Conversation-Id``): the
+    recording ends with the error event and no ``[DONE]``, a follower leaving half-way leaves
+    the recording whole, and the slot and blocks are released."""
+    from kvstream.hf import compat
+    from tests.conftest import wait_released
+
+    real = compat.forward_logits
+    calls = {"n": 0}
+
+    def dies(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise RuntimeError("device fell over")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compat, "forward_logits", dies)
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Count to fifty."}], "max_tokens": 40,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(hf_proxy.v1 + "/chat/completions", json=body,
+                                headers={"X-Conversation-Id": "failing"}) as response:
+            assert response.status == 200
+            sent = await response.read()
+        assert b"[DONE]" not in sent and b'"error"' in sent and b'"content":' in sent
+        async with session.get(hf_proxy.url + "/v1/stream?conv_id=failing&from=0") as follower:
+            assert await follower.content.readany()  # leaves after its first bytes
+        async with session.get(hf_proxy.url + "/v1/stream?conv_id=failing&from=0") as response:
+            assert await response.read() == sent
+        await wait_released(hf_proxy)
+        assert not hf_proxy.engine._generations and hf_proxy.engine.scheduler.bm.is_idle()
