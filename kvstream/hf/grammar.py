@@ -3,7 +3,8 @@ of the ``regex`` module, whose recursive groups take what a context-free grammar
 
 Each rule becomes a named group in a ``(?(DEFINE)...)`` block and each reference a call to it
 (``(?&name)``), so a grammar may be recursive (nested parentheses, JSON); the answer is what
-``root`` matches whole. Read as llama.cpp reads it (its grammars/README.md): ``name ::= ...``
+``root`` matches whole (followed token by token by pattern_machine.py, which reads these
+groups and calls as recursive rules). Read as llama.cpp reads it (its grammars/README.md): ``name ::= ...``
 rules, ``"literals"`` and ``[character classes]`` with its escapes (``\\n``, ``\\t``, ``\\r``,
 ``\\\\``, ``\\"``, ``\\]``, ``\\[``, ``\\xHH``, ``\\uHHHH``, ``\\UHHHHHHHH``), ``[^...]``, ``.`` (any
 character), ``( ... )`` groups, ``|`` alternatives, ``*``, ``+``, ``?`` and ``{m}``, ``{m,}``,

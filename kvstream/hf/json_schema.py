@@ -15,9 +15,8 @@ way the expression does not (``pattern``, ``minimum``, ``allOf``, ``patternPrope
 ...) is refused (``SchemaError``, a 400 naming it), never ignored; annotations (``title``,
 ``description``, ``format``, ``default``, ...) are ignored, as they constrain nothing.
 
-``pattern_constraint.PatternConstraint`` holds the answer to the expression, asking the
-``regex`` module (a dependency of transformers) whether the text so far plus a candidate
-token is a prefix of some match.
+``pattern_constraint.PatternConstraint`` holds the answer to the expression, following it
+one character at a time (pattern_machine.py).
 """
 
 from __future__ import annotations

@@ -2,16 +2,20 @@
 schema's expression, json_schema.py), grammars (GBNF, grammar.py), vLLM's ``guided_regex``
 and ``guided_choice``.
 
-The ``regex`` module (a dependency of transformers) says whether the text so far plus a
-candidate token is a prefix of some match (``partial=True``): about 2 us for a short answer, a
-few candidates per step. The answer ends where it is a whole match that no byte can continue
-(a closed object, a closing quote), or, where it is whole but could go on (a number), with
-the model's end token.
+Two ways to follow it. Where pattern_machine.py reads the expression (every schema's and
+grammar's, most of clients'), the constraint keeps the set of places the text has reached
+and a candidate token costs its own characters. Otherwise the ``regex`` module (a dependency
+of transformers) says whether the text so far plus a candidate is a prefix of some match
+(``partial=True``), reading the whole text each time. Either way the answer ends where it is a
+whole match that no character can continue (a closed object, a closing quote), or, where it
+is whole but could go on (a number), with the model's end token.
 
-An expression a client wrote (a grammar, a regex) may backtrack for a long time on some text:
-its matches share a budget of time per token (``budget_s``) and, ten times that, per answer;
-past either the constraint gives up (``failed``) and the engine ends that request with an
-error, so that no client's expression stalls the steps every other request shares for long.
+An expression a client wrote (a grammar, a regex) may backtrack for a long time on some text
+in the ``regex`` module: its matches share a budget of time per token (``budget_s``) and, ten
+times that, per answer; past either the constraint gives up (``failed``) and the engine ends
+that request with an error, so that no client's expression stalls the steps every other
+request shares for long. The machine's work per character is bounded instead (its
+``MAX_PLACES``); an expression past that goes on in the ``regex`` module, under the budget.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import regex
 import torch
 
+from kvstream.hf.pattern_machine import Machine, State, TooComplex, machine_for, partial_span
 from kvstream.hf.token_bytes import first_byte_mask
 
 CLIENT_BUDGET_S = 0.25  # matching time one token of a client's expression may take
@@ -53,12 +58,14 @@ class PatternConstraint:
 
     ``banned`` tokens never belong to the text (special tokens); of them, ``end_ids`` (the
     model's end tokens) may end it where the text is a whole match that could still go on.
-    ``budget_s``: the matching time one token may take (None: unbounded, for expressions
-    KVStream writes itself); ``answer_budget_s`` the whole answer (default: ``ANSWER_BUDGETS``
-    times ``budget_s``)."""
+    ``budget_s``: the matching time one token may take in the ``regex`` module (None:
+    unbounded, for expressions KVStream writes itself); ``answer_budget_s`` the whole answer
+    (default: ``ANSWER_BUDGETS`` times ``budget_s``). ``incremental=False`` asks the regex
+    module even where the machine could follow the expression (to compare the two)."""
 
     def __init__(self, pattern: Any, token_bytes: Callable[[int], bytes], banned: Iterable[int],
-                 end_ids: Iterable[int] = (), budget_s: float | None = None, answer_budget_s: float | None = None) -> None:
+                 end_ids: Iterable[int] = (), budget_s: float | None = None, answer_budget_s: float | None = None,
+                 incremental: bool = True) -> None:
         self.pattern = pattern
         self.token_bytes = token_bytes
         self.banned = frozenset(banned)
@@ -70,17 +77,66 @@ class PatternConstraint:
         self.failed = False  # the budget ran out: the answer cannot be held to the expression
         self._deadline: float | None = None  # this token's budget, from its first match
         self._left_s = None if budget_s is None else answer_budget_s or budget_s * ANSWER_BUDGETS  # the answer's
-        # First bytes already judged in this state: a token that begins with one the text
-        # cannot continue with is refused without matching (most candidates a forced key or
-        # brace turns down share a few first bytes).
+        # The incremental way (None: the regex module's): the places the text has reached,
+        # and the bytes of a character not yet whole.
+        self.machine: Machine | None = machine_for(pattern.pattern) if incremental else None
+        self._state: State = frozenset()
+        self._pending = b""
+        if self.machine is not None:
+            try:
+                self._state = self.machine.start()
+            except TooComplex:
+                self.machine = None
+            else:
+                self.complete = Machine.whole(self._state)
+                self.done = self._state == {None}
+        # Bytes already judged as the next one in this state: a token that begins with one
+        # the text cannot continue with is refused without matching (most candidates a
+        # forced key or brace turns down share a few first bytes).
         self._first: dict[int, bool] = {}
 
     def copy(self) -> PatternConstraint:
-        other = PatternConstraint(self.pattern, self.token_bytes, (), budget_s=self.budget_s)
-        other.banned, other.end_ids, other.text = self.banned, self.end_ids, self.text
-        other.complete, other.done, other.failed, other._left_s = self.complete, self.done, self.failed, self._left_s
+        other = PatternConstraint.__new__(PatternConstraint)
+        other.__dict__.update(self.__dict__)
+        other._first, other._deadline = {}, None
         return other
 
+    # ------------------------------------------------------------ the machine's way
+    def _reached(self, data: bytes) -> tuple[State, bytes] | None:
+        """The state and unfinished character after ``data`` follows the text (None: the
+        text cannot go on so)."""
+        assert self.machine is not None
+        data = self._pending + data
+        try:
+            chars, tail = data.decode(), b""
+        except UnicodeDecodeError as exc:
+            if exc.start < len(data) - 3 or exc.reason != "unexpected end of data":
+                return None
+            chars, tail = data[: exc.start].decode(), data[exc.start :]
+        state = self._state
+        for ch in chars:
+            state = self.machine.step(state, ch)
+            if not state:
+                return None
+        if tail:
+            span = partial_span(tail)
+            if span is None or not any(head.may_contain(*span) for head in Machine.heads(state)):
+                return None
+        return state, tail
+
+    def _machine_continues(self, data: bytes) -> bool:
+        try:
+            return self._reached(data) is not None
+        except TooComplex:  # go on in the regex module, under the budget
+            self.machine = None
+            return self._regex_continues(data)
+
+    def _machine_first_bytes(self) -> list[int]:
+        if self._pending:
+            return [b for b in range(0x80, 0xC0) if self._first_ok(b)]
+        return sorted(set().union(*(head.first_bytes() for head in Machine.heads(self._state))))
+
+    # ------------------------------------------------------------ the regex module's way
     def _match(self, text: str, partial: bool) -> bool:
         """Whether ``text`` is a match (``partial``: a prefix of one), within the budget."""
         if self.failed:
@@ -102,7 +158,7 @@ class PatternConstraint:
         finally:
             self._left_s -= time.perf_counter() - now
 
-    def _continues(self, data: bytes) -> bool:
+    def _regex_continues(self, data: bytes) -> bool:
         try:
             text = self._decoded(self.text + data)
         except UnicodeDecodeError:
@@ -119,6 +175,10 @@ class PatternConstraint:
             if exc.start < len(data) - 3 or exc.reason != "unexpected end of data":
                 raise
             return data[: exc.start].decode() + "\u00e9"
+
+    # ------------------------------------------------------------ either way
+    def _continues(self, data: bytes) -> bool:
+        return self._machine_continues(data) if self.machine is not None else self._regex_continues(data)
 
     def _first_ok(self, byte: int) -> bool:
         first = self._first.get(byte)
@@ -138,18 +198,34 @@ class PatternConstraint:
 
     def candidates(self, vocab: int) -> torch.Tensor:
         """A ``[vocab]`` mask of the tokens whose first byte the text can continue with: no
-        other can be accepted (256 first bytes judged, instead of every token)."""
+        other can be accepted."""
         if self.done or self.failed:
             return torch.zeros(vocab, dtype=torch.bool)
-        mask = first_byte_mask(self.token_bytes, [b for b in range(256) if self._first_ok(b)], vocab)
+        if self.machine is not None:
+            allowed = self._machine_first_bytes()
+        else:  # 256 first bytes judged, instead of every token
+            allowed = [b for b in range(256) if self._first_ok(b)]
+        mask = first_byte_mask(self.token_bytes, allowed, vocab)
         if self.complete:
             mask[[t for t in self.end_ids if t < vocab]] = True
         return mask
 
     def advance(self, token_id: int) -> None:
-        self.text += self.token_bytes(token_id)
+        raw = self.token_bytes(token_id)
+        self.text += raw
         self._first = {}
         self._deadline = None  # a new token, a new budget
+        if self.machine is not None:
+            try:
+                reached = self._reached(raw)
+            except TooComplex:
+                self.machine = None
+            else:
+                # A token the constraint did not accept (a sampler's last resort): nothing follows.
+                self._state, self._pending = reached if reached is not None else (frozenset(), b"")
+                self.complete = not self._pending and Machine.whole(self._state)
+                self.done = self.complete and self._state == {None}
+                return
         try:
             self.complete = self._match(self.text.decode(), partial=False)
         except UnicodeDecodeError:

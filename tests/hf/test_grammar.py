@@ -126,10 +126,13 @@ def test_guided_fields_become_one_constraint_or_a_400_naming_the_field():
 
 
 def test_an_expression_that_backtracks_without_end_fails_within_its_budget_not_the_engine():
-    """A client's expression may take exponential time on some text: its matches for one
-    token share a budget, past which the constraint gives up (``failed``), refusing everything."""
+    """A client's expression the regex module follows (here: one with a lookahead) may take
+    exponential time on some text: its matches for one token share a budget, past which the
+    constraint gives up (``failed``), refusing everything. The incremental machine follows
+    the same expression without the lookahead in time linear in the token."""
     spelled = {0: b"x" * 8, 1: b"xz", 2: b"y"}
-    constraint = PatternConstraint(compile_pattern("(x|x|x)*y"), spelled.__getitem__, (), budget_s=0.05)
+    constraint = PatternConstraint(compile_pattern("(?=[xy])(x|x|x)*y"), spelled.__getitem__, (), budget_s=0.05)
+    assert constraint.machine is None
     for _ in range(3):  # 24 x's: a refused "z" after them backtracks 3**24 ways
         assert constraint.accepts(0)
         constraint.advance(0)
@@ -137,13 +140,21 @@ def test_an_expression_that_backtracks_without_end_fails_within_its_budget_not_t
     assert not constraint.accepts(2)  # given up: nothing more is accepted
     assert not constraint.candidates(3).any()
     # Each token within its budget, but the answer past ten times it: given up too.
-    cheap = PatternConstraint(compile_pattern("x*"), spelled.__getitem__, (), budget_s=10.0, answer_budget_s=0.01)
+    cheap = PatternConstraint(compile_pattern("(?=x)x*"), spelled.__getitem__, (), budget_s=10.0, answer_budget_s=0.01)
     while not cheap.failed:
         assert cheap.accepts(0)
         cheap.advance(0)
     assert len(cheap.text) > 8 and not cheap.accepts(0)
-    unbounded = PatternConstraint(compile_pattern("(x|x|x)*y"), spelled.__getitem__, ())
+    unbounded = PatternConstraint(compile_pattern("(?=[xy])(x|x|x)*y"), spelled.__getitem__, ())
     assert unbounded.accepts(2) and not unbounded.failed
+    followed = PatternConstraint(compile_pattern("(x|x|x)*y"), spelled.__getitem__, (), budget_s=0.05)
+    assert followed.machine is not None
+    for _ in range(30):
+        assert followed.accepts(0)
+        followed.advance(0)
+    assert not followed.accepts(1) and not followed.failed and followed.accepts(2)
+    followed.advance(2)
+    assert followed.complete and followed.done
 
 
 async def test_grammars_and_guided_decoding_through_the_openai_client_and_completion(hf_proxy, oa, http):
@@ -187,17 +198,24 @@ async def test_grammars_and_guided_decoding_through_the_openai_client_and_comple
 
 
 async def test_a_costly_expression_fails_its_request_and_the_others_go_on(oa, smollm2):
-    """A hostile expression ends its own request with an error; a request sharing the steps
-    gets its whole answer. (The model is made to want a space, which the expression refuses:
-    after a run of x's, refusing it backtracks 3**n ways.)"""
+    """A hostile expression the regex module must follow (it has a lookahead) ends its own
+    request with an error; a request sharing the steps gets its whole answer. (The model is
+    made to want a space, which the expression refuses: after a run of x's, refusing it
+    backtracks 3**n ways.) Without the lookahead the incremental machine follows it, at no
+    such cost."""
     from openai import APIError
 
     space = smollm2[2](" ", add_special_tokens=False).input_ids[0]
     ask = [{"role": "user", "content": "Write the letter x forty times."}]
-    hostile = oa.chat.completions.create(model="smollm2", messages=ask, max_tokens=60, temperature=0,
-                                         logit_bias={str(space): 100}, extra_body={"guided_regex": "(x|x|x)*y"})
+
+    def held(expression: str, max_tokens: int = 60):
+        return oa.chat.completions.create(model="smollm2", messages=ask, max_tokens=max_tokens, temperature=0,
+                                          logit_bias={str(space): 100}, extra_body={"guided_regex": expression})
+
     fine = oa.chat.completions.create(model="smollm2", messages=ask, max_tokens=30, temperature=0)
-    results = await asyncio.gather(hostile, fine, return_exceptions=True)
+    results = await asyncio.gather(held("(?=[xy])(x|x|x)*y"), fine, held("(x|x|x)*y", 30), return_exceptions=True)
     assert isinstance(results[0], APIError), results[0].choices[0].message.content
     assert "too long" in str(results[0])
     assert results[1].usage.completion_tokens == 30 or results[1].choices[0].finish_reason == "stop"
+    followed = results[2].choices[0]
+    assert regex.fullmatch("(x|x|x)*y", followed.message.content, partial=True) and followed.finish_reason in ("stop", "length")

@@ -1,0 +1,461 @@
+"""A regular expression followed one character at a time, for ``PatternConstraint``: the
+expressions KVStream writes (a JSON schema's, a GBNF grammar's) and most a client writes.
+
+The ``regex`` module answers "is this text the beginning of a match?" by reading the whole
+text again: under llama.cpp's JSON grammar, a 2 KB answer costs about 5 ms a question and a
+constrained step may ask 256 of them (``benchmarks/pattern_matching.py``), so that a long
+answer slows down quadratically and, past a few KB, runs out of a client's matching budget.
+
+Here the expression is read once into a tree, and the constraint keeps, between tokens, the
+set of places the text so far may have reached. Each place is a continuation, what is left
+to match as a linked list of frames ``((node, index), rest)``: a sequence's frame holds the
+index of its next part, a repetition's the copies matched so far. A candidate then costs its
+own characters, whatever the answer's length, and "nothing can follow" is read off the set.
+Recursive groups (``(?(DEFINE)...)`` and ``(?&name)``: how grammars recurse) are frames like
+any other.
+
+Read: literals and escapes, ``.``, classes (ranges, negation, ``\\d \\w \\s`` and their
+negations, ``\\p{...}``: the ``regex`` module judges those per character), groups (capturing,
+named, ``(?:``), ``|``, ``* + ? {m} {m,} {m,n} {,n}`` and their lazy forms (the same language),
+``(?!)`` (nothing), DEFINE blocks and calls. Anything else (anchors, lookarounds,
+backreferences, inline flags, possessive quantifiers, atomic groups) is ``Unsupported``: the
+constraint asks the ``regex`` module instead. An expression whose places multiply past
+``MAX_PLACES`` at one character (``(a?){0,50000}``, left recursion through calls) raises
+``TooComplex`` there, and the constraint goes on with the ``regex`` module.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import regex
+
+MAX_PLACES = 20_000  # continuations one character's closure may visit
+MAX_STEPS_CACHED = 65_536  # (state, character) -> state entries a machine remembers
+
+
+class Unsupported(ValueError):
+    """An expression using something this reader does not follow."""
+
+
+class TooComplex(RuntimeError):
+    """One character's closure visited more than ``MAX_PLACES`` continuations."""
+
+
+# --------------------------------------------------------------------------- the tree
+class CharSet:
+    """One character from a set: code point ranges, and tests the ``regex`` module judges
+    (``\\d``, ``\\p{L}``...), the whole possibly negated."""
+
+    kind = 0
+    __slots__ = ("ranges", "tests", "negated", "_first_bytes")
+
+    def __init__(self, ranges: tuple[tuple[int, int], ...] = (), tests: tuple[Any, ...] = (), negated: bool = False) -> None:
+        self.ranges, self.tests, self.negated = ranges, tests, negated
+        self._first_bytes: frozenset[int] | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.negated and not self.ranges and not self.tests
+
+    def contains(self, ch: str) -> bool:
+        c = ord(ch)
+        hit = any(lo <= c <= hi for lo, hi in self.ranges) or any(t.fullmatch(ch) for t in self.tests)
+        return hit != self.negated
+
+    def may_contain(self, low: int, high: int) -> bool:
+        """Whether some code point in ``[low, high]`` may be in the set (yes where a test
+        would have to judge: a superset is what the callers need)."""
+        if self.tests:
+            return True
+        if not self.negated:
+            return any(lo <= high and low <= hi for lo, hi in self.ranges)
+        for lo, hi in sorted(self.ranges):  # negated: some point of [low, high] left uncovered
+            if lo > low:
+                return True
+            low = max(low, hi + 1)
+            if low > high:
+                return False
+        return True
+
+    def first_bytes(self) -> frozenset[int]:
+        """The bytes a character of the set may begin with in UTF-8: exact for ASCII, a
+        superset for the lead bytes of longer characters where a test would judge them."""
+        if self._first_bytes is None:
+            ascii_bytes = [b for b in range(0x80) if self.contains(chr(b))]
+            self._first_bytes = frozenset(ascii_bytes + [b for b in range(0x80, 0x100)
+                                                         if (span := _lead_span(b)) and self.may_contain(*span)])
+        return self._first_bytes
+
+
+class Seq:
+    kind = 1
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+
+
+class Alt:
+    kind = 2
+    __slots__ = ("options",)
+
+    def __init__(self, options: list[Any]) -> None:
+        self.options = options
+
+
+class Repeat:
+    kind = 3
+    __slots__ = ("node", "low", "high")
+
+    def __init__(self, node: Any, low: int, high: int | None) -> None:
+        self.node, self.low, self.high = node, low, high
+
+
+class Call:
+    kind = 4
+    __slots__ = ("name", "target")
+
+    def __init__(self, name: str) -> None:
+        self.name, self.target = name, None
+
+
+def _lead_span(byte: int) -> tuple[int, int] | None:
+    """The code points a UTF-8 character beginning with ``byte`` may be (None: no character
+    begins with it)."""
+    if byte < 0x80:
+        return byte, byte
+    # (lead bytes from, to, payload bits, continuation bytes, the least code point so long:
+    # E0 80 80 would spell U+0000, which UTF-8 spells in one byte)
+    for first, last, bits, tail, least in ((0xC2, 0xDF, 0x1F, 1, 0x80), (0xE0, 0xEF, 0x0F, 2, 0x800),
+                                           (0xF0, 0xF4, 0x07, 3, 0x10000)):
+        if first <= byte <= last:
+            low = (byte & bits) << (6 * tail)
+            return max(low, least), min(low + (1 << (6 * tail)) - 1, 0x10FFFF)
+    return None
+
+
+def partial_span(data: bytes) -> tuple[int, int] | None:
+    """The code points an incomplete UTF-8 character ``data`` (its first 1-3 bytes) may
+    finish as; None where no character begins so."""
+    span = _lead_span(data[0])
+    if span is None or data[0] < 0x80:
+        return None
+    tail = _utf8_len(data[0]) - 1  # the continuation bytes it takes
+    if len(data) - 1 >= tail:
+        return None
+    value = data[0] & (0x3F >> tail)
+    for byte in data[1:]:
+        if byte & 0xC0 != 0x80:
+            return None
+        value = (value << 6) | (byte & 0x3F)
+    shift = 6 * (tail - (len(data) - 1))
+    low, high = max(span[0], value << shift), min(span[1], ((value + 1) << shift) - 1)
+    return (low, high) if low <= high else None
+
+
+def _utf8_len(lead: int) -> int:
+    return 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+
+
+# --------------------------------------------------------------------------- reading
+_SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
+_CLASS_ESCAPES = "dDwWsS"
+_HEX = {"x": 2, "u": 4, "U": 8}
+_QUANTIFIER = regex.compile(r"\{([0-9]*)(,?)([0-9]*)\}")
+_GROUP_NAME = regex.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class _Reader:
+    def __init__(self, text: str) -> None:
+        self.text, self.pos = text, 0
+        self.rules: dict[str, Any] = {}
+        self.calls: list[Call] = []
+
+    def peek(self, ahead: int = 0) -> str:
+        i = self.pos + ahead
+        return self.text[i] if i < len(self.text) else ""
+
+    def read(self) -> tuple[Any, dict[str, Any]]:
+        root = self.alternatives()
+        if self.pos != len(self.text):
+            raise Unsupported(f"unexpected {self.peek()!r} at {self.pos}")
+        for call in self.calls:
+            if call.name not in self.rules:
+                raise Unsupported(f"a call to an undefined group {call.name!r}")
+            call.target = self.rules[call.name]
+        return root, self.rules
+
+    def alternatives(self) -> Any:
+        options = [self.sequence()]
+        while self.peek() == "|":
+            self.pos += 1
+            options.append(self.sequence())
+        return options[0] if len(options) == 1 else Alt(options)
+
+    def sequence(self) -> Any:
+        parts = []
+        while self.peek() not in ("", "|", ")"):
+            parts.append(self.quantified(self.atom()))
+        return parts[0] if len(parts) == 1 else Seq(parts)
+
+    def quantified(self, node: Any) -> Any:
+        while True:
+            c = self.peek()
+            if c in ("*", "+", "?"):
+                self.pos += 1
+                low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            elif c == "{":
+                match = _QUANTIFIER.match(self.text, self.pos)
+                if match is None or not (match.group(1) or match.group(3)):
+                    raise Unsupported("a '{' that is not a repetition")
+                self.pos = match.end()
+                low = int(match.group(1) or 0)
+                high = None if match.group(2) and not match.group(3) else int(match.group(3) or low)
+                if high is not None and high < low:
+                    raise Unsupported("a repetition whose bounds run backwards")
+            else:
+                return node
+            if self.peek() == "?":  # lazy: the same language
+                self.pos += 1
+            elif self.peek() == "+":
+                raise Unsupported("possessive quantifiers")
+            node = Repeat(node, low, high)
+
+    def atom(self) -> Any:
+        c = self.peek()
+        if c == "(":
+            return self.group()
+        if c == "[":
+            return self.char_class()
+        if c == ".":
+            self.pos += 1
+            return CharSet(((10, 10),), negated=True)
+        if c == "\\":
+            return self.escape(in_class=False)
+        if c in "*+?{^$":
+            raise Unsupported(f"{c!r} where a character or group belongs")
+        self.pos += 1
+        return CharSet(((ord(c), ord(c)),))
+
+    def group(self) -> Any:
+        text, start = self.text, self.pos
+        if text.startswith("(?!)", start):
+            self.pos += 4
+            return CharSet()
+        if text.startswith("(?(DEFINE)", start):
+            self.pos += len("(?(DEFINE)")
+            while self.peek() == "(":
+                self.group()
+            self.expect(")")
+            return Seq([])
+        for opener in ("(?&", "(?P>"):
+            if text.startswith(opener, start):
+                self.pos += len(opener)
+                call = Call(self.group_name())
+                self.expect(")")
+                self.calls.append(call)
+                return call
+        name = None
+        if text.startswith("(?P<", start) or (text.startswith("(?<", start) and self.peek(3) not in ("=", "!")):
+            self.pos += 4 if text.startswith("(?P<", start) else 3
+            name = self.group_name()
+            self.expect(">")
+        elif text.startswith("(?:", start):
+            self.pos += 3
+        elif text.startswith("(?", start):
+            raise Unsupported(f"the group {text[start:start + 4]!r}...")
+        else:
+            self.pos += 1
+        node = self.alternatives()
+        self.expect(")")
+        if name is not None:
+            if name in self.rules:
+                raise Unsupported(f"the group name {name!r} is used twice")
+            self.rules[name] = node
+        return node
+
+    def group_name(self) -> str:
+        match = _GROUP_NAME.match(self.text, self.pos)
+        if match is None:
+            raise Unsupported("a group name that is not a name")
+        self.pos = match.end()
+        return match.group()
+
+    def expect(self, c: str) -> None:
+        if self.peek() != c:
+            raise Unsupported(f"expected {c!r} at {self.pos}")
+        self.pos += 1
+
+    def escape(self, in_class: bool) -> CharSet:
+        """An escape: one character, or a class the ``regex`` module judges."""
+        kind = self.peek(1)
+        if kind == "":
+            raise Unsupported("an unfinished escape")
+        if kind in _CLASS_ESCAPES or kind in "pP":
+            end = self.pos + 2
+            if kind in "pP":
+                end = self.text.find("}", self.pos) + 1 if self.peek(2) == "{" else self.pos + 3
+                if end <= self.pos + 2:
+                    raise Unsupported("an unfinished \\p{...}")
+            piece, self.pos = self.text[self.pos:end], end
+            try:
+                return CharSet(tests=(regex.compile(piece),))
+            except regex.error as exc:
+                raise Unsupported(f"{piece!r} ({exc})") from None
+        if kind in _HEX:
+            digits = self.text[self.pos + 2 : self.pos + 2 + _HEX[kind]]
+            if len(digits) != _HEX[kind] or not all(d in "0123456789abcdefABCDEF" for d in digits):
+                raise Unsupported(f"a \\{kind} escape without its digits")
+            self.pos += 2 + _HEX[kind]
+            code = int(digits, 16)
+            if code > 0x10FFFF:
+                raise Unsupported("a character past U+10FFFF")
+            return CharSet(((code, code),))
+        if kind in _SIMPLE_ESCAPES:
+            self.pos += 2
+            code = ord(_SIMPLE_ESCAPES[kind])
+            return CharSet(((code, code),))
+        if kind.isalnum() or kind == "_":  # \b, \A, \1, \0, \N{...}...: not a plain character
+            raise Unsupported(f"the escape \\{kind}")
+        self.pos += 2
+        return CharSet(((ord(kind), ord(kind)),))
+
+    def char_class(self) -> CharSet:
+        self.pos += 1
+        negated = self.peek() == "^"
+        if negated:
+            self.pos += 1
+        ranges: list[tuple[int, int]] = []
+        tests: list[Any] = []
+        first = True
+        while True:
+            c = self.peek()
+            if c == "":
+                raise Unsupported("an unclosed class")
+            if c == "]" and not first:
+                self.pos += 1
+                return CharSet(tuple(ranges), tuple(tests), negated)
+            if c == "[":
+                raise Unsupported("a '[' inside a class (a nested set in the regex module's V1)")
+            first = False
+            low = self.class_item()
+            if isinstance(low, CharSet):
+                tests.extend(low.tests)
+                ranges.extend(low.ranges)
+                continue
+            if self.peek() == "-" and self.peek(1) not in ("]", ""):
+                self.pos += 1
+                high = self.class_item()
+                if isinstance(high, CharSet) or high < low:
+                    raise Unsupported("a class range that is not a range")
+                ranges.append((low, high))
+            else:
+                ranges.append((low, low))
+
+    def class_item(self) -> int | CharSet:
+        """One character of a class (its code point), or an escape that is a class."""
+        c = self.peek()
+        if c != "\\":
+            self.pos += 1
+            return ord(c)
+        item = self.escape(in_class=True)
+        if item.tests:
+            return item
+        return item.ranges[0][0]
+
+
+@functools.lru_cache(maxsize=64)
+def machine_for(pattern_text: str) -> Machine | None:
+    """The machine following ``pattern_text`` (cached by the text), or None where the
+    expression uses what this module does not read."""
+    try:
+        root, _ = _Reader(pattern_text).read()
+    except (Unsupported, RecursionError):
+        return None
+    return Machine(root)
+
+
+# --------------------------------------------------------------------------- following
+State = frozenset  # of continuations: None (the expression is whole) or ((node, index), rest)
+
+
+class Machine:
+    """An expression's tree and the steps between states (remembered: one schema is asked
+    about the same places again and again)."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self._steps: dict[tuple[State, str], State] = {}
+
+    def forget(self) -> None:
+        """Drop the remembered steps (to time the machine cold)."""
+        self._steps.clear()
+
+    def start(self) -> State:
+        return self.close([((self.root, 0), None)])
+
+    def step(self, state: State, ch: str) -> State:
+        """The state after ``ch`` (empty: the text cannot go on so)."""
+        key = (state, ch)
+        after = self._steps.get(key)
+        if after is None:
+            after = self.close([rest for place in state if place is not None
+                                for (node, _), rest in (place,) if node.contains(ch)])
+            if len(self._steps) >= MAX_STEPS_CACHED:
+                self._steps.clear()
+            self._steps[key] = after
+        return after
+
+    @staticmethod
+    def whole(state: State) -> bool:
+        """The text so far is a whole match."""
+        return None in state
+
+    @staticmethod
+    def heads(state: State) -> list[CharSet]:
+        """The character sets the next character must come from."""
+        return [place[0][0] for place in state if place is not None]
+
+    def close(self, places: list[Any]) -> State:
+        """The continuations ``places`` stand for, expanded until each begins with a
+        character set (or is the end): the states the text may be in."""
+        out: set[Any] = set()
+        seen: set[Any] = set()
+        todo = list(places)
+        while todo:
+            place = todo.pop()
+            if place in seen:
+                continue
+            seen.add(place)
+            if len(seen) > MAX_PLACES:
+                raise TooComplex(f"more than {MAX_PLACES} places after one character")
+            if place is None:
+                out.add(None)
+                continue
+            (node, index), rest = place
+            kind = node.kind
+            if kind == 0:  # CharSet
+                if not node.empty:
+                    out.add(place)
+            elif kind == 1:  # Seq: its part at index, then the parts after it
+                parts = node.parts
+                if index == len(parts):
+                    todo.append(rest)
+                elif index == len(parts) - 1:  # the last part: nothing of this sequence after it
+                    todo.append(((parts[index], 0), rest))
+                else:
+                    todo.append(((parts[index], 0), ((node, index + 1), rest)))
+            elif kind == 2:  # Alt
+                todo.extend(((option, 0), rest) for option in node.options)
+            elif kind == 3:  # Repeat: index copies matched
+                if node.high is None or index < node.high:
+                    # Past the least count, more copies are one state (an unbounded loop stays finite).
+                    more = index + 1 if node.high is not None or index < node.low else index
+                    todo.append(((node.node, 0), ((node, more), rest)))
+                if index >= node.low:
+                    todo.append(rest)
+            else:  # Call
+                todo.append(((node.target, 0), rest))
+        return frozenset(out)

@@ -1,0 +1,187 @@
+"""The incremental machine that follows an expression one character at a time
+(pattern_machine.py): the same verdicts as the ``regex`` module on every prefix, characters
+split across tokens, what it does not read left to the ``regex`` module, and a long answer
+followed to its end within a client's matching budget."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import regex
+
+from tests.conftest import require_import
+
+require_import("torch")
+
+from kvstream.hf.grammar import gbnf_pattern  # noqa: E402
+from kvstream.hf.json_schema import schema_pattern  # noqa: E402
+from kvstream.hf.pattern_constraint import CLIENT_BUDGET_S, PatternConstraint, compile_pattern  # noqa: E402
+from kvstream.hf.pattern_machine import Machine, machine_for, partial_span  # noqa: E402
+from tests.hf.test_grammar import JSON_GBNF  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6}, "kind": {"enum": ["a", "b\u00e9"]},
+    "items": {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3},
+    "extra": {"anyOf": [{"type": "null"}, {"type": "integer"}, {}]}}}
+
+# (expression, texts to cut into prefixes: matches and near misses)
+CASES = [
+    (gbnf_pattern(JSON_GBNF), ['{"a": [1, -2.5e+3, true, null], "b": {"c": "x\\"y\\u00e9"}}', '{ "k" : "v" }\n',
+                               '{"a": 01}', '{"a" 1}', '{"deep": [[[[{"x": []}]]]]}']),
+    (schema_pattern(SCHEMA), ['{"name": "caf\u00e9", "kind": "b\u00e9", "items": [1, 2], "extra": {"x": [1]}}',
+                              '{"name":"abcdefg","kind":"a","items":[],"extra":null}',
+                              '{"name": "", "kind": "a", "items": [0.5, 1e3, -0], "extra": 12}']),
+    (gbnf_pattern('root ::= "(" root* ")" | [a-z]{2,3}'), ["((ab)(abc)())", "(()", "abcd", "(a)"]),
+    (r"\d{3}-\d{4}", ["555-1234", "55-51234", "555-12345"]),
+    (r"[A-Z][a-z]+( [A-Z][a-z]+)*", ["John Smith", "John smith", "Jo  Sm"]),
+    (r"\w+@\w+\.com", ["me@here.com", "me@@here.com", "\u00e9t\u00e9@x.com"]),
+    (r"(a|ab)*c", ["abababc", "aac", "abbc"]),
+    (r".{2,5}x", ["a\u00e9cdx", "ab\nx", "abcdefx"]),
+    (r"(?:yes|no|maybe)!?", ["maybe!", "mayb!", "no!!"]),
+    (r"\p{Lu}\p{Ll}*", ["\u00c9cole", "Ecole", "eCole"]),
+    (r"[\d\s]+|[^\d\s]{2}", ["1 2\t3", "ab", "a1"]),
+    (r"a{0,3}b{2,}c{,2}", ["aaabbbcc", "aaaab", "bbccc"]),
+    (r"a+?b(?:cd)??e", ["aabcde", "abe", "abcce", "az"]),
+    (r"(?P<x>ab)(?&x)(?P>x)", ["ababab", "abab", "abba"]),
+    (r"\{\}\[\]\.\-\ [\]a][-a][a-]\x41\u00e9\U0001F600", ["{}[]. ]-aA\u00e9\U0001f600", "{}[]. a-aA\u00e9\U0001f600"]),
+    (r"(?!)|z", ["z", "y"]),
+]
+
+
+# The regex module's partial matching takes "az" for the beginning of a match of "a+?b": a lazy
+# quantifier is judged against its greedy form, the same language.
+REFERENCE = {r"a+?b(?:cd)??e": r"a+b(?:cd)?e"}
+
+
+def _verdicts(machine: Machine, text: str) -> tuple[bool, bool]:
+    state = machine.start()
+    for ch in text:
+        state = machine.step(state, ch)
+        if not state:
+            return False, False
+    return True, Machine.whole(state)
+
+
+@pytest.mark.parametrize("expression,texts", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_the_machine_says_what_the_regex_module_says_on_every_prefix(expression, texts):
+    machine = machine_for(expression)
+    assert machine is not None, expression
+    reference = regex.compile(REFERENCE.get(expression, expression))
+    rng = random.Random(7)
+    alphabet = '{}[]":, 01e.-abxyzABé😀\n\t\\'
+    for text in texts:
+        for cut in range(len(text) + 1):
+            for probe in (text[:cut], text[:cut] + rng.choice(alphabet), text[:cut] + "".join(rng.choices(alphabet, k=3))):
+                expected = (reference.fullmatch(probe, partial=True) is not None, reference.fullmatch(probe) is not None)
+                assert _verdicts(machine, probe) == expected, (expression[:60], probe)
+
+
+@pytest.mark.parametrize("expression", [r"^ab$", r"(?=a)a", r"(?i)ab", r"(a)\1", r"a++", r"(?>a)b", r"\bword",
+                                        r"a{2", "[[a]]", r"\N{DIGIT ONE}"])
+def test_what_the_machine_does_not_read_is_left_to_the_regex_module(expression):
+    assert machine_for(expression) is None
+    spelled = {0: b"a", 1: b"b", 2: b"z"}
+    constraint = PatternConstraint(compile_pattern(expression), spelled.__getitem__, ())
+    assert constraint.machine is None
+    reference = regex.compile(expression)
+    for token, text in spelled.items():
+        assert constraint.accepts(token) == (reference.fullmatch(text.decode(), partial=True) is not None), expression
+
+
+def test_a_character_split_across_tokens_is_judged_by_what_it_can_still_become():
+    """é (C3 A9) and 😀 (F0 9F 98 80) in pieces: a lead byte is taken where the class holds a
+    character it can begin, a continuation only if it keeps to one; while a character is
+    unfinished the mask offers the continuation bytes that keep to one only. (The regex module's way has a
+    stand-in for an unfinished character, é, and so refuses the emoji's first bytes.)"""
+    spelled = {0: b"\xc3", 1: b"\xa9", 2: b"\xa8", 3: b"\xf0\x9f", 4: b"\x98\x80", 5: b"x", 6: b"\x98", 7: b"\x80"}
+    constraint = PatternConstraint(compile_pattern("(?:\u00e9|\U0001f600)+x"), spelled.__getitem__, ())
+    assert [constraint.accepts(t) for t in range(8)] == [True, False, False, True, False, False, False, False]
+    constraint.advance(0)
+    assert [constraint.accepts(t) for t in range(8)] == [False, True, False, False, False, False, False, False]
+    assert constraint.candidates(8).tolist() == [False, True, False, False, False, False, False, False]  # é's only
+    constraint.advance(1)
+    assert [constraint.accepts(t) for t in range(8)] == [True, False, False, True, False, True, False, False]
+    constraint.advance(3)
+    assert constraint.accepts(4) and constraint.accepts(6) and not constraint.accepts(1) and not constraint.complete
+    constraint.advance(6)
+    assert constraint.accepts(7) and not constraint.accepts(4)
+    constraint.advance(7)
+    constraint.advance(5)
+    assert constraint.text.decode() == "\u00e9\U0001f600x" and constraint.complete and constraint.done
+    assert partial_span(b"\xc3") == (0xC0, 0xFF) and partial_span(b"\xf0\x9f\x98") == (0x1F600, 0x1F63F)
+    assert partial_span(b"\x80") is None and partial_span(b"\xc3\xa9") is None
+    # E0 begins U+0800 to U+0FFF only (E0 81 AD would spell "m" overlong): not the start of "m".
+    assert partial_span(b"\xe0") == (0x800, 0xFFF) and partial_span(b"\xf0") == (0x10000, 0x3FFFF)
+    lead = {0: b"\xe0", 1: b"\xf0", 2: b"\xc2", 3: b"m"}
+    assert [PatternConstraint(compile_pattern("[a-z\u00e0]"), lead.__getitem__, ()).accepts(t) for t in range(4)] == \
+        [False, False, False, True]
+    assert not PatternConstraint(compile_pattern("\U0001f600"), spelled.__getitem__, (), incremental=False).accepts(3)
+
+
+def test_a_closure_past_its_bound_goes_on_in_the_regex_module():
+    spelled = {0: b"a", 1: b"b", 2: b"c"}
+    at_start = PatternConstraint(compile_pattern("(?:a?){0,50000}b"), spelled.__getitem__, ())
+    assert at_start.machine is None and at_start.accepts(0) and at_start.accepts(1) and not at_start.accepts(2)
+    midway = PatternConstraint(compile_pattern("(?:a(?:b?){0,30000})*c"), spelled.__getitem__, ())
+    assert midway.machine is not None and midway.accepts(2)
+    assert midway.accepts(0) and midway.machine is None  # the closure after "a" ran past the bound
+    midway.advance(0)
+    assert midway.accepts(1) and midway.accepts(2) and not midway.failed
+
+
+def test_a_long_answer_under_a_grammar_is_followed_to_its_end_within_a_clients_budget():
+    """An 8 KB JSON answer under llama.cpp's JSON grammar, three bytes a token, with the
+    budget a client's grammar gets: the machine follows it whole (asking the regex module
+    about the whole text each token, the way before it, the answer ran past its budget
+    after about 4 KB)."""
+    text = json.dumps([{"name": f"item {i}", "tags": ["a", "b"], "price": i * 1.5, "ok": i % 2 == 0} for i in range(120)])
+    data = text.encode()
+    pieces = [data[i : i + 3] for i in range(0, len(data), 3)]
+    spelled = dict(enumerate(pieces))
+    pattern = compile_pattern(gbnf_pattern(JSON_GBNF.replace("root   ::= object", "root   ::= value")))
+    constraint = PatternConstraint(pattern, spelled.__getitem__, (), budget_s=CLIENT_BUDGET_S)
+    assert constraint.machine is not None and len(data) > 8000
+    for token in range(len(pieces)):
+        assert constraint.accepts(token), (token, constraint.text[-40:])
+        constraint.advance(token)
+        assert constraint.candidates(len(pieces)).any() or constraint.done
+    assert constraint.complete and not constraint.failed and constraint.text == data
+
+
+def test_on_a_real_vocabulary_both_ways_accept_the_same_tokens_at_every_step(smollm2):
+    """Along an answer tokenized by SmolLM2's tokenizer, the machine and the regex module's
+    way accept the same tokens among 1,500 drawn each step (tokens of whole characters: the
+    regex module's way has a stand-in for a partial one), agree on whole and done, and the
+    machine's mask holds every token the other's does."""
+    from kvstream.hf.token_bytes import TokenBytes
+
+    tokenizer = smollm2[2]
+    spell = TokenBytes(tokenizer)
+    vocab = len(tokenizer)
+
+    def whole_characters(raw: bytes) -> bool:
+        try:
+            return bool(raw.decode())
+        except UnicodeDecodeError:
+            return False
+
+    pool = [t for t in range(vocab) if whole_characters(spell(t))]
+    rng = random.Random(3)
+    forced_call = schema_pattern({"type": "object", "properties": {
+        "name": {"enum": ["get_weather", "get_time"]}, "arguments": {"type": "object", "properties": {"city": {"type": "string"}}}}})
+    for expression, text in ((gbnf_pattern(JSON_GBNF), '{"a": [1, -2.5e+3, true, null], "b": {"c": "x\\"y caf\u00e9 \U0001f600"}}'),
+                             (forced_call, '{"name": "get_time", "arguments": {"city": "Z\u00fcrich"}}'),
+                             (r"\d{3}-\d{4} [A-Z]\w+", "555-1234 Hello")):
+        machine_way = PatternConstraint(compile_pattern(expression), spell, ())
+        regex_way = PatternConstraint(compile_pattern(expression), spell, (), incremental=False)
+        assert machine_way.machine is not None
+        for token in tokenizer(text, add_special_tokens=False).input_ids:
+            for candidate in rng.sample(pool, 1500) + [token]:
+                assert machine_way.accepts(candidate) == regex_way.accepts(candidate), (machine_way.text, spell(candidate))
+            assert bool((machine_way.candidates(vocab) >= regex_way.candidates(vocab)).all())
+            machine_way.advance(token)
+            regex_way.advance(token)
+            assert (machine_way.complete, machine_way.done) == (regex_way.complete, regex_way.done), machine_way.text
+        assert machine_way.complete and machine_way.text.decode() == text
