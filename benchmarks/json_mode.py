@@ -1,7 +1,8 @@
 """What JSON output costs the in-process engine: the same prompts generated with
 ``response_format`` ``json_object`` (JSON mode) and ``json_schema`` (a structured output),
-as a forced tool call (``tool_choice`` naming a function: its call's schema), and without,
-the same number of tokens each, same run.
+as a forced tool call (``tool_choice`` naming a function: its call's schema), under a GBNF
+JSON grammar (llama-server's ``grammar``), and without, the same number of tokens each,
+same run.
 
     python benchmarks/json_mode.py [--concurrency 1 8] [--new-tokens 128] [--rounds 3]
 
@@ -26,11 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from kvstream.hf.grammar import gbnf_pattern  # noqa: E402
 from kvstream.hf.json_schema import compile_schema  # noqa: E402
 from kvstream.hf.loader import chat_token_ids, load_model  # noqa: E402
 from kvstream.hf.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from kvstream.hf.sampling import SamplingParams  # noqa: E402
+from kvstream.hf.pattern_constraint import compile_pattern  # noqa: E402
 from kvstream.hf.tool_calls import forced_call_schema  # noqa: E402
+from pattern_matching import JSON_GRAMMAR  # noqa: E402
 
 # A structured output of the kind apps ask for (nested objects, arrays, an enum, a nullable).
 SCHEMA = {
@@ -85,8 +89,10 @@ def main() -> None:
     print(f"SmolLM2-135M fp32, {torch.get_num_threads()} threads, attention {engine.attention.name}, greedy, "
           f"up to {args.new_tokens} tokens, best of {args.rounds}")
     print(f"{'mode':>12} {'c':>3} {'tokens':>7} {'constrained ms/tok':>19} {'plain ms/tok':>13} {'plain/constrained':>18} {'parsed':>9}")
-    patterns = {"json_schema": compile_schema(SCHEMA), "tool_call": compile_schema(TOOL_SCHEMA)}
-    modes = {"json_object": {"json_object": True}, "json_schema": {"json_schema": SCHEMA}, "tool_call": {"json_schema": TOOL_SCHEMA}}
+    grammar = gbnf_pattern(JSON_GRAMMAR)
+    patterns = {"json_schema": compile_schema(SCHEMA), "tool_call": compile_schema(TOOL_SCHEMA), "grammar": compile_pattern(grammar)}
+    modes = {"json_object": {"json_object": True}, "json_schema": {"json_schema": SCHEMA}, "tool_call": {"json_schema": TOOL_SCHEMA},
+             "grammar": {"pattern": grammar}}
     for c in args.concurrency:
         chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(c)]
         prompts = [chat_token_ids(tokenizer, chat) for chat in chats]

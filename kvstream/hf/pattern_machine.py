@@ -32,7 +32,7 @@ from typing import Any
 import regex
 
 MAX_PLACES = 20_000  # continuations one character's closure may visit
-MAX_STEPS_CACHED = 65_536  # (state, character) -> state entries a machine remembers
+MAX_STEPS_CACHED = 8_192  # (state, character) -> state entries a machine remembers (a few MB)
 
 
 class Unsupported(ValueError):
@@ -366,7 +366,7 @@ class _Reader:
         return item.ranges[0][0]
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=32)
 def machine_for(pattern_text: str) -> Machine | None:
     """The machine following ``pattern_text`` (cached by the text), or None where the
     expression uses what this module does not read."""

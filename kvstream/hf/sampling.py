@@ -135,9 +135,13 @@ CONSTRAINED_TRIES = 64
 CONSTRAINED_SCAN = 512
 
 
-def first_accepted(scores: torch.Tensor, constraint: Constraint) -> int:
+def first_accepted(scores: torch.Tensor, constraint: Constraint, best: int | None = None) -> int:
     """The highest-scoring token ``constraint`` accepts (the argmax when it accepts none,
-    which a vocabulary holding every single byte never leaves it)."""
+    which a vocabulary holding every single byte never leaves it). ``best``: the argmax of
+    ``scores`` where the caller has it."""
+    best = int(scores.argmax()) if best is None else best
+    if constraint.accepts(best):  # mostly so: no top few hundred sorted
+        return best
     top = torch.topk(scores, min(CONSTRAINED_SCAN, scores.numel())).indices.tolist()
     for token in top:
         if constraint.accepts(token):
@@ -225,7 +229,7 @@ def sample(
                 scores = adjust(scores, p, histories[row] if histories is not None else None)
             if p.greedy:
                 if constraint is not None:
-                    token = first_accepted(scores, constraint)
+                    token = first_accepted(scores, constraint, None if p.adjusts_logits else greedy[row])
                 else:
                     token = int(scores.argmax()) if p.adjusts_logits else greedy[row]
             elif constraint is not None:
