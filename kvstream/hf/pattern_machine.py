@@ -49,10 +49,13 @@ class CharSet:
     (``\\d``, ``\\p{L}``...), the whole possibly negated."""
 
     kind = 0
-    __slots__ = ("ranges", "tests", "negated", "_first_bytes")
+    __slots__ = ("ranges", "tests", "negated", "whole", "_spans", "_first_bytes")
 
-    def __init__(self, ranges: tuple[tuple[int, int], ...] = (), tests: tuple[Any, ...] = (), negated: bool = False) -> None:
+    def __init__(self, ranges: tuple[tuple[int, int], ...] = (), tests: tuple[Any, ...] = (), negated: bool = False,
+                 whole: Any = None) -> None:
         self.ranges, self.tests, self.negated = ranges, tests, negated
+        self.whole = whole  # with tests: the set as one compiled expression, to search a span with
+        self._spans: dict[tuple[int, int], bool] = {}
         self._first_bytes: frozenset[int] | None = None
 
     @property
@@ -65,10 +68,13 @@ class CharSet:
         return hit != self.negated
 
     def may_contain(self, low: int, high: int) -> bool:
-        """Whether some code point in ``[low, high]`` may be in the set (yes where a test
-        would have to judge: a superset is what the callers need)."""
+        """Whether some code point in ``[low, high]`` is in the set (a test's set is searched
+        for one, in the ``regex`` module, once per span)."""
         if self.tests:
-            return True
+            found = self._spans.get((low, high))
+            if found is None:
+                found = self._spans[(low, high)] = self.whole.search(_span_text(low, high)) is not None
+            return found
         if not self.negated:
             return any(lo <= high and low <= hi for lo, hi in self.ranges)
         for lo, hi in sorted(self.ranges):  # negated: some point of [low, high] left uncovered
@@ -80,13 +86,16 @@ class CharSet:
         return True
 
     def first_bytes(self) -> frozenset[int]:
-        """The bytes a character of the set may begin with in UTF-8: exact for ASCII, a
-        superset for the lead bytes of longer characters where a test would judge them."""
+        """The bytes a character of the set may begin with in UTF-8."""
         if self._first_bytes is None:
-            ascii_bytes = [b for b in range(0x80) if self.contains(chr(b))]
-            self._first_bytes = frozenset(ascii_bytes + [b for b in range(0x80, 0x100)
-                                                         if (span := _lead_span(b)) and self.may_contain(*span)])
+            self._first_bytes = frozenset(b for b in range(256) if (span := _lead_span(b)) and self.may_contain(*span))
         return self._first_bytes
+
+
+@functools.lru_cache(maxsize=64)
+def _span_text(low: int, high: int) -> str:
+    """Every code point from ``low`` to ``high``, as one string to search."""
+    return "".join(map(chr, range(low, high + 1)))
 
 
 class Seq:
@@ -233,7 +242,7 @@ class _Reader:
             self.pos += 1
             return CharSet(((10, 10),), negated=True)
         if c == "\\":
-            return self.escape(in_class=False)
+            return self.escape()
         if c in "*+?{^$":
             raise Unsupported(f"{c!r} where a character or group belongs")
         self.pos += 1
@@ -288,7 +297,7 @@ class _Reader:
             raise Unsupported(f"expected {c!r} at {self.pos}")
         self.pos += 1
 
-    def escape(self, in_class: bool) -> CharSet:
+    def escape(self) -> CharSet:
         """An escape: one character, or a class the ``regex`` module judges."""
         kind = self.peek(1)
         if kind == "":
@@ -301,7 +310,8 @@ class _Reader:
                     raise Unsupported("an unfinished \\p{...}")
             piece, self.pos = self.text[self.pos:end], end
             try:
-                return CharSet(tests=(regex.compile(piece),))
+                test = regex.compile(piece)
+                return CharSet(tests=(test,), whole=test)
             except regex.error as exc:
                 raise Unsupported(f"{piece!r} ({exc})") from None
         if kind in _HEX:
@@ -323,6 +333,7 @@ class _Reader:
         return CharSet(((ord(kind), ord(kind)),))
 
     def char_class(self) -> CharSet:
+        start = self.pos
         self.pos += 1
         negated = self.peek() == "^"
         if negated:
@@ -336,7 +347,8 @@ class _Reader:
                 raise Unsupported("an unclosed class")
             if c == "]" and not first:
                 self.pos += 1
-                return CharSet(tuple(ranges), tuple(tests), negated)
+                whole = regex.compile(self.text[start : self.pos]) if tests else None
+                return CharSet(tuple(ranges), tuple(tests), negated, whole)
             if c == "[":
                 raise Unsupported("a '[' inside a class (a nested set in the regex module's V1)")
             first = False
@@ -360,7 +372,7 @@ class _Reader:
         if c != "\\":
             self.pos += 1
             return ord(c)
-        item = self.escape(in_class=True)
+        item = self.escape()
         if item.tests:
             return item
         return item.ranges[0][0]

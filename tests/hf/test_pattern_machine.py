@@ -117,6 +117,15 @@ def test_a_character_split_across_tokens_is_judged_by_what_it_can_still_become()
     lead = {0: b"\xe0", 1: b"\xf0", 2: b"\xc2", 3: b"m"}
     assert [PatternConstraint(compile_pattern("[a-z\u00e0]"), lead.__getitem__, ()).accepts(t) for t in range(4)] == \
         [False, False, False, True]
+    # A class the regex module judges (\d): the lead byte of a fullwidth digit (EF BC 90) may
+    # begin one, a CJK lead byte (E4: U+4000-U+4FFF, no digits) may not.
+    digits = {0: b"\xef", 1: b"\xe4", 2: b"\xbc", 3: b"\x90", 4: b"7"}
+    number = PatternConstraint(compile_pattern(r"\d+"), digits.__getitem__, ())
+    assert [number.accepts(t) for t in range(5)] == [True, False, False, False, True]
+    assert number.candidates(5).tolist() == [True, False, False, False, True]
+    for token in (0, 2, 3):
+        number.advance(token)
+    assert number.text.decode() == "\uff10" and number.complete
     assert not PatternConstraint(compile_pattern("\U0001f600"), spelled.__getitem__, (), incremental=False).accepts(3)
 
 
