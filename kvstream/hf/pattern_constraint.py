@@ -14,8 +14,9 @@ An expression a client wrote (a grammar, a regex) may backtrack for a long time 
 in the ``regex`` module: its matches share a budget of time per token (``budget_s``) and, ten
 times that, per answer; past either the constraint gives up (``failed``) and the engine ends
 that request with an error, so that no client's expression stalls the steps every other
-request shares for long. The machine's work per character is bounded instead (its
-``MAX_PLACES``); an expression past that goes on in the ``regex`` module, under the budget.
+request shares for long. The machine's questions count against the same budget (one
+character's work is bounded, by its ``MAX_PLACES``; an expression past that goes on in the
+``regex`` module).
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ class PatternConstraint:
 
     def _machine_continues(self, data: bytes) -> bool:
         try:
-            return self._reached(data) is not None
-        except TooComplex:  # go on in the regex module, under the budget
+            return self._budgeted(lambda _timeout: self._reached(data) is not None)
+        except TooComplex:  # go on in the regex module
             self.machine = None
             return self._regex_continues(data)
 
@@ -139,24 +140,7 @@ class PatternConstraint:
     # ------------------------------------------------------------ the regex module's way
     def _match(self, text: str, partial: bool) -> bool:
         """Whether ``text`` is a match (``partial``: a prefix of one), within the budget."""
-        if self.failed:
-            return False
-        if self.budget_s is None:
-            return self.pattern.fullmatch(text, partial=partial) is not None
-        now = time.perf_counter()
-        if self._deadline is None:
-            self._deadline = now + self.budget_s
-        assert self._left_s is not None
-        timeout = min(self._deadline - now, self._left_s)
-        try:
-            if timeout <= 0:
-                raise TimeoutError
-            return self.pattern.fullmatch(text, partial=partial, timeout=timeout) is not None
-        except TimeoutError:
-            self.failed = True
-            return False
-        finally:
-            self._left_s -= time.perf_counter() - now
+        return self._budgeted(lambda timeout: self.pattern.fullmatch(text, partial=partial, timeout=timeout) is not None)
 
     def _regex_continues(self, data: bytes) -> bool:
         try:
@@ -177,6 +161,28 @@ class PatternConstraint:
             return data[: exc.start].decode() + "\u00e9"
 
     # ------------------------------------------------------------ either way
+    def _budgeted(self, question: Callable[[float | None], bool]) -> bool:
+        """``question(timeout)`` asked within the budget: ``timeout`` is the time left to this
+        token and answer (None: unbounded); past either, the constraint gives up (``failed``)."""
+        if self.failed:
+            return False
+        if self.budget_s is None:
+            return question(None)
+        now = time.perf_counter()
+        if self._deadline is None:
+            self._deadline = now + self.budget_s
+        assert self._left_s is not None
+        timeout = min(self._deadline - now, self._left_s)
+        try:
+            if timeout <= 0:
+                raise TimeoutError
+            return question(timeout)
+        except TimeoutError:
+            self.failed = True
+            return False
+        finally:
+            self._left_s -= time.perf_counter() - now
+
     def _continues(self, data: bytes) -> bool:
         return self._machine_continues(data) if self.machine is not None else self._regex_continues(data)
 

@@ -155,6 +155,14 @@ def test_an_expression_that_backtracks_without_end_fails_within_its_budget_not_t
     assert not followed.accepts(1) and not followed.failed and followed.accepts(2)
     followed.advance(2)
     assert followed.complete and followed.done
+    # The machine's questions count against the answer's budget too.
+    spent = PatternConstraint(compile_pattern("x*"), spelled.__getitem__, (), budget_s=10.0, answer_budget_s=0.0005)
+    assert spent.machine is not None
+    for _ in range(100_000):
+        if not spent.accepts(0):
+            break
+        spent.advance(0)
+    assert spent.failed and not spent.candidates(3).any()
 
 
 async def test_grammars_and_guided_decoding_through_the_openai_client_and_completion(hf_proxy, oa, http):
