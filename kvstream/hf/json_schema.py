@@ -9,7 +9,8 @@ object's or an array's close, a string's closing quote); a value that could go o
 ``maxItems``), objects with their ``properties`` written in the schema's order, all of them
 (an optional property present is still valid, and OpenAI's strict mode makes every property
 required anyway), ``anyOf`` / ``oneOf`` / a list of types as alternatives, ``$ref`` into
-``$defs`` / ``definitions`` (not recursive), and any JSON value for a schema that says
+``$defs`` / ``definitions`` or ``#`` itself (recursive ones too: a tree of nodes; each
+reference a rule the expression calls, as a grammar's), and any JSON value for a schema that says
 nothing (nested at most ``ANY_DEPTH`` deep). A keyword that would constrain the value in a
 way the expression does not (``pattern``, ``minimum``, ``allOf``, ``patternProperties``,
 ...) is refused (``SchemaError``, a 400 naming it), never ignored; annotations (``title``,
@@ -26,6 +27,8 @@ import json
 from typing import Any
 
 import regex
+
+from kvstream.hf.pattern_machine import machine_for
 
 WS = r"(?: |\n[ \t]{0,20})?"  # between tokens: what JSON mode allows (json_constraint.MAX_INDENT)
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
@@ -74,7 +77,20 @@ def _any_value(depth: int) -> str:
 class _Writer:
     def __init__(self, root: dict[str, Any]) -> None:
         self.root = root
-        self.resolving: list[str] = []
+        # Each $ref is one named group of a DEFINE block, called where it is used, so that a
+        # schema may refer to itself (a tree of nodes) as a grammar's rule does.
+        self.groups: dict[str, str] = {}  # ref -> its group's name
+        self.definitions: dict[str, str] = {}  # group name -> its expression
+        self.resolving: dict[str, int] = {}  # ref being written -> the containers open when it began
+        self.containers = 0  # objects and arrays open around the value being written
+
+    def inside(self, schema: Any, where: str) -> str:
+        """A value inside an object or an array: after its ``{`` or ``[``."""
+        self.containers += 1
+        try:
+            return self.value(schema, where)
+        finally:
+            self.containers -= 1
 
     def value(self, schema: Any, where: str) -> str:
         if schema is True or schema == {}:
@@ -122,7 +138,7 @@ class _Writer:
         if kind == "null":
             return "null"
         if kind == "array":
-            item = self.value(schema.get("items", {}), f"{where}.items")
+            item = self.inside(schema.get("items", {}), f"{where}.items")
             low, high = int(schema.get("minItems", 0)), schema.get("maxItems")
             if high == 0:
                 return rf"\[{WS}\]"
@@ -135,29 +151,35 @@ class _Writer:
                 raise SchemaError(f"{where}: 'properties' must be an object")
             extra = schema.get("additionalProperties")
             if not properties and isinstance(extra, dict) and extra:  # a map: any keys, values of one schema
-                member = f'"{STRING_CHAR}*"{WS}:{WS}{self.value(extra, f"{where}.additionalProperties")}'
+                member = f'"{STRING_CHAR}*"{WS}:{WS}{self.inside(extra, f"{where}.additionalProperties")}'
                 return rf"\{{{WS}(?:{member}(?:{WS},{WS}{member})*)?{WS}\}}"
             if not properties:  # a free-form object
                 return _any_object(ANY_DEPTH - 1)
-            members = [f"{_literal(name)}{WS}:{WS}{self.value(sub, f'{where}.{name}')}" for name, sub in properties.items()]
+            members = [f"{_literal(name)}{WS}:{WS}{self.inside(sub, f'{where}.{name}')}" for name, sub in properties.items()]
             return rf"\{{{WS}" + f"{WS},{WS}".join(members) + rf"{WS}\}}"
         raise SchemaError(f"{where}: type {kind!r} is not supported")
 
     def _ref(self, ref: Any, where: str) -> str:
-        if not isinstance(ref, str) or not ref.startswith("#/"):
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise SchemaError(f"{where}: only local references ('#/$defs/...') are supported")
         if ref in self.resolving:
-            raise SchemaError(f"{where}: recursive schemas ({ref}) are not supported")
-        target: Any = self.root
-        for part in ref[2:].split("/"):
-            if not isinstance(target, dict) or part not in target:
-                raise SchemaError(f"{where}: {ref} does not resolve")
-            target = target[part]
-        self.resolving.append(ref)
-        try:
-            return self.value(target, ref)
-        finally:
-            self.resolving.pop()
+            if self.resolving[ref] == self.containers:  # no '{' or '[' read since: it would never end
+                raise SchemaError(f"{where}: {ref} refers to itself outside any object or array")
+            return f"(?&{self.groups[ref]})"
+        if ref not in self.groups:
+            target: Any = self.root
+            for part in ref[2:].split("/") if ref != "#" else ():
+                part = part.replace("~1", "/").replace("~0", "~")
+                if not isinstance(target, dict) or part not in target:
+                    raise SchemaError(f"{where}: {ref} does not resolve")
+                target = target[part]
+            name = self.groups[ref] = f"d{len(self.groups)}"
+            self.resolving[ref] = self.containers
+            try:
+                self.definitions[name] = self.value(target, ref)
+            finally:
+                del self.resolving[ref]
+        return f"(?&{self.groups[ref]})"
 
 
 def schema_pattern(schema: Any) -> str:
@@ -165,13 +187,22 @@ def schema_pattern(schema: Any) -> str:
     describes: an object, an array, a string, a number, a constant...)."""
     if not isinstance(schema, dict):
         raise SchemaError("the schema must be a JSON object")
-    return _Writer(schema).value(schema, "schema")
+    writer = _Writer(schema)
+    root = writer.value(schema, "schema")
+    if not writer.definitions:
+        return root
+    defined = "".join(f"(?P<{name}>{pattern})" for name, pattern in writer.definitions.items())
+    return f"(?(DEFINE){defined}){root}"
 
 
 @functools.lru_cache(maxsize=64)
 def _compiled(text: str) -> Any:
     try:
-        return regex.compile(schema_pattern(json.loads(text)))
+        pattern = schema_pattern(json.loads(text))
+        machine = machine_for(pattern)
+        if machine is not None and not machine.matches_something():
+            raise SchemaError("no JSON value satisfies the schema (a reference that must always hold itself again)")
+        return regex.compile(pattern)
     except SchemaError:
         raise
     except (ValueError, TypeError, RecursionError, regex.error) as exc:  # a malformed bound, an expression too large

@@ -401,6 +401,35 @@ class Machine:
         self.root = root
         self._steps: dict[tuple[State, str], State] = {}
 
+    def matches_something(self) -> bool:
+        """Whether some finite text matches (not so where a rule must always call itself
+        again: an object whose property is that object)."""
+        targets, seen, todo = [], set(), [self.root]
+        while todo:  # every rule a call reaches
+            node = todo.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            kind = node.kind
+            if kind == 1:
+                todo.extend(node.parts)
+            elif kind == 2:
+                todo.extend(node.options)
+            elif kind == 3:
+                todo.append(node.node)
+            elif kind == 4:
+                targets.append(node.target)
+                todo.append(node.target)
+        ending: set[int] = set()  # rules known to match some finite text: a fixed point
+        changed = True
+        while changed:
+            changed = False
+            for target in targets:
+                if id(target) not in ending and _ends(target, ending):
+                    ending.add(id(target))
+                    changed = True
+        return _ends(self.root, ending)
+
     def forget(self) -> None:
         """Drop the remembered steps (to time the machine cold)."""
         self._steps.clear()
@@ -471,3 +500,17 @@ class Machine:
             else:  # Call
                 todo.append(((node.target, 0), rest))
         return frozenset(out)
+
+
+def _ends(node: Any, ending: set[int]) -> bool:
+    """Whether ``node`` matches some finite text, the rules in ``ending`` known to."""
+    kind = node.kind
+    if kind == 0:
+        return not node.empty
+    if kind == 1:
+        return all(_ends(part, ending) for part in node.parts)
+    if kind == 2:
+        return any(_ends(option, ending) for option in node.options)
+    if kind == 3:
+        return node.low == 0 or _ends(node.node, ending)
+    return id(node.target) in ending

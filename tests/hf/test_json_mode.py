@@ -178,6 +178,16 @@ class Household(BaseModel):
     indoor: bool
 
 
+class Topic(BaseModel):
+    """A self-referencing model: its schema's ``$ref`` is recursive."""
+
+    title: str
+    subtopics: list[Topic]
+
+
+Topic.model_rebuild()
+
+
 def test_a_schemas_expression_takes_what_it_admits_prefix_by_prefix_and_nothing_else():
     pattern = compile_schema(Household.model_json_schema())
     answers = [
@@ -201,13 +211,38 @@ def test_a_schemas_expression_takes_what_it_admits_prefix_by_prefix_and_nothing_
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}, "'pattern' is not supported"),
     ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 3}}}, "'minimum' is not supported"),
     ({"type": "object", "properties": {"a": {"allOf": [{}]}}}, "'allOf' is not supported"),
-    ({"$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}}, "type": "object",
-      "properties": {"a": {"$ref": "#/$defs/N"}}}, "recursive"),
+    ({"anyOf": [{"$ref": "#"}, {"type": "null"}]}, "refers to itself outside any object or array"),
     ({"type": "object", "properties": {"a": {"$ref": "https://x/y"}}}, "local references"),
 ])
 def test_what_a_schema_asks_beyond_the_expression_is_refused_not_ignored(schema, complaint):
     with pytest.raises(SchemaError, match=complaint):
         schema_pattern(schema)
+
+
+def test_a_recursive_schema_is_followed_and_one_no_value_can_satisfy_is_refused():
+    """A tree of nodes (pydantic's self-referencing models), a linked list through ``#``: each
+    reference a rule the expression calls. A node that must always hold a node cannot end:
+    a 400 up front, not an answer cut at max_tokens."""
+    tree = {"$defs": {"Node": {"type": "object", "properties": {
+        "name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}},
+        "$ref": "#/$defs/Node"}
+    nested = '{"name": "a", "children": [{"name": "b", "children": []}, {"name": "c", "children": [' \
+             '{"name": "d", "children": []}]}]}'
+    linked = {"type": "object", "properties": {"value": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
+    for schema, good, bad in ((tree, nested, '{"name": "a", "children": [{"name": "b"}]}'),
+                              (linked, '{"value": 1, "next": {"value": 2, "next": null}}', '{"value": 1, "next": {"value": 2}}')):
+        pattern = compile_schema(schema)
+        assert pattern.fullmatch(good) and not pattern.fullmatch(bad)
+        spelled = {i: bytes([b]) for i, b in enumerate(range(256))}
+        constraint = PatternConstraint(pattern, spelled.__getitem__, ())
+        assert constraint.machine is not None
+        for byte in good.encode():
+            assert constraint.accepts(byte), good
+            constraint.advance(byte)
+        assert constraint.done
+    endless = {"$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}}, "$ref": "#/$defs/N"}
+    with pytest.raises(SchemaError, match="no JSON value satisfies"):
+        compile_schema(endless)
 
 
 def test_the_schema_constraint_spells_tokens_and_ends_at_the_root_objects_close():
@@ -272,6 +307,24 @@ async def test_the_openai_clients_parse_gets_its_pydantic_model(oa):
         assert isinstance(reply.choices[0].message.parsed, Household)
         parsed += 1
     assert parsed >= 1, parsed
+
+
+async def test_the_openai_clients_parse_gets_a_self_referencing_model(oa):
+    """A recursive pydantic model (a topic and its subtopics) through ``parse``: followed, not
+    refused; an answer that closed validates, one cut by max_tokens is a prefix of a match."""
+    from openai import LengthFinishReasonError
+
+    pattern = compile_schema(Topic.model_json_schema())
+    for temperature, seed in ((0.0, 0), (0.8, 1)):
+        try:
+            reply = await oa.chat.completions.parse(
+                model="smollm2", messages=[{"role": "user", "content": "Outline the topic 'cooking' with subtopics."}],
+                response_format=Topic, max_tokens=160, temperature=temperature, seed=seed)
+        except LengthFinishReasonError as exc:
+            text = exc.completion.choices[0].message.content
+            assert pattern.fullmatch(text, partial=True) and not pattern.fullmatch(text), text
+            continue
+        assert isinstance(reply.choices[0].message.parsed, Topic)
 
 
 async def test_a_schema_the_engine_cannot_follow_is_a_400_and_ollamas_schema_format_works(hf_proxy, oa, http):
