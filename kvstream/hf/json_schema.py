@@ -11,7 +11,7 @@ object's or an array's close, a string's closing quote); a value that could go o
 required anyway), ``anyOf`` / ``oneOf`` / a list of types as alternatives, ``$ref`` into
 ``$defs`` / ``definitions`` or ``#`` itself (recursive ones too: a tree of nodes; each
 reference a rule the expression calls, as a grammar's), and any JSON value for a schema that says
-nothing (nested at most ``ANY_DEPTH`` deep). A keyword that would constrain the value in a
+nothing (at any depth). A keyword that would constrain the value in a
 way the expression does not (``pattern``, ``minimum``, ``allOf``, ``patternProperties``,
 ...) is refused (``SchemaError``, a 400 naming it), never ignored; annotations (``title``,
 ``description``, ``format``, ``default``, ...) are ignored, as they constrain nothing.
@@ -34,7 +34,6 @@ WS = r"(?: |\n[ \t]{0,20})?"  # between tokens: what JSON mode allows (json_cons
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
-ANY_DEPTH = 3  # nesting a schema-less value may reach
 # Keywords that only describe: nothing to enforce.
 # (``additionalProperties`` and ``required``: every listed property is written and no other,
 # which both allow; a map, with no properties listed, takes additionalProperties' schema.)
@@ -59,19 +58,10 @@ def _bounded(unit: str, low: int, high: int | None) -> str:
     return f"(?:{unit}){{{low},{'' if high is None else high}}}"
 
 
-def _any_object(depth: int) -> str:
-    """Any JSON object whose values nest at most ``depth`` more levels."""
-    member = f'"{STRING_CHAR}*"{WS}:{WS}{_any_value(depth)}'
-    return rf"\{{{WS}(?:{member}(?:{WS},{WS}{member})*)?{WS}\}}"
-
-
-def _any_value(depth: int) -> str:
-    """Any JSON value nesting at most ``depth`` levels of arrays and objects."""
-    options = ['"' + STRING_CHAR + '*"', NUMBER, "true", "false", "null"]
-    if depth > 0:
-        inner = _any_value(depth - 1)
-        options += [rf"\[{WS}(?:{inner}(?:{WS},{WS}{inner})*)?{WS}\]", _any_object(depth - 1)]
-    return "(?:" + "|".join(options) + ")"
+# Any JSON value, at any depth: two rules of the expression's DEFINE block (see _Writer).
+ANY_OBJECT = rf'\{{{WS}(?:"{STRING_CHAR}*"{WS}:{WS}(?&any)(?:{WS},{WS}"{STRING_CHAR}*"{WS}:{WS}(?&any))*)?{WS}\}}'
+ANY_VALUE = "(?:" + "|".join(['"' + STRING_CHAR + '*"', NUMBER, "true", "false", "null",
+                              rf"\[{WS}(?:(?&any)(?:{WS},{WS}(?&any))*)?{WS}\]", "(?&any_object)"]) + ")"
 
 
 class _Writer:
@@ -84,6 +74,16 @@ class _Writer:
         self.resolving: dict[str, int] = {}  # ref being written -> the containers open when it began
         self.containers = 0  # objects and arrays open around the value being written
 
+    def any_value(self) -> str:
+        """Any JSON value (a schema that says nothing)."""
+        self.definitions.setdefault("any", ANY_VALUE)
+        self.definitions.setdefault("any_object", ANY_OBJECT)
+        return "(?&any)"
+
+    def any_object(self) -> str:
+        self.any_value()
+        return "(?&any_object)"
+
     def inside(self, schema: Any, where: str) -> str:
         """A value inside an object or an array: after its ``{`` or ``[``."""
         self.containers += 1
@@ -94,7 +94,7 @@ class _Writer:
 
     def value(self, schema: Any, where: str) -> str:
         if schema is True or schema == {}:
-            return _any_value(ANY_DEPTH)
+            return self.any_value()
         if not isinstance(schema, dict):
             raise SchemaError(f"{where}: a schema must be an object")
         unknown = set(schema) - ANNOTATIONS - HANDLED
@@ -123,7 +123,7 @@ class _Writer:
             elif "items" in schema:
                 kind = "array"
             else:
-                return _any_value(ANY_DEPTH)
+                return self.any_value()
         return self._typed(kind, schema, where)
 
     def _typed(self, kind: Any, schema: dict[str, Any], where: str) -> str:
@@ -154,7 +154,7 @@ class _Writer:
                 member = f'"{STRING_CHAR}*"{WS}:{WS}{self.inside(extra, f"{where}.additionalProperties")}'
                 return rf"\{{{WS}(?:{member}(?:{WS},{WS}{member})*)?{WS}\}}"
             if not properties:  # a free-form object
-                return _any_object(ANY_DEPTH - 1)
+                return self.any_object()
             members = [f"{_literal(name)}{WS}:{WS}{self.inside(sub, f'{where}.{name}')}" for name, sub in properties.items()]
             return rf"\{{{WS}" + f"{WS},{WS}".join(members) + rf"{WS}\}}"
         raise SchemaError(f"{where}: type {kind!r} is not supported")

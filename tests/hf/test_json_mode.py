@@ -240,6 +240,10 @@ def test_a_recursive_schema_is_followed_and_one_no_value_can_satisfy_is_refused(
             assert constraint.accepts(byte), good
             constraint.advance(byte)
         assert constraint.done
+    # A schema that says nothing: any JSON value, at any depth (one recursive rule).
+    free = compile_schema({"type": "object", "properties": {"a": {}, "b": {"type": "object"}}})
+    assert free.fullmatch('{"a": [[[[[{"x": [1, {"y": null}]}]]]]], "b": {"k": {"z": [[]]}}}')
+    assert not free.fullmatch('{"a": [1,], "b": {}}') and not free.fullmatch('{"a": 1, "b": []}')
     endless = {"$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}}, "$ref": "#/$defs/N"}
     with pytest.raises(SchemaError, match="no JSON value satisfies"):
         compile_schema(endless)
