@@ -35,6 +35,10 @@ MAX_PLACES = 20_000  # continuations one character's closure may visit
 MAX_STEPS_CACHED = 8_192  # (state, character) -> state entries a machine remembers (a few MB)
 
 
+# The tree's node kinds (a class attribute: one comparison of ints in the hot loop).
+CHARS, SEQ, ALT, REPEAT, CALL = range(5)
+
+
 class Unsupported(ValueError):
     """An expression using something this reader does not follow."""
 
@@ -48,7 +52,7 @@ class CharSet:
     """One character from a set: code point ranges, and tests the ``regex`` module judges
     (``\\d``, ``\\p{L}``...), the whole possibly negated."""
 
-    kind = 0
+    kind = CHARS
     __slots__ = ("ranges", "tests", "negated", "whole", "_spans", "_first_bytes")
 
     def __init__(self, ranges: tuple[tuple[int, int], ...] = (), tests: tuple[Any, ...] = (), negated: bool = False,
@@ -99,7 +103,7 @@ def _span_text(low: int, high: int) -> str:
 
 
 class Seq:
-    kind = 1
+    kind = SEQ
     __slots__ = ("parts",)
 
     def __init__(self, parts: list[Any]) -> None:
@@ -107,7 +111,7 @@ class Seq:
 
 
 class Alt:
-    kind = 2
+    kind = ALT
     __slots__ = ("options",)
 
     def __init__(self, options: list[Any]) -> None:
@@ -115,7 +119,7 @@ class Alt:
 
 
 class Repeat:
-    kind = 3
+    kind = REPEAT
     __slots__ = ("node", "low", "high")
 
     def __init__(self, node: Any, low: int, high: int | None) -> None:
@@ -123,7 +127,7 @@ class Repeat:
 
 
 class Call:
-    kind = 4
+    kind = CALL
     __slots__ = ("name", "target")
 
     def __init__(self, name: str) -> None:
@@ -411,13 +415,13 @@ class Machine:
                 continue
             seen.add(id(node))
             kind = node.kind
-            if kind == 1:
+            if kind == SEQ:
                 todo.extend(node.parts)
-            elif kind == 2:
+            elif kind == ALT:
                 todo.extend(node.options)
-            elif kind == 3:
+            elif kind == REPEAT:
                 todo.append(node.node)
-            elif kind == 4:
+            elif kind == CALL:
                 targets.append(node.target)
                 todo.append(node.target)
         ending: set[int] = set()  # rules known to match some finite text: a fixed point
@@ -477,10 +481,10 @@ class Machine:
                 continue
             (node, index), rest = place
             kind = node.kind
-            if kind == 0:  # CharSet
+            if kind == CHARS:
                 if not node.empty:
                     out.add(place)
-            elif kind == 1:  # Seq: its part at index, then the parts after it
+            elif kind == SEQ:  # its part at index, then the parts after it
                 parts = node.parts
                 if index == len(parts):
                     todo.append(rest)
@@ -488,16 +492,16 @@ class Machine:
                     todo.append(((parts[index], 0), rest))
                 else:
                     todo.append(((parts[index], 0), ((node, index + 1), rest)))
-            elif kind == 2:  # Alt
+            elif kind == ALT:
                 todo.extend(((option, 0), rest) for option in node.options)
-            elif kind == 3:  # Repeat: index copies matched
+            elif kind == REPEAT:  # index copies matched
                 if node.high is None or index < node.high:
                     # Past the least count, more copies are one state (an unbounded loop stays finite).
                     more = index + 1 if node.high is not None or index < node.low else index
                     todo.append(((node.node, 0), ((node, more), rest)))
                 if index >= node.low:
                     todo.append(rest)
-            else:  # Call
+            else:  # CALL
                 todo.append(((node.target, 0), rest))
         return frozenset(out)
 
@@ -505,12 +509,12 @@ class Machine:
 def _ends(node: Any, ending: set[int]) -> bool:
     """Whether ``node`` matches some finite text, the rules in ``ending`` known to."""
     kind = node.kind
-    if kind == 0:
+    if kind == CHARS:
         return not node.empty
-    if kind == 1:
+    if kind == SEQ:
         return all(_ends(part, ending) for part in node.parts)
-    if kind == 2:
+    if kind == ALT:
         return any(_ends(option, ending) for option in node.options)
-    if kind == 3:
+    if kind == REPEAT:
         return node.low == 0 or _ends(node.node, ending)
     return id(node.target) in ending
