@@ -76,7 +76,7 @@ class PatternConstraint:
         self.complete = False  # the text is a whole match
         self.done = False  # ... and nothing can follow it: the answer ends
         self.failed = False  # the budget ran out: the answer cannot be held to the expression
-        self._deadline: float | None = None  # this token's budget, from its first match
+        self._token_left_s = budget_s  # this token's matching time left (the time between questions is not)
         self._left_s = None if budget_s is None else answer_budget_s or budget_s * ANSWER_BUDGETS  # the answer's
         # The incremental way (None: the regex module's): the places the text has reached,
         # and the bytes of a character not yet whole.
@@ -99,7 +99,7 @@ class PatternConstraint:
     def copy(self) -> PatternConstraint:
         other = PatternConstraint.__new__(PatternConstraint)
         other.__dict__.update(self.__dict__)
-        other._first, other._deadline = {}, None
+        other._first, other._token_left_s = {}, self.budget_s
         return other
 
     # ------------------------------------------------------------ the machine's way
@@ -168,11 +168,9 @@ class PatternConstraint:
             return False
         if self.budget_s is None:
             return question(None)
+        assert self._left_s is not None and self._token_left_s is not None
+        timeout = min(self._token_left_s, self._left_s)
         now = time.perf_counter()
-        if self._deadline is None:
-            self._deadline = now + self.budget_s
-        assert self._left_s is not None
-        timeout = min(self._deadline - now, self._left_s)
         try:
             if timeout <= 0:
                 raise TimeoutError
@@ -181,7 +179,9 @@ class PatternConstraint:
             self.failed = True
             return False
         finally:
-            self._left_s -= time.perf_counter() - now
+            spent = time.perf_counter() - now
+            self._token_left_s -= spent
+            self._left_s -= spent
 
     def _continues(self, data: bytes) -> bool:
         return self._machine_continues(data) if self.machine is not None else self._regex_continues(data)
@@ -220,7 +220,7 @@ class PatternConstraint:
         raw = self.token_bytes(token_id)
         self.text += raw
         self._first = {}
-        self._deadline = None  # a new token, a new budget
+        self._token_left_s = self.budget_s  # a new token, a new budget
         if self.machine is not None:
             try:
                 reached = self._reached(raw)

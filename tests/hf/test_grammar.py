@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 import regex
@@ -155,6 +156,15 @@ def test_an_expression_that_backtracks_without_end_fails_within_its_budget_not_t
     assert not followed.accepts(1) and not followed.failed and followed.accepts(2)
     followed.advance(2)
     assert followed.complete and followed.done
+    # Only matching counts: the time between one token's questions (the sampler building a
+    # mask, other rows) does not.
+    letters = {0: b"b", 1: b"c"}
+    paused = PatternConstraint(compile_pattern('(?=a)a{5}|a{5}'), letters.__getitem__, (), budget_s=0.05)
+    waits = PatternConstraint(compile_pattern('a{5}'), letters.__getitem__, (), budget_s=0.05)
+    for constraint in (paused, waits):
+        assert not constraint.accepts(0)
+        time.sleep(0.1)
+        assert not constraint.accepts(1) and not constraint.failed
     # The machine's questions count against the answer's budget too.
     spent = PatternConstraint(compile_pattern("x*"), spelled.__getitem__, (), budget_s=10.0, answer_budget_s=0.0005)
     assert spent.machine is not None
