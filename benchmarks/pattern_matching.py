@@ -15,7 +15,7 @@ dropped first (cold; a server asked the same schema again remembers them), over 
   mask   candidates(vocabulary): the cost when it is refused and the sampler asks which
          tokens may come (up to 256 prefix questions the regex module's way).
 Printed: ms per token each way and the ratio regex / machine (above 1: the machine is
-faster). Also a check that both ways agree on every token of the answer.
+faster). Both ways must accept every token of the answer (asserted).
 """
 
 from __future__ import annotations
