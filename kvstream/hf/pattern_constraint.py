@@ -59,8 +59,8 @@ class PatternConstraint:
 
     ``banned`` tokens never belong to the text (special tokens); of them, ``end_ids`` (the
     model's end tokens) may end it where the text is a whole match that could still go on.
-    ``budget_s``: the matching time one token may take in the ``regex`` module (None:
-    unbounded, for expressions KVStream writes itself); ``answer_budget_s`` the whole answer
+    ``budget_s``: the matching time one token may take, either way (None: unbounded, for
+    expressions KVStream writes itself); ``answer_budget_s`` the whole answer
     (default: ``ANSWER_BUDGETS`` times ``budget_s``). ``incremental=False`` asks the regex
     module even where the machine could follow the expression (to compare the two)."""
 
