@@ -244,6 +244,11 @@ def test_a_recursive_schema_is_followed_and_one_no_value_can_satisfy_is_refused(
     free = compile_schema({"type": "object", "properties": {"a": {}, "b": {"type": "object"}}})
     assert free.fullmatch('{"a": [[[[[{"x": [1, {"y": null}]}]]]]], "b": {"k": {"z": [[]]}}}')
     assert not free.fullmatch('{"a": [1,], "b": {}}') and not free.fullmatch('{"a": 1, "b": []}')
+    # JSON pointer escapes in a reference: ~1 is "/", ~0 is "~".
+    escaped = compile_schema({"$defs": {"a/b~c": {"enum": ["x"]}}, "type": "array", "items": {"$ref": "#/$defs/a~1b~0c"}})
+    assert escaped.fullmatch('["x", "x"]') and not escaped.fullmatch('["y"]')
+    with pytest.raises(SchemaError, match="does not resolve"):
+        compile_schema({"$defs": {"a/b": {"enum": ["x"]}}, "$ref": "#/$defs/a/b"})
     endless = {"$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}}, "$ref": "#/$defs/N"}
     with pytest.raises(SchemaError, match="no JSON value satisfies"):
         compile_schema(endless)
