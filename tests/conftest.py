@@ -211,6 +211,23 @@ def llama_server() -> LlamaServer:
     server.stop()
 
 
+def fail_forward_at(monkeypatch: Any, step: int) -> None:
+    """Make the in-process engine's ``step``-th forward (counted from now) raise, as a device
+    that falls over does; every other forward is the real one."""
+    from kvstream.hf import compat
+
+    real = compat.forward_logits
+    calls = {"n": 0}
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == step:
+            raise RuntimeError("device fell over")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compat, "forward_logits", forward)
+
+
 async def wait_released(proxy: Proxy) -> None:
     """Wait (bounded) until every block is free: a streamed answer's slot is released right
     after its last bytes are written, so a client can read them a moment before."""

@@ -146,19 +146,10 @@ def test_aborting_preempted_and_running_requests_frees_both_pools(smollm2, mode)
 
 
 def test_a_failing_forward_fails_its_requests_frees_everything_and_the_engine_goes_on(smollm2, monkeypatch):
-    from kvstream.hf import compat, model_runner as engine_module
+    from tests.conftest import fail_forward_at
 
     engine = ModelRunner(smollm2[0], smollm2[2], RunnerConfig(block_size=4, num_blocks=64, num_cpu_blocks=8, debug_invariants=True))
-    real = compat.forward_logits
-    calls = {"n": 0}
-
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("device fell over")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(engine_module.compat, "forward_logits", flaky)
+    fail_forward_at(monkeypatch, 3)
     events: list = []
     for i in range(2):
         engine.add_request(Sequence(SHARED + [700 + i], 10), SamplingParams(max_tokens=10, temperature=0), events.extend)

@@ -324,19 +324,9 @@ async def test_the_engine_failing_ends_the_answer_with_llama_servers_error(hf_pr
     mid-stream, the tokens sent stay sent and a ``data:`` event holding the error ends the
     stream, as newer llama-servers do. Either way everything is released and the next
     request is served."""
-    from kvstream.hf import compat
-    from tests.conftest import wait_released
+    from tests.conftest import fail_forward_at, wait_released
 
-    real = compat.forward_logits
-    calls = {"n": 0}
-
-    def dies(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == failing_step:
-            raise RuntimeError("device fell over")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(compat, "forward_logits", dies)
+    fail_forward_at(monkeypatch, failing_step)
     body = {"prompt": "1, 2, 3, 4,", "n_predict": 40, "temperature": 0, "stream": True}
     async with aiohttp.ClientSession() as session:
         async with session.post(hf_proxy.url + "/completion", json=body) as response:
@@ -748,19 +738,9 @@ async def test_a_recorded_stream_the_engine_fails_ends_with_the_error_and_frees_
     """The engine failing mid-way through a recorded stream (``X-Conversation-Id``): the
     recording ends with the error event and no ``[DONE]``, a follower leaving half-way leaves
     the recording whole, and the slot and blocks are released."""
-    from kvstream.hf import compat
-    from tests.conftest import wait_released
+    from tests.conftest import fail_forward_at, wait_released
 
-    real = compat.forward_logits
-    calls = {"n": 0}
-
-    def dies(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 6:
-            raise RuntimeError("device fell over")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(compat, "forward_logits", dies)
+    fail_forward_at(monkeypatch, 6)
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "Count to fifty."}], "max_tokens": 40,
             "temperature": 0, "stream": True, "ignore_eos": True}
     async with aiohttp.ClientSession() as session:

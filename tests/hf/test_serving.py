@@ -172,18 +172,9 @@ async def test_the_default_batch_is_sized_from_the_pool(smollm2):
 
 
 async def test_the_engine_failing_mid_stream_ends_that_stream_with_an_error_and_serves_the_next(hf_proxy, oa, monkeypatch):
-    from kvstream.hf import compat
+    from tests.conftest import fail_forward_at
 
-    real = compat.forward_logits
-    calls = {"n": 0}
-
-    def dies_on_the_fourth_step(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise RuntimeError("device fell over")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(compat, "forward_logits", dies_on_the_fourth_step)
+    fail_forward_at(monkeypatch, 4)
     received = ""
     with pytest.raises(openai.APIError):
         stream = await oa.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=40, temperature=0, stream=True)
