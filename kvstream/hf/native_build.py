@@ -8,7 +8,10 @@ AVX-512, plain C++ otherwise) so that a cache shared by two kinds of CPU never h
 other's build, and per source text and flags, the source copied in and compiled there: the
 build's ninja file names the source's path, so two checkouts or installs of the same source
 compiled from where each lies rebuilt each other's cache at every switch (a silent minute at
-``serve``), and a changed source was rebuilt without the "building" line. Built with OpenMP (``at::parallel_for`` is inline OpenMP: without ``-fopenmp`` it runs
+``serve``), and a changed source was rebuilt without the "building" line. The folder is
+per torch installation and Python headers too: the ninja file names their include folders,
+so two virtual environments sharing the cache (a developer's and a CI clone's, the same
+torch version in both) rebuilt each other's kernels, silently, at every first start. Built with OpenMP (``at::parallel_for`` is inline OpenMP: without ``-fopenmp`` it runs
 on one thread, as the first two did before the flag was added; not on macOS, whose Apple clang
 has no OpenMP). Compiling needs a C++ compiler and ninja (the ``hf`` extra installs ninja);
 where either is missing ``load_extension`` returns why, and the caller keeps its pure-torch
@@ -23,6 +26,7 @@ import logging
 import os
 import shutil
 import sys
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -62,12 +66,19 @@ def uses_vector(vector: bool | None) -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and vector is not False
 
 
+def header_folders() -> tuple[str, ...]:
+    """The folders whose headers a build includes (this torch installation's and Python's),
+    which torch's builder writes into its ninja file: another of them is another build."""
+    return (str(Path(torch.__file__).resolve().parent), sysconfig.get_paths()["include"])
+
+
 def build_folder(stem: str, source: Path, vector: bool | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """The folder ``load_extension`` builds ``source`` in: the build name's, then one per
-    source text and compiler flags (the first 12 hex digits of their SHA-256)."""
+    source text, compiler flags and header folders (the first 12 hex digits of their SHA-256)."""
     vectorized = uses_vector(vector)
     digest = hashlib.sha256(source.read_bytes())
     digest.update("\0".join(compiler_flags(vectorized, extra_flags)).encode())
+    digest.update("\0".join(header_folders()).encode())
     return build_directory(build_name(stem, vectorized)) / digest.hexdigest()[:12]
 
 

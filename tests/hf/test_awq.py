@@ -306,8 +306,8 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_build_waited_
 
 def test_a_kernel_build_is_keyed_by_its_source_text_not_where_it_lies(tmp_path, monkeypatch, caplog):
     """The same source in two checkouts shares one build (torch's ninja file names the path it
-    compiled, so each checkout used to rebuild the other's), a changed source or flag gets a
-    folder of its own, and the builder compiles the copy inside that folder."""
+    compiled, so each checkout used to rebuild the other's), a changed source, flag or torch
+    installation gets a folder of its own, and the builder compiles the copy inside that folder."""
     import torch.utils.cpp_extension as cpp_extension
 
     from kvstream.hf import native_build
@@ -323,6 +323,11 @@ def test_a_kernel_build_is_keyed_by_its_source_text_not_where_it_lies(tmp_path, 
     assert folder != native_build.build_folder("kvstream_k", first, vector=False)
     second.write_text("// kernel, changed\n")
     assert folder != native_build.build_folder("kvstream_k", second)
+    # Another virtual environment's torch (its headers' folder in the ninja file): its own folder.
+    with monkeypatch.context() as patch:
+        patch.setattr(native_build.torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+        assert folder != native_build.build_folder("kvstream_k", first)
+    assert folder == native_build.build_folder("kvstream_k", first)
     built = []
 
     def builder(name, sources, build_directory, **kwargs):
