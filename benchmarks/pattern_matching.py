@@ -5,9 +5,10 @@ it), same answers, same tokenizer, same run.
 
     python benchmarks/pattern_matching.py [--bytes 256 1024 4096 8192] [--tokens 8]
 
-Two expressions: a GBNF JSON grammar (recursive, as llama-server's clients send) and a JSON
-schema's (an array of objects, as structured outputs send). The answer is a valid JSON text
-of the expression, tokenized by SmolLM2's tokenizer; the constraint walks it token by token.
+Three expressions: a GBNF JSON grammar (recursive, as llama-server's clients send), a JSON
+schema's (an array of objects, as structured outputs send) and JSON mode's (any object, at
+any depth: the array under one key). The answer is a valid JSON text of the expression,
+tokenized by SmolLM2's tokenizer; the constraint walks it token by token.
 At each checkpoint (answer bytes so far) it times, with the machine's remembered steps
 dropped first (cold; a server asked the same schema again remembers them), over the next
 --tokens tokens:
@@ -30,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstream.hf.grammar import gbnf_pattern  # noqa: E402
-from kvstream.hf.json_schema import compile_schema  # noqa: E402
+from kvstream.hf.json_schema import JSON_OBJECT, compile_schema  # noqa: E402
 from kvstream.hf.loader import load_model  # noqa: E402
 from kvstream.hf.pattern_constraint import PatternConstraint, compile_pattern  # noqa: E402
 from kvstream.hf.token_bytes import TokenBytes, first_byte_mask  # noqa: E402
@@ -101,13 +102,14 @@ def main() -> None:
     spell = TokenBytes(tokenizer)
     vocab = len(tokenizer)
     first_byte_mask(spell, [], vocab)  # each token's first byte, read once for both ways
-    text = answer(max(args.bytes) + 512)
-    tokens = tokenizer(text, add_special_tokens=False).input_ids
-    expressions = {"GBNF JSON grammar": compile_pattern(gbnf_pattern(JSON_GRAMMAR)),
-                   "JSON schema (array of objects)": compile_schema(ITEMS_SCHEMA)}
-    print(f"answer: {len(text.encode())} bytes, {len(tokens)} SmolLM2 tokens; {args.tokens} tokens timed per checkpoint")
-    for name, pattern in expressions.items():
+    array = answer(max(args.bytes) + 512)
+    expressions = {"GBNF JSON grammar": (compile_pattern(gbnf_pattern(JSON_GRAMMAR)), array),
+                   "JSON schema (array of objects)": (compile_schema(ITEMS_SCHEMA), array),
+                   "JSON mode (any object)": (compile_schema(JSON_OBJECT), '{"items": ' + array + "}")}
+    print(f"answer: {len(array.encode())} bytes; {args.tokens} tokens timed per checkpoint")
+    for name, (pattern, text) in expressions.items():
         assert pattern.fullmatch(text), name
+        tokens = tokenizer(text, add_special_tokens=False).input_ids
         machine = walk(PatternConstraint(pattern, spell, ()), tokens, args.bytes, spell, vocab, args.tokens)
         rescan = walk(PatternConstraint(pattern, spell, (), incremental=False), tokens, args.bytes, spell, vocab,
                       args.tokens)

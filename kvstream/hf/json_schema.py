@@ -1,5 +1,6 @@
 """Structured outputs (``response_format: {"type": "json_schema", ...}``, Ollama's ``format``
-as a schema): the answer is constrained to JSON text that a regular expression built from
+as a schema) and JSON mode (``json_object``, Ollama's ``format: "json"``: the schema
+``JSON_OBJECT``, any one object): the answer is constrained to JSON text that a regular expression built from
 the schema accepts, and ends where the root value is whole and nothing can follow it (an
 object's or an array's close, a string's closing quote); a value that could go on (a number:
 ``4`` or ``42``) may end there with the model's end token.
@@ -30,7 +31,12 @@ import regex
 
 from kvstream.hf.pattern_machine import machine_for
 
-WS = r"(?: |\n[ \t]{0,20})?"  # between tokens: what JSON mode allows (json_constraint.MAX_INDENT)
+# Whitespace between tokens: none, one space, or a newline and an indent of up to MAX_INDENT
+# spaces or tabs (llama.cpp's JSON grammars' rule). That is all compact or pretty-printed JSON
+# needs, and a small model otherwise pads with runs of blank lines and spaces, each of them
+# valid JSON (and could forever). An empty container holds one such run, not two.
+MAX_INDENT = 20
+WS = rf"(?: |\n[ \t]{{0,{MAX_INDENT}}})?"
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
@@ -41,6 +47,9 @@ ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "format", "$schema", "$id", "$comment", "deprecated", "readOnly",
     "writeOnly", "strict", "name", "additionalProperties", "required", "$defs", "definitions", "contentMediaType",
 })
+# JSON mode (``response_format: {"type": "json_object"}``, Ollama's ``format: "json"``): the
+# answer is one JSON object, of any members, and ends where it closes.
+JSON_OBJECT = {"type": "object"}
 HANDLED = frozenset({
     "type", "properties", "items", "enum", "const", "anyOf", "oneOf", "$ref", "minLength", "maxLength", "minItems", "maxItems",
 })
@@ -59,9 +68,14 @@ def _bounded(unit: str, low: int, high: int | None) -> str:
 
 
 # Any JSON value, at any depth: two rules of the expression's DEFINE block (see _Writer).
-ANY_OBJECT = rf'\{{{WS}(?:"{STRING_CHAR}*"{WS}:{WS}(?&any)(?:{WS},{WS}"{STRING_CHAR}*"{WS}:{WS}(?&any))*)?{WS}\}}'
+def _container(opening: str, item: str, closing: str) -> str:
+    """``item``s between an opening and a closing bracket, comma-separated, maybe none."""
+    return rf"{opening}(?:{WS}{item}(?:{WS},{WS}{item})*)?{WS}{closing}"
+
+
+ANY_OBJECT = _container(r"\{", f'"{STRING_CHAR}*"{WS}:{WS}(?&any)', r"\}")
 ANY_VALUE = "(?:" + "|".join(['"' + STRING_CHAR + '*"', NUMBER, "true", "false", "null",
-                              rf"\[{WS}(?:(?&any)(?:{WS},{WS}(?&any))*)?{WS}\]", "(?&any_object)"]) + ")"
+                              _container(r"\[", "(?&any)", r"\]"), "(?&any_object)"]) + ")"
 
 
 class _Writer:
@@ -144,7 +158,7 @@ class _Writer:
                 return rf"\[{WS}\]"
             rest = _bounded(f"{WS},{WS}{item}", max(low - 1, 0), None if high is None else high - 1)
             items = f"{item}{rest}"
-            return rf"\[{WS}{items if low else f'(?:{items})?'}{WS}\]"
+            return rf"\[{WS}{items}{WS}\]" if low else rf"\[(?:{WS}{items})?{WS}\]"
         if kind == "object":
             properties = schema.get("properties") or {}
             if not isinstance(properties, dict):
@@ -152,7 +166,7 @@ class _Writer:
             extra = schema.get("additionalProperties")
             if not properties and isinstance(extra, dict) and extra:  # a map: any keys, values of one schema
                 member = f'"{STRING_CHAR}*"{WS}:{WS}{self.inside(extra, f"{where}.additionalProperties")}'
-                return rf"\{{{WS}(?:{member}(?:{WS},{WS}{member})*)?{WS}\}}"
+                return _container(r"\{", member, r"\}")
             if not properties:  # a free-form object
                 return self.any_object()
             members = [f"{_literal(name)}{WS}:{WS}{self.inside(sub, f'{where}.{name}')}" for name, sub in properties.items()]

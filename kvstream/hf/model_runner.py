@@ -42,8 +42,7 @@ from kvstream.hf.detokenize import IncrementalDetokenizer
 from kvstream.hf.kv_cache import KVShape, PagedKVCache, auto_batch_size, pool_dtype
 from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
 from kvstream.hf.sampling import History, SamplingParams, TokenLogprobs, drawn_logprobs, logprobs_of, sample
-from kvstream.hf.json_constraint import JsonObjectConstraint
-from kvstream.hf.json_schema import compile_schema
+from kvstream.hf.json_schema import JSON_OBJECT, compile_schema
 from kvstream.hf.pattern_constraint import CLIENT_BUDGET_S, PatternConstraint, compile_pattern
 from kvstream.hf.prompt_scores import STORED_TOP, PromptScores
 from kvstream.hf.thinking_budget import ThinkingBudget, ThinkTokens
@@ -148,7 +147,7 @@ class RunnerRequest:
     repaired_tokens: int = 0  # of those, recomputed by the repair
     approx_from: int | None = None  # first position holding moved (approximate) KV
     index: int = 0  # choice index among the request's n (forks carry 1..n-1)
-    constraint: JsonObjectConstraint | PatternConstraint | None = None  # a held answer: what may come next
+    constraint: PatternConstraint | None = None  # a held answer: what may come next
     thinking: ThinkingBudget | None = None  # a cap on its <think> block (thinking_budget.py)
     # Echo with logprobs: entry i scores prompt token i + 1 (kept scores of its prefix
     # first, then filled as prefill chunks run; kept across a recompute preemption, whose
@@ -325,10 +324,9 @@ class ModelRunner:
             if params.pattern is not None:  # a client's: within a matching budget
                 req.constraint = PatternConstraint(compile_pattern(params.pattern), self.token_bytes, banned, end_ids,
                                                    budget_s=CLIENT_BUDGET_S)
-            elif params.json_schema is not None:
-                req.constraint = PatternConstraint(compile_schema(params.json_schema), self.token_bytes, banned, end_ids)
-            else:
-                req.constraint = JsonObjectConstraint(self.token_bytes, banned)
+            else:  # a schema's, or JSON mode's: any one object
+                schema = params.json_schema if params.json_schema is not None else JSON_OBJECT
+                req.constraint = PatternConstraint(compile_schema(schema), self.token_bytes, banned, end_ids)
         elif params.thinking_budget is not None:  # (a constraint holds the answer from its first token: no thinking)
             if self._think_tokens is None:
                 self._think_tokens = ThinkTokens.of(self.tokenizer)

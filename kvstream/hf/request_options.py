@@ -9,8 +9,8 @@ are accepted and ignored, as OpenAI-compatible servers do.
 
 Honoured: ``GenerateRequest.logprobs`` (the schemas read OpenAI's ``logprobs`` /
 ``top_logprobs``, the Ollama route Ollama's), ``response_format`` ``json_object`` (JSON
-mode, json_constraint.py) and ``json_schema`` (structured outputs, json_schema.py, which
-says what schemas it takes), ``tool_choice`` forcing a call (a schema too, tool_calls.py),
+mode) and ``json_schema`` (structured outputs; json_schema.py says what schemas it takes),
+``tool_choice`` forcing a call (a schema too, tool_calls.py),
 grammars and vLLM's guided decoding (guided.py), ``logit_bias``, ``presence_penalty``,
 ``frequency_penalty``,
 and from Ollama's options (or llama-server's fields) ``repeat_penalty``, ``repeat_last_n``,

@@ -51,7 +51,7 @@ class SamplingParams:
     # The same for each prompt token after the first (echo): the whole prompt is computed,
     # none of it taken from the prefix cache, since a cached position has no logits.
     prompt_logprobs: int | None = None
-    json_object: bool = False  # JSON mode: only tokens that keep the output one JSON object (json_constraint.py)
+    json_object: bool = False  # JSON mode: only tokens that keep the output one JSON object (json_schema.JSON_OBJECT)
     json_schema: dict | None = None  # structured output: only JSON this schema admits (json_schema.py)
     # A client's expression the whole answer must match (a GBNF grammar's, vLLM's guided_regex
     # or guided_choice: guided.py), held to within a matching budget (pattern_constraint.py).
@@ -119,8 +119,8 @@ class TokenLogprobs:
 
 
 class Constraint(Protocol):
-    """Which tokens may come next (JSON mode's ``JsonObjectConstraint``, structured outputs'
-    ``PatternConstraint``)."""
+    """Which tokens may come next (``PatternConstraint``: JSON mode, structured outputs,
+    grammars)."""
 
     def accepts(self, token_id: int) -> bool: ...
 

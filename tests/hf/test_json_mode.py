@@ -1,5 +1,6 @@
-"""JSON mode: the recognizer against Python's json module, the sampler under a constraint,
-and the engine through the server with the openai and ollama clients."""
+"""JSON mode (the schema ``JSON_OBJECT`` on the incremental machine) against Python's json
+module, the sampler under a constraint, and the engine through the server with the openai
+and ollama clients."""
 
 from __future__ import annotations
 
@@ -13,15 +14,25 @@ from tests.conftest import require_import
 
 torch = require_import("torch")
 
-from kvstream.hf.json_constraint import MAX_INDENT, JsonObjectConstraint, JsonPrefix  # noqa: E402
+from kvstream.hf.json_schema import JSON_OBJECT, MAX_INDENT, compile_schema  # noqa: E402
+from kvstream.hf.pattern_constraint import PatternConstraint  # noqa: E402
 from kvstream.hf.sampling import SamplingParams, first_accepted, sample  # noqa: E402
+
+
+def json_mode(token_bytes=lambda token: bytes([token]), banned=()) -> PatternConstraint:
+    """JSON mode's constraint, as the engine builds it; by default over a vocabulary of the
+    256 single bytes."""
+    return PatternConstraint(compile_schema(JSON_OBJECT), token_bytes, banned)
 
 
 def feeds(text: str | bytes) -> tuple[bool, bool]:
     """(every byte taken, the object complete)."""
-    state = JsonPrefix()
-    ok = state.feed(text.encode() if isinstance(text, str) else text)
-    return ok, ok and state.done
+    constraint = json_mode()
+    for byte in text.encode() if isinstance(text, str) else text:
+        if not constraint.accepts(byte):
+            return False, False
+        constraint.advance(byte)
+    return True, constraint.done
 
 
 def random_value(rng: random.Random, depth: int = 0):
@@ -93,7 +104,7 @@ def test_whitespace_outside_strings_is_one_space_or_a_newline_and_an_indent_and_
 
 def test_the_constraint_refuses_special_tokens_and_empty_tokens_and_copies_apart():
     spelled = {0: b"{", 1: b'"a"', 2: b":", 3: b"1", 4: b"}", 5: b"<|im_end|>", 6: b""}
-    constraint = JsonObjectConstraint(spelled.__getitem__, banned={5})
+    constraint = json_mode(spelled.__getitem__, banned={5})
     assert constraint.accepts(0) and not constraint.accepts(5) and not constraint.accepts(6) and not constraint.accepts(4)
     constraint.advance(0)
     other = constraint.copy()
@@ -107,12 +118,12 @@ def test_the_constraint_refuses_special_tokens_and_empty_tokens_and_copies_apart
 
 def test_a_constrained_row_takes_the_best_token_it_accepts_greedy_or_sampled():
     spelled = {i: bytes([b]) for i, b in enumerate(b'x{}"a:1 ')}
-    constraint = JsonObjectConstraint(spelled.__getitem__, banned=())
+    constraint = json_mode(spelled.__getitem__)
     scores = torch.tensor([9.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # 'x' best, then '}', then '{'
     assert first_accepted(scores, constraint) == 1  # '{': the best that can begin an object
     params = [SamplingParams(temperature=1.0, seed=s) for s in range(20)]
     drawn = sample(scores.repeat(20, 1), params, [p.make_generator() for p in params], constraints=[constraint] * 20)
-    assert set(drawn) <= {1, 7}  # '{' or leading whitespace, never 'x' or '}'
+    assert set(drawn) == {1}  # '{', never 'x', '}' or leading whitespace
     greedy = sample(scores[None], [SamplingParams(temperature=0)], [None], constraints=[constraint])
     assert greedy == [1]
 
@@ -129,7 +140,7 @@ async def test_json_mode_answers_one_json_object_streamed_or_not(hf_proxy, oa, t
         if reply.choices[0].finish_reason == "stop":  # the object closed: the answer ends there
             assert isinstance(json.loads(text), dict), text
         else:  # cut by max_tokens: still a prefix of one
-            assert reply.choices[0].finish_reason == "length" and JsonPrefix().feed(text.encode())
+            assert reply.choices[0].finish_reason == "length" and feeds(text)[0]
         stream = await oa.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=200, temperature=temperature,
             seed=seed, response_format={"type": "json_object"}, stream=True)
@@ -159,8 +170,7 @@ async def test_ollamas_format_json_is_json_mode_and_a_schema_it_cannot_follow_is
 # ------------------------------------------------------------------------ structured outputs
 from pydantic import BaseModel  # noqa: E402
 
-from kvstream.hf.json_schema import SchemaError, compile_schema, schema_pattern  # noqa: E402
-from kvstream.hf.pattern_constraint import PatternConstraint  # noqa: E402
+from kvstream.hf.json_schema import SchemaError, schema_pattern  # noqa: E402
 
 
 class Pet(BaseModel):
@@ -283,8 +293,7 @@ def test_the_candidate_mask_holds_every_token_the_constraint_accepts(smollm2, ki
     spell, vocab = TokenBytes(tokenizer), model.config.vocab_size
     schema = {"type": "object", "properties": {"title": {"type": "string"}, "kind": {"enum": ["animal", "place"]},
                                                "facts": {"type": "array", "items": {"type": "integer"}}}}
-    constraint = (JsonObjectConstraint(spell, ()) if kind == "json_object"
-                  else PatternConstraint(compile_schema(schema), spell, ()))
+    constraint = PatternConstraint(compile_schema(JSON_OBJECT if kind == "json_object" else schema), spell, ())
     text = '{"title": "Cats é", "kind": "animal", "facts": [4, 20]}'
     generator = torch.Generator().manual_seed(0)
     for step, token in enumerate(tokenizer(text).input_ids):
