@@ -105,7 +105,11 @@ def exclusive(directory: Path) -> Iterator[None]:
         yield
         return
     with open(directory / "kvstream.flock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process builds
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process builds here: say why the start waits
+            logger.info("waiting for another process building in %s", directory)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             leftover = directory / "lock"
             if leftover.exists():

@@ -262,7 +262,7 @@ def test_ninja_from_the_pip_package_is_found_without_an_activated_venv(monkeypat
 def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_build_waited_for(tmp_path, monkeypatch, caplog):
     """torch's builder waits, without a timeout, while its ``lock`` file exists: one left by a
     build killed midway would hang every later start. KVStream builds under an flock (which
-    dies with its process) and clears such a leftover; a live build is waited for."""
+    dies with its process) and clears such a leftover; a live build is waited for, saying so."""
     import fcntl
     import threading
 
@@ -289,7 +289,7 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_build_waited_
     native.load.cache_clear()
     result = []
     try:
-        with caplog.at_level("WARNING", logger="kvstream.hf.native_build"):
+        with caplog.at_level("INFO", logger="kvstream.hf.native_build"):
             waiting = threading.Thread(target=lambda: result.append(native.load()))
             waiting.start()
             waiting.join(0.5)
@@ -302,6 +302,7 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_build_waited_
     assert result == [(None, "RuntimeError: stop here")]
     assert calls == [(str(folder), False)]  # the leftover was gone before torch's builder ran
     assert "left by a build that did not finish" in caplog.text
+    assert "waiting for another process building in" in caplog.text  # the wait is said, not silent
 
 
 def test_a_kernel_build_is_keyed_by_its_source_text_not_where_it_lies(tmp_path, monkeypatch, caplog):
