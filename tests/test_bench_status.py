@@ -88,7 +88,7 @@ def test_status_renders_a_recorded_snapshot():
         history.add(SNAPSHOT | {"kv": SNAPSHOT["kv"] | {"blocks_used": used}})
     console.print(status_cli.render(SNAPSHOT, history, "http://127.0.0.1:8080"))
     text = console.export_text()
-    for expected in ("llamacpp", "ready", "2 / 2", "waiting  5", "64/256 used", "(estimated)", "hit ratio 50.0%",
+    for expected in ("llamacpp", "ready", "2 / 2", "waiting 5", "64/256 used", "(estimated)", "hit ratio 50.0%",
                      "TTFT p50 250 ms", "2 failed", "queue_full 3", "3 restores", "1 failed", "history"):
         assert expected in text, expected
     assert status_cli.sparkline([0, 1, 2, 4]) == "▁▂▄█"
@@ -96,6 +96,26 @@ def test_status_renders_a_recorded_snapshot():
     console = Console(record=True, width=140, file=io.StringIO())
     console.print(status_cli.render(SNAPSHOT | {"kv": SNAPSHOT["kv"] | {"blocks_retained": 6}}, None, "http://127.0.0.1:8080"))
     assert "10 cached (6 retained)" in console.export_text()
+
+
+@pytest.mark.parametrize("width", [60, 80])
+def test_status_on_a_narrow_terminal_moves_whole_parts_to_the_next_line(width):
+    """Each row's value flows onto more lines under its own start; no part ("TTFT p50 250
+    ms, p90 900 ms") is broken in two, and no line is wider than the terminal."""
+    console = Console(record=True, width=width, file=io.StringIO())
+    backend = {"type": "hf", "model": "SmolLM2-135M-Instruct", "ready": True, "device": "cpu", "dtype": "float32",
+               "kv_dtype": "float32", "steps": 1234, "attention_backend": "native", "matmul_backend": "native",
+               "weights": {"format": "dense", "resident_bytes": 538_060_288}}
+    console.print(status_cli.render(SNAPSHOT | {"backend": backend}, None, "http://127.0.0.1:8080"))
+    lines = console.export_text().splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= width
+    for part in ("TTFT p50 250 ms, p90 900 ms", "e2e p50 1,200 ms", "decode p50 88 tok/s", "oldest wait 1.5s",
+                 "64/256 used", "500 of 1,000 prompt tokens", "cpu float32, KV float32", "attention native",
+                 "matmul native", "1,234 steps", "513 MB resident", "rejected queue_full 3", "● ready", "up 120s"):
+        assert any(part in line for line in lines), (part, lines)
+    value_column = lines[[i for i, line in enumerate(lines) if line.startswith("last 60s")][0]].index("12 requests")
+    wrapped = [line for line in lines if line[:value_column].strip() == "" and line.strip()]
+    assert wrapped and all(line[value_column] != " " for line in wrapped)  # continued under the value's start
 
 
 def test_status_shows_the_stored_and_background_responses():

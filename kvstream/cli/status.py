@@ -14,7 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -75,60 +76,96 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:,.0f} ms"
 
 
+class Flow:
+    """Parts laid out left to right, two spaces apart, on as many lines as the width needs:
+    a part moves to the next line whole (a rich grid cell squeezes its text into a narrow
+    column instead, breaking "p90 1,841 ms" in two on an 80-column terminal)."""
+
+    def __init__(self, *parts: str | Text) -> None:
+        self.parts = [part if isinstance(part, Text) else Text(part) for part in parts]
+        self.parts = [part for part in self.parts if part.cell_len]
+
+    def lines(self, width: int) -> list[Text]:
+        lines = [Text()]
+        for part in self.parts:
+            line = lines[-1]
+            if line.cell_len and line.cell_len + 2 + part.cell_len > width:
+                line = Text()
+                lines.append(line)
+            if line.cell_len:
+                line.append("  ")
+            line.append_text(part)
+        return lines
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield from self.lines(options.max_width)  # (a part wider than a line wraps as text does)
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        widest = max((part.cell_len for part in self.parts), default=0)
+        whole = sum(part.cell_len for part in self.parts) + 2 * max(len(self.parts) - 1, 0)
+        return Measurement(min(widest, options.max_width), min(whole, options.max_width))
+
+
+def _rows() -> Table:
+    """A label column and a value column (``Flow``s) that wraps under its own start."""
+    table = Table.grid(padding=(0, 2))
+    table.add_column(no_wrap=True)
+    table.add_column()
+    return table
+
+
 def render(snap: dict[str, Any], history: History | None = None, url: str = "") -> Group:
     """The dashboard for one snapshot (pure: testable with a recorded payload)."""
     backend = snap.get("backend", {})
     queue, kv, prefix, reqs, recent = snap.get("queue", {}), snap.get("kv", {}), snap.get("prefix_cache", {}), snap.get("requests", {}), snap.get("recent", {})
     ready = backend.get("ready")
-    head = Text.assemble(
-        ("KVStream ", "bold"), (url, "dim"), "  backend ", (str(backend.get("type")), "cyan"), " ",
-        (str(backend.get("model") or ""), "cyan"), "  ",
-        ("● ready" if ready else "● backend down", "green" if ready else "red"),
-        f"  up {snap.get('uptime_s', 0):,.0f}s",
+    head = Flow(
+        Text.assemble(("KVStream ", "bold"), (url, "dim")),
+        Text.assemble("backend ", (str(backend.get("type")), "cyan"), " ", (str(backend.get("model") or ""), "cyan")),
+        Text("● ready" if ready else "● backend down", style="green" if ready else "red"),
+        f"up {snap.get('uptime_s', 0):,.0f}s",
     )
-    load = Table.grid(padding=(0, 2))
-    load.add_row("running", f"{queue.get('running', 0)} / {queue.get('max_batch_size', '?')}", "waiting", str(queue.get("waiting", 0)),
-                 "swapped", str(queue.get("swapped", 0)), "oldest wait", f"{queue.get('oldest_wait_s', 0):.1f}s")
+    rows = _rows()
+    rows.add_row("queue", Flow(f"running {queue.get('running', 0)} / {queue.get('max_batch_size', '?')}",
+                               f"waiting {queue.get('waiting', 0)}", f"swapped {queue.get('swapped', 0)}",
+                               f"oldest wait {queue.get('oldest_wait_s', 0):.1f}s"))
     total = kv.get("blocks_total") or 1
     used = kv.get("blocks_used", 0)
-    kv_table = Table.grid(padding=(0, 2))
-    kv_table.add_row(
+    rows.add_row(
         "KV blocks" + (" (estimated)" if kv.get("estimated") else ""),
         Group(ProgressBar(total=total, completed=used, width=24),
-              Text(f"{used}/{total} used, {kv.get('blocks_cached', 0)} cached"
-                   + (f" ({kv['blocks_retained']} retained)" if kv.get("blocks_retained") else "")
-                   + f", {kv.get('block_size')} tokens/block")),
+              Flow(f"{used}/{total} used", f"{kv.get('blocks_cached', 0)} cached"
+                   + (f" ({kv['blocks_retained']} retained)" if kv.get("blocks_retained") else ""),
+                   f"{kv.get('block_size')} tokens/block")),
     )
-    kv_table.add_row("prefix cache", f"hit ratio {prefix.get('hit_ratio', 0):.1%}", f"{prefix.get('hit_tokens', 0):,} of {prefix.get('query_tokens', 0):,} prompt tokens")
+    rows.add_row("prefix cache", Flow(f"hit ratio {prefix.get('hit_ratio', 0):.1%}",
+                                      f"{prefix.get('hit_tokens', 0):,} of {prefix.get('query_tokens', 0):,} prompt tokens"))
     pre = snap.get("preemption", {})
-    kv_table.add_row("preemption", f"{pre.get('preemptions', 0)} preempted", f"swap out {pre.get('swap_outs', 0)} / in {pre.get('swap_ins', 0)}")
-    lat = Table.grid(padding=(0, 2))
+    rows.add_row("preemption", Flow(f"{pre.get('preemptions', 0)} preempted",
+                                    f"swap out {pre.get('swap_outs', 0)} / in {pre.get('swap_ins', 0)}"))
     decode = "-" if recent.get("decode_tokens_per_s_p50") is None else f"{recent['decode_tokens_per_s_p50']:.0f} tok/s"
-    lat.add_row(f"last {recent.get('window_s', 60):.0f}s: {recent.get('requests', 0)} requests",
-                f"TTFT p50 {_ms(recent.get('ttft_p50_s'))}, p90 {_ms(recent.get('ttft_p90_s'))}",
-                f"e2e p50 {_ms(recent.get('e2e_p50_s'))}", f"decode p50 {decode}")
+    rows.add_row(f"last {recent.get('window_s', 60):.0f}s",
+                 Flow(f"{recent.get('requests', 0)} requests",
+                      f"TTFT p50 {_ms(recent.get('ttft_p50_s'))}, p90 {_ms(recent.get('ttft_p90_s'))}",
+                      f"e2e p50 {_ms(recent.get('e2e_p50_s'))}", f"decode p50 {decode}"))
     rejected = reqs.get("rejected", {})
-    counts = Table.grid(padding=(0, 2))
-    counts.add_row("requests", f"{reqs.get('total', 0):,} total", f"{reqs.get('finished', 0):,} finished",
-                   Text(f"{reqs.get('failed', 0):,} failed", style="red" if reqs.get("failed") else ""),
-                   f"{reqs.get('cancelled', 0):,} cancelled", "rejected " + (", ".join(f"{k} {v}" for k, v in rejected.items()) or "0"))
-    parts: list[Any] = [head, load, kv_table, lat, counts]
+    rows.add_row("requests", Flow(f"{reqs.get('total', 0):,} total", f"{reqs.get('finished', 0):,} finished",
+                                  Text(f"{reqs.get('failed', 0):,} failed", style="red" if reqs.get("failed") else ""),
+                                  f"{reqs.get('cancelled', 0):,} cancelled",
+                                  "rejected " + (", ".join(f"{k} {v}" for k, v in rejected.items()) or "0")))
     inject = backend.get("hard_inject")
     if inject:
-        t = Table.grid(padding=(0, 2))
-        t.add_row("hard inject", "on" if inject.get("enabled") else Text("off", style="yellow"), f"{inject.get('restores', 0)} restores",
-                  Text(f"{inject.get('restore_failures', 0)} failed", style="red" if inject.get("restore_failures") else ""),
-                  f"{inject.get('saves', 0)} saves", f"{inject.get('files', 0)} files, {inject.get('bytes_on_disk', 0) / 1e6:,.0f} MB")
-        parts.append(t)
-    engine = _in_process_engine(backend)
-    if engine is not None:
-        parts.append(engine)
+        rows.add_row("hard inject", Flow(
+            "on" if inject.get("enabled") else Text("off", style="yellow"), f"{inject.get('restores', 0)} restores",
+            Text(f"{inject.get('restore_failures', 0)} failed", style="red" if inject.get("restore_failures") else ""),
+            f"{inject.get('saves', 0)} saves", f"{inject.get('files', 0)} files, {inject.get('bytes_on_disk', 0) / 1e6:,.0f} MB"))
+    _in_process_engine(backend, rows)
     stored, conversations = snap.get("responses") or {}, snap.get("conversations") or {}
     if stored.get("stored") or stored.get("running") or conversations.get("stored"):
-        t = Table.grid(padding=(0, 2))
-        t.add_row("responses", f"{stored.get('stored', 0):,} stored ({_mb(stored.get('bytes', 0))})",
-                  f"{stored.get('running', 0)} running in the background", f"{conversations.get('stored', 0):,} conversations")
-        parts.append(t)
+        rows.add_row("responses", Flow(f"{stored.get('stored', 0):,} stored ({_mb(stored.get('bytes', 0))})",
+                                       f"{stored.get('running', 0)} running in the background",
+                                       f"{conversations.get('stored', 0):,} conversations"))
+    parts: list[Any] = [head, rows]
     replicas = backend.get("replicas")
     if replicas:
         t = Table.grid(padding=(0, 2))
@@ -160,32 +197,28 @@ def _mb(value: Any) -> str:
     return "-" if value is None else f"{value / 2**20:,.0f} MB"
 
 
-def _in_process_engine(backend: dict[str, Any]) -> Table | None:
-    """The in-process engine's rows (``--backend hf``): what computes, and the weights (AWQ
-    layer streaming: what stays resident, what is read per token, stalls). None otherwise."""
+def _in_process_engine(backend: dict[str, Any], rows: Table) -> None:
+    """Adds the in-process engine's rows (``--backend hf``): what computes, and the weights
+    (AWQ layer streaming: what stays resident, what is read per token, stalls); none for a
+    runtime behind the proxy."""
     weights = backend.get("weights")
-    if "attention_backend" not in backend and not weights:
-        return None
-    t = Table.grid(padding=(0, 2))
     if "attention_backend" in backend:
-        t.add_row("engine", "  ".join([f"{backend.get('device')} {backend.get('dtype')}, KV {backend.get('kv_dtype')}",
-                                       f"attention {backend['attention_backend']}", f"matmul {backend.get('matmul_backend')}",
-                                       f"{backend.get('steps', 0):,} steps"]))
+        rows.add_row("engine", Flow(f"{backend.get('device')} {backend.get('dtype')}, KV {backend.get('kv_dtype')}",
+                                    f"attention {backend['attention_backend']}", f"matmul {backend.get('matmul_backend')}",
+                                    f"{backend.get('steps', 0):,} steps"))
     if weights:
         kind = weights.get("format", "?") + (f" ({weights['kernel']} kernel)" if weights.get("kernel") else "")
-        cells = [kind, f"{_mb(weights.get('resident_bytes'))} resident"]
+        cells: list[str | Text] = [kind, f"{_mb(weights.get('resident_bytes'))} resident"]
         if weights.get("mapped_bytes"):
             cells.append(f"{_mb(weights['mapped_bytes'])} embeddings mapped")
-        stalls = Text("")
         if "staging" in weights:  # layers streamed
             per_token = weights.get("bytes_staged_per_token")
+            stall_s = weights.get("stall_seconds_total") or 0
             cells += [f"{weights.get('mode')}, {weights['staging']}, K {weights.get('keep_first_k')}+{weights.get('keep_last_k')}",
                       f"{_mb(weights.get('streamed_bytes'))} streamed a forward",
-                      "-" if per_token is None else f"{_mb(per_token)} a token"]
-            stall_s = weights.get("stall_seconds_total") or 0
-            stalls = Text(f"  stalls {stall_s:.2f}s", style="yellow" if stall_s else "")
-        t.add_row("weights", Text.assemble("  ".join(cells), stalls))
-    return t
+                      "-" if per_token is None else f"{_mb(per_token)} a token",
+                      Text(f"stalls {stall_s:.2f}s", style="yellow" if stall_s else "")]
+        rows.add_row("weights", Flow(*cells))
 
 
 def render_unreachable(url: str, error: str, retrying: bool = False) -> Panel:
