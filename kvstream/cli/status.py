@@ -82,8 +82,8 @@ class Flow:
     column instead, breaking "p90 1,841 ms" in two on an 80-column terminal)."""
 
     def __init__(self, *parts: str | Text) -> None:
-        self.parts = [part if isinstance(part, Text) else Text(part) for part in parts]
-        self.parts = [part for part in self.parts if part.cell_len]
+        texts = (part if isinstance(part, Text) else Text(part) for part in parts)
+        self.parts = [text for text in texts if text.cell_len]  # an empty part takes no room
 
     def lines(self, width: int) -> list[Text]:
         lines = [Text()]
