@@ -121,16 +121,20 @@ def exclusive(directory: Path) -> Iterator[None]:
 
 
 def put_ninja_on_path() -> bool:
-    """Whether ``ninja`` (which torch's builder runs by name) is on PATH, after adding the
-    pip package's binary folder when it was not: a venv's ``kvstream`` started by its full
-    path, without activating the venv, has the package installed but not on PATH."""
-    if shutil.which("ninja"):
-        return True
+    """Whether ``ninja`` (which torch's builder runs by name) is on PATH, the pip package's
+    first where it is installed (the ``hf`` extra's). Its own, not whichever PATH finds first:
+    two ninja versions (the package's 1.13, a system's 1.11) record a build's command
+    differently, so each rebuilt what the other had built, a minute at every start that found
+    the other one (a shell with the venv activated finds the package's; ``.venv/bin/kvstream``
+    or ``.venv/bin/python -m pytest`` run unactivated, the system's). And a venv's ``kvstream``
+    started by its full path has the package installed but not on PATH."""
     try:
         import ninja
     except ImportError:
-        return False
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        return shutil.which("ninja") is not None
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != ninja.BIN_DIR:
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
     return shutil.which("ninja") is not None
 
 

@@ -257,6 +257,16 @@ def test_ninja_from_the_pip_package_is_found_without_an_activated_venv(monkeypat
     assert shutil.which("ninja") is None
     assert native_build.put_ninja_on_path()
     assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
+    # A system's ninja on PATH (another version): the package's still goes first, once, so
+    # that every start builds with the same ninja (two versions rebuilt each other's builds).
+    system = tmp_path / "ninja"
+    system.write_text("#!/bin/sh\necho 1.11.1\n")
+    system.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert shutil.which("ninja") == str(system)
+    assert native_build.put_ninja_on_path() and native_build.put_ninja_on_path()
+    assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
+    assert os.environ["PATH"] == os.pathsep.join([ninja.BIN_DIR, str(tmp_path)])
 
 
 def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_build_waited_for(tmp_path, monkeypatch, caplog):
