@@ -126,17 +126,28 @@ def logit_bias(extra: dict[str, Any], vocab_size: int | None) -> dict[int, float
 
 
 def json_schema(extra: dict[str, Any]) -> dict[str, Any] | None:
-    """``response_format``'s JSON schema (OpenAI's ``json_schema.schema``), checked now: 400
+    """``response_format``'s JSON schema (OpenAI's ``json_schema.schema``, or llama-server's
+    JSON mode held to a schema, ``{"type": "json_object", "schema": ...}``), checked now: 400
     for one the engine cannot constrain its output to (json_schema.py says what it takes)."""
     fmt = extra.get("response_format")
-    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+    if not isinstance(fmt, dict):
         return None
-    spec = fmt.get("json_schema")
-    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if fmt.get("type") == "json_object" and "schema" in fmt:
+        schema, where = fmt["schema"], "response_format.schema"
+    elif fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        schema, where = spec.get("schema") if isinstance(spec, dict) else None, "response_format.json_schema.schema"
+    else:
+        return None
     if not isinstance(schema, dict):
-        raise BackendRejected("'response_format.json_schema.schema' must be a JSON schema object.",
-                              param="response_format", code="invalid_value")
+        raise BackendRejected(f"'{where}' must be a JSON schema object.", param="response_format", code="invalid_value")
     return _checked(schema, "response_format", "its JSON schema")
+
+
+def json_mode(extra: dict[str, Any]) -> bool:
+    """JSON mode: ``response_format`` ``json_object`` without a schema (any one object)."""
+    fmt = extra.get("response_format")
+    return isinstance(fmt, dict) and fmt.get("type") == "json_object" and "schema" not in fmt
 
 
 def _checked(schema: dict[str, Any], field: str, what: str) -> dict[str, Any]:
@@ -236,7 +247,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             stop_token_ids=stop_token_ids(extra, vocab_size),
             logprobs=request.logprobs,
             prompt_logprobs=request.logprobs if request.echo else None,
-            json_object=(extra.get("response_format") or {}).get("type") == "json_object",
+            json_object=json_mode(extra),
             json_schema=forced or answer or json_schema(extra) or (guided.schema if guided is not None else None),
             pattern=guided.pattern if guided is not None else None,
             thinking_budget=_budget(extra),

@@ -421,3 +421,25 @@ async def test_non_object_roots_through_the_openai_client(oa, smollm2):
     assert re.fullmatch("-?[0-9]+", text) and (reason == "stop" or len(text) >= 20), (text, reason)
     text, reason = await answer({"enum": ["three", "four"]})
     assert reason == "stop" and json.loads(text) in ("three", "four")
+
+
+async def test_json_mode_with_a_schema_is_held_to_the_schema_as_llama_server_holds_it(oa):
+    """llama-server's ``response_format: {"type": "json_object", "schema": ...}``: JSON mode
+    held to the schema (an array of integers here, where plain JSON mode would write an
+    object); a schema that is not one, or that the engine cannot follow, is a 400."""
+    from openai import BadRequestError
+
+    ask = [{"role": "system", "content": "You are a coding assistant."}, {"role": "user", "content": "Write an example"}]
+    for schema, check in (({"type": "array", "items": {"type": "integer"}}, lambda v: all(isinstance(i, int) for i in v)),
+                          ({"const": "42"}, lambda v: v == "42")):
+        reply = await oa.chat.completions.create(model="smollm2", messages=ask, max_tokens=40, temperature=0,
+                                                 response_format={"type": "json_object", "schema": schema})
+        text, reason = reply.choices[0].message.content, reply.choices[0].finish_reason
+        assert compile_schema(schema).fullmatch(text) if reason == "stop" else compile_schema(schema).fullmatch(
+            text, partial=True), (text, reason)
+        assert reason == "length" or check(json.loads(text)), text
+    for bad in (123, {"type": "hiccup"}, {"type": 123}):
+        with pytest.raises(BadRequestError) as err:
+            await oa.chat.completions.create(model="smollm2", messages=ask, max_tokens=4,
+                                             response_format={"type": "json_object", "schema": bad})
+        assert err.value.param == "response_format", bad
