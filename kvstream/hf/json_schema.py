@@ -7,7 +7,7 @@ object's or an array's close, a string's closing quote); a value that could go o
 
 ``schema_pattern`` writes the expression: strings (``enum``, ``const``, ``minLength`` /
 ``maxLength``), integers, numbers, booleans, null, arrays (``items``, ``minItems`` /
-``maxItems``), objects with their ``properties`` written in the schema's order, all of them
+``maxItems``, tuples: ``prefixItems`` or ``items`` as a list), objects with their ``properties`` written in the schema's order, all of them
 (an optional property present is still valid, and OpenAI's strict mode makes every property
 required anyway), ``anyOf`` / ``oneOf`` / a list of types as alternatives, ``$ref`` into
 ``$defs`` / ``definitions`` or ``#`` itself (recursive ones too: a tree of nodes; each
@@ -51,7 +51,8 @@ ANNOTATIONS = frozenset({
 # answer is one JSON object, of any members, and ends where it closes.
 JSON_OBJECT = {"type": "object"}
 HANDLED = frozenset({
-    "type", "properties", "items", "enum", "const", "anyOf", "oneOf", "$ref", "minLength", "maxLength", "minItems", "maxItems",
+    "type", "properties", "items", "prefixItems", "additionalItems", "enum", "const", "anyOf", "oneOf", "$ref",
+    "minLength", "maxLength", "minItems", "maxItems",
 })
 
 
@@ -134,7 +135,7 @@ class _Writer:
         if kind is None:
             if "properties" in schema:
                 kind = "object"
-            elif "items" in schema:
+            elif "items" in schema or "prefixItems" in schema:
                 kind = "array"
             else:
                 return self.any_value()
@@ -152,13 +153,7 @@ class _Writer:
         if kind == "null":
             return "null"
         if kind == "array":
-            item = self.inside(schema.get("items", {}), f"{where}.items")
-            low, high = int(schema.get("minItems", 0)), schema.get("maxItems")
-            if high == 0:
-                return rf"\[{WS}\]"
-            rest = _bounded(f"{WS},{WS}{item}", max(low - 1, 0), None if high is None else high - 1)
-            items = f"{item}{rest}"
-            return rf"\[{WS}{items}{WS}\]" if low else rf"\[(?:{WS}{items})?{WS}\]"
+            return self._array(schema, where)
         if kind == "object":
             properties = schema.get("properties") or {}
             if not isinstance(properties, dict):
@@ -172,6 +167,37 @@ class _Writer:
             members = [f"{_literal(name)}{WS}:{WS}{self.inside(sub, f'{where}.{name}')}" for name, sub in properties.items()]
             return rf"\{{{WS}" + f"{WS},{WS}".join(members) + rf"{WS}\}}"
         raise SchemaError(f"{where}: type {kind!r} is not supported")
+
+    def _array(self, schema: dict[str, Any], where: str) -> str:
+        """An array: a tuple's items first (``prefixItems``, or ``items`` as a list in drafts
+        before 2020-12), each of them, as llama.cpp's converter writes a tuple; then the
+        rest, of ``items`` (after a tuple: 2020-12's ``items``, older drafts'
+        ``additionalItems``; none where that is false or a tuple says nothing more);
+        ``minItems`` / ``maxItems`` count them all."""
+        items, tuple_items = schema.get("items", {}), schema.get("prefixItems", [])
+        if isinstance(items, list):  # the older drafts' tuple
+            if "prefixItems" in schema:
+                raise SchemaError(f"{where}: 'items' as a list and 'prefixItems' together")
+            items, tuple_items, rest_key = schema.get("additionalItems", False), items, "additionalItems"
+        else:
+            rest_key = "items"
+            if "prefixItems" in schema and "items" not in schema:
+                items = False
+        if not isinstance(tuple_items, list):
+            raise SchemaError(f"{where}: 'prefixItems' must be a list")
+        low, high = int(schema.get("minItems", 0)), schema.get("maxItems")
+        first = [self.inside(sub, f"{where}.prefixItems[{i}]") for i, sub in enumerate(tuple_items)]
+        more = None if items is False or high == len(first) else self.inside(items, f"{where}.{rest_key}")
+        if (high is not None and high < len(first)) or (more is None and low > len(first)):
+            raise SchemaError(f"{where}: minItems / maxItems do not fit its {len(first)} tuple items")
+        if not first:
+            if more is None or high == 0:
+                return rf"\[{WS}\]"
+            tail = _bounded(f"{WS},{WS}{more}", max(low - 1, 0), None if high is None else high - 1)
+            return rf"\[{WS}{more}{tail}{WS}\]" if low else rf"\[(?:{WS}{more}{tail})?{WS}\]"
+        tail = "" if more is None else _bounded(f"{WS},{WS}{more}", max(low - len(first), 0),
+                                                None if high is None else high - len(first))
+        return rf"\[{WS}" + f"{WS},{WS}".join(first) + rf"{tail}{WS}\]"
 
     def _ref(self, ref: Any, where: str) -> str:
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):

@@ -443,3 +443,28 @@ async def test_json_mode_with_a_schema_is_held_to_the_schema_as_llama_server_hol
             await oa.chat.completions.create(model="smollm2", messages=ask, max_tokens=4,
                                              response_format={"type": "json_object", "schema": bad})
         assert err.value.param == "response_format", bad
+
+
+def test_tuples_write_each_listed_item_then_the_rest_as_the_schema_says():
+    """``prefixItems`` (2020-12) and ``items`` as a list (older drafts, what llama.cpp's tests
+    send): the listed items in order, each of them (as llama.cpp's converter writes a
+    tuple), then more only where ``items`` / ``additionalItems`` allow; the counts bound the
+    whole; bounds a tuple cannot meet are a SchemaError, not an expression that never ends."""
+    def accepted(schema, *texts):
+        pattern = compile_schema(schema)
+        return [bool(pattern.fullmatch(text)) for text in texts]
+
+    assert accepted({"items": [{"type": "integer"}]}, "[-3000]", "[ -3000 ]", "[]", "[1, 2]", '["x"]') == [
+        True, True, False, False, False]
+    assert accepted({"prefixItems": [{"type": "integer"}, {"type": "string"}], "items": {"type": "boolean"}},
+                    '[1, "a"]', '[1, "a", true, false]', "[1]", '[1, "a", 2]') == [True, True, False, False]
+    assert accepted({"prefixItems": [{"type": "integer"}]}, "[1]", "[1, 2]") == [True, False]
+    assert accepted({"items": [{"type": "integer"}], "additionalItems": {"type": "null"}, "maxItems": 3},
+                    "[1]", "[1, null, null]", "[1, null, null, null]") == [True, True, False]
+    assert accepted({"prefixItems": [{"type": "integer"}], "items": True, "minItems": 2}, "[1]", '[1, {"a": []}]') == [
+        False, True]
+    assert accepted({"type": "array", "items": False}, "[]", "[1]") == [True, False]
+    for bad in ({"prefixItems": [{}], "maxItems": 0}, {"prefixItems": [{}], "minItems": 2}, {"prefixItems": {}},
+                {"prefixItems": [{}], "items": [{}]}, {"items": [{"type": "integer", "minimum": 0}]}):
+        with pytest.raises(SchemaError):
+            compile_schema(bad)
