@@ -1,13 +1,14 @@
 """Structured outputs (``response_format: {"type": "json_schema", ...}``, Ollama's ``format``
 as a schema) and JSON mode (``json_object``, Ollama's ``format: "json"``: the schema
-``JSON_OBJECT``, any one object): the answer is constrained to JSON text that a regular expression built from
-the schema accepts, and ends where the root value is whole and nothing can follow it (an
-object's or an array's close, a string's closing quote); a value that could go on (a number:
-``4`` or ``42``) may end there with the model's end token.
+``JSON_OBJECT``, any one object): the answer is constrained to JSON text that a regular
+expression built from the schema accepts, and ends where the root value is whole and nothing
+can follow it (an object's or an array's close, a string's closing quote); a value that could
+go on (a number: ``4`` or ``42``) may end there with the model's end token.
 
 ``schema_pattern`` writes the expression: strings (``enum``, ``const``, ``minLength`` /
 ``maxLength``), integers, numbers, booleans, null, arrays (``items``, ``minItems`` /
-``maxItems``, tuples: ``prefixItems`` or ``items`` as a list), objects with their ``properties`` written in the schema's order, all of them
+``maxItems``, tuples: ``prefixItems`` or ``items`` as a list), objects with their
+``properties`` written in the schema's order, all of them
 (an optional property present is still valid, and OpenAI's strict mode makes every property
 required anyway), ``anyOf`` / ``oneOf`` / a list of types as alternatives, ``$ref`` into
 ``$defs`` / ``definitions`` or ``#`` itself (recursive ones too: a tree of nodes; each

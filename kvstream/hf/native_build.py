@@ -11,8 +11,8 @@ compiled from where each lies rebuilt each other's cache at every switch (a sile
 ``serve``), and a changed source was rebuilt without the "building" line. The folder is
 per torch installation and Python headers too: the ninja file names their include folders,
 so two virtual environments sharing the cache (a developer's and a CI clone's, the same
-torch version in both) rebuilt each other's kernels, silently, at every first start. Built with OpenMP (``at::parallel_for`` is inline OpenMP: without ``-fopenmp`` it runs
-on one thread, as the first two did before the flag was added; not on macOS, whose Apple clang
+torch version in both) rebuilt each other's kernels, silently, at every first start. Built
+with OpenMP (``at::parallel_for`` is inline OpenMP: without ``-fopenmp`` it runs on one thread, as the first two did before the flag was added; not on macOS, whose Apple clang
 has no OpenMP). Compiling needs a C++ compiler and ninja (the ``hf`` extra installs ninja);
 where either is missing ``load_extension`` returns why, and the caller keeps its pure-torch
 path.
