@@ -1,21 +1,22 @@
 """Building the engine's C++ kernels on first use, with torch's extension builder.
 
-Three kernels are compiled this way: the AWQ int4 matmul (``awq/awq_gemv.cpp``), the paged
-decode attention (``paged_decode.cpp``) and the float32 linear layers for decode-sized batches
-(``native_linear.cpp``). Each is built once per machine and cached in
-``build_folder``: named per instruction set (AVX2 + FMA where torch reports AVX2 or
-AVX-512, plain C++ otherwise) so that a cache shared by two kinds of CPU never hands one the
-other's build, and per source text and flags, the source copied in and compiled there: the
-build's ninja file names the source's path, so two checkouts or installs of the same source
-compiled from where each lies rebuilt each other's cache at every switch (a silent minute at
-``serve``), and a changed source was rebuilt without the "building" line. The folder is
-per torch installation and Python headers too: the ninja file names their include folders,
-so two virtual environments sharing the cache (a developer's and a CI clone's, the same
-torch version in both) rebuilt each other's kernels, silently, at every first start. Built
-with OpenMP (``at::parallel_for`` is inline OpenMP: without ``-fopenmp`` it runs on one thread, as the first two did before the flag was added; not on macOS, whose Apple clang
-has no OpenMP). Compiling needs a C++ compiler and ninja (the ``hf`` extra installs ninja);
-where either is missing ``load_extension`` returns why, and the caller keeps its pure-torch
-path.
+Four kernels are compiled this way: the AWQ int4 matmul (``awq/awq_gemv.cpp``), the paged
+decode attention (``paged_decode.cpp``), the float32 linear layers for decode-sized batches
+(``native_linear.cpp``) and the norms and rotary embedding (``native_ops.cpp``). Each is built
+once per machine and cached in ``build_folder``: named per instruction set (AVX2 + FMA where
+torch reports AVX2 or AVX-512, plain C++ otherwise) so that a cache shared by two kinds of
+CPU never hands one the other's build, and per source text and flags, the source copied in
+and compiled there: the build's ninja file names the source's path, so two checkouts or
+installs of the same source compiled from where each lies rebuilt each other's cache at every
+switch (a silent minute at ``serve``), and a changed source was rebuilt without the
+"building" line. The folder is per torch installation and Python headers too: the ninja file
+names their include folders, so two virtual environments sharing the cache (a developer's and
+a CI clone's, the same torch version in both) rebuilt each other's kernels, silently, at
+every first start. Built with OpenMP (``at::parallel_for`` is inline OpenMP: without
+``-fopenmp`` it runs on one thread, as the first two did before the flag was added; not on
+macOS, whose Apple clang has no OpenMP). Compiling needs a C++ compiler and ninja (the ``hf``
+extra installs ninja, which builds first: ``put_ninja_on_path``); where either is missing
+``load_extension`` returns why, and the caller keeps its pure-torch path.
 """
 
 from __future__ import annotations
