@@ -164,6 +164,9 @@ class GenerateRequest:
     blend_ratio: float | None = None
     # Choices to generate; the prompt is computed once (backends with ``serves_n``).
     n: int = 1
+    # Completions' ``best_of``: candidates to generate, of which the ``n`` with the highest
+    # log-probability per token are returned (not streamed); None: the ``n`` choices alone.
+    best_of: int | None = None
     # Each token's log-probability, with this many of the most likely alternatives (0: its
     # own only); None: none. Read by translating backends (the client's body carries it to
     # a runtime that speaks OpenAI).

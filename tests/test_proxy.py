@@ -183,6 +183,21 @@ async def test_a_translating_backend_gets_only_what_kvstream_validated(start_ups
     assert proxy.engine.scheduler.bm.is_idle()
 
 
+@pytest.mark.parametrize("best_of, n, message", [(2, 1, "best_of must be 1"), (1, 2, "at least n")])
+async def test_best_of_in_front_of_a_backend_of_one_choice_is_a_400(start_upstream, start_proxy, http, best_of, n, message):
+    """Completions' best_of asks for candidates; Ollama's native API gives one answer a
+    request, so more than one is refused (as n is), and best_of below n is refused anywhere."""
+    url, recorder = await start_upstream(Script(), factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url))
+    body = {"model": "llama3.2:latest", "prompt": "x", "best_of": best_of, "n": n}
+    async with http.post(proxy.v1 + "/completions", json=body) as resp:
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == "best_of", error
+        assert message in error["message"]
+    assert recorder.bodies == []
+    assert proxy.engine.scheduler.bm.is_idle()
+
+
 async def test_everything_openai_accepts_is_accepted(proxied):
     proxy, _, recorder = proxied
     await client(proxy).chat.completions.create(

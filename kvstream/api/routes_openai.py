@@ -184,8 +184,10 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[lis
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
     else:
         body = await read_body(request, ChatCompletionRequest if chat else CompletionRequest)
-        if body.n != 1 and not state.engine.backend.serves_n:
-            raise APIError(400, "This backend serves one choice per request (n must be 1).", param="n", code="unsupported_value")
+        if body.candidates != 1 and not state.engine.backend.serves_n:
+            field = "n" if body.n != 1 else "best_of"
+            raise APIError(400, f"This backend serves one choice per request ({field} must be 1).", param=field,
+                           code="unsupported_value")
         generate = body.to_generate(request_id)
         backend = state.engine.backend
         prompts = [] if chat else body.prompts()

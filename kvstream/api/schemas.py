@@ -102,6 +102,11 @@ class _Sampling(BaseModel):
         return set()
 
     @property
+    def candidates(self) -> int:
+        """Choices the backend generates (completions' ``best_of`` may ask for more than ``n``)."""
+        return self.n
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -196,16 +201,29 @@ class CompletionRequest(_Sampling):
     """Body of POST /v1/completions: a prompt as text or token ids, or a batch of them (a
     list of texts or of token-id lists; prompt_batch.py serves each as its own request)."""
 
+    # Candidates generated, the n most likely returned (hf/best_of.py); before ``prompt``, so
+    # that the prompt count is checked against it.
+    best_of: int | None = Field(None, ge=1, le=MAX_BATCH_PROMPTS)
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)  # the legacy API's: alternatives per token
     echo: bool = False
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1  # (n and stream are validated first)
+        if value is not None and value < n:  # as OpenAI and vLLM refuse it
+            raise ValueError(f"must be at least n ({n})")
+        if value is not None and value > n and info.data.get("stream"):
+            raise ValueError("above n cannot be streamed: the best candidates are known only when every one has ended")
+        return value
 
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, value: Any, info: ValidationInfo) -> Any:
         batch = value if isinstance(value, list) and value and isinstance(value[0], str | list) else [value]
-        if len(batch) * (info.data.get("n") or 1) > MAX_BATCH_PROMPTS:  # n is validated first
-            raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts per request, each choice counted (prompts x n)")
+        if len(batch) * max(info.data.get("n") or 1, info.data.get("best_of") or 1) > MAX_BATCH_PROMPTS:
+            raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts per request, each choice counted (prompts x best_of or n)")
         if any(isinstance(p, list) and (not p or min(p) < 0) for p in batch):
             raise ValueError("a token-id prompt is a non-empty list of token ids (integers >= 0)")
         return value
@@ -218,7 +236,12 @@ class CompletionRequest(_Sampling):
         return [prompt]  # type: ignore[list-item]
 
     def _own_extra(self) -> set[str]:
-        return {"prompt", "logprobs", "echo"}
+        return {"prompt", "logprobs", "echo", "best_of"}
+
+    @property
+    def candidates(self) -> int:
+        """Choices the backend generates: ``best_of`` where it asks for more than ``n``."""
+        return max(self.n, self.best_of or 1)
 
     def to_generate(self, request_id: str, prompt: str | list[int] | None = None) -> GenerateRequest:
         """The request for ``prompt`` (default: the first, and for a single prompt the only)."""
@@ -229,6 +252,7 @@ class CompletionRequest(_Sampling):
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=ids,  # type: ignore[arg-type]
             echo=self.echo,
+            best_of=self.best_of if self.candidates > self.n else None,
             max_tokens=self.max_tokens if self.max_tokens is not None else 16,  # OpenAI's default
             temperature=self.temperature,
             top_p=self.top_p,
@@ -257,9 +281,9 @@ def forwarded_request(data: dict[str, Any], chat: bool, request_id: str) -> Gene
     body = {k: v for k, v in data.items() if k not in OWN_BODY_FIELDS}
     model = body.get("model")
     limit = next((body[k] for k in ("max_completion_tokens", "max_tokens", "n_predict") if _non_negative_int(body.get(k))), None)
-    choices = body.get("n")
-    if limit is not None and _non_negative_int(choices) and choices > 1:
-        # n choices share the prompt's KV in the runtime and grow n outputs.
+    choices = max((body[k] for k in ("n", "best_of") if _non_negative_int(body.get(k))), default=None)
+    if limit is not None and choices is not None and choices > 1:
+        # n choices (best_of candidates) share the prompt's KV in the runtime and grow n outputs.
         limit *= choices
     request = GenerateRequest(
         model=model if isinstance(model, str) and model else None,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from kvstream.backends.base import Capabilities, InProcessBackend
 from kvstream.config import Settings
 from kvstream.hf.answer_reading import AnswerReader, AnswerReading, answer_reading, special_tag_texts
+from kvstream.hf.best_of import Candidates
 from kvstream.hf.call_streams import ArgumentsCallStream, JsonCallStream, call_entry
 from kvstream.hf.generic_calls import GENERIC, with_tools_prompt
 from kvstream.hf.tool_call_syntax import CallReading
@@ -116,9 +117,11 @@ class HFStream:
 
     def __init__(
         self, backend: HFBackend, seq: Sequence, token_bytes: TokenBytes | None = None, echo: str | None = None,
-        tool_call: ForcedNames | None = None, reading: AnswerReading | None = None,
+        tool_call: ForcedNames | None = None, reading: AnswerReading | None = None, candidates: Candidates | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
+        # best_of: the choices are candidates, held until all end and the best given out.
+        self._candidates = candidates
         self._token_bytes = token_bytes  # spells each token's log-probabilities, when asked for
         self._echo = echo  # the prompt's text, sent first in every choice (echo); None once sent
         # A forced tool call: each choice's text is the call's JSON (a named call's: its
@@ -149,7 +152,19 @@ class HFStream:
         self._events.put_nowait(batch)
 
     def __aiter__(self) -> AsyncIterator[Token]:
-        return self._tokens()
+        return self._tokens() if self._candidates is None else self._best()
+
+    async def _best(self) -> AsyncIterator[Token]:
+        """best_of: every candidate's tokens held, then the best ones'."""
+        assert self._candidates is not None
+        async for token in self._tokens():
+            if token.progress is not None:
+                yield token
+            elif token.finish_reason is None:
+                self._candidates.add(token)
+            else:
+                for best in self._candidates.best(token):
+                    yield best
 
     async def _tokens(self) -> AsyncIterator[Token]:
         seq, runner = self._seq, self._backend.runner
@@ -178,6 +193,8 @@ class HFStream:
                 if event.kind == "prompt":
                     continue
                 ended_by_eos = event.finish_reason == "stop" and event.token_id in runner.eos_ids
+                if self._candidates is not None and event.logprobs is not None:
+                    self._candidates.score(event.index, event.logprobs.logprob)
                 logprobs = None
                 if self._token_bytes is not None and event.logprobs is not None and not ended_by_eos:
                     logprobs = [self._token_bytes.logprob(event.token_id, event.logprobs)]  # type: ignore[arg-type]
@@ -817,11 +834,16 @@ class HFBackend(InProcessBackend):
         echo = None
         if request.echo:
             echo = request.prompt if request.prompt_token_ids is None else self.runner.tokenizer.decode(request.prompt_token_ids)
+        candidates = None
+        if request.best_of is not None and request.best_of > request.n:
+            # Each sampled token's log-probability scores its candidate (best_of.py).
+            candidates = Candidates(request.n, with_logprobs=params.logprobs is not None)
+            params = dataclasses.replace(params, logprobs=params.logprobs or 0)
         stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None, echo,
                           tool_call=forced_names(request.extra.get("tools"), request.extra.get("tool_choice")) if forces_call(request) else None,
-                          reading=reading)
-        self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=request.n,
-                                progress=request.return_progress)
+                          reading=reading, candidates=candidates)
+        self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request),
+                                n=request.n if candidates is None else request.best_of, progress=request.return_progress)
         return stream
 
     def embedding_width(self) -> int | None:

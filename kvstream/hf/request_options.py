@@ -15,8 +15,8 @@ grammars and vLLM's guided decoding (guided.py), ``logit_bias``, ``presence_pena
 ``frequency_penalty``,
 and from Ollama's options (or llama-server's fields) ``repeat_penalty``, ``repeat_last_n``,
 ``min_p``, ``typical_p``, and ``ignore_eos`` (vLLM's and llama-server's); completions' ``echo`` (``GenerateRequest.echo``: with ``logprobs``, the prompt's tokens are scored too,
-and ``max_tokens`` may be 0). Refused: a schema outside what json_schema.py takes,
-``echo`` in a chat request, ``best_of`` > 1, samplers and constraints it lacks set on
+and ``max_tokens`` may be 0), completions' ``best_of`` (best_of.py). Refused: a schema outside what json_schema.py takes,
+``echo`` or ``best_of`` in a chat request, samplers and constraints it lacks set on
 (samplers.py: mirostat, DRY, XTC...); a ``suffix`` is the
 backend's (fill_in_middle.py).
 """
@@ -79,9 +79,9 @@ def check_unsupported(extra: dict[str, Any]) -> None:
                               param="response_format", code="invalid_value")
     if extra.get("echo"):  # completions' own echo is GenerateRequest.echo, not extra
         raise _unsupported("echo", "a chat request does not echo its messages (completions do)")
-    best_of = extra.get("best_of")
+    best_of = extra.get("best_of")  # (completions' own is GenerateRequest.best_of, not extra)
     if best_of is not None and best_of != 1:
-        raise _unsupported("best_of", "use n for several choices")
+        raise _unsupported("best_of", "a chat request has no best_of (completions do); use n for several choices")
     sampler = first_unsupported(extra)
     if sampler is not None:
         raise _unsupported(sampler, f"it has no such sampler or constraint (taken only at a value that turns it off, not "
@@ -226,9 +226,10 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
                               "JSON mode, or tools it must call).", param=guided.field, code="invalid_value")
     if guided is not None and guided.schema is not None:
         guided = replace(guided, schema=_checked(guided.schema, guided.field, "its JSON schema"))
-    if max_tokens == 0 and request.n > 1:
-        raise BackendRejected("Invalid value for 'n': with max_tokens 0 there is one choice, the prompt.",
-                              param="n", code="invalid_value")
+    if max_tokens == 0 and max(request.n, request.best_of or 1) > 1:
+        field = "n" if request.n > 1 else "best_of"
+        raise BackendRejected(f"Invalid value for '{field}': with max_tokens 0 there is one choice, the prompt.",
+                              param=field, code="invalid_value")
     try:
         return SamplingParams(
             max_tokens=max_tokens,

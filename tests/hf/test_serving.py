@@ -371,9 +371,9 @@ async def test_what_the_engine_cannot_honour_is_a_400_naming_the_field(hf_proxy,
     assert hf_proxy.engine.scheduler.bm.is_idle()
 
 
-async def test_completions_refuse_suffix_and_best_of_and_take_tools_none(oa):
-    # (echo is served: test_echo_scoring.py)
-    for kwargs, param in (({"suffix": "y"}, "suffix"), ({"best_of": 2}, "best_of"), ({"logprobs": 6}, "logprobs")):
+async def test_completions_refuse_suffix_and_take_tools_none(oa):
+    # (echo is served: test_echo_scoring.py; best_of: test_best_of.py)
+    for kwargs, param in (({"suffix": "y"}, "suffix"), ({"logprobs": 6}, "logprobs")):
         with pytest.raises(BadRequestError) as err:
             await oa.completions.create(model="smollm2", prompt="x", max_tokens=2, **kwargs)
         assert err.value.param == param
