@@ -317,13 +317,16 @@ class Token:
     # A report of the prompt's computation (``GenerateRequest.return_progress``), sent before
     # the first generated token: not a token either.
     progress: PromptProgress | None = None
+    # Generated earlier and given out only once the generation ended (best_of's chosen
+    # candidates): the answer comes back whole, so its tokens are not timed as they arrive.
+    replayed: bool = False
 
     @property
     def generated(self) -> bool:
         """Whether this step is generated text (or the stream's end), as opposed to the end of
-        one choice among several, the echoed prompt or a progress report: what the engine
-        counts and times as tokens."""
-        return self.choice_finish_reason is None and not self.echo and self.progress is None
+        one choice among several, the echoed prompt, a progress report or a replayed token:
+        what the engine counts and times as tokens."""
+        return self.choice_finish_reason is None and not self.echo and self.progress is None and not self.replayed
 
     def chat_delta(self) -> dict[str, Any]:
         if self.delta is not None:

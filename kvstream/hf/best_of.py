@@ -51,13 +51,14 @@ class Candidates:
     def best(self, last: Token) -> list[Token]:
         """The kept candidates' tokens in order, reindexed; ``last`` (the token that ended the
         stream: the last candidate to finish, with the usage of all) ends the last kept one,
-        and each other kept one ends with its ``choice_finish_reason``."""
+        and each other kept one ends with its ``choice_finish_reason``. The answer comes back
+        whole, so its tokens are ``replayed`` (the engine does not time them as generated)."""
         self.add(last)
         out: list[Token] = []
         kept = self.ranking()[: self.keep]
         for rank, index in enumerate(kept):
             *body, end = self._tokens[index]
-            out.extend(dataclasses.replace(token, index=rank) for token in body)
+            out.extend(dataclasses.replace(token, index=rank, replayed=True) for token in body)
             reason = end.choice_finish_reason or end.finish_reason
             stop_sequence = end.stop_sequence
             if rank < len(kept) - 1:

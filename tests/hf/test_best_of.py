@@ -42,6 +42,10 @@ async def test_best_of_returns_the_candidates_most_likely_per_token(hf_proxy, oa
     assert [round(mean_logprob(c), 4) for c in best.choices] == [round(mean_logprob(c), 4) for c in ranked[:2]]
     assert best.usage.completion_tokens == 4 * MAX_TOKENS  # every candidate was generated
     assert best.usage.prompt_tokens == everyone.usage.prompt_tokens
+    # The answer came back whole, at the end: no first token or generation rate to time (the
+    # replayed tokens would have made a rate of thousands of tokens a second).
+    _, ttft, _, rate = hf_proxy.engine.stats.recent[-1]
+    assert ttft is None and rate is None
 
     # n defaults to 1: the single best; no logprobs asked for, none returned (they were
     # computed to rank the candidates).
@@ -119,4 +123,5 @@ def test_candidates_rank_by_mean_not_total_and_end_the_stream_with_its_usage():
     assert [(t.index, t.text, t.choice_finish_reason, t.finish_reason) for t in out] == [
         (0, "c1", None, None), (0, "", "stop", None), (1, "c3", None, None), (1, "", None, "stop")]
     assert out[-1].usage is usage
+    assert [t.replayed for t in out] == [True, False, True, False]  # the ends are the engine's to count
     assert all(t.token_logprobs is None for t in out)  # not asked for: left out
