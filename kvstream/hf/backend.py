@@ -794,7 +794,13 @@ class HFBackend(InProcessBackend):
 
         assert self.runner is not None
         return sampling_params(request, max_tokens, self.runner.vocab_size, generic_calls=self._generic_calls(request),
-                               default_seed=self.default_seed())
+                               default_seed=self.default_seed(), token_of=self._token_of)
+
+    def _token_of(self, text: str) -> int | None:
+        """The id of the one token ``text`` is (special tokens read as such), or None."""
+        assert self.runner is not None
+        ids = self.runner.tokenizer(text, add_special_tokens=False).input_ids
+        return ids[0] if len(ids) == 1 else None
 
     def _answer_reading(self, request: GenerateRequest, seq: Sequence) -> AnswerReading | None:
         """How the answers of a chat are read for thinking and tool calls; None for the rest

@@ -10,16 +10,36 @@ rules, ``"literals"`` and ``[character classes]`` with its escapes (``\\n``, ``\
 character), ``( ... )`` groups, ``|`` alternatives, ``*``, ``+``, ``?`` and ``{m}``, ``{m,}``,
 ``{m,n}``, ``{,n}`` repetitions, ``#`` comments. A rule may go on over several lines. Left
 recursion (a rule that can reach itself before reading a character) is refused, as llama.cpp
-refuses it: a matcher would recurse forever. Token references (``<[id]>``) are refused.
+refuses it: a matcher would recurse forever.
+
+Token references match one token of the model's vocabulary, not text: ``<[id]>`` by its id,
+``<text>`` (``<think>``, ``<|im_end|>``) the one token whose text that is, and ``!<...>`` any
+token but that one. The expression is over characters, so each referenced token stands in it
+as a character of its own, a *sentinel* from a private-use range no model's text uses
+(``read_gbnf`` lists them; the engine feeds that character for that token and resolves the
+texts against its tokenizer, pattern_constraint.py). Characters of the text (``.``, ``[^...]``)
+never match a sentinel. A negation, ``!<x>``, stands for a run of text and other referenced
+tokens without that token: exactly llama.cpp's meaning under ``*`` (``(!<|end|>)* <|end|>``,
+how it is written), looser than one token when counted (``!<x>{2}`` takes a longer run).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import regex
 
 MAX_REPEAT = 100_000  # the largest {m,n} bound taken (the regex module's own limit is far higher)
+# Token references' sentinels: private-use characters (plane 15), one per distinct token.
+TOKEN_SENTINELS = 0xF0000
+MAX_TOKEN_REFERENCES = 4096
+_SENTINEL_RANGE = f"\\U{TOKEN_SENTINELS:08x}-\\U{TOKEN_SENTINELS + MAX_TOKEN_REFERENCES - 1:08x}"
+# Placeholders the reader writes where a text character is matched, replaced once the whole
+# grammar is read (by nothing, or by the sentinels excluded where it references tokens).
+_ANY_TEXT = "\x00"  # ``.`` and ``[^]``
+_NOT_TOKENS = "\x01"  # at the end of a negated class
+TOKEN_ID = regex.compile(r"\[([0-9]+)\]")
 
 
 class GrammarError(ValueError):
@@ -47,6 +67,7 @@ class _Reader:
         self.rules: dict[str, str] = {}
         self.groups: dict[str, str] = {}  # rule name -> its group's name
         self.referenced: dict[str, int] = {}  # rule name -> where it is first used
+        self.tokens: dict[str, str] = {}  # a token reference ("[id]" or its "<text>") -> its sentinel
         # Each rule's shape, for the left-recursion check: nested tuples ("seq", parts),
         # ("alt", options), ("rep", node, least), ("call", name), ("text", may be empty).
         self.shapes: dict[str, Any] = {}
@@ -107,7 +128,10 @@ class _Reader:
                 raise self.error(f"rule '{name}' is used but not defined")
         self.check_left_recursion()
         defined = "".join(f"(?P<{self.group(name)}>{pattern})" for name, pattern in self.rules.items())
-        return f"(?(DEFINE){defined})(?&{self.group('root')})"
+        pattern = f"(?(DEFINE){defined})(?&{self.group('root')})"
+        if self.tokens:  # text characters never match a token's sentinel
+            return pattern.replace(_ANY_TEXT, f"[^{_SENTINEL_RANGE}]").replace(_NOT_TOKENS, _SENTINEL_RANGE)
+        return pattern.replace(_ANY_TEXT, r"[\s\S]").replace(_NOT_TOKENS, "")
 
     def alternatives(self) -> tuple[str, Any]:
         """``a | b | ...``: (pattern, shape)."""
@@ -145,7 +169,7 @@ class _Reader:
             return self.char_class(), ("text", False)
         if c == ".":
             self.pos += 1
-            return r"[\s\S]", ("text", False)
+            return _ANY_TEXT, ("text", False)
         if c == "(":
             self.pos += 1
             self.space()
@@ -155,12 +179,42 @@ class _Reader:
                 raise self.error("expected ')'")
             self.pos += 1
             return pattern, shape
-        if c == "<":
-            raise self.error("token references (<...>) are not supported")
+        if c in "<!":
+            return self.token_reference(), ("text", False)
         where = self.pos
         name = self.name()
         self.referenced.setdefault(name, where)
         return f"(?&{self.group(name)})", ("call", name)
+
+    def token_reference(self) -> str:
+        """``<[id]>``, ``<text>`` or either negated with ``!``: its sentinel, or for a negation
+        a run of anything but it."""
+        negated = self.text[self.pos] == "!"
+        if negated:
+            self.pos += 1
+            if not self.text.startswith("<", self.pos):
+                raise self.error("'!' negates a token reference: expected '<' after it")
+        end = self.text.find(">", self.pos + 1)
+        newline = self.text.find("\n", self.pos)
+        if end < 0 or 0 <= newline < end:
+            raise self.error("a token reference is not closed with '>'")
+        inside = self.text[self.pos + 1 : end]
+        if inside.startswith("["):
+            match = TOKEN_ID.fullmatch(inside)
+            if match is None:
+                raise self.error("a token id reference is <[id]>, the id in digits")
+            spelling = f"[{int(match.group(1))}]"
+        elif inside:
+            spelling = self.text[self.pos : end + 1]  # the token's text, its brackets included
+        else:
+            raise self.error("a token reference names a token: <[id]> or <its text>")
+        sentinel = self.tokens.get(spelling)
+        if sentinel is None:
+            if len(self.tokens) >= MAX_TOKEN_REFERENCES:
+                raise self.error(f"a grammar references at most {MAX_TOKEN_REFERENCES} distinct tokens")
+            sentinel = self.tokens[spelling] = chr(TOKEN_SENTINELS + len(self.tokens))
+        self.pos = end + 1
+        return f"[^{_char(sentinel)}]+" if negated else _char(sentinel)
 
     def closes(self, end: str, what: str) -> bool:
         """Whether ``end`` closes ``what`` here (then read past it); an error at the text's end."""
@@ -211,8 +265,8 @@ class _Reader:
             else:
                 parts.append(_char(low))
         if not parts:
-            return r"[\s\S]" if negated else "(?!)"  # [^] is any character; [] none
-        return "[" + ("^" if negated else "") + "".join(parts) + "]"
+            return _ANY_TEXT if negated else "(?!)"  # [^] is any character; [] none
+        return "[^" + "".join(parts) + _NOT_TOKENS + "]" if negated else "[" + "".join(parts) + "]"
 
     def repeated(self, pattern: str, shape: Any) -> tuple[str, Any]:
         """The element with its repetition suffix, if any."""
@@ -298,12 +352,29 @@ def _leading_calls(shape: Any, nullable: dict[str, bool]) -> set[str]:
     return calls
 
 
-def gbnf_pattern(text: str) -> str:
-    """The regular expression (``regex`` module syntax) of what ``text``'s root rule admits;
-    GrammarError, saying where, for what cannot be read or followed."""
+@dataclass(frozen=True)
+class Gbnf:
+    """A grammar read: the regular expression (``regex`` module syntax) of what its root rule
+    admits, and its token references, each as it was written (``"[id]"`` or ``"<text>"``) with
+    the sentinel character standing for it in ``pattern``."""
+
+    pattern: str
+    tokens: tuple[tuple[str, str], ...] = ()
+
+
+def read_gbnf(text: str) -> Gbnf:
+    """``text`` read; GrammarError, saying where, for what cannot be read or followed."""
     if not isinstance(text, str):
         raise GrammarError("a grammar is a string")
+    reader = _Reader(text)
     try:
-        return _Reader(text).read()
+        pattern = reader.read()
     except RecursionError:
         raise GrammarError("the grammar nests its groups too deep") from None
+    return Gbnf(pattern, tuple(reader.tokens.items()))
+
+
+def gbnf_pattern(text: str) -> str:
+    """The regular expression of what ``text``'s root rule admits (``read_gbnf``'s, for a
+    grammar whose token references, if any, the caller does not need to resolve)."""
+    return read_gbnf(text).pattern

@@ -17,7 +17,7 @@ from typing import Any
 
 import regex
 
-from kvstream.hf.grammar import GrammarError, gbnf_pattern
+from kvstream.hf.grammar import GrammarError, read_gbnf
 from kvstream.hf.pattern_constraint import PatternError, compile_pattern
 from kvstream.types import BackendRejected
 
@@ -32,6 +32,9 @@ class Guide:
     field: str
     schema: dict[str, Any] | None = None
     pattern: str | None = None
+    # A grammar's token references, as written, each with the character standing for it in
+    # ``pattern`` (grammar.py); the engine resolves them against its vocabulary.
+    tokens: tuple[tuple[str, str], ...] = ()
 
 
 def _invalid(field: str, why: str) -> BackendRejected:
@@ -73,15 +76,17 @@ def _read(kind: str, value: Any, field: str) -> Guide:
         return Guide(field, pattern="|".join(regex.escape(choice) for choice in value))
     if not isinstance(value, str):
         raise _invalid(field, "expected a string")
+    tokens: tuple[tuple[str, str], ...] = ()
     if kind in ("grammar", "guided_grammar"):
         try:
-            pattern = gbnf_pattern(value)
+            grammar = read_gbnf(value)
         except GrammarError as exc:
             raise _invalid(field, f"the grammar cannot be read: {exc}") from None
+        pattern, tokens = grammar.pattern, grammar.tokens
     else:
         pattern = value
     try:
         compile_pattern(pattern)
     except PatternError as exc:
         raise _invalid(field, str(exc)) from None
-    return Guide(field, pattern=pattern)
+    return Guide(field, pattern=pattern, tokens=tokens)

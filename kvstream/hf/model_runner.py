@@ -322,8 +322,10 @@ class ModelRunner:
             banned = {*self.tokenizer.all_special_ids, *self.eos_ids}
             end_ids = () if params.ignore_eos else self.eos_ids
             if params.pattern is not None:  # a client's: within a matching budget
-                req.constraint = PatternConstraint(compile_pattern(params.pattern), self.token_bytes, banned, end_ids,
-                                                   budget_s=CLIENT_BUDGET_S)
+                # A grammar's referenced tokens are read as their characters, special or not.
+                tokens = {token: sentinel.encode() for token, sentinel in params.pattern_tokens}
+                req.constraint = PatternConstraint(compile_pattern(params.pattern), self.token_bytes, banned - tokens.keys(),
+                                                   end_ids, budget_s=CLIENT_BUDGET_S, tokens=tokens)
             else:  # a schema's, or JSON mode's: any one object
                 schema = params.json_schema if params.json_schema is not None else JSON_OBJECT
                 req.constraint = PatternConstraint(compile_schema(schema), self.token_bytes, banned, end_ids)

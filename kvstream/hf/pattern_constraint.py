@@ -17,18 +17,24 @@ that request with an error, so that no client's expression stalls the steps ever
 request shares for long. The machine's questions count against the same budget (one
 character's work is bounded, by its ``MAX_PLACES``; an expression past that goes on in the
 ``regex`` module).
+
+A grammar's token references (grammar.py) stand in the expression as characters of a
+private-use range: a referenced token is fed as its character, never as its text, and the
+text of every other token may not spell one (a byte-level vocabulary could: four byte
+tokens make any character), so only that token is that reference.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import regex
 import torch
 
+from kvstream.hf.grammar import MAX_TOKEN_REFERENCES, TOKEN_SENTINELS
 from kvstream.hf.pattern_machine import Machine, State, TooComplex, machine_for, partial_span
 from kvstream.hf.token_bytes import first_byte_mask
 
@@ -62,13 +68,16 @@ class PatternConstraint:
     ``budget_s``: the matching time one token may take, either way (None: unbounded, for
     expressions KVStream writes itself); ``answer_budget_s`` the whole answer
     (default: ``ANSWER_BUDGETS`` times ``budget_s``). ``incremental=False`` asks the regex
-    module even where the machine could follow the expression (to compare the two)."""
+    module even where the machine could follow the expression (to compare the two).
+    ``tokens``: a grammar's referenced tokens, each read as the character standing for it in
+    the expression (grammar.py), not as its text."""
 
     def __init__(self, pattern: Any, token_bytes: Callable[[int], bytes], banned: Iterable[int],
                  end_ids: Iterable[int] = (), budget_s: float | None = None, answer_budget_s: float | None = None,
-                 incremental: bool = True) -> None:
+                 incremental: bool = True, tokens: Mapping[int, bytes] | None = None) -> None:
         self.pattern = pattern
-        self.token_bytes = token_bytes
+        self.spelling = token_bytes
+        self.tokens = dict(tokens or {})  # a referenced token -> its character's bytes
         self.banned = frozenset(banned)
         self.end_ids = frozenset(end_ids)
         self.budget_s = budget_s
@@ -114,6 +123,8 @@ class PatternConstraint:
             if exc.start < len(data) - 3 or exc.reason != "unexpected end of data":
                 return None
             chars, tail = data[: exc.start].decode(), data[exc.start :]
+        if self.tokens and any(_is_sentinel(ch) for ch in chars):  # text spelling a reference
+            return None
         state = self._state
         for ch in chars:
             state = self.machine.step(state, ch)
@@ -121,9 +132,19 @@ class PatternConstraint:
                 return None
         if tail:
             span = partial_span(tail)
-            if span is None or not any(head.may_contain(*span) for head in Machine.heads(state)):
+            spans = () if span is None else _outside_sentinels(span) if self.tokens else (span,)
+            if not any(head.may_contain(*part) for part in spans for head in Machine.heads(state)):
                 return None
         return state, tail
+
+    def _referenced(self, data: bytes) -> tuple[State, bytes] | None:
+        """The state after a referenced token (its character ``data``); None where the text
+        cannot go on with it (nor in the middle of a character)."""
+        assert self.machine is not None
+        if self._pending:
+            return None
+        state = self.machine.step(self._state, data.decode())
+        return (state, b"") if state else None
 
     def _machine_continues(self, data: bytes) -> bool:
         try:
@@ -142,11 +163,13 @@ class PatternConstraint:
         """Whether ``text`` is a match (``partial``: a prefix of one), within the budget."""
         return self._budgeted(lambda timeout: self.pattern.fullmatch(text, partial=partial, timeout=timeout) is not None)
 
-    def _regex_continues(self, data: bytes) -> bool:
+    def _regex_continues(self, data: bytes, reference: bool = False) -> bool:
         try:
             text = self._decoded(self.text + data)
         except UnicodeDecodeError:
             return False
+        if self.tokens and not reference and _sentinels(text) > _sentinels(self._decoded(self.text)):
+            return False  # text spelling a reference
         return self._match(text, partial=True)
 
     @staticmethod
@@ -186,11 +209,24 @@ class PatternConstraint:
     def _continues(self, data: bytes) -> bool:
         return self._machine_continues(data) if self.machine is not None else self._regex_continues(data)
 
+    def _continues_with_reference(self, data: bytes) -> bool:
+        if self.machine is not None:
+            try:
+                return self._budgeted(lambda _timeout: self._referenced(data) is not None)
+            except TooComplex:
+                self.machine = None
+        return self._regex_continues(data, reference=True)
+
     def _first_ok(self, byte: int) -> bool:
         first = self._first.get(byte)
         if first is None:
             first = self._first[byte] = self._continues(bytes([byte]))
         return first
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """What ``token_id`` adds to the text: its bytes, or a referenced token's character."""
+        raw = self.tokens.get(token_id)
+        return self.spelling(token_id) if raw is None else raw
 
     def accepts(self, token_id: int) -> bool:
         if self.done or self.failed:
@@ -199,7 +235,9 @@ class PatternConstraint:
             return True
         if token_id in self.banned:
             return False
-        raw = self.token_bytes(token_id)
+        if token_id in self.tokens:
+            return self._continues_with_reference(self.tokens[token_id])
+        raw = self.spelling(token_id)
         return bool(raw) and self._first_ok(raw[0]) and (len(raw) == 1 or self._continues(raw))
 
     def candidates(self, vocab: int) -> torch.Tensor:
@@ -211,7 +249,10 @@ class PatternConstraint:
             allowed = self._machine_first_bytes()
         else:  # 256 first bytes judged, instead of every token
             allowed = [b for b in range(256) if self._first_ok(b)]
-        mask = first_byte_mask(self.token_bytes, allowed, vocab)
+        mask = first_byte_mask(self.spelling, allowed, vocab)
+        for token in self.tokens:  # (the mask is by the tokens' own first bytes)
+            if token < vocab:
+                mask[token] = self.accepts(token)
         if self.complete:
             mask[[t for t in self.end_ids if t < vocab]] = True
         return mask
@@ -223,7 +264,7 @@ class PatternConstraint:
         self._token_left_s = self.budget_s  # a new token, a new budget
         if self.machine is not None:
             try:
-                reached = self._reached(raw)
+                reached = self._referenced(raw) if token_id in self.tokens else self._reached(raw)
             except TooComplex:
                 self.machine = None
             else:
@@ -239,3 +280,21 @@ class PatternConstraint:
         # Whole, and no byte goes on from here (a closed object, array or string): done.
         # Judged only once whole, where it costs 256 prefix matches.
         self.done = self.complete and not any(self._first_ok(b) for b in range(256))
+
+
+_SENTINEL_END = TOKEN_SENTINELS + MAX_TOKEN_REFERENCES
+
+
+def _is_sentinel(ch: str) -> bool:
+    return TOKEN_SENTINELS <= ord(ch) < _SENTINEL_END
+
+
+def _sentinels(text: str) -> int:
+    return sum(map(_is_sentinel, text))
+
+
+def _outside_sentinels(span: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """The parts of a span of code points outside the token references' range."""
+    low, high = span
+    parts = ((low, min(high, TOKEN_SENTINELS - 1)), (max(low, _SENTINEL_END), high))
+    return tuple((a, b) for a, b in parts if a <= b)

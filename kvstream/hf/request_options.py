@@ -23,10 +23,11 @@ backend's (fill_in_middle.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from kvstream.hf.guided import guide
+from kvstream.hf.guided import Guide, guide
 from kvstream.hf.json_schema import SchemaError, compile_schema
 from kvstream.hf.sampling import SamplingParams
 from kvstream.hf.generic_calls import answer_schema
@@ -199,13 +200,36 @@ def forced_call(extra: dict[str, Any]) -> dict[str, Any] | None:
     return _checked(schema, "tools", "a forced call's parameters")
 
 
+def referenced_tokens(guided: Guide, vocab_size: int | None, token_of: Callable[[str], int | None] | None,
+                      ) -> tuple[tuple[int, str], ...]:
+    """A grammar's token references resolved (token id, its character in the pattern): an id
+    inside the vocabulary, a text that is one token of it; 400 naming the field otherwise."""
+    resolved = []
+    for spelling, sentinel in guided.tokens:
+        if spelling.startswith("["):
+            token: int | None = int(spelling[1:-1])
+            if vocab_size is not None and token >= vocab_size:  # type: ignore[operator]
+                raise BackendRejected(f"Invalid value for '{guided.field}': token <{spelling}> is outside the vocabulary "
+                                      f"of {vocab_size}.", param=guided.field, code="invalid_value")
+        else:
+            token = token_of(spelling) if token_of is not None else None
+            if token is None:
+                raise BackendRejected(f"Invalid value for '{guided.field}': {spelling} is not one token of the model's "
+                                      "vocabulary (a token reference names a single token).", param=guided.field,
+                                      code="invalid_value")
+        resolved.append((token, sentinel))
+    return tuple(resolved)  # type: ignore[arg-type]
+
+
 def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int | None = None,
-                    generic_calls: bool = False, default_seed: int | None = None) -> SamplingParams:
+                    generic_calls: bool = False, default_seed: int | None = None,
+                    token_of: Callable[[str], int | None] | None = None) -> SamplingParams:
     """The request's SamplingParams; BackendRejected (400, naming the field) for a value the
     engine refuses. ``vocab_size`` None: token ids in ``logit_bias`` are not range-checked.
     ``generic_calls``: its tools are offered the generic way, the answer held to a call or a
     response (generic_calls.py). ``default_seed``: the server's seed for a request that sets
-    none (None: a random one)."""
+    none (None: a random one). ``token_of``: the id of the one token a text is (a grammar's
+    ``<text>`` references; None: they are refused)."""
     extra = request.extra
     check_unsupported(extra)
     if generic_calls:
@@ -251,6 +275,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             json_object=json_mode(extra),
             json_schema=forced or answer or json_schema(extra) or (guided.schema if guided is not None else None),
             pattern=guided.pattern if guided is not None else None,
+            pattern_tokens=referenced_tokens(guided, vocab_size, token_of) if guided is not None else (),
             thinking_budget=_budget(extra),
             ignore_eos=_flag(extra, "ignore_eos"),
             post_sampling_probs=_flag(extra, "post_sampling_probs"),

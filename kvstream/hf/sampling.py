@@ -56,6 +56,8 @@ class SamplingParams:
     # A client's expression the whole answer must match (a GBNF grammar's, vLLM's guided_regex
     # or guided_choice: guided.py), held to within a matching budget (pattern_constraint.py).
     pattern: str | None = None
+    # The tokens a grammar references (token id, the character standing for it in ``pattern``).
+    pattern_tokens: tuple[tuple[int, str], ...] = ()
     # Most tokens inside a <think> block before its end is forced (thinking_budget.py); None:
     # no cap. ``thinking_opened``: the prompt left the block open.
     thinking_budget: int | None = None

@@ -16,7 +16,7 @@ from tests.conftest import require_import
 
 require_import("torch")
 
-from kvstream.hf.grammar import GrammarError, gbnf_pattern  # noqa: E402
+from kvstream.hf.grammar import GrammarError, gbnf_pattern, read_gbnf  # noqa: E402
 from kvstream.hf.guided import guide  # noqa: E402
 from kvstream.hf.pattern_constraint import PatternConstraint, compile_pattern  # noqa: E402
 from kvstream.types import BackendRejected  # noqa: E402
@@ -90,7 +90,10 @@ def test_gbnf_recursion_takes_what_the_grammar_says_and_partial_prefixes():
     ('root ::= [z-a]', "runs backwards"),
     ('root ::= "\\q"', "unknown escape"),
     ('root ::= "\\x4"', "hexadecimal"),
-    ('root ::= <[12]>', "token references"),
+    ('root ::= <[1a]>', "a token id reference is <[id]>"),
+    ('root ::= <>', "names a token"),
+    ('root ::= !"a"', "expected '<' after it"),
+    ('root ::= <think\n"a"', "not closed with '>'"),
     ('root ::= "a"\nroot ::= "b"', "defined twice (line 2, column 1)"),
     ('root ::= ("a"', "expected ')'"),
     ('root ::= "a"{3,1}', "bounds"),
@@ -101,6 +104,77 @@ def test_gbnf_recursion_takes_what_the_grammar_says_and_partial_prefixes():
 def test_gbnf_that_cannot_be_read_or_followed_says_where(grammar, complaint):
     with pytest.raises(GrammarError, match=regex.escape(complaint)):
         gbnf_pattern(grammar)
+
+
+def _referencing(grammar: str, spelled: dict[int, bytes], references: dict[str, int],
+                 incremental: bool = True) -> PatternConstraint:
+    """A constraint for ``grammar`` over a made-up vocabulary, its token references resolved
+    by ``references`` (as written -> token id), as the engine resolves them."""
+    read = read_gbnf(grammar)
+    tokens = {references[spelling]: sentinel.encode() for spelling, sentinel in read.tokens}
+    return PatternConstraint(compile_pattern(read.pattern), spelled.__getitem__, (), tokens=tokens, incremental=incremental)
+
+
+# With byte tokens (6-8), as a byte-level BPE vocabulary has: they could spell any character.
+SPELLED = {0: b"a", 1: b"<end>", 2: b"b", 3: b"<", 4: b"end>", 5: b"ab", 6: b"\xf3", 7: b"\xb0", 8: b"\x80"}
+
+
+@pytest.mark.parametrize("incremental", [True, False], ids=["machine", "regex module"])
+def test_text_never_spells_a_token_reference(incremental):
+    """The reference's character is fed for its token only: the bytes of that character,
+    spelled by byte tokens, are refused where the reference is due (whole, or begun)."""
+    constraint = _referencing('root ::= "a" <[1]> "b"', SPELLED, {"[1]": 1}, incremental)
+    constraint.advance(0)
+    assert constraint.accepts(1)
+    if incremental:  # (the regex module judges an unfinished character as any one)
+        assert not constraint.accepts(6)
+    constraint.advance(6)
+    constraint.advance(7)
+    constraint.advance(8)
+    assert not constraint.accepts(8) and not constraint.accepts(1)
+    negated = _referencing('root ::= (!<[1]>)* <[1]>', SPELLED, {"[1]": 1}, incremental)
+    for token in (6, 7, 8):
+        negated.advance(token)
+    assert not negated.accepts(8)  # it would be the reference's character, spelled
+
+
+def test_a_token_reference_takes_that_token_and_never_its_text():
+    """``<[1]>`` (or ``<end>``, resolved to id 1) is token 1 only: the same text spelled by
+    other tokens is not it, and ``.`` or a negated class never takes the token."""
+    for grammar, references in (('root ::= "a" <[1]> "b"', {"[1]": 1}), ('root ::= "a" <end> "b"', {"<end>": 1})):
+        constraint = _referencing(grammar, SPELLED, references)
+        assert constraint.accepts(0) and not constraint.accepts(1)
+        constraint.advance(0)
+        assert constraint.accepts(1) and not constraint.accepts(3) and not constraint.accepts(2)
+        assert constraint.candidates(9).tolist() == [False, True, False, False, False, False, True, False, False]
+        constraint.advance(1)
+        assert constraint.accepts(2) and not constraint.accepts(1) and not constraint.complete
+        constraint.advance(2)
+        assert constraint.complete and constraint.done
+    text_only = _referencing('root ::= . [^a]* <[1]>', SPELLED, {"[1]": 1})
+    assert not text_only.accepts(1) and text_only.accepts(3)  # "." is a character of text
+    text_only.advance(3)
+    assert text_only.accepts(1) and text_only.accepts(4) and not text_only.accepts(0)
+    text_only.advance(4)  # "<" "end>": text, not the token
+    assert not text_only.complete and text_only.accepts(1)
+    text_only.advance(1)
+    assert text_only.complete
+
+
+def test_a_negated_token_reference_runs_until_that_token():
+    """``(!<[1]>)* <[1]>``, as llama.cpp's grammars write "anything up to the token": every
+    other token (text, or another referenced token) before it, nothing after it."""
+    constraint = _referencing('root ::= (!<[1]>)* <[1]>', SPELLED, {"[1]": 1})
+    assert not constraint.complete
+    for token in (0, 3, 4, 5, 2):
+        assert constraint.accepts(token)
+        constraint.advance(token)
+    assert constraint.accepts(1) and not constraint.complete
+    constraint.advance(1)
+    assert constraint.done and not any(constraint.accepts(t) for t in SPELLED)
+    two = _referencing('root ::= (!<[1]> | <[2]>)+ <[1]>', {**SPELLED, 2: b"<think>"}, {"[1]": 1, "[2]": 2})
+    two.advance(2)  # another referenced token is not the negated one
+    assert two.accepts(2) and two.accepts(0) and two.accepts(1)
 
 
 def test_a_right_recursive_or_nullable_grammar_is_not_left_recursive():
@@ -213,6 +287,37 @@ async def test_grammars_and_guided_decoding_through_the_openai_client_and_comple
     assert answer["generation_settings"]["grammar"] == 'root ::= [1-3] ("," [1-3])*'
     async with http.post(hf_proxy.url + "/completion", json={"prompt": "x", "grammar": "root ::= [z-a]"}) as response:
         assert response.status == 400 and "backwards" in (await response.json())["error"]["message"]
+
+
+async def test_token_references_through_completion_as_llama_server_answers_them(hf_proxy, http, smollm2):
+    """llama-server's token references on SmolLM2's vocabulary: ``<[28]>`` is ",", and
+    ``<|im_start|>`` (id 1) a special token, which is in the tokens and not in the text (as
+    llama-server answers, asked the same on the Q4_1 model: "Hix", tokens [56, 89, 1, 104, 2]).
+    What cannot be resolved is a 400, where llama-server answers an id outside its vocabulary
+    with a 500."""
+    tokenizer = smollm2[2]
+    im_start, comma = tokenizer.convert_tokens_to_ids("<|im_start|>"), tokenizer.convert_tokens_to_ids(",")
+    assert (im_start, comma) == (1, 28)
+
+    async def completion(grammar: str) -> tuple[int, dict]:
+        async with http.post(hf_proxy.url + "/completion", json={
+            "prompt": "Say", "n_predict": 8, "temperature": 0, "grammar": grammar, "return_tokens": True,
+        }) as response:
+            return response.status, await response.json()
+
+    status, answer = await completion('root ::= "Hi" <|im_start|> "x"')
+    assert status == 200 and answer["content"] == "Hix" and answer["stop_type"] == "eos", answer
+    assert im_start in answer["tokens"] and tokenizer.decode(answer["tokens"][: answer["tokens"].index(im_start)]) == "Hi"
+    status, answer = await completion('root ::= "Hi" <[28]> "x"')
+    assert status == 200 and answer["content"] == "Hi,x" and comma in answer["tokens"], answer
+    # Anything but the comma token, then it: the answer ends at it (or runs out before it).
+    status, answer = await completion('root ::= [0-9] (!<[28]>)* <[28]>')
+    tokens = answer["tokens"]
+    assert status == 200 and comma not in tokens[:-1] and (tokens[-1] == comma or answer["stop_type"] == "limit"), answer
+    for grammar, complaint in (('root ::= <nothere>', "not one token"), ('root ::= "a" <[99999999]>', "outside the vocabulary")):
+        status, answer = await completion(grammar)
+        assert status == 400 and complaint in answer["error"]["message"], answer
+    assert hf_proxy.engine.backend.runner.is_idle()
 
 
 async def test_a_costly_expression_fails_its_request_and_the_others_go_on(oa, smollm2):
