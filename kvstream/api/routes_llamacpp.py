@@ -1,7 +1,8 @@
 """llama-server's own routes where KVStream is the runtime: ``POST /completion`` (and its
 other name ``/completions``), ``/infill``, ``/tokenize``, ``/detokenize`` and
 ``/apply-template``, ``GET /props`` and ``/slots``, and ``GET`` / ``DELETE /v1/stream``
-(a stream sent with ``X-Conversation-Id`` followed again or stopped: stream_sessions.py).
+(a stream sent with ``X-Conversation-Id``, here or on the OpenAI routes, followed again or
+stopped: stream_sessions.py).
 
 In front of a runtime these paths are the runtime's and pass through unchanged
 (routes_passthrough.py): llama-server answers them itself. With no runtime behind KVStream
@@ -42,8 +43,8 @@ from kvstream.api.routes_openai import (
 )
 from kvstream.api.routes_passthrough import passthrough
 from kvstream.api.schemas import ChatCompletionRequest
-from kvstream.api.state import CACHE_SALT, STATE, AppState
-from kvstream.api.stream_sessions import STREAM_SESSIONS, answer_following
+from kvstream.api.state import CACHE_SALT, KEY_IN_FLIGHT, STATE, AppState
+from kvstream.api.stream_sessions import CONVERSATION_HEADER, STREAM_SESSIONS, StreamSession, answer_following
 from kvstream.api.streaming import GuardedResponse
 from kvstream.jsonfast import dumps
 from kvstream.scheduler import Priority, SchedulerError
@@ -388,38 +389,62 @@ def _event(data: dict[str, Any]) -> bytes:
 async def _stream(request: web.Request, generate: GenerateRequest, answer: CompletionAnswer, priority: Priority,
                   arrived_at: float, headers: dict[str, str]) -> web.StreamResponse:
     state = request.app[STATE]
-    async with _running(state, generate, priority, arrived_at) as run:
-        token = await _next(run.stream)  # a failure before the first token is an HTTP error with its status
+    async with contextlib.AsyncExitStack() as stack:
+        run = await stack.enter_async_context(_running(state, generate, priority, arrived_at))
+        first = await _next(run.stream)  # a failure before the first token is an HTTP error with its status
+        session_id = request.headers.get(CONVERSATION_HEADER)
+        if session_id:
+            # llama-server's resumable stream: recorded, and run to its end whoever follows it;
+            # the run (its stream and generation) goes to the recording's task.
+            sessions = request.app[STREAM_SESSIONS]
+            session = sessions.open(request.get(CACHE_SALT), session_id)
+            sessions.run(session, _record(request, session, stack.pop_all(), run, answer, first), request.get(KEY_IN_FLIGHT))
+            return await answer_following(request, session, 0, headers)
         out = GuardedResponse(headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                  "X-Accel-Buffering": "no"})
-        await out.prepare(request)
-        try:
-            held: list[bytes] = []
-            while True:
-                partial = answer.add(token, run.gen)
-                if partial is not None:
-                    held.append(_event(partial))
-                if token.finish_reason is not None:
-                    break
-                if not token.more:  # nothing else is ready: send what is held now
-                    await out.write(b"".join(held))
-                    held.clear()
-                token = await _next(run.stream)
-            final = answer.final(token, run.gen, _prompt_text(state, run.gen.seq.prompt_token_ids),
-                                 streamed=True)
-            await out.write_eof(b"".join(held) + _event(final))
-            run.outcome = "finished"
-        except BackendError as exc:
-            run.outcome = "failed"
-            logger.warning("[%s] backend failed mid-stream: %s", request[REQUEST_ID], exc.message)
-            error = from_exception(exc)
-            try:  # llama-server's later errors: a data event holding the error, and the stream ends
-                await out.write_eof(_event(LlamaCppError(error.status, error.message).body()))
-            except ConnectionError:
-                pass
-        except ConnectionError:
-            pass  # the client left: the generation is cancelled on the way out
+        await _write_events(request, out, run, answer, first)
         return out
+
+
+async def _record(request: web.Request, session: StreamSession, held: contextlib.AsyncExitStack, run: _Run,
+                  answer: CompletionAnswer, first: Token) -> None:
+    """Write the stream into ``session`` to its end (or until stopped), then release the run."""
+    async with held:
+        await _write_events(request, session, run, answer, first)
+
+
+async def _write_events(request: web.Request, out: web.StreamResponse | StreamSession, run: _Run,
+                        answer: CompletionAnswer, token: Token) -> None:
+    """The stream's events from ``token`` on, written to ``out`` (the client's response, or a
+    recording); ``run.outcome`` says how it ended."""
+    state = request.app[STATE]
+    await out.prepare(request)
+    try:
+        held: list[bytes] = []
+        while True:
+            partial = answer.add(token, run.gen)
+            if partial is not None:
+                held.append(_event(partial))
+            if token.finish_reason is not None:
+                break
+            if not token.more:  # nothing else is ready: send what is held now
+                await out.write(b"".join(held))
+                held.clear()
+            token = await _next(run.stream)
+        final = answer.final(token, run.gen, _prompt_text(state, run.gen.seq.prompt_token_ids),
+                             streamed=True)
+        await out.write_eof(b"".join(held) + _event(final))
+        run.outcome = "finished"
+    except BackendError as exc:
+        run.outcome = "failed"
+        logger.warning("[%s] backend failed mid-stream: %s", request[REQUEST_ID], exc.message)
+        error = from_exception(exc)
+        try:  # llama-server's later errors: a data event holding the error, and the stream ends
+            await out.write_eof(_event(LlamaCppError(error.status, error.message).body()))
+        except ConnectionError:
+            pass
+    except ConnectionError:
+        pass  # the client left: the generation is cancelled on the way out
 
 
 for _path in ("/completion", "/completions"):

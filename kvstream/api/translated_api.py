@@ -9,7 +9,9 @@ chat completion it amounts to (the API's ``chat_body``), validated by the chat r
 schema and run on its path (queue, admission, prefix cache, tool calls, structured output,
 thinking), and each token becomes the API's objects or, streamed, its server-sent events
 (the API's answer builder). Every error of the request is answered in the API's shape
-(``ERROR_SHAPE``), naming the API's own fields.
+(``ERROR_SHAPE``), naming the API's own fields. Streamed with llama-server's
+``X-Conversation-Id`` where KVStream is the runtime, the events are recorded and followed
+again as the chat route's are (stream_sessions.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -37,10 +39,14 @@ from kvstream.api.routes_openai import (
 )
 from kvstream.api.routes_passthrough import forward
 from kvstream.api.schemas import ChatCompletionRequest
-from kvstream.api.state import CACHE_SALT, STATE
+from kvstream.api.state import CACHE_SALT, KEY_IN_FLIGHT, STATE
+from kvstream.api.stream_sessions import CONVERSATION_HEADER, STREAM_SESSIONS, StreamSession, answer_following
 from kvstream.api.streaming import GuardedResponse
 from kvstream.jsonfast import dumps
 from kvstream.types import BackendError, GenerateRequest, Token, Usage
+
+if TYPE_CHECKING:
+    from kvstream.engine import Generation
 
 logger = logging.getLogger(__name__)
 
@@ -172,54 +178,87 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
             api.keep(request, data, whole)
             outcome = "finished"
             return web.Response(body=dumps(whole), content_type="application/json", charset="utf-8", headers=headers)
+        session_id = request.headers.get(CONVERSATION_HEADER)
+        if session_id and backend.upstream() is None:
+            # llama-server's resumable stream (stream_sessions.py): recorded, and run to its end
+            # whoever follows it; the generation goes to the recording's task.
+            sessions = request.app[STREAM_SESSIONS]
+            session = sessions.open(request.get(CACHE_SALT), session_id)
+            sessions.run(session, _record(request, session, api, data, gen, stream, answer, token, timed),
+                         request.get(KEY_IN_FLIGHT))
+            outcome = "detached"
+            return await answer_following(request, session, 0, headers)
         out = GuardedResponse(headers=headers | {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                  "X-Accel-Buffering": "no"})
-        await out.prepare(request)
-
-        def timed_events(token: Token) -> list[dict[str, Any]]:
-            """The events ``token`` makes, with timings where asked."""
-            events = answer.add(token)
-            if timed:
-                for event in events:
-                    if event["type"] in api.timed_events:
-                        event["timings"] = (llama_timings.progress_timings(token.progress) if token.progress is not None
-                                            else llama_timings.of_generation(gen))
-            return events
-
-        try:
-            held = [sse(event) for event in answer.started(len(gen.seq.prompt_token_ids))]
-            while token.finish_reason is None:
-                held += [sse(event) for event in timed_events(token)]
-                if not token.more:  # nothing else is ready: send what we hold now
-                    await out.write(b"".join(held))
-                    held.clear()
-                token = await _next(stream)
-            held += [sse(event) for event in timed_events(token)]
-            whole, events = answer.finish(token, gen.usage)
-            if timed and events:
-                events[-1]["timings"] = llama_timings.of_generation(gen)
-            api.keep(request, data, whole)  # before the last event: a client continuing at once finds it
-            await out.write_eof(b"".join(held + [sse(event) for event in events]))
-            outcome = "finished"
-        except BackendError as exc:
-            outcome = "failed"
-            logger.warning("[%s] backend failed mid-stream: %s", request_id, exc.message)
-            try:
-                await out.write_eof(sse(answer.error_event(api.error_shape(from_exception(exc)))))
-            except ConnectionError:
-                pass  # the client is gone too: nobody is left to tell
-        except ConnectionError:
-            pass  # the client went away: the finally below cancels the generation
+        outcome = await _write_events(request, out, api, data, gen, stream, answer, token, timed)
         return out
     except BackendError as exc:
         outcome = "failed"
         state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
         raise from_exception(exc, retry_after(state)) from None
     finally:
+        if outcome != "detached":
+            await _release(gen, stream, outcome)
+
+
+async def _release(gen: Generation, stream: Any, outcome: str) -> None:
+    try:
+        await stream.aclose()
+    finally:
+        gen.close(outcome)
+
+
+async def _record(request: web.Request, session: StreamSession, api: TranslatedAPI, data: dict[str, Any],
+                  gen: Generation, stream: Any, answer: Answer, first: Token, timed: bool) -> None:
+    """Write the stream into ``session`` to its end (or until stopped), then release it."""
+    outcome = "cancelled"
+    try:
+        outcome = await _write_events(request, session, api, data, gen, stream, answer, first, timed)
+    finally:
+        await _release(gen, stream, outcome)
+
+
+async def _write_events(request: web.Request, out: web.StreamResponse | StreamSession, api: TranslatedAPI,
+                        data: dict[str, Any], gen: Generation, stream: Any, answer: Answer, token: Token,
+                        timed: bool) -> str:
+    """The API's events from ``token`` on, written to ``out`` (the client's response, or a
+    recording); returns the outcome (finished, failed, cancelled)."""
+    await out.prepare(request)
+
+    def timed_events(token: Token) -> list[dict[str, Any]]:
+        """The events ``token`` makes, with timings where asked."""
+        events = answer.add(token)
+        if timed:
+            for event in events:
+                if event["type"] in api.timed_events:
+                    event["timings"] = (llama_timings.progress_timings(token.progress) if token.progress is not None
+                                        else llama_timings.of_generation(gen))
+        return events
+
+    try:
+        held = [sse(event) for event in answer.started(len(gen.seq.prompt_token_ids))]
+        while token.finish_reason is None:
+            held += [sse(event) for event in timed_events(token)]
+            if not token.more:  # nothing else is ready: send what we hold now
+                await out.write(b"".join(held))
+                held.clear()
+            token = await _next(stream)
+        held += [sse(event) for event in timed_events(token)]
+        whole, events = answer.finish(token, gen.usage)
+        if timed and events:
+            events[-1]["timings"] = llama_timings.of_generation(gen)
+        api.keep(request, data, whole)  # before the last event: a client continuing at once finds it
+        await out.write_eof(b"".join(held + [sse(event) for event in events]))
+        return "finished"
+    except BackendError as exc:
+        logger.warning("[%s] backend failed mid-stream: %s", request[REQUEST_ID], exc.message)
         try:
-            await stream.aclose()
-        finally:
-            gen.close(outcome)
+            await out.write_eof(sse(answer.error_event(api.error_shape(from_exception(exc)))))
+        except ConnectionError:
+            pass  # the client is gone too: nobody is left to tell
+        return "failed"
+    except ConnectionError:
+        return "cancelled"  # the client went away: the generation is cancelled on the way out
 
 
 def api_routes(api: TranslatedAPI, label: str, paths: tuple[str, ...], count_suffix: str) -> web.RouteTableDef:

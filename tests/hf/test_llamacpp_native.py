@@ -755,3 +755,81 @@ async def test_a_recorded_stream_the_engine_fails_ends_with_the_error_and_frees_
             assert await response.read() == sent
         await wait_released(hf_proxy)
         assert not hf_proxy.engine._generations and hf_proxy.engine.scheduler.bm.is_idle()
+
+
+async def test_a_completion_streamed_with_a_conversation_id_is_recorded_as_llama_server_does(hf_proxy):
+    """llama-server records ``/completion`` streams sent with ``X-Conversation-Id`` too (its
+    build here, asked the same: the replay is the stream): the replay is the events as sent,
+    the generation runs to its end when its client leaves, ``DELETE`` stops it and frees the
+    slot, and a refusal before the first token is still an HTTP error with its status."""
+    from tests.conftest import wait_released
+
+    body = {"prompt": "Once upon a time", "n_predict": 24, "temperature": 0, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(hf_proxy.url + "/completion", json=body, headers={"X-Conversation-Id": "c1"}) as response:
+            assert response.status == 200 and response.content_type == "text/event-stream"
+            sent = await response.read()
+        events = [json.loads(line[6:]) for line in sent.decode().split("\n\n") if line.startswith("data: ")]
+        assert events[-1]["stop"] is True and events[-1]["stop_type"] == "limit" and b"[DONE]" not in sent
+        async with session.get(hf_proxy.url + "/v1/stream?conv_id=c1&from=0") as response:
+            assert await response.read() == sent
+        async with session.get(hf_proxy.url + "/v1/stream?conv_id=c1&from=9") as response:
+            assert await response.read() == sent[9:]
+
+        # The client leaves after its first event: the recording runs to its end.
+        async with session.post(hf_proxy.url + "/completion", json=body | {"n_predict": 48, "ignore_eos": True},
+                                headers={"X-Conversation-Id": "c2"}) as response:
+            await response.content.readany()
+        async with session.get(hf_proxy.url + "/v1/stream?conv_id=c2&from=0") as response:
+            replay = await response.read()
+        assert b'"stop_type":"limit"' in replay and b'"tokens_predicted":48' in replay
+
+        # Stopped while it runs: the follower ends without the final event, and the slot is freed.
+        async with session.post(hf_proxy.url + "/completion", json=body | {"n_predict": 4000, "ignore_eos": True},
+                                headers={"X-Conversation-Id": "c3"}) as response:
+            await response.content.readany()
+        async with session.get(hf_proxy.url + "/v1/stream?conv_id=c3") as follower:
+            await follower.content.readany()
+            async with session.delete(hf_proxy.url + "/v1/stream?conv_id=c3") as response:
+                assert response.status == 204
+            assert b'"stop":true' not in await follower.read()
+        await wait_released(hf_proxy)
+        assert not hf_proxy.engine._generations and hf_proxy.engine.scheduler.bm.is_idle()
+
+        # A bad request is refused before anything is recorded.
+        async with session.post(hf_proxy.url + "/completion", json=body | {"n_predict": "many"},
+                                headers={"X-Conversation-Id": "c4"}) as response:
+            assert response.status == 400
+        async with session.get(hf_proxy.url + "/v1/stream?conv_id=c4") as response:
+            assert response.status == 404
+
+
+@pytest.mark.parametrize("path, body, last", [
+    ("/v1/responses", {"input": "Tell me a story.", "max_output_tokens": 16}, b"event: response.incomplete"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 16},
+     b"event: message_stop"),
+])
+async def test_responses_and_messages_streams_with_a_conversation_id_are_recorded_too(hf_proxy, path, body, last):
+    """llama-server records its Responses and Messages streams under ``X-Conversation-Id``
+    as well (asked here: the replay is the stream); so does the embedded engine, and stopping
+    one frees its slot."""
+    from tests.conftest import wait_released
+
+    body = {"model": "smollm2", "stream": True, "temperature": 0} | body
+    async with aiohttp.ClientSession() as session:
+        async with session.post(hf_proxy.url + path, json=body, headers={"X-Conversation-Id": "api-1"}) as response:
+            assert response.status == 200
+            sent = await response.read()
+        assert last in sent
+        async with session.get(hf_proxy.url + "/v1/stream?conv_id=api-1&from=0") as response:
+            assert await response.read() == sent
+        long = body | ({"max_output_tokens": 4000} if "input" in body else {"max_tokens": 4000}) | {"ignore_eos": True}
+        async with session.post(hf_proxy.url + path, json=long, headers={"X-Conversation-Id": "api-2"}) as response:
+            await response.content.readany()  # leaves; the recording runs on
+        async with session.get(hf_proxy.url + "/v1/stream?conv_id=api-2") as follower:
+            await follower.content.readany()
+            async with session.delete(hf_proxy.url + "/v1/stream?conv_id=api-2") as response:
+                assert response.status == 204
+            assert last not in await follower.read()
+        await wait_released(hf_proxy)
+        assert not hf_proxy.engine._generations and hf_proxy.engine.scheduler.bm.is_idle()
