@@ -678,6 +678,18 @@ async def test_return_progress_reports_the_prompt_as_it_is_computed(smollm2, sta
         await proxy.engine.close()
 
 
+async def _stopped_while_running(session: aiohttp.ClientSession, proxy, url: str, body: dict, conv_id: str) -> bytes:
+    """Start a long stream under ``conv_id`` and leave it after its first bytes, follow the
+    recording, stop it with ``DELETE`` (204) and return what the follower got after that."""
+    async with session.post(url, json=body, headers={"X-Conversation-Id": conv_id}) as response:
+        await response.content.readany()
+    async with session.get(f"{proxy.url}/v1/stream?conv_id={conv_id}") as follower:
+        await follower.content.readany()
+        async with session.delete(f"{proxy.url}/v1/stream?conv_id={conv_id}") as response:
+            assert response.status == 204
+        return await follower.read()
+
+
 async def test_a_stream_sent_with_a_conversation_id_can_be_followed_again_and_stopped(hf_proxy):
     """llama-server's resumable streams: a chat streamed with ``X-Conversation-Id`` is
     recorded; ``GET /v1/stream`` replays it from any byte (live while it runs), it runs to its
@@ -710,15 +722,9 @@ async def test_a_stream_sent_with_a_conversation_id_can_be_followed_again_and_st
         assert replay.endswith(b"data: [DONE]\n\n") and b'"finish_reason":"length"' in replay
 
         # Stopped while it runs: the follower's answer ends without [DONE], the slot is free.
-        async with session.post(hf_proxy.v1 + "/chat/completions", json=body | {"max_tokens": 2000, "ignore_eos": True},
-                                headers={"X-Conversation-Id": "conv-3"}) as response:
-            await response.content.readany()
-        async with session.get(hf_proxy.url + "/v1/stream?conv_id=conv-3") as follower:
-            await follower.content.readany()
-            async with session.delete(hf_proxy.url + "/v1/stream?conv_id=conv-3") as response:
-                assert response.status == 204
-            rest = await follower.read()
-            assert b"[DONE]" not in rest
+        rest = await _stopped_while_running(session, hf_proxy, hf_proxy.v1 + "/chat/completions",
+                                            body | {"max_tokens": 2000, "ignore_eos": True}, "conv-3")
+        assert b"[DONE]" not in rest
         for _ in range(100):
             if not hf_proxy.engine.scheduler.running:
                 break
@@ -785,14 +791,9 @@ async def test_a_completion_streamed_with_a_conversation_id_is_recorded_as_llama
         assert b'"stop_type":"limit"' in replay and b'"tokens_predicted":48' in replay
 
         # Stopped while it runs: the follower ends without the final event, and the slot is freed.
-        async with session.post(hf_proxy.url + "/completion", json=body | {"n_predict": 4000, "ignore_eos": True},
-                                headers={"X-Conversation-Id": "c3"}) as response:
-            await response.content.readany()
-        async with session.get(hf_proxy.url + "/v1/stream?conv_id=c3") as follower:
-            await follower.content.readany()
-            async with session.delete(hf_proxy.url + "/v1/stream?conv_id=c3") as response:
-                assert response.status == 204
-            assert b'"stop":true' not in await follower.read()
+        rest = await _stopped_while_running(session, hf_proxy, hf_proxy.url + "/completion",
+                                            body | {"n_predict": 4000, "ignore_eos": True}, "c3")
+        assert b'"stop":true' not in rest
         await wait_released(hf_proxy)
         assert not hf_proxy.engine._generations and hf_proxy.engine.scheduler.bm.is_idle()
 
@@ -824,12 +825,6 @@ async def test_responses_and_messages_streams_with_a_conversation_id_are_recorde
         async with session.get(hf_proxy.url + "/v1/stream?conv_id=api-1&from=0") as response:
             assert await response.read() == sent
         long = body | ({"max_output_tokens": 4000} if "input" in body else {"max_tokens": 4000}) | {"ignore_eos": True}
-        async with session.post(hf_proxy.url + path, json=long, headers={"X-Conversation-Id": "api-2"}) as response:
-            await response.content.readany()  # leaves; the recording runs on
-        async with session.get(hf_proxy.url + "/v1/stream?conv_id=api-2") as follower:
-            await follower.content.readany()
-            async with session.delete(hf_proxy.url + "/v1/stream?conv_id=api-2") as response:
-                assert response.status == 204
-            assert last not in await follower.read()
+        assert last not in await _stopped_while_running(session, hf_proxy, hf_proxy.url + path, long, "api-2")
         await wait_released(hf_proxy)
         assert not hf_proxy.engine._generations and hf_proxy.engine.scheduler.bm.is_idle()
