@@ -14,11 +14,13 @@ mode) and ``json_schema`` (structured outputs; json_schema.py says what schemas 
 grammars and vLLM's guided decoding (guided.py), ``logit_bias``, ``presence_penalty``,
 ``frequency_penalty``,
 and from Ollama's options (or llama-server's fields) ``repeat_penalty``, ``repeat_last_n``,
-``min_p``, ``typical_p``, and ``ignore_eos`` (vLLM's and llama-server's); completions' ``echo`` (``GenerateRequest.echo``: with ``logprobs``, the prompt's tokens are scored too,
-and ``max_tokens`` may be 0), completions' ``best_of`` (best_of.py). Refused: a schema outside what json_schema.py takes,
-``echo`` or ``best_of`` in a chat request, samplers and constraints it lacks set on
-(samplers.py: mirostat, DRY, XTC...); a ``suffix`` is the
-backend's (fill_in_middle.py).
+``min_p``, ``typical_p``, and ``ignore_eos`` (vLLM's and llama-server's); completions' ``echo``
+(``GenerateRequest.echo``: with ``logprobs``, the prompt's tokens are scored too, and
+``max_tokens`` may be 0) and ``best_of`` (``GenerateRequest.best_of``, best_of.py). Refused: a
+schema outside what json_schema.py takes, ``echo`` or ``best_of`` in a chat request, samplers
+and constraints it lacks set on (samplers.py: mirostat, DRY, XTC...), a grammar's token
+reference the vocabulary has no such token for; a ``suffix`` is the backend's
+(fill_in_middle.py).
 """
 
 from __future__ import annotations
@@ -204,21 +206,19 @@ def referenced_tokens(guided: Guide, vocab_size: int | None, token_of: Callable[
                       ) -> tuple[tuple[int, str], ...]:
     """A grammar's token references resolved (token id, its character in the pattern): an id
     inside the vocabulary, a text that is one token of it; 400 naming the field otherwise."""
-    resolved = []
+    resolved: list[tuple[int, str]] = []
     for spelling, sentinel in guided.tokens:
-        if spelling.startswith("["):
-            token: int | None = int(spelling[1:-1])
-            if vocab_size is not None and token >= vocab_size:  # type: ignore[operator]
-                raise BackendRejected(f"Invalid value for '{guided.field}': token <{spelling}> is outside the vocabulary "
-                                      f"of {vocab_size}.", param=guided.field, code="invalid_value")
-        else:
-            token = token_of(spelling) if token_of is not None else None
-            if token is None:
-                raise BackendRejected(f"Invalid value for '{guided.field}': {spelling} is not one token of the model's "
-                                      "vocabulary (a token reference names a single token).", param=guided.field,
-                                      code="invalid_value")
+        by_id = spelling.startswith("[")  # "[id]", else the token's "<text>"
+        token = int(spelling[1:-1]) if by_id else token_of(spelling) if token_of is not None else None
+        if token is None:
+            raise BackendRejected(f"Invalid value for '{guided.field}': {spelling} is not one token of the model's "
+                                  "vocabulary (a token reference names a single token).", param=guided.field,
+                                  code="invalid_value")
+        if vocab_size is not None and token >= vocab_size:
+            raise BackendRejected(f"Invalid value for '{guided.field}': token <{spelling}> is outside the vocabulary "
+                                  f"of {vocab_size}.", param=guided.field, code="invalid_value")
         resolved.append((token, sentinel))
-    return tuple(resolved)  # type: ignore[arg-type]
+    return tuple(resolved)
 
 
 def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int | None = None,
