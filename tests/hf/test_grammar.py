@@ -146,6 +146,7 @@ def test_a_token_reference_takes_that_token_and_never_its_text():
         assert constraint.accepts(0) and not constraint.accepts(1)
         constraint.advance(0)
         assert constraint.accepts(1) and not constraint.accepts(3) and not constraint.accepts(2)
+        # (The mask is a superset by first byte: 6 begins a character there, and accepts refuses it.)
         assert constraint.candidates(9).tolist() == [False, True, False, False, False, False, True, False, False]
         constraint.advance(1)
         assert constraint.accepts(2) and not constraint.accepts(1) and not constraint.complete
