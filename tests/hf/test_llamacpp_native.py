@@ -828,3 +828,31 @@ async def test_responses_and_messages_streams_with_a_conversation_id_are_recorde
         assert last not in await _stopped_while_running(session, hf_proxy, hf_proxy.url + path, long, "api-2")
         await wait_released(hf_proxy)
         assert not hf_proxy.engine._generations and hf_proxy.engine.scheduler.bm.is_idle()
+
+
+@pytest.mark.parametrize("failing_step", [1, 6])
+async def test_a_recorded_completion_the_engine_fails_is_an_error_either_way_and_frees_everything(
+        hf_proxy, monkeypatch, failing_step):
+    """``/completion`` with ``X-Conversation-Id`` and the engine failing: before the first
+    token, the HTTP error and nothing recorded; mid-way, the recording (and its replay) ends
+    with llama-server's error event, no final one. Everything is released either way."""
+    from tests.conftest import fail_forward_at, wait_released
+
+    fail_forward_at(monkeypatch, failing_step)
+    body = {"prompt": "1, 2, 3, 4,", "n_predict": 40, "temperature": 0, "stream": True, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(hf_proxy.url + "/completion", json=body,
+                                headers={"X-Conversation-Id": "broken"}) as response:
+            status, sent = response.status, await response.read()
+        async with session.get(hf_proxy.url + "/v1/stream?conv_id=broken&from=0") as replay:
+            replay_status, replayed = replay.status, await replay.read()
+        if failing_step == 1:
+            assert status == 500 and json.loads(sent)["error"]["code"] == 500
+            assert replay_status == 404
+        else:
+            events = [json.loads(line[6:]) for line in sent.decode().split("\n\n") if line.startswith("data: ")]
+            assert status == 200 and events[0]["content"] and set(events[-1]) == {"error"}
+            assert not any(event.get("stop") is True for event in events)
+            assert replay_status == 200 and replayed == sent
+        await wait_released(hf_proxy)
+        assert not hf_proxy.engine._generations and hf_proxy.engine.scheduler.bm.is_idle()
