@@ -125,3 +125,30 @@ def test_candidates_rank_by_mean_not_total_and_end_the_stream_with_its_usage():
     assert out[-1].usage is usage
     assert [t.replayed for t in out] == [True, False, True, False]  # the ends are the engine's to count
     assert all(t.token_logprobs is None for t in out)  # not asked for: left out
+
+
+async def test_a_client_leaving_while_the_candidates_run_frees_them_all(hf_proxy):
+    """No answer goes out until every candidate ends: a client that leaves before then
+    (its timeout) cancels all of them, and their forked blocks and slots are released."""
+    import asyncio
+
+    import aiohttp
+
+    from tests.conftest import wait_released
+
+    # 4 x 900 tokens fit the test pool (4,096 tokens) and take far longer than the client waits.
+    body = {"model": "smollm2", "prompt": PROMPT, "best_of": 4, "n": 2, "max_tokens": 900, "temperature": 1.0,
+            "ignore_eos": True}
+    cancelled = hf_proxy.engine.stats.requests_cancelled
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
+        with pytest.raises(asyncio.TimeoutError):
+            async with session.post(hf_proxy.v1 + "/completions", json=body) as response:
+                await response.read()
+    runner = hf_proxy.engine.backend.runner
+    await wait_released(hf_proxy)
+    assert hf_proxy.engine.stats.requests_cancelled == cancelled + 1  # it was running, and was cancelled
+    for _ in range(100):
+        if runner.is_idle():
+            break
+        await asyncio.sleep(0.05)
+    assert runner.is_idle() and hf_proxy.engine.scheduler.bm.is_idle()
