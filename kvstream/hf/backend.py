@@ -225,7 +225,9 @@ class HFStream:
                         yield token
                     if called and reason == "stop":
                         reason = "tool_calls"
-                elif event.text or logprobs is not None:
+                elif event.text or logprobs is not None or (reason == "length" and event.token_id is not None):
+                    # (the last token at the limit counts even without text: a special token's id
+                    # is in llama-server's ``tokens``)
                     yield Token(text=event.text, token_id=event.token_id, token_logprobs=logprobs, index=event.index)
                 if not ended_by_eos and event.token_id is not None:  # None: echo alone, nothing generated
                     generated += 1
