@@ -17,9 +17,6 @@ def _zero_or_less(value: Any) -> bool:
 OFF_WHEN: dict[str, Callable[[Any], bool]] = {
     "mirostat": _zero_or_less, "dry_multiplier": _zero_or_less, "xtc_probability": _zero_or_less,
     "top_n_sigma": _zero_or_less, "dynatemp_range": _zero_or_less,
-    # llama-server's lazy grammar (held only after a trigger): the engine holds a grammar from
-    # the answer's first token.
-    "grammar_lazy": lambda value: value is False,
 }
 
 

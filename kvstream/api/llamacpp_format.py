@@ -233,6 +233,9 @@ def generate_request(body: dict[str, Any], prompt: str | list[int], request_id: 
         extra["logit_bias"] = bias
     if body.get("grammar") not in (None, ""):  # GBNF, read by the engine (guided.py): a 400 if it cannot be
         extra["grammar"] = body["grammar"]
+    for name in ("grammar_lazy", "grammar_triggers", "preserved_tokens"):  # (request_options.py reads them)
+        if body.get(name) is not None:
+            extra[name] = body[name]
     schema = body.get("json_schema")
     if schema is not None and schema != {}:
         if not isinstance(schema, dict):
@@ -392,6 +395,8 @@ class CompletionAnswer:
                                for k, v in request.extra.get("logit_bias", {}).items()],
                 "json_schema": request.extra.get("response_format", {}).get("json_schema", {}).get("schema", {}),
                 "grammar": request.extra.get("grammar", ""),
+                "grammar_lazy": request.extra.get("grammar_lazy", False),
+                "grammar_triggers": request.extra.get("grammar_triggers", []),
             },
             "prompt": prompt_text,
             "has_new_line": "\n" in content,

@@ -17,8 +17,12 @@ _WINDOW = 6
 class IncrementalDetokenizer:
     """Feeds on generated ids; returns the text each one adds, honouring stop strings."""
 
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+    def __init__(self, tokenizer: Any, stop: list[str], keep: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
+        # Special tokens written into the text (llama-server's preserved_tokens): every other
+        # special token is left out, as decoding skips them all otherwise.
+        self.keep = keep
+        self._left_out = frozenset(tokenizer.all_special_ids) - keep if keep else frozenset()
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
         self.prefix_offset = 0
@@ -28,6 +32,9 @@ class IncrementalDetokenizer:
         self.matched_stop: str | None = None  # the stop string that ended the text
 
     def _decode(self, ids: list[int]) -> str:
+        if self.keep:
+            return self.tokenizer.decode([t for t in ids if t not in self._left_out], skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False)
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> str:

@@ -43,6 +43,7 @@ from kvstream.hf.kv_cache import KVShape, PagedKVCache, auto_batch_size, pool_dt
 from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
 from kvstream.hf.sampling import History, SamplingParams, TokenLogprobs, drawn_logprobs, logprobs_of, sample
 from kvstream.hf.json_schema import JSON_OBJECT, compile_schema
+from kvstream.hf.lazy_grammar import LazyGrammar
 from kvstream.hf.pattern_constraint import CLIENT_BUDGET_S, PatternConstraint, compile_pattern
 from kvstream.hf.prompt_scores import STORED_TOP, PromptScores
 from kvstream.hf.thinking_budget import ThinkingBudget, ThinkTokens
@@ -57,7 +58,7 @@ from kvstream.scheduler import (
     Sequence,
     SeqStatus,
 )
-from kvstream.types import BackendRejected, PromptProgress
+from kvstream.types import BackendError, BackendRejected, PromptProgress
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class RunnerRequest:
     approx_from: int | None = None  # first position holding moved (approximate) KV
     index: int = 0  # choice index among the request's n (forks carry 1..n-1)
     constraint: PatternConstraint | None = None  # a held answer: what may come next
+    lazy: LazyGrammar | None = None  # a lazy grammar's wait for its trigger (the constraint then)
     thinking: ThinkingBudget | None = None  # a cap on its <think> block (thinking_budget.py)
     # Echo with logprobs: entry i scores prompt token i + 1 (kept scores of its prefix
     # first, then filled as prefill chunks run; kept across a recompute preemption, whose
@@ -309,7 +311,8 @@ class ModelRunner:
         held) and one after each forward that computed some of it."""
         seq.num_samples = n
         self.scheduler.check_fits(seq)
-        req = RunnerRequest(seq, params, IncrementalDetokenizer(self.tokenizer, params.stop), sink, params.make_generator())
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.preserved_tokens)
+        req = RunnerRequest(seq, params, detokenizer, sink, params.make_generator())
         req.blend = blend
         req.reports_progress = progress
         if params.prompt_logprobs is not None:
@@ -329,6 +332,8 @@ class ModelRunner:
             else:  # a schema's, or JSON mode's: any one object
                 schema = params.json_schema if params.json_schema is not None else JSON_OBJECT
                 req.constraint = PatternConstraint(compile_schema(schema), self.token_bytes, banned, end_ids)
+            if params.triggers is not None:  # llama-server's lazy grammar: free until a trigger
+                req.lazy, req.constraint = LazyGrammar(req.constraint, params.triggers, self.token_bytes), None
         elif params.thinking_budget is not None:  # (a constraint holds the answer from its first token: no thinking)
             if self._think_tokens is None:
                 self._think_tokens = ThinkTokens.of(self.tokenizer)
@@ -791,9 +796,11 @@ class ModelRunner:
             child = Sequence(list(seq.prompt_token_ids), seq.max_tokens, seq.priority, seq_id=f"{seq.seq_id}/{index}", arrival=seq.arrival)
             self.scheduler.fork(seq, child)
             fork = RunnerRequest(
-                child, params, IncrementalDetokenizer(self.tokenizer, params.stop), req.sink, params.make_generator(index),
+                child, params, IncrementalDetokenizer(self.tokenizer, params.stop, params.preserved_tokens), req.sink,
+                params.make_generator(index),
                 num_computed=req.num_computed, admitted=True, index=index,
                 constraint=req.constraint.copy() if req.constraint is not None else None,
+                lazy=req.lazy.copy() if req.lazy is not None else None,
                 thinking=req.thinking.copy() if req.thinking is not None else None,
             )
             self.requests[child.seq_id] = fork
@@ -812,7 +819,16 @@ class ModelRunner:
             self._finish(req, TokenEvent("token", token, req.detokenizer.flush(), "stop", index=index))
             return
         text = req.detokenizer.add(token)
-        if req.constraint is not None:
+        if req.lazy is not None:  # the token may be (or end) its trigger: the constraint takes it then
+            req.constraint = req.lazy.advance(token)
+            if req.lazy.failed is not None:
+                self._finish(req, TokenEvent("error", error=BackendError(
+                    f"The answer cannot be held to the request's lazy grammar: {req.lazy.failed}.", 500,
+                    code="grammar_trigger_failed", retryable=False)))
+                return
+            if req.constraint is not None:
+                req.lazy = None
+        elif req.constraint is not None:
             req.constraint.advance(token)
         if req.thinking is not None:
             req.thinking.advance(token)

@@ -258,13 +258,30 @@ class PatternConstraint:
         return mask
 
     def advance(self, token_id: int) -> None:
-        raw = self.token_bytes(token_id)
+        self._advance(self.token_bytes(token_id), token_id in self.tokens)
+
+    def take(self, token_id: int, tail: bytes | None = None) -> bool:
+        """Take text generated before the constraint held (a lazy grammar's trigger and what
+        follows it, lazy_grammar.py) as the answer's start: the token whole, or only its last
+        bytes ``tail`` (a trigger that begins inside it). A whole referenced token is its
+        reference; any other is its text, a special token's included, as llama.cpp replays
+        it. False (and nothing taken) where the expression cannot begin so."""
+        reference = tail is None and token_id in self.tokens
+        raw = self.token_bytes(token_id) if tail is None else tail
+        if not raw:
+            return True
+        if not (self._continues_with_reference(raw) if reference else self._continues(raw)):
+            return False
+        self._advance(raw, reference)
+        return not self.failed
+
+    def _advance(self, raw: bytes, reference: bool) -> None:
         self.text += raw
         self._first = {}
         self._token_left_s = self.budget_s  # a new token, a new budget
         if self.machine is not None:
             try:
-                reached = self._referenced(raw) if token_id in self.tokens else self._reached(raw)
+                reached = self._referenced(raw) if reference else self._reached(raw)
             except TooComplex:
                 self.machine = None
             else:

@@ -11,7 +11,8 @@ Honoured: ``GenerateRequest.logprobs`` (the schemas read OpenAI's ``logprobs`` /
 ``top_logprobs``, the Ollama route Ollama's), ``response_format`` ``json_object`` (JSON
 mode) and ``json_schema`` (structured outputs; json_schema.py says what schemas it takes),
 ``tool_choice`` forcing a call (a schema too, tool_calls.py),
-grammars and vLLM's guided decoding (guided.py), ``logit_bias``, ``presence_penalty``,
+grammars and vLLM's guided decoding (guided.py), llama-server's lazy grammars
+(``grammar_lazy``, ``grammar_triggers``: lazy_grammar.py) and ``preserved_tokens``, ``logit_bias``, ``presence_penalty``,
 ``frequency_penalty``,
 and from Ollama's options (or llama-server's fields) ``repeat_penalty``, ``repeat_last_n``,
 ``min_p``, ``typical_p``, and ``ignore_eos`` (vLLM's and llama-server's); completions' ``echo``
@@ -29,8 +30,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import regex
+
 from kvstream.hf.guided import Guide, guide
 from kvstream.hf.json_schema import SchemaError, compile_schema
+from kvstream.hf.lazy_grammar import PATTERN, PATTERN_FULL, TOKEN, WORD, Triggers, compile_trigger
 from kvstream.hf.sampling import SamplingParams
 from kvstream.hf.generic_calls import answer_schema
 from kvstream.hf.tool_calls import forced_call_schema
@@ -221,6 +225,71 @@ def referenced_tokens(guided: Guide, vocab_size: int | None, token_of: Callable[
     return tuple(resolved)
 
 
+def _invalid(name: str, why: str) -> BackendRejected:
+    return BackendRejected(f"Invalid value for '{name}': {why}.", param=name, code="invalid_value")
+
+
+def preserved_tokens(extra: dict[str, Any], token_of: Callable[[str], int | None] | None) -> frozenset[int]:
+    """llama-server's ``preserved_tokens``: texts whose token, where a text is one, is written
+    into the answer even if special (the others are ignored, as llama-server ignores them)."""
+    raw = extra.get("preserved_tokens")
+    if raw is None:
+        return frozenset()
+    if not isinstance(raw, list) or not all(isinstance(t, str) for t in raw):
+        raise _invalid("preserved_tokens", "expected a list of token texts")
+    return frozenset(t for t in map(token_of, raw) if t is not None) if token_of is not None else frozenset()
+
+
+def lazy_triggers(extra: dict[str, Any], vocab_size: int | None, token_of: Callable[[str], int | None] | None,
+                  preserved: frozenset[int]) -> Triggers | None:
+    """llama-server's ``grammar_lazy`` with its ``grammar_triggers`` (lazy_grammar.py says what
+    each type is); None: the grammar holds from the first token (triggers are then read and
+    checked, but change nothing, as at llama-server). A word that is one token of the
+    vocabulary is that token and must be in ``preserved_tokens`` (llama-server's rule: else
+    the token would not be written into the text). 400 naming the field for what it refuses;
+    lazy without a trigger too, where llama-server waits for none and holds nothing."""
+    lazy = _flag(extra, "grammar_lazy")
+    raw = extra.get("grammar_triggers")
+    if raw is None or raw == []:
+        if lazy:
+            raise _invalid("grammar_triggers", "no triggers set for a lazy grammar ('grammar_lazy' is true)")
+        return None
+    if not isinstance(raw, list):
+        raise _invalid("grammar_triggers", "expected a list of {\"type\", \"value\"} objects")
+    tokens: set[int] = set()
+    patterns: list[str] = []
+    for trigger in raw:
+        kind = trigger.get("type") if isinstance(trigger, dict) else None
+        value = trigger.get("value") if isinstance(trigger, dict) else None
+        if not isinstance(kind, int) or isinstance(kind, bool) or kind not in (TOKEN, WORD, PATTERN, PATTERN_FULL):
+            raise _invalid("grammar_triggers", "each trigger's 'type' is 0 (a token), 1 (a word), 2 (a pattern) or "
+                                               "3 (a pattern the whole text matches)")
+        if not isinstance(value, str):
+            raise _invalid("grammar_triggers", "each trigger has a string 'value'")
+        if kind == TOKEN:
+            token = trigger.get("token")
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0 or (
+                    vocab_size is not None and token >= vocab_size):
+                raise _invalid("grammar_triggers", f"a token trigger's 'token' is a token id of the vocabulary, not "
+                                                   f"{token!r}")
+            tokens.add(token)
+        elif kind == WORD and token_of is not None and (token := token_of(value)) is not None:
+            if token not in preserved:
+                raise _invalid("grammar_triggers", f"the trigger word {value!r} is one token: it must be listed in "
+                                                   "'preserved_tokens' too")
+            tokens.add(token)
+        else:
+            pattern = regex.escape(value) if kind == WORD else value
+            if kind == PATTERN_FULL:
+                pattern = f"{'' if pattern.startswith('^') else '^'}{pattern}{'' if pattern.endswith('$') else '$'}"
+            try:
+                compile_trigger(pattern)
+            except ValueError as exc:
+                raise _invalid("grammar_triggers", str(exc)) from None
+            patterns.append(pattern)
+    return Triggers(frozenset(tokens), tuple(patterns)) if lazy else None
+
+
 def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int | None = None,
                     generic_calls: bool = False, default_seed: int | None = None,
                     token_of: Callable[[str], int | None] | None = None) -> SamplingParams:
@@ -254,6 +323,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
         field = "n" if request.n > 1 else "best_of"
         raise BackendRejected(f"Invalid value for '{field}': with max_tokens 0 there is one choice, the prompt.",
                               param=field, code="invalid_value")
+    preserved = preserved_tokens(extra, token_of)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -276,6 +346,9 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             json_schema=forced or answer or json_schema(extra) or (guided.schema if guided is not None else None),
             pattern=guided.pattern if guided is not None else None,
             pattern_tokens=referenced_tokens(guided, vocab_size, token_of) if guided is not None else (),
+            # (a lazy hold is the client's own constraint's, never a call KVStream holds)
+            triggers=lazy_triggers(extra, vocab_size, token_of, preserved) if forced is None and answer is None else None,
+            preserved_tokens=preserved,
             thinking_budget=_budget(extra),
             ignore_eos=_flag(extra, "ignore_eos"),
             post_sampling_probs=_flag(extra, "post_sampling_probs"),

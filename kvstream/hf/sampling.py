@@ -16,9 +16,12 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from kvstream.hf.lazy_grammar import Triggers
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
@@ -58,6 +61,12 @@ class SamplingParams:
     pattern: str | None = None
     # The tokens a grammar references (token id, the character standing for it in ``pattern``).
     pattern_tokens: tuple[tuple[int, str], ...] = ()
+    # llama-server's lazy grammar: the constraint above held only from one of these triggers
+    # on (lazy_grammar.py); None: from the first token.
+    triggers: Triggers | None = None
+    # Special tokens written into the text (llama-server's ``preserved_tokens``); the text
+    # leaves the others out.
+    preserved_tokens: frozenset[int] = frozenset()
     # Most tokens inside a <think> block before its end is forced (thinking_budget.py); None:
     # no cap. ``thinking_opened``: the prompt left the block open.
     thinking_budget: int | None = None

@@ -253,7 +253,9 @@ async def test_post_sampling_probs_are_the_distribution_drawn_from(hf_proxy, smo
     ({"prompt": [10 ** 9]}, "prompt"),
     ({"prompt": "x", "mirostat": 2}, "mirostat"),
     ({"prompt": "x", "grammar": "root ::= a"}, "grammar"),  # an undefined rule
-    ({"prompt": "x", "grammar": "root ::= \"a\"", "grammar_lazy": True}, "grammar_lazy"),
+    ({"prompt": "x", "grammar": "root ::= \"a\"", "grammar_lazy": True}, "grammar_triggers"),  # no trigger
+    ({"prompt": "x", "grammar": "root ::= \"a\"", "grammar_lazy": True, "grammar_triggers": [{"type": 9}]}, "grammar_triggers"),
+    ({"prompt": "x", "preserved_tokens": "<|im_end|>"}, "preserved_tokens"),
     ({"prompt": "x", "grammar": "root ::= \"a\"", "json_schema": {"type": "object"}}, "grammar"),
     ({"prompt": "x", "n_probs": 50}, "n_probs"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
