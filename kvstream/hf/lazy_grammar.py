@@ -10,12 +10,17 @@ the trigger's own text included. llama.cpp's four kinds of trigger (``common_gra
 - a pattern (2): a regular expression found anywhere in it;
 - a whole pattern (3): an expression that matches all of it (anchored at both ends).
 
-The grammar begins where the trigger's first capturing group that matched something begins
-(else where the match does), and the tokens from there are replayed into it as they were
-generated: the first one only from that point. All of the generation so far is searched at
-each token (llama.cpp's behaviour; a client's expression may backtrack, so the searches
-share the matching budget constraints have, pattern_constraint.py). A trigger's text the
-grammar cannot begin with ends the request with an error, as llama-server's 500 does.
+The grammar begins where the word does, or where a pattern's first capturing group that
+matched something begins (else where the match does), and the tokens from there are replayed
+into it as they were generated: the first one only from that point. A pattern is searched in
+all of the generation so far at each token (llama.cpp's behaviour; a client's expression may
+backtrack, so the searches share the matching budget constraints have,
+pattern_constraint.py); a word only in the text that could end in it now. A trigger's text
+the grammar cannot begin with ends the request with an error, as llama-server's 500 does.
+
+Words may be looked for outside ``<think>`` blocks only (``Triggers.thinking``): a tool call
+the model drafts while thinking is not one (llama.cpp feeds its grammar nothing while a
+reasoning model thinks).
 """
 
 from __future__ import annotations
@@ -29,17 +34,22 @@ from typing import Any
 import regex
 
 from kvstream.hf.pattern_constraint import ANSWER_BUDGETS, CLIENT_BUDGET_S, PatternConstraint
+from kvstream.hf.reasoning import END_THINK, THINK
 
 TOKEN, WORD, PATTERN, PATTERN_FULL = range(4)  # llama.cpp's trigger types, by their JSON numbers
 
 
 @dataclass(frozen=True)
 class Triggers:
-    """What starts a lazy grammar: any of ``tokens`` drawn, or one of ``patterns`` (regular
-    expressions: a word escaped, a whole pattern anchored ``^...$``) found in the text."""
+    """What starts a lazy grammar: any of ``tokens`` drawn, or one of ``words`` or
+    ``patterns`` (regular expressions; a whole pattern anchored ``^...$``) found in the text.
+    ``thinking``: words and tokens count only outside ``<think>`` blocks (None: blocks are
+    not looked for; True: the prompt opened one, and the answer begins inside it)."""
 
     tokens: frozenset[int] = frozenset()
+    words: tuple[str, ...] = ()
     patterns: tuple[str, ...] = ()
+    thinking: bool | None = None
 
 
 @functools.lru_cache(maxsize=64)
@@ -72,7 +82,12 @@ class LazyGrammar:
         self.triggers = triggers
         self.spelling = token_bytes
         self.patterns = [compile_trigger(p) for p in triggers.patterns]
-        self.text = b""  # what was generated, special tokens' text included (llama.cpp's trigger buffer)
+        self.words = [w.encode() for w in triggers.words]
+        self.text = bytearray()  # what was generated, special tokens' text included (llama.cpp's trigger buffer)
+        # Words: where a word may begin (outside thinking, not yet searched), and whether the
+        # text is inside a <think> block now.
+        self._floor = 0
+        self._thinking = triggers.thinking is True
         self.spans: list[tuple[int, int, int]] = []  # (token, where its bytes begin and end in text)
         self.failed: str | None = None
         self.budget_s = budget_s
@@ -81,26 +96,59 @@ class LazyGrammar:
     def copy(self) -> LazyGrammar:
         other = LazyGrammar.__new__(LazyGrammar)
         other.__dict__.update(self.__dict__)
-        other.constraint, other.spans = self.constraint.copy(), list(self.spans)
+        other.constraint, other.spans, other.text = self.constraint.copy(), list(self.spans), bytearray(self.text)
         return other
 
     def advance(self, token_id: int) -> PatternConstraint | None:
         """Note ``token_id`` drawn: the constraint, from here on, where a trigger was found
         (None: still waiting, or ``failed``)."""
-        if token_id in self.triggers.tokens:
+        if token_id in self.triggers.tokens and not self._thinking:
             return self._held([(token_id, None)])
         raw = self.spelling(token_id)
         self.spans.append((token_id, len(self.text), len(self.text) + len(raw)))
         self.text += raw
-        at = self._found()
+        at = self._found(len(self.text) - len(raw))
         if at is None:
             return None
         # The tokens from the trigger on, the first one only from there where it begins inside it.
-        return self._held([(token, None if begin >= at else self.text[at:end])
+        return self._held([(token, None if begin >= at else bytes(self.text[at:end]))
                            for token, begin, end in self.spans if end > at])
 
-    def _found(self) -> int | None:
-        """Where in ``text`` (bytes) the first trigger found begins, or None."""
+    def _found(self, added: int) -> int | None:
+        """Where in ``text`` (bytes) a trigger found begins, the earliest of a word's and a
+        pattern's, or None. ``added``: where the newest token's bytes begin."""
+        found = [at for at in (self._word(added), self._pattern()) if at is not None]
+        return min(found) if found else None
+
+    def _word(self, added: int) -> int | None:
+        """Where a word begins in text that could not have held it before ``added``, outside
+        thinking where that is tracked (and whether the text ends inside a block, for the
+        token triggers)."""
+        if not self.words and self.triggers.thinking is None:
+            return None
+        # How far back a word or a tag ending in the new bytes may begin.
+        reach = max([*map(len, self.words), len(END_THINK) if self.triggers.thinking is not None else 0])
+        text, at = self.text, max(self._floor, added - reach + 1)
+        while True:
+            if self._thinking:
+                end = text.find(END_THINK.encode(), at)
+                if end < 0:  # (a tag's start may come with this token, its end with the next)
+                    self._floor = max(at, len(text) - len(END_THINK) + 1)
+                    return None
+                self._thinking, at = False, end + len(END_THINK)
+                continue
+            opened = text.find(THINK.encode(), at) if self.triggers.thinking is not None else -1
+            limit = len(text) if opened < 0 else opened
+            hits = [hit for word in self.words if (hit := text.find(word, at, limit)) >= 0]
+            if hits:
+                return min(hits)
+            if opened < 0:
+                self._floor = max(at, len(text) - reach + 1)
+                return None
+            self._thinking, at = True, opened + len(THINK)
+
+    def _pattern(self) -> int | None:
+        """Where the first pattern found in the whole text begins (llama.cpp's search)."""
         if not self.patterns:
             return None
         text = self.text.decode("utf-8", "surrogateescape")  # one character per stray byte: offsets map back

@@ -30,8 +30,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import regex
-
 from kvstream.hf.guided import Guide, guide
 from kvstream.hf.json_schema import SchemaError, compile_schema
 from kvstream.hf.lazy_grammar import PATTERN, PATTERN_FULL, TOKEN, WORD, Triggers, compile_trigger
@@ -257,6 +255,7 @@ def lazy_triggers(extra: dict[str, Any], vocab_size: int | None, token_of: Calla
     if not isinstance(raw, list):
         raise _invalid("grammar_triggers", "expected a list of {\"type\", \"value\"} objects")
     tokens: set[int] = set()
+    words: list[str] = []
     patterns: list[str] = []
     for trigger in raw:
         kind = trigger.get("type") if isinstance(trigger, dict) else None
@@ -278,8 +277,10 @@ def lazy_triggers(extra: dict[str, Any], vocab_size: int | None, token_of: Calla
                 raise _invalid("grammar_triggers", f"the trigger word {value!r} is one token: it must be listed in "
                                                    "'preserved_tokens' too")
             tokens.add(token)
+        elif kind == WORD:
+            words.append(value)
         else:
-            pattern = regex.escape(value) if kind == WORD else value
+            pattern = value
             if kind == PATTERN_FULL:
                 pattern = f"{'' if pattern.startswith('^') else '^'}{pattern}{'' if pattern.endswith('$') else '$'}"
             try:
@@ -287,7 +288,7 @@ def lazy_triggers(extra: dict[str, Any], vocab_size: int | None, token_of: Calla
             except ValueError as exc:
                 raise _invalid("grammar_triggers", str(exc)) from None
             patterns.append(pattern)
-    return Triggers(frozenset(tokens), tuple(patterns)) if lazy else None
+    return Triggers(frozenset(tokens), tuple(words), tuple(patterns)) if lazy else None
 
 
 def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int | None = None,

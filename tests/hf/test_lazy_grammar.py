@@ -20,7 +20,7 @@ from kvstream.types import BackendRejected  # noqa: E402
 
 # A made-up vocabulary: 9 is a special token, 10 a byte token (half of "é").
 SPELLED = {0: b"Say ", 1: b"hi", 2: b" <call>", 3: b"{", 4: b"1", 5: b"}", 6: b"<ca", 7: b"ll>", 8: b"x",
-           9: b"<tool>", 10: b"\xc3", 11: b"\xa9"}
+           9: b"<tool>", 10: b"\xc3", 11: b"\xa9", 12: b"<think>", 13: b"</think>", 14: b"</th", 15: b"ink>"}
 
 
 def lazy(grammar: str, triggers: Triggers, references: dict[str, int] | None = None) -> LazyGrammar:
@@ -42,17 +42,17 @@ def run(waiting: LazyGrammar, tokens: list[int]) -> tuple[int | None, PatternCon
 def test_a_word_trigger_holds_the_grammar_from_the_word_on_whatever_tokens_spell_it():
     grammar = 'root ::= "<call>" "{" [0-9]+ "}"'
     # The word inside one token, after a space the grammar does not take: from the word on.
-    at, held = run(lazy(grammar, Triggers(patterns=("<call>",))), [0, 1, 2])
+    at, held = run(lazy(grammar, Triggers(words=("<call>",))), [0, 1, 2])
     assert at == 2 and held is not None and held.text == b"<call>"
     assert held.accepts(3) and not held.accepts(8) and not held.complete
     for token in (3, 4, 5):
         held.advance(token)
     assert held.done
     # Spelled across two tokens: found when the second comes, both replayed.
-    at, held = run(lazy(grammar, Triggers(patterns=("<call>",))), [1, 6, 7])
+    at, held = run(lazy(grammar, Triggers(words=("<call>",))), [1, 6, 7])
     assert at == 2 and held is not None and held.text == b"<call>"
     # Never written: never held.
-    assert run(lazy(grammar, Triggers(patterns=("<call>",))), [0, 1, 8, 3, 4]) == (None, None)
+    assert run(lazy(grammar, Triggers(words=("<call>",))), [0, 1, 8, 3, 4]) == (None, None)
 
 
 def test_a_patterns_first_group_says_where_the_grammar_begins():
@@ -78,10 +78,29 @@ def test_a_token_trigger_is_that_token_taken_whole_as_its_reference_or_its_text(
     assert at == 1 and held is not None and held.text == b"<tool>"
 
 
+def test_a_word_inside_a_thinking_block_is_not_a_trigger():
+    """With thinking tracked, a word counts outside ``<think>`` blocks only (a drafted call is
+    not one), whole tags or tags split across tokens; the prompt may have opened the block."""
+    grammar = 'root ::= "<call>" "{" [0-9]+ "}"'
+    for opened, tokens, fires_at in (
+        (False, [12, 2, 13, 6, 7], 4), (False, [12, 2, 14, 15, 1, 2], 5), (True, [2, 13, 2], 2),
+        (False, [2, 12], 0), (None, [12, 2], 1), (False, [13, 12, 2, 13], None),
+    ):
+        waiting = lazy(grammar, Triggers(words=("<call>",), thinking=opened))
+        at, held = run(waiting, tokens)
+        assert at == fires_at and (held is None) == (fires_at is None), (opened, tokens, at)
+        if held is not None:
+            assert held.text == b"<call>"
+    # A token trigger too: not inside a block.
+    token_grammar = 'root ::= "<tool>{}"'
+    assert run(lazy(token_grammar, Triggers(tokens=frozenset({9}), thinking=False)), [12, 9, 13, 1, 9])[0] == 4
+    assert run(lazy(token_grammar, Triggers(tokens=frozenset({9}), thinking=True)), [9, 14, 15, 9])[0] == 3
+
+
 def test_a_trigger_the_grammar_cannot_begin_with_fails_the_answer():
     """llama-server answers this case with a 500 ("Unexpected empty grammar stack"): the engine
     ends the request with an error naming the text."""
-    waiting = lazy('root ::= "{" [0-9]+ "}"', Triggers(patterns=("<call>",)))
+    waiting = lazy('root ::= "{" [0-9]+ "}"', Triggers(words=("<call>",)))
     assert run(waiting, [0, 2]) == (1, None)
     assert "<call>" in waiting.failed
 
@@ -125,7 +144,7 @@ def test_triggers_become_tokens_and_patterns():
     triggers = lazy_triggers({"grammar_lazy": True, "grammar_triggers": [
         {"type": 1, "value": "<tool>"}, {"type": 1, "value": "a.b"}, {"type": 0, "value": "x", "token": 8},
         {"type": 2, "value": "x(y)"}, {"type": 3, "value": "z+"}, {"type": 3, "value": ""}]}, 12, token_of, frozenset({9}))
-    assert triggers == Triggers(frozenset({9, 8}), (r"a\.b", "x(y)", "^z+$", "^$"))
+    assert triggers == Triggers(frozenset({9, 8}), ("a.b",), ("x(y)", "^z+$", "^$"))
     # Not lazy: read and checked, and the grammar holds from the first token.
     assert lazy_triggers({"grammar_triggers": [{"type": 2, "value": "x"}]}, 12, token_of, frozenset()) is None
 
