@@ -833,6 +833,13 @@ class HFBackend(InProcessBackend):
             ends = end_ids(self.runner.tokenizer)
             params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *ends))
         reading = self._answer_reading(request, seq)
+        if reading is not None and reading.calls is not None and not params.holds_answer:
+            # The model's own calls held to the tools from its opening tag on (call_grammar.py).
+            from kvstream.hf.call_grammar import call_hold
+
+            hold = call_hold(reading.calls, request.extra["tools"], reading.thinking_opened, reading.tag_texts)
+            if hold is not None:
+                params = dataclasses.replace(params, pattern=hold.pattern, pattern_tokens=hold.tokens, triggers=hold.triggers)
         if params.thinking_budget is not None:
             # A budget counts thinking: none where the answer is not read for it (the model's
             # template shows no <think> block, or a constraint holds the answer).

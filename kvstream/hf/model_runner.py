@@ -332,9 +332,11 @@ class ModelRunner:
             else:  # a schema's, or JSON mode's: any one object
                 schema = params.json_schema if params.json_schema is not None else JSON_OBJECT
                 req.constraint = PatternConstraint(compile_schema(schema), self.token_bytes, banned, end_ids)
-            if params.triggers is not None:  # llama-server's lazy grammar: free until a trigger
+            if params.triggers is not None:  # a lazy grammar: free until a trigger
                 req.lazy, req.constraint = LazyGrammar(req.constraint, params.triggers, self.token_bytes), None
-        elif params.thinking_budget is not None:  # (a constraint holds the answer from its first token: no thinking)
+        if params.thinking_budget is not None and req.constraint is None:
+            # (a constraint held from the first token leaves no thinking; a lazy one is
+            # triggered outside the thinking block only, call_grammar.py)
             if self._think_tokens is None:
                 self._think_tokens = ThinkTokens.of(self.tokenizer)
             req.thinking = ThinkingBudget(params.thinking_budget, self._think_tokens, self.token_bytes, params.thinking_opened)

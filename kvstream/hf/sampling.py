@@ -72,6 +72,11 @@ class SamplingParams:
     thinking_budget: int | None = None
     thinking_opened: bool = False
 
+    @property
+    def holds_answer(self) -> bool:
+        """Whether a constraint holds the answer (JSON mode, a schema or an expression)."""
+        return self.json_object or self.json_schema is not None or self.pattern is not None
+
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")

@@ -609,6 +609,42 @@ async def test_parallel_calls_and_parallel_tool_calls_false(tools_oa):
     assert call.function.name == "get_weather" and call.function.arguments == calls[0].function.arguments
 
 
+FORECAST = {"type": "function", "function": {"name": "get_forecast", "description": "The forecast for a city.",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"type": "string"}, "days": {"type": "integer"}},
+                                                 "required": ["city", "days"]}}}
+
+
+async def test_hermes_calls_are_held_to_the_offered_tools_from_their_tag_on(smollm2, start_proxy, monkeypatch):
+    """Shown a ``get_weather`` call and offered only ``get_forecast`` (city and days
+    required), SmolLM2 left free calls ``get_weather`` for Rome, a tool nobody offered, and
+    leaves ``days`` out for Paris. Held from its ``<tool_call>`` on (call_grammar.py), every
+    call is ``get_forecast`` with both arguments; the text before the tag is its own (greedy:
+    the same tokens up to it)."""
+    from openai import AsyncOpenAI
+
+    import kvstream.hf.call_grammar as call_grammar
+
+    async def ask(oa, city_question: str) -> list:
+        reply = await oa.chat.completions.create(model="smollm2", messages=EXAMPLE + [{"role": "user", "content": city_question}],
+                                                 tools=[FORECAST], max_tokens=60, temperature=0)
+        assert reply.choices[0].finish_reason == "tool_calls", reply
+        return [(c.function.name, json.loads(c.function.arguments)) for c in reply.choices[0].message.tool_calls]
+
+    questions = ("What is the forecast in Paris for 3 days?", "Will it rain in Rome this week?")
+    async with templated_proxy(smollm2, start_proxy, HERMES_TEMPLATE) as (proxy, _):
+        async with AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+            held = [await ask(oa, q) for q in questions]
+            with monkeypatch.context() as free:
+                free.setattr(call_grammar, "call_hold", lambda *args: None)
+                unheld = [await ask(oa, q) for q in questions]
+    assert unheld == [[("get_forecast", {"city": "Paris"})], [("get_weather", {"city": "Rome"})]]  # as measured here
+    for calls, city in zip(held, ("Paris", "Rome"), strict=True):
+        [(name, arguments)] = calls
+        assert name == "get_forecast" and arguments["city"] == city and isinstance(arguments["days"], int), calls
+    assert held[0][0][1]["days"] == 3
+
+
 async def test_qwen3_xml_values_come_back_typed_by_the_tools_schema(smollm2, start_proxy):
     """Qwen3-Coder's syntax end to end: the model writes ``<parameter=days>5</parameter>``,
     the client gets ``"days": 5`` (an integer, as the schema says), streamed or not."""
@@ -661,6 +697,12 @@ def test_call_tags_that_are_special_tokens_are_put_back_from_their_ids(smollm2):
     assert call_reading(tokenizer, {"tools": [WEATHER], "tool_choice": "none"}) is None
     assert call_reading(tokenizer, {"tools": [WEATHER], "tool_choice": "required"}) is None  # forced: a schema instead
     assert call_reading(tokenizer, {"tools": [WEATHER], "parallel_tool_calls": False}).single_call
+    # Held, the tags are those tokens (referenced), never their text spelled by others.
+    from kvstream.hf.call_grammar import call_hold
+
+    hold = call_hold(reading.calls, [WEATHER], None, reading.tag_texts)
+    assert {token for token, _ in hold.tokens} == {open_id, close_id}
+    assert "<tool_call>" not in hold.pattern and hold.triggers.tokens == {open_id} and not hold.triggers.words
 
 
 # ------------------------------------------------- DeepSeek's syntax, --chat-template, --tool-call-syntax
