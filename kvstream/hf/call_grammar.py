@@ -4,14 +4,22 @@ With ``tool_choice: "auto"`` the model decides whether to call: its answer stays
 (tool_call_syntax.py reads the calls out of it). A small model left free inside the call,
 though, misspells a tool's name or writes arguments its schema refuses, and the client gets
 a call it cannot run, or the call as text. So, as llama-server holds a template's calls with a
-lazy grammar, the engine holds the answer from the opening tag on (lazy_grammar.py): every
-call one of the offered tools, its arguments valid for that tool's parameters, the same
-expression a forced call is held to (tool_calls.py); after the last call, only the end.
+lazy grammar, the engine holds the answer from the call's opening on (lazy_grammar.py): every
+call one of the offered tools, its arguments valid for that tool's parameters (the same
+expression a forced call is held to, tool_calls.py); after the last call, only the end.
 
-Held for the Hermes syntax (``<tool_call>{"name", "arguments"}</tool_call>``: Qwen2.5 and
-Qwen3, Hermes, SmolLM3...). A tag written inside the model's thinking is not a call and does
-not begin the hold: the trigger is a tag outside any ``<think>`` block. The other syntaxes are
-read unheld.
+Held syntaxes, and what opens a call:
+
+- Hermes (Qwen2.5 and Qwen3, Hermes, SmolLM3...): ``<tool_call>``, each call
+  ``{"name", "arguments"}`` between the tags;
+- Llama 3's JSON: an answer that begins ``{"name": "`` (llama.cpp's trigger for it), calls
+  ``{"name", "parameters"}`` joined by ``;``;
+- Granite 3's: ``<|tool_call|>`` and a JSON list of ``{"name", "arguments"}``.
+
+A call opened inside the model's thinking is a draft, not a call, and does not start the hold
+(the trigger counts outside ``<think>`` blocks). An opening the expression cannot begin with
+(blanks it does not allow) leaves the answer unheld, read as before. Mistral's, DeepSeek's, Qwen3-Coder's XML and
+the pythonic lists are read unheld.
 """
 
 from __future__ import annotations
@@ -24,10 +32,12 @@ import regex
 from kvstream.hf.grammar import TOKEN_SENTINELS
 from kvstream.hf.json_schema import compile_schema
 from kvstream.hf.lazy_grammar import Triggers
-from kvstream.hf.tool_call_syntax import CLOSE, OPEN, CallReading
+from kvstream.hf.tool_call_syntax import CLOSE, GRANITE_CALLS, OPEN, PYTHON_TAG, CallReading
 from kvstream.hf.tool_calls import forced_call_schema
 
 GAP = "[ \\t\\n]{0,4}"  # between the tags and the call, and between calls: a few blanks, never a run
+# The whole answer so far beginning as a Llama 3 call (its python tag may open it).
+LLAMA3_OPENING = f'^\\s*(?:{regex.escape(PYTHON_TAG)}\\s*)?(\\{{\\s*"name"\\s*:\\s*")[\\s\\S]*$'
 
 
 @dataclass(frozen=True)
@@ -45,24 +55,33 @@ def call_hold(calls: CallReading, tools: Any, thinking_opened: bool | None,
     """The hold for an answer read for ``calls`` (None: its syntax is read unheld).
     ``thinking_opened``: whether the prompt left a ``<think>`` block open (None: the model
     does not think). ``special_tags``: tags that are special tokens of the vocabulary (token
-    id -> text), which the expression references as those tokens."""
-    if calls.syntax != "hermes":
+    id -> text), which the expression references as those tokens: their text spelled by
+    other tokens is not the tag."""
+    if calls.syntax not in ("hermes", "llama3_json", "granite"):
         return None
-    schema = forced_call_schema(tools, "required")
+    schema = forced_call_schema(tools, "required", "parameters" if calls.syntax == "llama3_json" else "arguments")
     if schema is None:
         return None
-    tokens = {text: (token, chr(TOKEN_SENTINELS + k)) for k, (token, text) in enumerate(
-        (t, s) for t, s in special_tags.items() if s in (OPEN, CLOSE))}
+    call = f"(?:{compile_schema(schema).pattern})"
+    tags = {text: (token, chr(TOKEN_SENTINELS + k)) for k, (token, text) in enumerate(
+        (t, s) for t, s in special_tags.items() if s in (OPEN, CLOSE, GRANITE_CALLS))}
 
     def tag(text: str) -> str:
-        return regex.escape(tokens[text][1]) if text in tokens else regex.escape(text)
+        return regex.escape(tags[text][1]) if text in tags else regex.escape(text)
 
-    call = f"{tag(OPEN)}{GAP}(?:{compile_schema(schema).pattern}){GAP}{tag(CLOSE)}{GAP}"
-    pattern = call if calls.single_call else f"(?:{call})+"
-    # The opening tag outside a thinking block (the model's draft of a call is not one): the
-    # tag's token where it is one (its text spelled by other tokens is not the tag).
-    if OPEN in tokens:
-        triggers = Triggers(tokens=frozenset({tokens[OPEN][0]}), thinking=thinking_opened)
-    else:
-        triggers = Triggers(words=(OPEN,), thinking=thinking_opened)
-    return CallHold(pattern, triggers, tuple(tokens.values()))
+    def opened_by(text: str) -> Triggers:  # the tag's token where it is one, else its text
+        if text in tags:
+            return Triggers(tokens=frozenset({tags[text][0]}), thinking=thinking_opened, strict=False)
+        return Triggers(words=(text,), thinking=thinking_opened, strict=False)
+
+    several = not calls.single_call
+    if calls.syntax == "hermes":
+        one = f"{tag(OPEN)}{GAP}{call}{GAP}{tag(CLOSE)}{GAP}"
+        return CallHold(f"(?:{one})+" if several else one, opened_by(OPEN), tuple(tags.values()))
+    if calls.syntax == "granite":
+        listed = f"{call}(?:{GAP},{GAP}{call})*" if several else call
+        return CallHold(f"{tag(GRANITE_CALLS)}{GAP}\\[{GAP}{listed}{GAP}\\]{GAP}", opened_by(GRANITE_CALLS),
+                        tuple(tags.values()))
+    # Llama 3: the answer itself is the calls (a thinking model's, after its block: not one of these).
+    joined = f"{call}(?:{GAP};{GAP}{call})*" if several else call
+    return CallHold(f"{joined}{GAP}", Triggers(patterns=(LLAMA3_OPENING,), strict=False))

@@ -50,6 +50,9 @@ class Triggers:
     words: tuple[str, ...] = ()
     patterns: tuple[str, ...] = ()
     thinking: bool | None = None
+    # A trigger's text the grammar cannot begin with fails the answer (llama-server's 500);
+    # False: the answer goes on unheld (a hold KVStream adds itself, call_grammar.py).
+    strict: bool = True
 
 
 @functools.lru_cache(maxsize=64)
@@ -90,6 +93,7 @@ class LazyGrammar:
         self._thinking = triggers.thinking is True
         self.spans: list[tuple[int, int, int]] = []  # (token, where its bytes begin and end in text)
         self.failed: str | None = None
+        self.abandoned = False  # not strict, and the grammar refused a trigger's text: no hold
         self.budget_s = budget_s
         self._left_s = budget_s * ANSWER_BUDGETS
 
@@ -101,7 +105,9 @@ class LazyGrammar:
 
     def advance(self, token_id: int) -> PatternConstraint | None:
         """Note ``token_id`` drawn: the constraint, from here on, where a trigger was found
-        (None: still waiting, or ``failed``)."""
+        (None: still waiting, ``failed``, or ``abandoned``)."""
+        if self.abandoned:
+            return None
         if token_id in self.triggers.tokens and not self._thinking:
             return self._held([(token_id, None)])
         raw = self.spelling(token_id)
@@ -178,6 +184,8 @@ class LazyGrammar:
             if not self.constraint.take(token, tail):
                 if self.constraint.failed:
                     self.failed = "matching the grammar took too long"
+                elif not self.triggers.strict:
+                    self.abandoned = True
                 else:
                     text = b"".join(self.spelling(t) if b is None else b for t, b in replay).decode(errors="replace")
                     self.failed = f"the grammar cannot begin with the text its trigger found ({text!r})"

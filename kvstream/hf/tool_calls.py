@@ -69,11 +69,12 @@ def forced_names(tools: Any, choice: Any) -> ForcedNames | None:
                    "\"function\": {\"name\": ...}}.")
 
 
-def forced_call_schema(tools: Any, choice: Any) -> dict[str, Any] | None:
+def forced_call_schema(tools: Any, choice: Any, arguments_key: str = "arguments") -> dict[str, Any] | None:
     """The JSON schema the answer is held to when ``choice`` forces a call: a named function's
-    parameters, or (``"required"``) any one call of the tools; None when the model may answer
-    in text. BackendRejected (400) as forced_names, or for tools whose parameters reuse
-    another's ``$defs`` name differently."""
+    parameters, or (``"required"``) any one call of the tools, ``{"name", arguments_key}``
+    (Llama 3 writes "parameters"); None when the model may answer in text. BackendRejected
+    (400) as forced_names, or for tools whose parameters reuse another's ``$defs`` name
+    differently."""
     forced = forced_names(tools, choice)
     if forced is None:
         return None
@@ -92,7 +93,7 @@ def forced_call_schema(tools: Any, choice: Any) -> dict[str, Any] | None:
                 if definitions.setdefault(f"{key}/{def_name}", definition) != definition:
                     raise BackendRejected(f"Invalid value for 'tools': two tools define {def_name!r} differently.",
                                           param="tools", code="invalid_value")
-        calls.append({"type": "object", "properties": {"name": {"const": name}, "arguments": parameters}})
+        calls.append({"type": "object", "properties": {"name": {"const": name}, arguments_key: parameters}})
     schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"type": "object", "anyOf": calls}
     for path, definition in definitions.items():
         key, def_name = path.split("/", 1)

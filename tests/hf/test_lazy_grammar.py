@@ -103,6 +103,9 @@ def test_a_trigger_the_grammar_cannot_begin_with_fails_the_answer():
     waiting = lazy('root ::= "{" [0-9]+ "}"', Triggers(words=("<call>",)))
     assert run(waiting, [0, 2]) == (1, None)
     assert "<call>" in waiting.failed
+    # A hold KVStream adds itself (not strict): the answer goes on unheld.
+    lenient = lazy('root ::= "{" [0-9]+ "}"', Triggers(words=("<call>",), strict=False))
+    assert run(lenient, [0, 2, 3, 2]) == (None, None) and lenient.abandoned and lenient.failed is None
 
 
 def test_a_trigger_inside_a_character_and_the_copy_of_a_fork():

@@ -615,34 +615,69 @@ FORECAST = {"type": "function", "function": {"name": "get_forecast", "descriptio
                                                  "required": ["city", "days"]}}}
 
 
-async def test_hermes_calls_are_held_to_the_offered_tools_from_their_tag_on(smollm2, start_proxy, monkeypatch):
+@pytest.mark.parametrize(("syntax", "pieces", "opens_at"), [
+    ("hermes", ["<think>", "I could <tool_call>", "</think>", "Sure. ", "<tool_call>", '\n{"name": "get_weather", ',
+                '"arguments": {"city": "Paris"}}\n', "</tool_call>"], 4),
+    ("llama3_json", ['{"name": "', 'get_weather", "parameters": {"city": "Paris"}}', '; {"name": "get_weather", ',
+                     '"parameters": {"city": "Rome"}}'], 0),
+    ("granite", ["One call. ", "<|tool_call|>", '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'], 1),
+])
+def test_each_held_syntax_opens_where_its_calls_do_and_takes_them_whole(syntax, pieces, opens_at):
+    """The hold begins at the call's opening (not at a tag drafted inside thinking), and the
+    calls as the model writes them are whole matches of it."""
+    from kvstream.hf.call_grammar import call_hold
+    from kvstream.hf.lazy_grammar import LazyGrammar
+    from kvstream.hf.pattern_constraint import PatternConstraint, compile_pattern
+    from kvstream.hf.tool_call_syntax import CallReading
+
+    hold = call_hold(CallReading(syntax), [WEATHER], False if syntax == "hermes" else None, {})
+    spelled = {i: piece.encode() for i, piece in enumerate(pieces)}
+    waiting = LazyGrammar(PatternConstraint(compile_pattern(hold.pattern), spelled.__getitem__, ()), hold.triggers,
+                          spelled.__getitem__)
+    held = None
+    for i in range(len(pieces)):
+        if held is None:
+            held = waiting.advance(i)
+            assert (held is not None) == (i == opens_at), (i, waiting.text)
+        else:
+            assert held.accepts(i), pieces[i]
+            held.advance(i)
+    assert held is not None and held.complete
+    for other in ("mistral", "pythonic", "qwen3_xml", "deepseek"):
+        assert call_hold(CallReading(other), [WEATHER], None, {}) is None
+
+
+@pytest.mark.parametrize("syntax", ["hermes", "llama3_json", "granite"])
+async def test_calls_are_held_to_the_offered_tools_from_their_opening_on(smollm2, start_proxy, monkeypatch, syntax):
     """Shown a ``get_weather`` call and offered only ``get_forecast`` (city and days
-    required), SmolLM2 left free calls ``get_weather`` for Rome, a tool nobody offered, and
-    leaves ``days`` out for Paris. Held from its ``<tool_call>`` on (call_grammar.py), every
-    call is ``get_forecast`` with both arguments; the text before the tag is its own (greedy:
-    the same tokens up to it)."""
+    required), SmolLM2 left free writes calls the tools refuse (as measured here: Hermes and
+    Llama 3 leave ``days`` out for Paris, Granite calls ``forecast`` with ``days`` a string,
+    Hermes calls ``get_weather`` for Rome). Held from the call's opening on (call_grammar.py),
+    each is ``get_forecast`` with both arguments."""
     from openai import AsyncOpenAI
 
     import kvstream.hf.call_grammar as call_grammar
 
-    async def ask(oa, city_question: str) -> list:
-        reply = await oa.chat.completions.create(model="smollm2", messages=EXAMPLE + [{"role": "user", "content": city_question}],
+    async def ask(oa, question: str) -> list:
+        reply = await oa.chat.completions.create(model="smollm2", messages=EXAMPLE + [{"role": "user", "content": question}],
                                                  tools=[FORECAST], max_tokens=60, temperature=0)
         assert reply.choices[0].finish_reason == "tool_calls", reply
         return [(c.function.name, json.loads(c.function.arguments)) for c in reply.choices[0].message.tool_calls]
 
-    questions = ("What is the forecast in Paris for 3 days?", "Will it rain in Rome this week?")
-    async with templated_proxy(smollm2, start_proxy, HERMES_TEMPLATE) as (proxy, _):
+    def runnable(calls: list) -> bool:
+        return all(name == "get_forecast" and isinstance(arguments.get("days"), int) for name, arguments in calls)
+
+    questions = ["What is the forecast in Paris for 3 days?"] + (["Will it rain in Rome this week?"] if syntax == "hermes" else [])
+    async with templated_proxy(smollm2, start_proxy, TEMPLATES[syntax]) as (proxy, _):
         async with AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
             held = [await ask(oa, q) for q in questions]
             with monkeypatch.context() as free:
                 free.setattr(call_grammar, "call_hold", lambda *args: None)
                 unheld = [await ask(oa, q) for q in questions]
-    assert unheld == [[("get_forecast", {"city": "Paris"})], [("get_weather", {"city": "Rome"})]]  # as measured here
-    for calls, city in zip(held, ("Paris", "Rome"), strict=True):
-        [(name, arguments)] = calls
-        assert name == "get_forecast" and arguments["city"] == city and isinstance(arguments["days"], int), calls
-    assert held[0][0][1]["days"] == 3
+    assert not any(map(runnable, unheld)), unheld
+    assert all(map(runnable, held)) and held[0] == [("get_forecast", {"city": "Paris", "days": 3})], held
+    if syntax == "hermes":
+        assert unheld[1] == [("get_weather", {"city": "Rome"})] and held[1][0][1]["city"] == "Rome"
 
 
 async def test_qwen3_xml_values_come_back_typed_by_the_tools_schema(smollm2, start_proxy):
