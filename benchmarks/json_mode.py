@@ -1,10 +1,11 @@
 """What JSON output costs the in-process engine: the same prompts generated with
 ``response_format`` ``json_object`` (JSON mode) and ``json_schema`` (a structured output),
 as a forced tool call (``tool_choice`` naming a function: its call's schema), under a GBNF
-JSON grammar (llama-server's ``grammar``), and without, the same number of tokens each,
-same run.
+JSON grammar (llama-server's ``grammar``), waiting for a model's own call to begin (the lazy
+hold of a Hermes ``<tool_call>``, call_grammar.py, which these answers never open: what the
+wait costs), and without, the same number of tokens each, same run.
 
-    python benchmarks/json_mode.py [--concurrency 1 8] [--new-tokens 128] [--rounds 3]
+    python benchmarks/json_mode.py [--concurrency 1 8] [--new-tokens 128] [--rounds 3] [--modes ...]
 
 For each concurrency c and each mode, c chats asking for JSON are generated greedily under
 the constraint (the answer ends where the object closes, or at --new-tokens); then the same
@@ -27,12 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from kvstream.hf.call_grammar import call_hold  # noqa: E402
 from kvstream.hf.grammar import gbnf_pattern  # noqa: E402
 from kvstream.hf.json_schema import compile_schema  # noqa: E402
 from kvstream.hf.loader import chat_token_ids, load_model  # noqa: E402
 from kvstream.hf.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from kvstream.hf.sampling import SamplingParams  # noqa: E402
 from kvstream.hf.pattern_constraint import compile_pattern  # noqa: E402
+from kvstream.hf.tool_call_syntax import CallReading  # noqa: E402
 from kvstream.hf.tool_calls import forced_call_schema  # noqa: E402
 from pattern_matching import JSON_GRAMMAR  # noqa: E402
 
@@ -66,6 +69,9 @@ QUESTIONS = [
 ]
 
 
+MODES = ("json_object", "json_schema", "tool_call", "grammar", "lazy_wait")
+
+
 def timed(engine: ModelRunner, prompts: list[list[int]], params: list[SamplingParams], rounds: int) -> tuple[float, list[list[int]]]:
     best, outs = float("inf"), []
     for _ in range(rounds):
@@ -80,6 +86,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     loaded = load_model(None, device="cpu")
@@ -91,8 +98,10 @@ def main() -> None:
     print(f"{'mode':>12} {'c':>3} {'tokens':>7} {'constrained ms/tok':>19} {'plain ms/tok':>13} {'plain/constrained':>18} {'parsed':>9}")
     grammar = gbnf_pattern(JSON_GRAMMAR)
     patterns = {"json_schema": compile_schema(SCHEMA), "tool_call": compile_schema(TOOL_SCHEMA), "grammar": compile_pattern(grammar)}
+    hold = call_hold(CallReading("hermes"), [TOOL], None, {})
     modes = {"json_object": {"json_object": True}, "json_schema": {"json_schema": SCHEMA}, "tool_call": {"json_schema": TOOL_SCHEMA},
-             "grammar": {"pattern": grammar}}
+             "grammar": {"pattern": grammar}, "lazy_wait": {"pattern": hold.pattern, "triggers": hold.triggers}}
+    modes = {mode: modes[mode] for mode in args.modes}
     for c in args.concurrency:
         chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(c)]
         prompts = [chat_token_ids(tokenizer, chat) for chat in chats]
@@ -104,7 +113,10 @@ def main() -> None:
             plain_s, plain_outs = timed(engine, prompts, plain, args.rounds)
             assert [len(o) for o in plain_outs] == counts
             texts = [tokenizer.decode(out, skip_special_tokens=True) for out in outs]
-            parsed = sum(patterns[mode].fullmatch(t) is not None if mode in patterns else _is_object(t) for t in texts)
+            if mode == "lazy_wait":  # free text: the same tokens as unheld greedy, and no hold begun
+                parsed = sum(out == plain_out[: len(out)] for out, plain_out in zip(outs, plain_outs, strict=True))
+            else:
+                parsed = sum(patterns[mode].fullmatch(t) is not None if mode in patterns else _is_object(t) for t in texts)
             tokens = sum(counts)
             print(f"{mode:>12} {c:>3} {tokens:>7} {constrained_s / tokens * 1000:>19.2f} {plain_s / tokens * 1000:>13.2f} "
                   f"{plain_s / constrained_s:>18.2f} {parsed:>4} of {c}")
