@@ -18,8 +18,8 @@ Held syntaxes, and what opens a call:
 
 A call opened inside the model's thinking is a draft, not a call, and does not start the hold
 (the trigger counts outside ``<think>`` blocks). An opening the expression cannot begin with
-(blanks it does not allow) leaves the answer unheld, read as before. Mistral's, DeepSeek's, Qwen3-Coder's XML and
-the pythonic lists are read unheld.
+(blanks it does not allow) leaves the answer unheld, read as before. Mistral's, DeepSeek's,
+Qwen3-Coder's XML and the pythonic lists are read unheld.
 """
 
 from __future__ import annotations

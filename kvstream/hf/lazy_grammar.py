@@ -93,6 +93,7 @@ class LazyGrammar:
         self._thinking = triggers.thinking is True
         self.spans: list[tuple[int, int, int]] = []  # (token, where its bytes begin and end in text)
         self.failed: str | None = None
+        self.costly = False  # ... because matching ran past the budget (the client's expression's cost)
         self.abandoned = False  # not strict, and the grammar refused a trigger's text: no hold
         self.budget_s = budget_s
         self._left_s = budget_s * ANSWER_BUDGETS
@@ -168,7 +169,7 @@ class LazyGrammar:
                     raise TimeoutError
                 match = (pattern.fullmatch if whole else pattern.search)(text, timeout=timeout)
             except TimeoutError:
-                self.failed = "matching the grammar's trigger patterns took too long"
+                self.failed, self.costly = "matching the grammar's trigger patterns took too long", True
                 return None
             finally:
                 spent = time.perf_counter() - now
@@ -183,7 +184,7 @@ class LazyGrammar:
         for token, tail in replay:
             if not self.constraint.take(token, tail):
                 if self.constraint.failed:
-                    self.failed = "matching the grammar took too long"
+                    self.failed, self.costly = "matching the grammar took too long", True
                 elif not self.triggers.strict:
                     self.abandoned = True
                 else:

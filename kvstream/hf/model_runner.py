@@ -823,10 +823,11 @@ class ModelRunner:
         text = req.detokenizer.add(token)
         if req.lazy is not None:  # the token may be (or end) its trigger: the constraint takes it then
             req.constraint = req.lazy.advance(token)
-            if req.lazy.failed is not None:
-                self._finish(req, TokenEvent("error", error=BackendError(
-                    f"The answer cannot be held to the request's lazy grammar: {req.lazy.failed}.", 500,
-                    code="grammar_trigger_failed", retryable=False)))
+            if req.lazy.failed is not None:  # (a client's costly expression, as below; else llama-server's 500)
+                why = f"The answer cannot be held to the request's lazy grammar: {req.lazy.failed}."
+                error = (BackendRejected(why, code="constraint_too_costly") if req.lazy.costly
+                         else BackendError(why, 500, code="grammar_trigger_failed", retryable=False))
+                self._finish(req, TokenEvent("error", error=error))
                 return
             if req.constraint is not None:
                 req.lazy = None

@@ -12,8 +12,8 @@ Honoured: ``GenerateRequest.logprobs`` (the schemas read OpenAI's ``logprobs`` /
 mode) and ``json_schema`` (structured outputs; json_schema.py says what schemas it takes),
 ``tool_choice`` forcing a call (a schema too, tool_calls.py),
 grammars and vLLM's guided decoding (guided.py), llama-server's lazy grammars
-(``grammar_lazy``, ``grammar_triggers``: lazy_grammar.py) and ``preserved_tokens``, ``logit_bias``, ``presence_penalty``,
-``frequency_penalty``,
+(``grammar_lazy``, ``grammar_triggers``: lazy_grammar.py) and ``preserved_tokens``,
+``logit_bias``, ``presence_penalty``, ``frequency_penalty``,
 and from Ollama's options (or llama-server's fields) ``repeat_penalty``, ``repeat_last_n``,
 ``min_p``, ``typical_p``, and ``ignore_eos`` (vLLM's and llama-server's); completions' ``echo``
 (``GenerateRequest.echo``: with ``logprobs``, the prompt's tokens are scored too, and
@@ -348,7 +348,8 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
             pattern=guided.pattern if guided is not None else None,
             pattern_tokens=referenced_tokens(guided, vocab_size, token_of) if guided is not None else (),
             # (a lazy hold is the client's own constraint's, never a call KVStream holds)
-            triggers=lazy_triggers(extra, vocab_size, token_of, preserved) if forced is None and answer is None else None,
+            triggers=None if forced is not None or answer is not None else lazy_triggers(extra, vocab_size, token_of,
+                                                                                         preserved),
             preserved_tokens=preserved,
             thinking_budget=_budget(extra),
             ignore_eos=_flag(extra, "ignore_eos"),

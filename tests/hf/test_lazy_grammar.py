@@ -103,6 +103,9 @@ def test_a_trigger_the_grammar_cannot_begin_with_fails_the_answer():
     waiting = lazy('root ::= "{" [0-9]+ "}"', Triggers(words=("<call>",)))
     assert run(waiting, [0, 2]) == (1, None)
     assert "<call>" in waiting.failed
+    # Searching past the budget (a client's backtracking expression): the client's cost, a 400.
+    costly = LazyGrammar(waiting.constraint.copy(), Triggers(patterns=("(x+)+y",)), SPELLED.__getitem__, budget_s=0.0)
+    assert costly.advance(8) is None and costly.costly and "too long" in costly.failed
     # A hold KVStream adds itself (not strict): the answer goes on unheld.
     lenient = lazy('root ::= "{" [0-9]+ "}"', Triggers(words=("<call>",), strict=False))
     assert run(lenient, [0, 2, 3, 2]) == (None, None) and lenient.abandoned and lenient.failed is None
