@@ -14,12 +14,15 @@ Held syntaxes, and what opens a call:
   ``{"name", "arguments"}`` between the tags;
 - Llama 3's JSON: an answer that begins ``{"name": "`` (llama.cpp's trigger for it), calls
   ``{"name", "parameters"}`` joined by ``;``;
-- Granite 3's: ``<|tool_call|>`` and a JSON list of ``{"name", "arguments"}``.
+- Granite 3's: ``<|tool_call|>`` and a JSON list of ``{"name", "arguments"}``;
+- Mistral's: ``[TOOL_CALLS]`` and either such a list (v0.3's tokenizer) or ``name[ARGS]{...}``,
+  one call a mark (later ones).
 
 A call opened inside the model's thinking is a draft, not a call, and does not start the hold
 (the trigger counts outside ``<think>`` blocks). An opening the expression cannot begin with
-(blanks it does not allow) leaves the answer unheld, read as before. Mistral's, DeepSeek's,
-Qwen3-Coder's XML and the pythonic lists are read unheld.
+(blanks it does not allow) leaves the answer unheld, read as before; so do tools whose
+expression cannot be followed. DeepSeek's, Qwen3-Coder's XML and the pythonic lists are read
+unheld.
 """
 
 from __future__ import annotations
@@ -32,8 +35,12 @@ import regex
 from kvstream.hf.grammar import TOKEN_SENTINELS
 from kvstream.hf.json_schema import compile_schema
 from kvstream.hf.lazy_grammar import Triggers
-from kvstream.hf.tool_call_syntax import CLOSE, GRANITE_CALLS, OPEN, PYTHON_TAG, CallReading
-from kvstream.hf.tool_calls import forced_call_schema
+from kvstream.hf.pattern_constraint import PatternError, compile_pattern
+from kvstream.hf.tool_call_syntax import CLOSE, GRANITE_CALLS, MISTRAL_ARGS, MISTRAL_CALLS, OPEN, PYTHON_TAG, CallReading
+from kvstream.hf.tool_calls import forced_call_schema, forced_names
+
+# The syntaxes held, each with the tags its expression writes (referenced where they are tokens).
+HELD_TAGS = {"hermes": (OPEN, CLOSE), "llama3_json": (), "granite": (GRANITE_CALLS,), "mistral": (MISTRAL_CALLS, MISTRAL_ARGS)}
 
 GAP = "[ \\t\\n]{0,4}"  # between the tags and the call, and between calls: a few blanks, never a run
 # The whole answer so far beginning as a Llama 3 call (its python tag may open it).
@@ -57,14 +64,24 @@ def call_hold(calls: CallReading, tools: Any, thinking_opened: bool | None,
     does not think). ``special_tags``: tags that are special tokens of the vocabulary (token
     id -> text), which the expression references as those tokens: their text spelled by
     other tokens is not the tag."""
-    if calls.syntax not in ("hermes", "llama3_json", "granite"):
+    if calls.syntax not in HELD_TAGS:
         return None
     schema = forced_call_schema(tools, "required", "parameters" if calls.syntax == "llama3_json" else "arguments")
     if schema is None:
         return None
+    hold = _hold(calls, tools, schema, thinking_opened, special_tags)
+    try:
+        compile_pattern(hold.pattern)
+    except PatternError:  # (tools whose schemas the expression cannot hold together: read unheld)
+        return None
+    return hold
+
+
+def _hold(calls: CallReading, tools: Any, schema: dict[str, Any], thinking_opened: bool | None,
+          special_tags: dict[int, str]) -> CallHold:
     call = f"(?:{compile_schema(schema).pattern})"
     tags = {text: (token, chr(TOKEN_SENTINELS + k)) for k, (token, text) in enumerate(
-        (t, s) for t, s in special_tags.items() if s in (OPEN, CLOSE, GRANITE_CALLS))}
+        (t, s) for t, s in special_tags.items() if s in HELD_TAGS[calls.syntax])}
 
     def tag(text: str) -> str:
         return regex.escape(tags[text][1]) if text in tags else regex.escape(text)
@@ -78,10 +95,20 @@ def call_hold(calls: CallReading, tools: Any, thinking_opened: bool | None,
     if calls.syntax == "hermes":
         one = f"{tag(OPEN)}{GAP}{call}{GAP}{tag(CLOSE)}{GAP}"
         return CallHold(f"(?:{one})+" if several else one, opened_by(OPEN), tuple(tags.values()))
+    listed = f"\\[{GAP}{call}(?:{GAP},{GAP}{call})*{GAP}\\]{GAP}" if several else f"\\[{GAP}{call}{GAP}\\]{GAP}"
     if calls.syntax == "granite":
-        listed = f"{call}(?:{GAP},{GAP}{call})*" if several else call
-        return CallHold(f"{tag(GRANITE_CALLS)}{GAP}\\[{GAP}{listed}{GAP}\\]{GAP}", opened_by(GRANITE_CALLS),
-                        tuple(tags.values()))
+        return CallHold(f"{tag(GRANITE_CALLS)}{GAP}{listed}", opened_by(GRANITE_CALLS), tuple(tags.values()))
+    if calls.syntax == "mistral":
+        named = "|".join(
+            f"{regex.escape(name)}{tag(MISTRAL_ARGS)}(?:{compile_schema(forced_call_schema(tools, _named(name))).pattern})"
+            for name in forced_names(tools, "required").names)
+        one = f"{tag(MISTRAL_CALLS)}(?:{named}){GAP}"
+        pattern = f"{tag(MISTRAL_CALLS)}{GAP}{listed}|{f'(?:{one})+' if several else one}"
+        return CallHold(f"(?:{pattern})", opened_by(MISTRAL_CALLS), tuple(tags.values()))
     # Llama 3: the answer itself is the calls (a thinking model's, after its block: not one of these).
     joined = f"{call}(?:{GAP};{GAP}{call})*" if several else call
     return CallHold(f"{joined}{GAP}", Triggers(patterns=(LLAMA3_OPENING,), strict=False))
+
+
+def _named(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
