@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kvstream.hf.lazy_grammar import Triggers
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_HELD_TOP_K = 1000  # most tokens judged for a held answer's post-sampling distribution
 
 
 @dataclass
@@ -96,10 +97,11 @@ class SamplingParams:
             raise ValueError("repeat_last_n must be >= -1")
         if self.json_object + (self.json_schema is not None) + (self.pattern is not None) > 1:
             raise ValueError("one constraint per answer: JSON mode, a schema or an expression")
-        if self.post_sampling_probs and (self.json_object or self.json_schema is not None or self.pattern is not None):
-            # A constraint draws from that distribution restricted to what it accepts, which
-            # is never computed whole: probabilities of it would be made up.
-            raise ValueError("post_sampling_probs cannot be combined with a constraint on the answer (JSON, a grammar)")
+        if self.post_sampling_probs and self.holds_answer and not 0 < self.top_k <= MAX_HELD_TOP_K:
+            # A constraint draws from that distribution restricted to what it accepts: each
+            # token that could be drawn is judged to compute it, so their number is bounded.
+            raise ValueError(f"post_sampling_probs with a constraint on the answer (JSON, a grammar) needs top_k "
+                             f"between 1 and {MAX_HELD_TOP_K} (the tokens judged for the distribution)")
         if self.thinking_budget is not None and self.thinking_budget < 0:
             raise ValueError("thinking_token_budget must be >= 0")
         for k in (self.logprobs, self.prompt_logprobs):
@@ -256,10 +258,27 @@ def sample(
                 probs = filtered(scores, p).cpu()
                 token = int(torch.multinomial(probs, 1, generator=gen).item())
         tokens.append(token)
-        if drawn_from is not None and p.post_sampling_probs and p.logprobs is not None and constraint is None:
+        if drawn_from is not None and p.post_sampling_probs and p.logprobs is not None:
+            if constraint is not None and not p.greedy and (forced is None or forced[row] is None):
+                # What the draw above samples (by rejection): the filtered distribution
+                # restricted to the tokens the constraint accepts.
+                probs = accepted_only(filtered(scores, p).cpu(), constraint)
+                if float(probs[token]) <= 0:  # (none held mass: the model's best acceptable, certain)
+                    probs = None
             # Greedy or forced: certain.
             drawn_from[row] = probs if probs is not None else torch.zeros(logits.shape[-1]).index_fill_(0, torch.tensor([token]), 1.0)
     return tokens
+
+
+def accepted_only(probs: torch.Tensor, constraint: Constraint) -> torch.Tensor:
+    """``probs`` with every token ``constraint`` refuses at zero."""
+    kept = torch.zeros_like(probs)
+    ids = probs.nonzero().squeeze(1).tolist()
+    accepted = [token for token in ids if constraint.accepts(token)]
+    if accepted:
+        index = torch.tensor(accepted)
+        kept[index] = probs[index]
+    return kept
 
 
 def filtered(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:

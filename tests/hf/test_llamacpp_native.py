@@ -244,6 +244,40 @@ async def test_post_sampling_probs_are_the_distribution_drawn_from(hf_proxy, smo
         assert sum(math.exp(v) for v in logprobs.top_logprobs[0].values()) == pytest.approx(1.0, abs=1e-4)
 
 
+async def test_post_sampling_probs_under_a_grammar_are_the_distribution_it_allows(hf_proxy, smollm2):
+    """With a grammar, a sampled token is drawn from the filtered distribution restricted to
+    what the grammar accepts (as llama-server samples): ``prob`` and ``top_probs`` are that
+    distribution, renormalized, only tokens it accepts; greedy: the chosen token, certain.
+    Without a top_k to bound the tokens judged, a 400."""
+    import regex
+
+    _, model, tokenizer = smollm2
+    ids = tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    top = torch.topk(logits, 5)
+    texts = [tokenizer.decode([t]) for t in top.indices.tolist()]
+    allowed = f"(?:{regex.escape(texts[1])}|{regex.escape(texts[3])})[a-z ]*"  # the 2nd and 4th most likely first
+    grammar = f'root ::= ({json.dumps(texts[1])} | {json.dumps(texts[3])}) [a-z ]*'
+    weights = {t: w for t, w, text in zip(top.indices.tolist(), torch.softmax(top.values / 0.7, -1).tolist(), texts, strict=True)
+               if regex.fullmatch(allowed, text, partial=True)}
+    expected = {t: w / sum(weights.values()) for t, w in weights.items()}
+    assert len(expected) >= 2
+    body = {"prompt": PROMPT, "n_predict": 1, "temperature": 0.7, "top_k": 5, "top_p": 1.0, "min_p": 0.0, "n_probs": 10,
+            "post_sampling_probs": True, "return_tokens": True, "seed": 3, "grammar": grammar}
+    async with aiohttp.ClientSession() as session:
+        status, answer = await post(session, hf_proxy.url + "/completion", body)
+        assert status == 200, answer
+        [entry] = answer["completion_probabilities"]
+        assert entry["id"] in expected and entry["prob"] == pytest.approx(expected[entry["id"]], abs=1e-4)
+        assert {alt["id"]: alt["prob"] for alt in entry["top_probs"]} == pytest.approx(expected, abs=1e-4)
+        _, greedy = await post(session, hf_proxy.url + "/completion", body | {"temperature": 0, "n_predict": 2})
+        assert all(e["prob"] == 1.0 for e in greedy["completion_probabilities"])
+        assert greedy["tokens"][0] == top.indices.tolist()[1]  # the most likely the grammar accepts
+        status, refused = await post(session, hf_proxy.url + "/completion", body | {"top_k": 0})
+        assert status == 400 and "top_k" in refused["error"]["message"]
+
+
 @pytest.mark.parametrize("body,param", [
     ({"n_predict": 4}, "prompt"),
     ({"prompt": 5}, "prompt"),
@@ -269,7 +303,8 @@ async def test_post_sampling_probs_are_the_distribution_drawn_from(hf_proxy, smo
     ({"prompt": "x", "top_n_sigma": 1.5}, "top_n_sigma"),
     ({"prompt": "x", "dry_multiplier": "on"}, "dry_multiplier"),
     ({"prompt": "x", "post_sampling_probs": "yes"}, "post_sampling_probs"),
-    ({"prompt": "x", "n_probs": 2, "post_sampling_probs": True, "json_schema": {"type": "object"}}, "post_sampling_probs"),
+    ({"prompt": "x", "n_probs": 2, "post_sampling_probs": True, "top_k": 0, "json_schema": {"type": "object"}},
+     "post_sampling_probs"),
     ({"prompt": "x", "n_predict": 100000}, None),
     ({"prompt": "x", "json_schema": {"type": "object", "patternProperties": {"a": {}}}}, "json_schema"),
 ])
