@@ -13,6 +13,7 @@ is told in one line which extra to install.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -838,12 +839,11 @@ class HFBackend(InProcessBackend):
             from kvstream.hf.call_grammar import call_hold
 
             hold = call_hold(reading.calls, request.extra["tools"], reading.thinking_opened, reading.tag_texts)
-            try:
+            # (post_sampling_probs without a top_k to bound a held distribution: left unheld)
+            with contextlib.suppress(ValueError):
                 if hold is not None:
                     params = dataclasses.replace(params, pattern=hold.pattern, pattern_tokens=hold.tokens,
                                                  triggers=hold.triggers)
-            except ValueError:  # (post_sampling_probs without a top_k to bound a held distribution: unheld)
-                pass
         if params.thinking_budget is not None:
             # A budget counts thinking: none where the answer is not read for it (the model's
             # template shows no <think> block, or a constraint holds the answer).

@@ -238,7 +238,7 @@ def sample(
     greedy = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         constraint = constraints[row] if constraints is not None else None
-        probs = None  # what a sampled row without a constraint draws from
+        probs = None  # what a sampled row draws from (a held one: before the constraint's restriction)
         if forced is not None and forced[row] is not None:
             token: int = forced[row]  # type: ignore[assignment]
         else:
@@ -251,7 +251,8 @@ def sample(
                 else:
                     token = int(scores.argmax()) if p.adjusts_logits else greedy[row]
             elif constraint is not None:
-                drawn = draw_accepted(filtered(scores, p).cpu(), gen, constraint)
+                probs = filtered(scores, p).cpu()
+                drawn = draw_accepted(probs, gen, constraint)
                 # Nothing acceptable where top-k / top-p / min-p left mass: the model's best acceptable.
                 token = drawn if drawn is not None else first_accepted(scores, constraint)
             else:
@@ -259,10 +260,10 @@ def sample(
                 token = int(torch.multinomial(probs, 1, generator=gen).item())
         tokens.append(token)
         if drawn_from is not None and p.post_sampling_probs and p.logprobs is not None:
-            if constraint is not None and not p.greedy and (forced is None or forced[row] is None):
+            if constraint is not None and probs is not None:
                 # What the draw above samples (by rejection): the filtered distribution
                 # restricted to the tokens the constraint accepts.
-                probs = accepted_only(filtered(scores, p).cpu(), constraint)
+                probs = accepted_only(probs, constraint)
                 if float(probs[token]) <= 0:  # (none held mass: the model's best acceptable, certain)
                     probs = None
             # Greedy or forced: certain.

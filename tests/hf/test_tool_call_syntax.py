@@ -685,6 +685,27 @@ async def test_calls_are_held_to_the_offered_tools_from_their_opening_on(smollm2
         assert unheld[1] == [("get_weather", {"city": "Rome"})] and held[1][0][1]["city"] == "Rome"
 
 
+async def test_a_held_call_with_post_sampling_probs_or_unheld_without_top_k(smollm2, start_proxy):
+    """``post_sampling_probs`` under a hold needs a ``top_k`` to bound the tokens judged: with
+    one, the call is held (its probabilities are those of what the hold allows,
+    test_llamacpp_native.py); without, the answer goes unheld rather than failing."""
+    from openai import AsyncOpenAI
+
+    question = EXAMPLE + [{"role": "user", "content": "What is the forecast in Paris for 3 days?"}]
+    async with templated_proxy(smollm2, start_proxy, HERMES_TEMPLATE) as (proxy, _):
+        async with AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+            answers = {}
+            for top_k in (10, None):
+                reply = await oa.chat.completions.create(
+                    model="smollm2", messages=question, tools=[FORECAST], max_tokens=60, temperature=0.3, seed=1,
+                    logprobs=True, top_logprobs=3, extra_body={"post_sampling_probs": True, "top_k": top_k})
+                choice = reply.choices[0]
+                answers[top_k] = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or ()]
+                assert choice.finish_reason == "tool_calls", choice
+    assert answers[10] and all(name == "get_forecast" and isinstance(a.get("days"), int) for name, a in answers[10])
+    assert answers[None] != answers[10]  # (unheld, as measured: days left out)
+
+
 async def test_qwen3_xml_values_come_back_typed_by_the_tools_schema(smollm2, start_proxy):
     """Qwen3-Coder's syntax end to end: the model writes ``<parameter=days>5</parameter>``,
     the client gets ``"days": 5`` (an integer, as the schema says), streamed or not."""
