@@ -3,7 +3,8 @@
 as a forced tool call (``tool_choice`` naming a function: its call's schema), under a GBNF
 JSON grammar (llama-server's ``grammar``), waiting for a model's own call to begin (the lazy
 hold of a Hermes ``<tool_call>``, call_grammar.py, which these answers never open: what the
-wait costs), and without, the same number of tokens each, same run.
+wait costs), as a call in Qwen3-Coder's XML (that syntax's hold, from the first token: raw
+string values, typed ones), and without, the same number of tokens each, same run.
 
     python benchmarks/json_mode.py [--concurrency 1 8] [--new-tokens 128] [--rounds 3] [--modes ...]
 
@@ -69,7 +70,7 @@ QUESTIONS = [
 ]
 
 
-MODES = ("json_object", "json_schema", "tool_call", "grammar", "lazy_wait")
+MODES = ("json_object", "json_schema", "tool_call", "grammar", "lazy_wait", "xml_call")
 
 
 def timed(engine: ModelRunner, prompts: list[list[int]], params: list[SamplingParams], rounds: int) -> tuple[float, list[list[int]]]:
@@ -99,8 +100,11 @@ def main() -> None:
     grammar = gbnf_pattern(JSON_GRAMMAR)
     patterns = {"json_schema": compile_schema(SCHEMA), "tool_call": compile_schema(TOOL_SCHEMA), "grammar": compile_pattern(grammar)}
     hold = call_hold(CallReading("hermes"), [TOOL], None, {})
+    xml = call_hold(CallReading("qwen3_xml"), [TOOL], None, {})  # held from the first token: the call's whole cost
+    patterns["xml_call"] = compile_pattern(xml.pattern)
     modes = {"json_object": {"json_object": True}, "json_schema": {"json_schema": SCHEMA}, "tool_call": {"json_schema": TOOL_SCHEMA},
-             "grammar": {"pattern": grammar}, "lazy_wait": {"pattern": hold.pattern, "triggers": hold.triggers}}
+             "grammar": {"pattern": grammar}, "lazy_wait": {"pattern": hold.pattern, "triggers": hold.triggers},
+             "xml_call": {"pattern": xml.pattern}}
     modes = {mode: modes[mode] for mode in args.modes}
     for c in args.concurrency:
         chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(c)]

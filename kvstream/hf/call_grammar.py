@@ -16,31 +16,41 @@ Held syntaxes, and what opens a call:
   ``{"name", "parameters"}`` joined by ``;``;
 - Granite 3's: ``<|tool_call|>`` and a JSON list of ``{"name", "arguments"}``;
 - Mistral's: ``[TOOL_CALLS]`` and either such a list (v0.3's tokenizer) or ``name[ARGS]{...}``,
-  one call a mark (later ones).
+  one call a mark (later ones);
+- Qwen3-Coder's XML: ``<tool_call>`` (or a bare ``<function=``, which the reader takes too),
+  each call ``<function=name>`` and its ``<parameter=key>value</parameter>``s in the schema's
+  order, the required ones present and each other one at most once; a string's value any text
+  but its close tag, a typed value (integer, boolean, object...) JSON its schema admits, as
+  xml_calls.py reads it back (or the call as JSON in the tags, which the reader takes too);
+- DeepSeek's: ``<｜tool▁calls▁begin｜>`` (or a first ``<｜tool▁call▁begin｜>``), each call in
+  V3's fenced form or V3.1's bare one (deepseek_calls.py), then ``<｜tool▁calls▁end｜>``.
 
 A call opened inside the model's thinking is a draft, not a call, and does not start the hold
 (the trigger counts outside ``<think>`` blocks). An opening the expression cannot begin with
 (blanks it does not allow) leaves the answer unheld, read as before; so do tools whose
-expression cannot be followed. DeepSeek's, Qwen3-Coder's XML and the pythonic lists are read
-unheld.
+expression cannot be followed. The pythonic lists are read unheld.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import regex
 
+from kvstream.hf import deepseek_calls
 from kvstream.hf.grammar import TOKEN_SENTINELS
-from kvstream.hf.json_schema import compile_schema
+from kvstream.hf.json_schema import loosened, schema_parts, with_rules
 from kvstream.hf.lazy_grammar import Triggers
-from kvstream.hf.pattern_constraint import PatternError, compile_pattern
+from kvstream.hf.pattern_constraint import compile_pattern
 from kvstream.hf.tool_call_syntax import CLOSE, GRANITE_CALLS, MISTRAL_ARGS, MISTRAL_CALLS, OPEN, PYTHON_TAG, CallReading
 from kvstream.hf.tool_calls import forced_call_schema, forced_names
+from kvstream.hf.xml_calls import FUNCTION_END, FUNCTION_TAG, PARAMETER_END, PARAMETER_TAG, value_kind
 
 # The syntaxes held, each with the tags its expression writes (referenced where they are tokens).
-HELD_TAGS = {"hermes": (OPEN, CLOSE), "llama3_json": (), "granite": (GRANITE_CALLS,), "mistral": (MISTRAL_CALLS, MISTRAL_ARGS)}
+HELD_TAGS = {"hermes": (OPEN, CLOSE), "llama3_json": (), "granite": (GRANITE_CALLS,), "mistral": (MISTRAL_CALLS, MISTRAL_ARGS),
+             "qwen3_xml": (OPEN, CLOSE), "deepseek": deepseek_calls.TAGS}
 
 GAP = "[ \\t\\n]{0,4}"  # between the tags and the call, and between calls: a few blanks, never a run
 # The whole answer so far beginning as a Llama 3 call (its python tag may open it).
@@ -63,52 +73,143 @@ def call_hold(calls: CallReading, tools: Any, thinking_opened: bool | None,
     ``thinking_opened``: whether the prompt left a ``<think>`` block open (None: the model
     does not think). ``special_tags``: tags that are special tokens of the vocabulary (token
     id -> text), which the expression references as those tokens: their text spelled by
-    other tokens is not the tag."""
+    other tokens is not the tag. Bounds the expression cannot hold (a ``minimum``, a
+    ``pattern``) are left out of it: the call is held to everything else."""
     if calls.syntax not in HELD_TAGS:
         return None
-    schema = forced_call_schema(tools, "required", "parameters" if calls.syntax == "llama3_json" else "arguments")
-    if schema is None:
+    if isinstance(tools, list):
+        tools = [_loosened_tool(tool) for tool in tools]
+    if forced_call_schema(tools, "required") is None:  # (BackendRejected, a 400, for tools that are not functions)
         return None
-    hold = _hold(calls, tools, schema, thinking_opened, special_tags)
     try:
+        hold = _hold(calls, _Rules(tools), thinking_opened, special_tags)
         compile_pattern(hold.pattern)
-    except PatternError:  # (tools whose schemas the expression cannot hold together: read unheld)
+    except (ValueError, TypeError, RecursionError):  # tools whose schemas the expression cannot hold: read unheld
         return None
     return hold
 
 
-def _hold(calls: CallReading, tools: Any, schema: dict[str, Any], thinking_opened: bool | None,
-          special_tags: dict[int, str]) -> CallHold:
-    call = f"(?:{compile_schema(schema).pattern})"
+def _hold(calls: CallReading, rules: _Rules, thinking_opened: bool | None, special_tags: dict[int, str]) -> CallHold:
     tags = {text: (token, chr(TOKEN_SENTINELS + k)) for k, (token, text) in enumerate(
         (t, s) for t, s in special_tags.items() if s in HELD_TAGS[calls.syntax])}
 
     def tag(text: str) -> str:
         return regex.escape(tags[text][1]) if text in tags else regex.escape(text)
 
-    def opened_by(text: str) -> Triggers:  # the tag's token where it is one, else its text
-        if text in tags:
-            return Triggers(tokens=frozenset({tags[text][0]}), thinking=thinking_opened, strict=False)
-        return Triggers(words=(text,), thinking=thinking_opened, strict=False)
+    def held(pattern: str, *opening: str) -> CallHold:  # each opening tag's token where it is one, else its text
+        triggers = Triggers(tokens=frozenset(tags[text][0] for text in opening if text in tags),
+                            words=tuple(text for text in opening if text not in tags), thinking=thinking_opened,
+                            strict=False)
+        return CallHold(rules.pattern(pattern), triggers, tuple(tags.values()))
 
     several = not calls.single_call
+    some = (lambda one: f"(?:{one})+") if several else (lambda one: f"(?:{one})")
+    call = rules.call("parameters" if calls.syntax == "llama3_json" else "arguments")  # {"name", "arguments"}
     if calls.syntax == "hermes":
-        one = f"{tag(OPEN)}{GAP}{call}{GAP}{tag(CLOSE)}{GAP}"
-        return CallHold(f"(?:{one})+" if several else one, opened_by(OPEN), tuple(tags.values()))
+        return held(some(f"{tag(OPEN)}{GAP}{call}{GAP}{tag(CLOSE)}{GAP}"), OPEN)
     listed = f"\\[{GAP}{call}(?:{GAP},{GAP}{call})*{GAP}\\]{GAP}" if several else f"\\[{GAP}{call}{GAP}\\]{GAP}"
     if calls.syntax == "granite":
-        return CallHold(f"{tag(GRANITE_CALLS)}{GAP}{listed}", opened_by(GRANITE_CALLS), tuple(tags.values()))
+        return held(f"{tag(GRANITE_CALLS)}{GAP}{listed}", GRANITE_CALLS)
+    if calls.syntax == "qwen3_xml":
+        functions = "|".join(_xml_call(name, rules) for name in rules.names)
+        return held(some(f"{tag(OPEN)}{GAP}(?:{functions}|{call}){GAP}{tag(CLOSE)}{GAP}|(?:{functions}){GAP}"),
+                    OPEN, FUNCTION_TAG)
+    if calls.syntax == "deepseek":
+        sep = tag(deepseek_calls.SEP)
+        bodies = "|".join(f"function{sep}{regex.escape(name)}\\n```json\\n{rules.arguments(name)}\\n```"
+                          f"|{regex.escape(name)}{sep}{rules.arguments(name)}" for name in rules.names)
+        each = some(f"{tag(deepseek_calls.CALL_BEGIN)}(?:{bodies}){tag(deepseek_calls.CALL_END)}{GAP}")
+        # (the closing mark is layout to the reader: a model that ends without it is not held to write more calls)
+        return held(f"(?:{tag(deepseek_calls.CALLS_BEGIN)}{GAP}{each}(?:{tag(deepseek_calls.CALLS_END)}{GAP})?|{each})",
+                    deepseek_calls.CALLS_BEGIN, deepseek_calls.CALL_BEGIN)
     if calls.syntax == "mistral":
-        named = "|".join(
-            f"{regex.escape(name)}{tag(MISTRAL_ARGS)}(?:{compile_schema(forced_call_schema(tools, _named(name))).pattern})"
-            for name in forced_names(tools, "required").names)
-        one = f"{tag(MISTRAL_CALLS)}(?:{named}){GAP}"
-        pattern = f"{tag(MISTRAL_CALLS)}{GAP}{listed}|{f'(?:{one})+' if several else one}"
-        return CallHold(f"(?:{pattern})", opened_by(MISTRAL_CALLS), tuple(tags.values()))
+        named = "|".join(f"{regex.escape(name)}{tag(MISTRAL_ARGS)}{rules.arguments(name)}" for name in rules.names)
+        return held(f"(?:{tag(MISTRAL_CALLS)}{GAP}{listed}|{some(f'{tag(MISTRAL_CALLS)}(?:{named}){GAP}')})",
+                    MISTRAL_CALLS)
     # Llama 3: the answer itself is the calls (a thinking model's, after its block: not one of these).
     joined = f"{call}(?:{GAP};{GAP}{call})*" if several else call
-    return CallHold(f"{joined}{GAP}", Triggers(patterns=(LLAMA3_OPENING,), strict=False))
+    return CallHold(rules.pattern(f"{joined}{GAP}"), Triggers(patterns=(LLAMA3_OPENING,), strict=False))
 
 
-def _named(name: str) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": name}}
+class _Rules:
+    """The schemas' expressions of one hold. An expression that holds several schemas (each
+    tool's arguments, a call written twice in a list) defines the named rules they call once,
+    in one block before it: a name defined twice does not compile."""
+
+    def __init__(self, tools: list[Any]) -> None:
+        self.tools = tools
+        self.names = forced_names(tools, "required").names  # type: ignore[union-attr]  # (checked by call_hold)
+        self.rules: dict[str, str] = {}
+        self._roots: dict[str, str] = {}  # a schema's text -> its root expression
+
+    def schema(self, schema: dict[str, Any]) -> str:
+        text = json.dumps(schema)
+        if text not in self._roots:
+            root, rules = schema_parts(schema, prefix=f"s{len(self._roots)}_")
+            self.rules.update(rules)  # (the rules of any JSON value are the same in every schema)
+            self._roots[text] = f"(?:{root})"
+        return self._roots[text]
+
+    def call(self, arguments_key: str) -> str:
+        """A call of any of the tools as JSON, ``{"name", arguments_key}``."""
+        return self.schema(forced_call_schema(self.tools, "required", arguments_key))  # type: ignore[arg-type]
+
+    def parameters(self, name: str) -> dict[str, Any]:
+        return forced_call_schema(self.tools, {"type": "function", "function": {"name": name}}) or {}
+
+    def arguments(self, name: str) -> str:
+        """``name``'s arguments object as JSON."""
+        return self.schema(self.parameters(name))
+
+    def pattern(self, expression: str) -> str:
+        return with_rules(expression, self.rules)
+
+
+def _loosened_tool(tool: Any) -> Any:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("parameters"), dict):
+        return tool
+    return {**tool, "function": {**function, "parameters": loosened(function["parameters"])}}
+
+
+def _xml_call(name: str, rules: _Rules) -> str:
+    """One call of ``name`` in Qwen3-Coder's XML: its parameters in the schema's order (the
+    order a JSON call is held to as well), the required ones always, each other one at most once."""
+    parameters = rules.parameters(name)
+    properties = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
+    required = set(parameters.get("required") or ()) if isinstance(parameters.get("required"), list) else set()
+    definitions = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
+    written = ""
+    for key, schema in properties.items():
+        value = _xml_value(schema, definitions, rules)
+        one = f"{regex.escape(PARAMETER_TAG + key)}>{value}{regex.escape(PARAMETER_END)}{GAP}"
+        written += one if key in required else f"(?:{one})?"
+    return f"{regex.escape(FUNCTION_TAG + name)}>{GAP}{written}{regex.escape(FUNCTION_END)}"
+
+
+def _xml_value(schema: Any, definitions: dict[str, Any], rules: _Rules) -> str:
+    """A parameter's value as the XML form writes it: a string's raw text (any text but the
+    close tag; an enum's words), a typed value as JSON (read back by type, xml_calls.py)."""
+    kind = value_kind(schema)
+    if kind == "string":
+        words = schema.get("enum", [schema["const"]] if "const" in schema else None)
+        if isinstance(words, list) and words and all(isinstance(w, str) for w in words):
+            return "\\n?(?:" + "|".join(map(regex.escape, words)) + ")\\n?"
+    if kind is None or kind == "string":
+        return _text_without(PARAMETER_END)
+    return f"{GAP}{rules.schema({**schema, **definitions})}{GAP}"
+
+
+def _text_without(word: str) -> str:
+    """The expression of any text in which ``word`` does not occur, for a ``word`` whose first
+    character occurs nowhere else in it (a close tag): the automaton that searches for it, a
+    state for each of its characters matched, written out. A value may hold a ``<`` (code
+    does), only not its close tag."""
+    first, n = word[0], len(word)
+    assert first not in word[1:], word
+    lit, other = regex.escape, lambda c: f"[^{regex.escape(c)}{regex.escape(first)}]"
+    back, again, cut = other(word[n - 1]), lit(first), ""  # from k matched: to none, to the first again, the end
+    for k in range(n - 2, 0, -1):
+        back, again, cut = (f"(?:{other(word[k])}|{lit(word[k])}{back})", f"(?:{lit(first)}|{lit(word[k])}{again})",
+                            f"(?:{lit(word[k])}{cut})?")
+    return f"(?:[^{lit(first)}]|{lit(first)}{again}*{back})*(?:{lit(first)}{again}*{cut})?"

@@ -81,8 +81,9 @@ ANY_VALUE = "(?:" + "|".join(['"' + STRING_CHAR + '*"', NUMBER, "true", "false",
 
 
 class _Writer:
-    def __init__(self, root: dict[str, Any]) -> None:
+    def __init__(self, root: dict[str, Any], prefix: str = "") -> None:
         self.root = root
+        self.prefix = prefix  # of the references' group names
         # Each $ref is one named group of a DEFINE block, called where it is used, so that a
         # schema may refer to itself (a tree of nodes) as a grammar's rule does.
         self.groups: dict[str, str] = {}  # ref -> its group's name
@@ -214,7 +215,7 @@ class _Writer:
                 if not isinstance(target, dict) or part not in target:
                     raise SchemaError(f"{where}: {ref} does not resolve")
                 target = target[part]
-            name = self.groups[ref] = f"d{len(self.groups)}"
+            name = self.groups[ref] = f"{self.prefix}d{len(self.groups)}"
             self.resolving[ref] = self.containers
             try:
                 self.definitions[name] = self.value(target, ref)
@@ -226,14 +227,46 @@ class _Writer:
 def schema_pattern(schema: Any) -> str:
     """The regular expression of the JSON texts ``schema`` admits (its root any value it
     describes: an object, an array, a string, a number, a constant...)."""
+    return with_rules(*schema_parts(schema))
+
+
+def schema_parts(schema: Any, prefix: str = "") -> tuple[str, dict[str, str]]:
+    """``schema``'s expression as its root and the named rules the root calls (``(?&name)``),
+    for an expression that holds several schemas (call_grammar.py): a name may be defined only
+    once in it, so each schema's references get their own ``prefix``; the rules of any JSON
+    value are the same in every schema."""
     if not isinstance(schema, dict):
         raise SchemaError("the schema must be a JSON object")
-    writer = _Writer(schema)
-    root = writer.value(schema, "schema")
-    if not writer.definitions:
-        return root
-    defined = "".join(f"(?P<{name}>{pattern})" for name, pattern in writer.definitions.items())
-    return f"(?(DEFINE){defined}){root}"
+    writer = _Writer(schema, prefix)
+    return writer.value(schema, "schema"), writer.definitions
+
+
+def with_rules(expression: str, rules: dict[str, str]) -> str:
+    """``expression`` with the named ``rules`` it calls defined before it."""
+    if not rules:
+        return expression
+    defined = "".join(f"(?P<{name}>{pattern})" for name, pattern in rules.items())
+    return f"(?(DEFINE){defined}){expression}"
+
+
+def loosened(schema: Any) -> Any:
+    """``schema`` less the keywords the expression cannot hold (``minimum``, ``pattern``,
+    ``allOf``...) at any depth: a schema admitting everything it admits, and more. For a hold
+    KVStream adds on its own (a model's tool calls, call_grammar.py), where a bound it cannot
+    enforce is no reason to hold nothing; a client's own schema is refused instead."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value for key, value in schema.items() if key in ANNOTATIONS or key in HANDLED}
+    for key in ("properties", "$defs", "definitions"):  # maps of schemas
+        if isinstance(out.get(key), dict):
+            out[key] = {name: loosened(value) for name, value in out[key].items()}
+    for key in ("items", "additionalItems", "additionalProperties"):  # one schema (items: or a list)
+        if key in out:
+            out[key] = [loosened(v) for v in out[key]] if isinstance(out[key], list) else loosened(out[key])
+    for key in ("prefixItems", "anyOf", "oneOf"):  # lists of schemas
+        if isinstance(out.get(key), list):
+            out[key] = [loosened(v) for v in out[key]]
+    return out
 
 
 @functools.lru_cache(maxsize=64)

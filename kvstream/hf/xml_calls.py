@@ -32,7 +32,7 @@ PARAMETER_TAG = "<parameter="
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 _PARAMETER_HEAD = re.compile(r"\s*<parameter=([^>\n]+)>")
 FUNCTION_END = "</function>"
-_PARAMETER_END = "</parameter>"
+PARAMETER_END = "</parameter>"
 
 
 def parameter_schemas(tools: Any) -> dict[str, dict[str, Any]]:
@@ -76,7 +76,7 @@ class XmlCallStream(CallStream):
             begun = self._pairs or body[self._read_to:].lstrip().startswith(FUNCTION_END)
             return (self._name, "{" + self._pairs) if begun else None  # type: ignore[return-value]
         key, start = self._open
-        if _kind(self._schema().get(key)) not in (None, "string"):
+        if value_kind(self._schema().get(key)) not in (None, "string"):
             return self._name, "{" + self._pairs  # type: ignore[return-value]  # (typed: goes out whole, once read)
         head = "{" + self._pairs + (", " if self._pairs else "") + json.dumps(key, ensure_ascii=False) + ': "'
         return self._name, head + self._escaped_so_far(body, start)  # type: ignore[return-value]
@@ -121,20 +121,20 @@ class XmlCallStream(CallStream):
                 self._open = opened.group(1).strip(), opened.end()
                 self._searched_to = opened.end()
             key, start = self._open
-            close = body.find(_PARAMETER_END, self._searched_to)
+            close = body.find(PARAMETER_END, self._searched_to)
             if close < 0:
-                self._searched_to = max(start, len(body) - len(_PARAMETER_END) + 1)
+                self._searched_to = max(start, len(body) - len(PARAMETER_END) + 1)
                 return True
             value = typed_value(_unwrap(body[start:close]), self._schema().get(key))
             self._pairs += (", " if self._pairs else "") + _pair(key, value)
-            self._read_to, self._open, self._open_sent = close + len(_PARAMETER_END), None, (0, "")
+            self._read_to, self._open, self._open_sent = close + len(PARAMETER_END), None, (0, "")
 
     def _escaped_so_far(self, body: str, start: int) -> str:
         """The open string value as far as it is certain, JSON-escaped, only its new text
         escaped each time (less the newline after its open tag and what may begin its close)."""
         if start < len(body) and body[start] == "\n":
             start += 1
-        tail = max(start, len(body) - len(_PARAMETER_END) - 1)  # what may begin "\n</parameter>"
+        tail = max(start, len(body) - len(PARAMETER_END) - 1)  # what may begin "\n</parameter>"
         end = tail + len(_without_cut_close(body[tail:]))
         sent_end, escaped = self._open_sent
         if end > max(sent_end, start):
@@ -159,14 +159,14 @@ def _unwrap(value: str) -> str:
 def _without_cut_close(value: str) -> str:
     """``value`` less the longest end of it that may begin its close tag (with the newline
     before it, or without)."""
-    for n in range(min(len(_PARAMETER_END) + 1, len(value)), 0, -1):
+    for n in range(min(len(PARAMETER_END) + 1, len(value)), 0, -1):
         end = value[-n:]
-        if ("\n" + _PARAMETER_END).startswith(end) or _PARAMETER_END.startswith(end):
+        if ("\n" + PARAMETER_END).startswith(end) or PARAMETER_END.startswith(end):
             return value[:-n]
     return value
 
 
-def _kind(schema: Any) -> str | None:
+def value_kind(schema: Any) -> str | None:
     """The JSON type a parameter's schema names (of ``["integer", "null"]``, the first
     that is not null); None when it names none."""
     kind = schema.get("type") if isinstance(schema, dict) else None
@@ -182,7 +182,7 @@ def _not_json(name: str) -> Any:
 def typed_value(text: str, schema: Any) -> Any:
     """``text`` as the JSON value its parameter ``schema`` asks for; the text itself when it
     does not read as that type or the schema names none."""
-    kind = _kind(schema)
+    kind = value_kind(schema)
     if kind is None or kind == "string":
         return text
     if text.strip().lower() == "null":

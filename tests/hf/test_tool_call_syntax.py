@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvstream.hf.tool_call_syntax import (
     CallReading,
@@ -624,6 +626,12 @@ FORECAST = {"type": "function", "function": {"name": "get_forecast", "descriptio
     ("mistral", ["[TOOL_CALLS]", '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'], 0),
     ("mistral", ["Two. ", "[TOOL_CALLS]", 'get_weather[ARGS]{"city": "Paris"}', "[TOOL_CALLS]", "get_weather",
                  '[ARGS]{"city": "Rome"}'], 1),
+    ("qwen3_xml", ["<think>", "<tool_call>", "</think>", "Sure. ", "<tool_call>", "\n<function=get_weather>\n<parameter=city>",
+                   "\nPa", "ris <b>\n</param", "eter>\n</function>\n", "</tool_call>"], 4),
+    ("qwen3_xml", ["Call: ", "<function=get_weather>", "\n<parameter=city>\nParis\n</parameter>\n</function>"], 1),
+    ("deepseek", ["Ok. ", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n",
+                  '{"city": "Paris"}', "\n```<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"], 1),
+    ("deepseek", ["<｜tool▁call▁begin｜>", 'get_weather<｜tool▁sep｜>{"city": "Rome"}', "<｜tool▁call▁end｜>"], 0),
 ])
 def test_each_held_syntax_opens_where_its_calls_do_and_takes_them_whole(syntax, pieces, opens_at):
     """The hold begins at the call's opening (not at a tag drafted inside thinking), and the
@@ -633,7 +641,7 @@ def test_each_held_syntax_opens_where_its_calls_do_and_takes_them_whole(syntax, 
     from kvstream.hf.pattern_constraint import PatternConstraint, compile_pattern
     from kvstream.hf.tool_call_syntax import CallReading
 
-    hold = call_hold(CallReading(syntax), [WEATHER], False if syntax == "hermes" else None, {})
+    hold = call_hold(CallReading(syntax), [WEATHER], False if "<think>" in pieces else None, {})
     spelled = {i: piece.encode() for i, piece in enumerate(pieces)}
     waiting = LazyGrammar(PatternConstraint(compile_pattern(hold.pattern), spelled.__getitem__, ()), hold.triggers,
                           spelled.__getitem__)
@@ -646,34 +654,126 @@ def test_each_held_syntax_opens_where_its_calls_do_and_takes_them_whole(syntax, 
             assert held.accepts(i), pieces[i]
             held.advance(i)
     assert held is not None and held.complete
-    for other in ("pythonic", "qwen3_xml", "deepseek"):
-        assert call_hold(CallReading(other), [WEATHER], None, {}) is None
+    assert call_hold(CallReading("pythonic"), [WEATHER], None, {}) is None
 
 
-@pytest.mark.parametrize("syntax", ["hermes", "llama3_json", "granite", "mistral"])
+def held_pattern(syntax: str, tools: list, single_call: bool = False):
+    from kvstream.hf.call_grammar import call_hold
+    from kvstream.hf.pattern_constraint import compile_pattern
+    from kvstream.hf.tool_call_syntax import CallReading
+
+    hold = call_hold(CallReading(syntax, single_call=single_call), tools, None, {})
+    assert hold is not None, syntax
+    return compile_pattern(hold.pattern)
+
+
+@given(st.lists(st.sampled_from(list("</parameter>") + ["x", "\n", "<<", "</param", "</parameter>"]), max_size=30).map("".join))
+def test_a_string_value_is_any_text_but_its_close_tag(text):
+    """The expression of a raw XML value (the search automaton for ``</parameter>`` written
+    out) matches exactly the texts without it: a ``<``, a cut close tag, ``<</para`` are fine."""
+    import regex
+
+    from kvstream.hf.call_grammar import _text_without
+
+    assert (regex.fullmatch(_text_without("</parameter>"), text) is not None) == ("</parameter>" not in text)
+
+
+FORECAST_UNITS = {"type": "function", "function": {"name": "get_forecast", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"type": "string", "enum": ["c", "f"]},
+    "options": {"type": "object", "properties": {"hourly": {"type": "boolean"}}}}, "required": ["city", "days"]}}}
+
+
+@pytest.mark.parametrize(("text", "held"), [
+    ("<tool_call>\n<function=get_forecast>\n<parameter=city>\nSão <Paulo> </para\n</parameter>\n<parameter=days>\n3\n"
+     "</parameter>\n</function>\n</tool_call>", True),
+    ("<function=get_forecast>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=unit>\n"
+     'f\n</parameter>\n<parameter=options>\n{"hourly": true}\n</parameter>\n</function>', True),
+    ('<tool_call>\n{"name": "get_forecast", "arguments": {"city": "Paris", "days": 3, "unit": "c", "options": {"hourly": false}}}'
+     "\n</tool_call>", True),  # the JSON body the reader takes in the tags too
+    ("<tool_call>\n<function=get_forecast>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", False),
+    ("<tool_call>\n<function=get_forecast>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\nthree\n</parameter>\n"
+     "</function>\n</tool_call>", False),  # an integer that is not one
+    ("<tool_call>\n<function=get_forecast>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+     "<parameter=unit>\nkelvin\n</parameter>\n</function>\n</tool_call>", False),  # not one of the enum's words
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", False),
+])
+def test_a_qwen3_xml_hold_takes_the_values_the_reader_types(text, held):
+    """Qwen3-Coder's XML held: the required parameters present, in the schema's order, a
+    typed value JSON of its type, a string any text but its close tag; and what is held reads
+    back as the call it spells (xml_calls.py)."""
+    pattern = held_pattern("qwen3_xml", [FORECAST_UNITS])
+    assert (pattern.fullmatch(text) is not None) == held
+    if held:
+        [(_, call)] = scan(text, 7, CallReading("qwen3_xml", schemas=parameter_schemas([FORECAST_UNITS])).scanner())
+        arguments = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] == "get_forecast" and isinstance(arguments["days"], int) and arguments["city"]
+
+
+@pytest.mark.parametrize("syntax", ["hermes", "llama3_json", "granite", "mistral", "qwen3_xml", "deepseek"])
+def test_bounds_a_hold_cannot_enforce_are_left_out_and_schemas_share_one_set_of_rules(syntax):
+    """Tools with keywords the expression cannot hold (``minimum``, ``pattern``: common in real
+    tools; a 500 before) are held to the rest; values of any JSON (``{}``) in several tools, in
+    a list of calls, compile (each schema's rules are defined once: they went unheld before)."""
+    bounded = {"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+        "seats": {"type": "integer", "minimum": 1}, "code": {"type": "string", "pattern": "^[A-Z]{3}$"}, "note": {}},
+        "required": ["seats"]}}}
+    anything = {"type": "function", "function": {"name": "log", "parameters": {"type": "object", "properties": {"value": {}}}}}
+    pattern = held_pattern(syntax, [bounded, anything])
+    calls = {"hermes": '<tool_call>\n{"name": "book", "arguments": {"seats": 2, "code": "abc", "note": [1]}}\n</tool_call>\n'
+                       '<tool_call>\n{"name": "log", "arguments": {"value": {"a": null}}}\n</tool_call>',
+             "llama3_json": '{"name": "book", "parameters": {"seats": 0, "code": "x", "note": 1}}; '
+                            '{"name": "log", "parameters": {"value": "v"}}',
+             "granite": '<|tool_call|>[{"name": "book", "arguments": {"seats": 2, "code": "x", "note": true}}, '
+                        '{"name": "log", "arguments": {"value": []}}]',
+             "mistral": '[TOOL_CALLS]book[ARGS]{"seats": 2, "code": "x", "note": null}[TOOL_CALLS]log[ARGS]{"value": 1}',
+             "qwen3_xml": "<tool_call>\n<function=book>\n<parameter=seats>\n-1\n</parameter>\n</function>\n</tool_call>\n"
+                          "<tool_call>\n<function=log>\n<parameter=value>\nanything\n</parameter>\n</function>\n</tool_call>",
+             "deepseek": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>book\n```json\n"
+                         '{"seats": 2, "code": "x", "note": {}}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>log<｜tool▁sep｜>'
+                         '{"value": 2}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'}
+    assert pattern.fullmatch(calls[syntax]), syntax
+    assert not pattern.fullmatch(calls[syntax].replace("seats", "places"))
+
+
+def test_a_loosened_schema_keeps_what_it_can_hold_at_every_depth():
+    from kvstream.hf.json_schema import loosened
+
+    schema = {"type": "object", "properties": {"minimum": {"type": "integer", "minimum": 0, "description": "kept"},
+                                               "tags": {"type": "array", "items": {"type": "string", "pattern": "x"}}},
+              "required": ["minimum"], "allOf": [{"required": ["tags"]}], "$defs": {"d": {"anyOf": [{"maxLength": 3,
+                                                                                                      "format": "date",
+                                                                                                      "multipleOf": 2}]}}}
+    assert loosened(schema) == {"type": "object", "properties": {"minimum": {"type": "integer", "description": "kept"},
+                                                                 "tags": {"type": "array", "items": {"type": "string"}}},
+                                "required": ["minimum"], "$defs": {"d": {"anyOf": [{"maxLength": 3, "format": "date"}]}}}
+
+
+@pytest.mark.parametrize("syntax", ["hermes", "llama3_json", "granite", "mistral", "qwen3_xml", "deepseek"])
 async def test_calls_are_held_to_the_offered_tools_from_their_opening_on(smollm2, start_proxy, monkeypatch, syntax):
     """Shown a ``get_weather`` call and offered only ``get_forecast`` (city and days
     required), SmolLM2 left free writes calls the tools refuse (as measured here: Hermes,
-    Llama 3 and Mistral leave ``days`` out for Paris, Granite calls ``forecast`` with ``days``
-    a string, Hermes calls ``get_weather`` for Rome). Held from the call's opening on
-    (call_grammar.py), each is ``get_forecast`` with both arguments. (Held in Mistral's list,
-    the model repeats its call until ``max_tokens``: one call is asked for there.)"""
+    Llama 3, Mistral and DeepSeek leave ``days`` out for Paris, Qwen3-Coder's XML ``city``,
+    Granite calls ``forecast`` with ``days`` a string, Hermes calls ``get_weather`` for Rome).
+    Held from the call's opening on (call_grammar.py), each is ``get_forecast`` with both
+    arguments. (Held in Mistral's list, the model repeats its call until ``max_tokens``: one
+    call is asked for there. DeepSeek's tags are many tokens in SmolLM2's vocabulary.)"""
     from openai import AsyncOpenAI
 
     import kvstream.hf.call_grammar as call_grammar
 
     async def ask(oa, question: str) -> list:
         reply = await oa.chat.completions.create(model="smollm2", messages=EXAMPLE + [{"role": "user", "content": question}],
-                                                 tools=[FORECAST], max_tokens=60, temperature=0,
-                                                 parallel_tool_calls=syntax != "mistral")
+                                                 tools=[FORECAST], max_tokens=120 if syntax == "deepseek" else 60,
+                                                 temperature=0, parallel_tool_calls=syntax != "mistral")
         assert reply.choices[0].finish_reason == "tool_calls", reply
         return [(c.function.name, json.loads(c.function.arguments)) for c in reply.choices[0].message.tool_calls]
 
     def runnable(calls: list) -> bool:
-        return all(name == "get_forecast" and isinstance(arguments.get("days"), int) for name, arguments in calls)
+        return all(name == "get_forecast" and isinstance(arguments.get("city"), str) and isinstance(arguments.get("days"), int)
+                   for name, arguments in calls)
 
     questions = ["What is the forecast in Paris for 3 days?"] + (["Will it rain in Rome this week?"] if syntax == "hermes" else [])
-    async with templated_proxy(smollm2, start_proxy, TEMPLATES[syntax]) as (proxy, _):
+    async with templated_proxy(smollm2, start_proxy, {**TEMPLATES, "deepseek": DEEPSEEK_TEMPLATE}[syntax]) as (proxy, _):
         async with AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
             held = [await ask(oa, q) for q in questions]
             with monkeypatch.context() as free:
@@ -683,6 +783,23 @@ async def test_calls_are_held_to_the_offered_tools_from_their_opening_on(smollm2
     assert all(map(runnable, held)) and held[0] == [("get_forecast", {"city": "Paris", "days": 3})], held
     if syntax == "hermes":
         assert unheld[1] == [("get_weather", {"city": "Rome"})] and held[1][0][1]["city"] == "Rome"
+
+
+async def test_a_tool_with_bounds_the_hold_cannot_enforce_is_held_to_the_rest(smollm2, start_proxy):
+    """A tool whose parameters carry ``minimum``/``maximum`` (as real tools' do) is still
+    offered and its call held (the request failed before, the bound refused as in a client's
+    own schema); the bound itself is the model's to keep."""
+    from openai import AsyncOpenAI
+
+    bounded = copy.deepcopy(FORECAST)
+    bounded["function"]["parameters"]["properties"]["days"].update(minimum=1, maximum=16)
+    async with templated_proxy(smollm2, start_proxy, HERMES_TEMPLATE) as (proxy, _):
+        async with AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+            reply = await oa.chat.completions.create(
+                model="smollm2", messages=EXAMPLE + [{"role": "user", "content": "What is the forecast in Paris for 3 days?"}],
+                tools=[bounded], max_tokens=60, temperature=0)
+    [call] = reply.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_forecast", {"city": "Paris", "days": 3})
 
 
 async def test_a_held_call_with_post_sampling_probs_or_unheld_without_top_k(smollm2, start_proxy):
