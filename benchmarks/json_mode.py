@@ -100,7 +100,7 @@ def main() -> None:
     grammar = gbnf_pattern(JSON_GRAMMAR)
     patterns = {"json_schema": compile_schema(SCHEMA), "tool_call": compile_schema(TOOL_SCHEMA), "grammar": compile_pattern(grammar)}
     hold = call_hold(CallReading("hermes"), [TOOL], None, {})
-    xml = call_hold(CallReading("qwen3_xml"), [TOOL], None, {})  # held from the first token: the call's whole cost
+    xml = call_hold(CallReading("qwen3_xml", single_call=True), [TOOL], None, {})  # held from the first token: a call
     patterns["xml_call"] = compile_pattern(xml.pattern)
     modes = {"json_object": {"json_object": True}, "json_schema": {"json_schema": SCHEMA}, "tool_call": {"json_schema": TOOL_SCHEMA},
              "grammar": {"pattern": grammar}, "lazy_wait": {"pattern": hold.pattern, "triggers": hold.triggers},

@@ -41,11 +41,11 @@ import regex
 
 from kvstream.hf import deepseek_calls
 from kvstream.hf.grammar import TOKEN_SENTINELS
-from kvstream.hf.json_schema import loosened, schema_parts, with_rules
+from kvstream.hf.json_schema import schema_parts, with_rules
 from kvstream.hf.lazy_grammar import Triggers
 from kvstream.hf.pattern_constraint import compile_pattern
 from kvstream.hf.tool_call_syntax import CLOSE, GRANITE_CALLS, MISTRAL_ARGS, MISTRAL_CALLS, OPEN, PYTHON_TAG, CallReading
-from kvstream.hf.tool_calls import forced_call_schema, forced_names
+from kvstream.hf.tool_calls import forced_call_schema, forced_names, holdable_tools
 from kvstream.hf.xml_calls import FUNCTION_END, FUNCTION_TAG, PARAMETER_END, PARAMETER_TAG, value_kind
 
 # The syntaxes held, each with the tags its expression writes (referenced where they are tokens).
@@ -74,11 +74,11 @@ def call_hold(calls: CallReading, tools: Any, thinking_opened: bool | None,
     does not think). ``special_tags``: tags that are special tokens of the vocabulary (token
     id -> text), which the expression references as those tokens: their text spelled by
     other tokens is not the tag. Bounds the expression cannot hold (a ``minimum``, a
-    ``pattern``) are left out of it: the call is held to everything else."""
+    ``pattern``) are left out of it: the call is held to everything else (tool_calls.holdable_tools;
+    a ``strict`` tool with one is read unheld)."""
     if calls.syntax not in HELD_TAGS:
         return None
-    if isinstance(tools, list):
-        tools = [_loosened_tool(tool) for tool in tools]
+    tools = holdable_tools(tools)
     if forced_call_schema(tools, "required") is None:  # (BackendRejected, a 400, for tools that are not functions)
         return None
     try:
@@ -165,13 +165,6 @@ class _Rules:
         return with_rules(expression, self.rules)
 
 
-def _loosened_tool(tool: Any) -> Any:
-    function = tool.get("function") if isinstance(tool, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("parameters"), dict):
-        return tool
-    return {**tool, "function": {**function, "parameters": loosened(function["parameters"])}}
-
-
 def _xml_call(name: str, rules: _Rules) -> str:
     """One call of ``name`` in Qwen3-Coder's XML: its parameters in the schema's order (the
     order a JSON call is held to as well), the required ones always, each other one at most once."""
@@ -196,15 +189,19 @@ def _xml_value(schema: Any, definitions: dict[str, Any], rules: _Rules) -> str:
         if isinstance(words, list) and words and all(isinstance(w, str) for w in words):
             return "\\n?(?:" + "|".join(map(regex.escape, words)) + ")\\n?"
     if kind is None or kind == "string":
-        return _text_without(PARAMETER_END)
+        bound = schema.get("maxLength") if kind == "string" else None
+        # (a bound counts the expression's units, each a character or a "<" and what follows
+        # it: about the characters, and a value that runs on is cut)
+        return _text_without(PARAMETER_END, bound + 2 if isinstance(bound, int) and bound >= 0 else None)
     return f"{GAP}{rules.schema({**schema, **definitions})}{GAP}"
 
 
-def _text_without(word: str) -> str:
+def _text_without(word: str, most: int | None = None) -> str:
     """The expression of any text in which ``word`` does not occur, for a ``word`` whose first
     character occurs nowhere else in it (a close tag): the automaton that searches for it, a
     state for each of its characters matched, written out. A value may hold a ``<`` (code
-    does), only not its close tag."""
+    does), only not its close tag. ``most``: at most that many of its units (a character, or
+    the word's first character and what follows it up to a character that ends the match)."""
     first, n = word[0], len(word)
     assert first not in word[1:], word
     lit, other = regex.escape, lambda c: f"[^{regex.escape(c)}{regex.escape(first)}]"
@@ -212,4 +209,5 @@ def _text_without(word: str) -> str:
     for k in range(n - 2, 0, -1):
         back, again, cut = (f"(?:{other(word[k])}|{lit(word[k])}{back})", f"(?:{lit(first)}|{lit(word[k])}{again})",
                             f"(?:{lit(word[k])}{cut})?")
-    return f"(?:[^{lit(first)}]|{lit(first)}{again}*{back})*(?:{lit(first)}{again}*{cut})?"
+    units = "*" if most is None else f"{{0,{most}}}"
+    return f"(?:[^{lit(first)}]|{lit(first)}{again}*{back}){units}(?:{lit(first)}{again}*{cut})?"

@@ -35,7 +35,7 @@ from kvstream.hf.json_schema import SchemaError, compile_schema
 from kvstream.hf.lazy_grammar import PATTERN, PATTERN_FULL, TOKEN, WORD, Triggers, compile_trigger
 from kvstream.hf.sampling import SamplingParams
 from kvstream.hf.generic_calls import answer_schema
-from kvstream.hf.tool_calls import forced_call_schema
+from kvstream.hf.tool_calls import forced_call_schema, holdable_tools
 from kvstream.samplers import first_unsupported
 from kvstream.types import BackendRejected, GenerateRequest
 
@@ -195,7 +195,7 @@ def forces_call(request: GenerateRequest) -> bool:
 def forced_call(extra: dict[str, Any]) -> dict[str, Any] | None:
     """The JSON schema of the tool call ``tool_choice`` forces (tool_calls.py), checked now;
     None when the model may answer in text."""
-    schema = forced_call_schema(extra.get("tools"), extra.get("tool_choice"))
+    schema = forced_call_schema(holdable_tools(extra.get("tools")), extra.get("tool_choice"))
     if schema is None:
         return None
     if extra.get("response_format") is not None and extra["response_format"].get("type") != "text":
@@ -303,7 +303,7 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
     extra = request.extra
     check_unsupported(extra)
     if generic_calls:
-        answer = _checked(answer_schema(extra["tools"], extra.get("parallel_tool_calls") is False), "tools",
+        answer = _checked(answer_schema(holdable_tools(extra["tools"]), extra.get("parallel_tool_calls") is False), "tools",
                           "the tools' parameters")
     else:
         answer = None

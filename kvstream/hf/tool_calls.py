@@ -21,6 +21,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from kvstream.hf.json_schema import loosened
 from kvstream.types import BackendRejected
 
 def _invalid(message: str) -> BackendRejected:
@@ -67,6 +68,24 @@ def forced_names(tools: Any, choice: Any) -> ForcedNames | None:
         return ForcedNames((name,), named=True)
     raise _invalid("Invalid value for 'tool_choice': 'none', 'auto', 'required' or {\"type\": \"function\", "
                    "\"function\": {\"name\": ...}}.")
+
+
+def holdable_tools(tools: Any) -> Any:
+    """``tools`` with the bounds an expression cannot hold (``minimum``, ``pattern``...) left
+    out of each function's parameters (json_schema.loosened): a tool's schema tells the model
+    what to write, real tools carry such bounds, and the call is held to the rest. A function
+    marked ``strict`` keeps its schema whole: the client asked for all of it to hold, so one
+    the engine cannot hold is a 400, as a ``response_format`` schema is."""
+    if not isinstance(tools, list):
+        return tools
+    return [_loosened_tool(tool) for tool in tools]
+
+
+def _loosened_tool(tool: Any) -> Any:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("parameters"), dict) or function.get("strict") is True:
+        return tool
+    return {**tool, "function": {**function, "parameters": loosened(function["parameters"])}}
 
 
 def forced_call_schema(tools: Any, choice: Any, arguments_key: str = "arguments") -> dict[str, Any] | None:

@@ -147,13 +147,28 @@ async def test_the_ollama_client_and_the_responses_api_get_calls_too(hf_proxy, o
 
 
 @pytest.mark.parametrize("parameters", [{"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]$"}}}])
-async def test_tools_whose_parameters_cannot_be_held_are_a_400_naming_tools(oa, parameters):
+async def test_strict_tools_whose_parameters_cannot_be_held_are_a_400_naming_tools(oa, parameters):
     import openai
 
-    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters, "strict": True}}
     with pytest.raises(openai.BadRequestError) as err:
         await oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x"}], tools=[tool], max_tokens=4)
     assert err.value.param == "tools"
+
+
+async def test_a_tools_bounds_the_hold_cannot_enforce_are_left_to_the_model(oa):
+    """A tool that is not ``strict`` with ``minimum`` and ``pattern`` (as real tools have: a
+    400 before) is offered and its call held to the rest of its schema."""
+    tool = {"type": "function", "function": {"name": "get_weather", "description": WEATHER["function"]["description"],
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"type": "string", "pattern": "^[A-Z][a-z]+$"},
+                                                 "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                                                 "required": ["city"]}}}
+    reply = await oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": ASKED[0]}], tools=[tool],
+                                             max_tokens=60, temperature=0, tool_choice="required")
+    [call] = reply.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and isinstance(arguments["city"], str) and isinstance(arguments["days"], int)
 
 
 async def test_the_anthropic_client_gets_a_tool_use_block(hf_proxy):

@@ -346,8 +346,8 @@ async def test_logit_bias_and_penalties_change_the_answer(oa, smollm2):
         ({"tool_choice": {"type": "function", "function": {"name": "g"}},
           "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
         # SmolLM2's template does not render tools: offered the generic way, the answer held to
-        # their parameters' schemas, which must be ones the engine can hold it to.
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        # their parameters' schemas, which must be ones the engine can hold it to where strict.
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
             "type": "object", "properties": {"code": {"type": "string", "pattern": "^A$"}}}}}]}, "tools"),
         ({"extra_body": {"min_p": 2}}, "min_p"),
         ({"extra_body": {"typical_p": 1.2}}, "typical_p"),

@@ -159,13 +159,25 @@ async def test_a_call_cut_by_max_tokens_is_partial_and_says_length(oa):
     assert cut.choices[0].message.content.lstrip() == "{"
 
 
+async def test_a_forced_call_of_a_tool_with_bounds_is_held_to_the_rest(oa):
+    """``minimum`` and ``pattern`` in a tool that is not ``strict``: the call is forced and held
+    to everything else in its schema (a 400 before; strict, it still is: below)."""
+    bounded = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "pattern": "^[A-Z]"}, "days": {"type": "integer", "minimum": 1}}, "required": ["city", "days"]}}}
+    reply = await oa.chat.completions.create(model="smollm2", messages=MESSAGES, tools=[bounded], max_tokens=100, temperature=0,
+                                             tool_choice="required")
+    [call] = reply.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(arguments) == {"city", "days"} and isinstance(arguments["days"], int)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),  # no tools
         ({"tool_choice": "required", "tools": [WEATHER], "response_format": {"type": "json_object"}}, "tool_choice"),
-        ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
             "type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$"}}}}}]}, "tools"),
     ],
 )
