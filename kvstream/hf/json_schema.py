@@ -251,9 +251,11 @@ def with_rules(expression: str, rules: dict[str, str]) -> str:
 
 def loosened(schema: Any) -> Any:
     """``schema`` less the keywords the expression cannot hold (``minimum``, ``pattern``,
-    ``allOf``...) at any depth: a schema admitting everything it admits, and more. For a hold
-    KVStream adds on its own (a model's tool calls, call_grammar.py), where a bound it cannot
-    enforce is no reason to hold nothing; a client's own schema is refused instead."""
+    ``allOf``...) at any depth: a schema admitting everything it admits, and more. For the
+    calls of a tool (tool_calls.holdable_tools), whose schema is written to tell the model what
+    to write: a bound the expression cannot enforce is no reason to refuse the tool or hold
+    nothing. A schema the client asks the answer to follow (``response_format``) is refused
+    instead."""
     if not isinstance(schema, dict):
         return schema
     out = {key: value for key, value in schema.items() if key in ANNOTATIONS or key in HANDLED}
