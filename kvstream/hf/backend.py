@@ -673,8 +673,10 @@ class HFBackend(InProcessBackend):
 
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
-        # Before the request is queued: a field the engine refuses is a 400 at once.
-        self._sampling_params(request, 1)
+        # Before the request is queued: a field the engine refuses is a 400 at once. Off the
+        # event loop: a schema or a grammar (a tool's parameters) takes long to compile, once
+        # (the compiled expressions are cached for submit, which runs on the loop).
+        await asyncio.to_thread(self._checked_params, request)
         tokenizer = self.runner.tokenizer
         if request.is_chat:
             if request.extra.get("suffix"):
@@ -704,6 +706,8 @@ class HFBackend(InProcessBackend):
                     raise BackendRejected(f"{self.model_name or 'this model'} does not support tools (its chat template "
                                           "does not render them; --chat-template can give it one that does)",
                                           param="tools", code="unsupported_parameter")
+                if tools and not forces_call(request):  # the hold on its own calls, compiled off the loop too
+                    await asyncio.to_thread(lambda: self._call_hold(request, self._answer_reading(request, Sequence(ids, 1))))
                 return ids
             except BackendRejected:
                 raise
@@ -799,6 +803,15 @@ class HFBackend(InProcessBackend):
         return sampling_params(request, max_tokens, self.runner.vocab_size, generic_calls=self._generic_calls(request),
                                default_seed=self.default_seed(), token_of=self._token_of)
 
+    def _checked_params(self, request: GenerateRequest) -> None:
+        """The request's fields checked (a 400 for one refused) and its constraint's
+        expression compiled and read into its machine: both cached for submit."""
+        from kvstream.hf.pattern_machine import machine_for
+
+        params = self._sampling_params(request, 1)
+        if params.pattern is not None:
+            machine_for(params.pattern)
+
     def _token_of(self, text: str) -> int | None:
         """The id of the one token ``text`` is (special tokens read as such), or None."""
         assert self.runner is not None
@@ -821,6 +834,15 @@ class HFBackend(InProcessBackend):
                                  tag_texts=special_tag_texts(self.runner.tokenizer))
         return answer_reading(self.runner.tokenizer, extra, seq.prompt_token_ids, self.settings.backend.tool_call_syntax)
 
+    def _call_hold(self, request: GenerateRequest, reading: AnswerReading | None) -> Any:
+        """The model's own calls held to the tools from their opening on (call_grammar.py;
+        cached by the tools, so the second time for a request is cheap); None if unheld."""
+        if reading is None or reading.calls is None:
+            return None
+        from kvstream.hf.call_grammar import call_hold
+
+        return call_hold(reading.calls, request.extra["tools"], reading.thinking_opened, reading.tag_texts)
+
     def submit(self, request: GenerateRequest, seq: Sequence) -> HFStream:
         from kvstream.hf.request_options import forces_call
         from kvstream.hf.tool_calls import forced_names
@@ -834,16 +856,11 @@ class HFBackend(InProcessBackend):
             ends = end_ids(self.runner.tokenizer)
             params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *ends))
         reading = self._answer_reading(request, seq)
-        if reading is not None and reading.calls is not None and not params.holds_answer:
-            # The model's own calls held to the tools from its opening tag on (call_grammar.py).
-            from kvstream.hf.call_grammar import call_hold
-
-            hold = call_hold(reading.calls, request.extra["tools"], reading.thinking_opened, reading.tag_texts)
+        hold = self._call_hold(request, reading) if not params.holds_answer else None
+        if hold is not None:
             # (post_sampling_probs without a top_k to bound a held distribution: left unheld)
             with contextlib.suppress(ValueError):
-                if hold is not None:
-                    params = dataclasses.replace(params, pattern=hold.pattern, pattern_tokens=hold.tokens,
-                                                 triggers=hold.triggers)
+                params = dataclasses.replace(params, pattern=hold.pattern, pattern_tokens=hold.tokens, triggers=hold.triggers)
         if params.thinking_budget is not None:
             # A budget counts thinking: none where the answer is not read for it (the model's
             # template shows no <think> block, or a constraint holds the answer).

@@ -33,6 +33,7 @@ expression cannot be followed. The pythonic lists are read unheld.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ from kvstream.hf.grammar import TOKEN_SENTINELS
 from kvstream.hf.json_schema import schema_parts, with_rules
 from kvstream.hf.lazy_grammar import Triggers
 from kvstream.hf.pattern_constraint import compile_pattern
+from kvstream.hf.pattern_machine import machine_for
 from kvstream.hf.tool_call_syntax import CLOSE, GRANITE_CALLS, MISTRAL_ARGS, MISTRAL_CALLS, OPEN, PYTHON_TAG, CallReading
 from kvstream.hf.tool_calls import forced_call_schema, forced_names, holdable_tools
 from kvstream.hf.xml_calls import FUNCTION_END, FUNCTION_TAG, PARAMETER_END, PARAMETER_TAG, value_kind
@@ -75,17 +77,29 @@ def call_hold(calls: CallReading, tools: Any, thinking_opened: bool | None,
     id -> text), which the expression references as those tokens: their text spelled by
     other tokens is not the tag. Bounds the expression cannot hold (a ``minimum``, a
     ``pattern``) are left out of it: the call is held to everything else (tool_calls.holdable_tools;
-    a ``strict`` tool with one is read unheld)."""
+    a ``strict`` tool with one is read unheld). Cached by its arguments: the expression of many
+    tools takes seconds to compile (the backend does it off the event loop first)."""
     if calls.syntax not in HELD_TAGS:
         return None
-    tools = holdable_tools(tools)
+    try:
+        tools_text = json.dumps(tools)
+    except (TypeError, ValueError):
+        return None
+    return _cached_hold(calls.syntax, calls.single_call, tools_text, thinking_opened, tuple(sorted(special_tags.items())))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_hold(syntax: str, single_call: bool, tools_text: str, thinking_opened: bool | None,
+                 special_tags: tuple[tuple[int, str], ...]) -> CallHold | None:
+    tools = holdable_tools(json.loads(tools_text))
     if forced_call_schema(tools, "required") is None:  # (BackendRejected, a 400, for tools that are not functions)
         return None
     try:
-        hold = _hold(calls, _Rules(tools), thinking_opened, special_tags)
+        hold = _hold(CallReading(syntax, single_call), _Rules(tools), thinking_opened, dict(special_tags))
         compile_pattern(hold.pattern)
     except (ValueError, TypeError, RecursionError):  # tools whose schemas the expression cannot hold: read unheld
         return None
+    machine_for(hold.pattern)  # (cached: the constraint that follows it is built on the event loop)
     return hold
 
 

@@ -785,6 +785,40 @@ async def test_calls_are_held_to_the_offered_tools_from_their_opening_on(smollm2
         assert unheld[1] == [("get_weather", {"city": "Rome"})] and held[1][0][1]["city"] == "Rome"
 
 
+async def test_a_holds_expression_is_compiled_off_the_event_loop(smollm2, start_proxy, monkeypatch):
+    """The expression of many tools takes seconds to compile (50 tools of 6 parameters, in
+    Mistral's syntax: 9-35 s here): it is compiled on a worker thread before the request is
+    queued, never on the event loop every other client's stream is served from, and submit
+    finds it cached."""
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    import kvstream.hf.call_grammar as call_grammar
+
+    compiled_on_loop = []
+
+    def compile_pattern(text):
+        try:
+            asyncio.get_running_loop()
+            compiled_on_loop.append(True)
+        except RuntimeError:
+            compiled_on_loop.append(False)
+        return original(text)
+
+    original = call_grammar.compile_pattern
+    monkeypatch.setattr(call_grammar, "compile_pattern", compile_pattern)
+    call_grammar._cached_hold.cache_clear()
+    async with templated_proxy(smollm2, start_proxy, HERMES_TEMPLATE) as (proxy, _):
+        async with AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0) as oa:
+            for _ in range(2):
+                reply = await oa.chat.completions.create(
+                    model="smollm2", messages=EXAMPLE + [{"role": "user", "content": "What is the forecast in Paris for 3 days?"}],
+                    tools=[FORECAST], max_tokens=60, temperature=0)
+                assert reply.choices[0].message.tool_calls[0].function.name == "get_forecast"
+    assert compiled_on_loop == [False]  # once, on a worker thread; the second request found it cached
+
+
 async def test_a_tool_with_bounds_the_hold_cannot_enforce_is_held_to_the_rest(smollm2, start_proxy):
     """A tool whose parameters carry ``minimum``/``maximum`` (as real tools' do) is still
     offered and its call held (the request failed before, the bound refused as in a client's
