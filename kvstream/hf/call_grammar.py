@@ -44,8 +44,7 @@ from kvstream.hf import deepseek_calls
 from kvstream.hf.grammar import TOKEN_SENTINELS
 from kvstream.hf.json_schema import schema_parts, with_rules
 from kvstream.hf.lazy_grammar import Triggers
-from kvstream.hf.pattern_constraint import compile_pattern
-from kvstream.hf.pattern_machine import machine_for
+from kvstream.hf.pattern_constraint import expression
 from kvstream.hf.tool_call_syntax import CLOSE, GRANITE_CALLS, MISTRAL_ARGS, MISTRAL_CALLS, OPEN, PYTHON_TAG, CallReading
 from kvstream.hf.tool_calls import forced_call_schema, forced_names, holdable_tools
 from kvstream.hf.xml_calls import FUNCTION_END, FUNCTION_TAG, PARAMETER_END, PARAMETER_TAG, value_kind
@@ -96,10 +95,9 @@ def _cached_hold(syntax: str, single_call: bool, tools_text: str, thinking_opene
         return None
     try:
         hold = _hold(CallReading(syntax, single_call), _Rules(tools), thinking_opened, dict(special_tags))
-        compile_pattern(hold.pattern)
+        expression(hold.pattern)  # read into its machine now (cached: the constraint is made on the event loop)
     except (ValueError, TypeError, RecursionError):  # tools whose schemas the expression cannot hold: read unheld
         return None
-    machine_for(hold.pattern)  # (cached: the constraint that follows it is built on the event loop)
     return hold
 
 

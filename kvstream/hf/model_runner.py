@@ -44,7 +44,7 @@ from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
 from kvstream.hf.sampling import History, SamplingParams, TokenLogprobs, drawn_logprobs, logprobs_of, sample
 from kvstream.hf.json_schema import JSON_OBJECT, compile_schema
 from kvstream.hf.lazy_grammar import LazyGrammar
-from kvstream.hf.pattern_constraint import CLIENT_BUDGET_S, PatternConstraint, compile_pattern
+from kvstream.hf.pattern_constraint import CLIENT_BUDGET_S, PatternConstraint, expression
 from kvstream.hf.prompt_scores import STORED_TOP, PromptScores
 from kvstream.hf.thinking_budget import ThinkingBudget, ThinkTokens
 from kvstream.hf.token_bytes import TokenBytes
@@ -327,7 +327,7 @@ class ModelRunner:
             if params.pattern is not None:  # a client's: within a matching budget
                 # A grammar's referenced tokens are read as their characters, special or not.
                 tokens = {token: sentinel.encode() for token, sentinel in params.pattern_tokens}
-                req.constraint = PatternConstraint(compile_pattern(params.pattern), self.token_bytes, banned - tokens.keys(),
+                req.constraint = PatternConstraint(expression(params.pattern), self.token_bytes, banned - tokens.keys(),
                                                    end_ids, budget_s=CLIENT_BUDGET_S, tokens=tokens)
             else:  # a schema's, or JSON mode's: any one object
                 schema = params.json_schema if params.json_schema is not None else JSON_OBJECT
