@@ -23,12 +23,20 @@ Held syntaxes, and what opens a call:
   but its close tag, a typed value (integer, boolean, object...) JSON its schema admits, as
   xml_calls.py reads it back (or the call as JSON in the tags, which the reader takes too);
 - DeepSeek's: ``<｜tool▁calls▁begin｜>`` (or a first ``<｜tool▁call▁begin｜>``), each call in
-  V3's fenced form or V3.1's bare one (deepseek_calls.py), then ``<｜tool▁calls▁end｜>``.
+  V3's fenced form or V3.1's bare one (deepseek_calls.py), then ``<｜tool▁calls▁end｜>`` or the
+  end (the reader takes the calls without their closing mark; held to write it, SmolLM2 wrote
+  another call instead of ending).
 
 A call opened inside the model's thinking is a draft, not a call, and does not start the hold
 (the trigger counts outside ``<think>`` blocks). An opening the expression cannot begin with
 (blanks it does not allow) leaves the answer unheld, read as before; so do tools whose
 expression cannot be followed. The pythonic lists are read unheld.
+
+A tool's bounds the expression cannot enforce (``minimum``, ``pattern``...) are left out of its
+hold (tool_calls.holdable_tools). The expression of many tools is long (50 tools: 0.1-0.25 MB):
+the hold is cached by its arguments and read into the incremental machine only (the regex
+module compiles it only if an answer needs it), on a worker thread before the request is
+queued (backend.py).
 """
 
 from __future__ import annotations
