@@ -62,8 +62,9 @@ def compile_pattern(text: str) -> Any:
 
 class LazyExpression:
     """An expression the machine reads, compiled by the regex module only if an answer needs
-    it (the machine gives up on a text past its ``MAX_PLACES``): the regex module takes
-    seconds to compile a large one (the calls of 50 tools: 9 s), the machine a fraction."""
+    it (the machine gives up on a text past its ``MAX_PLACES``): the regex module takes long
+    to compile a large one (the calls of 50 tools: up to 1.5 s here, 3-10x what the machine
+    takes to read it; benchmarks/tool_holds.py)."""
 
     def __init__(self, text: str) -> None:
         self.pattern = text
