@@ -256,13 +256,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     batch, priority, include_usage, named = await _parse(request, state, chat)
     generate = batch[0]
     request_id = request[REQUEST_ID]
-    gens: list[Generation] = []
     try:
-        for one in batch:
-            gens.append(await state.engine.submit(one, priority, arrived_at))
+        gens = await state.engine.submit_all(batch, priority, arrived_at)
     except Exception as exc:
-        for submitted in gens:
-            submitted.close("rejected")
         if isinstance(exc, BackendError):
             state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
         raise from_exception(exc, retry_after(state)) from None

@@ -389,6 +389,27 @@ class KVStreamEngine:
         self, request: GenerateRequest, priority: Priority = Priority.NORMAL, arrived_at: float | None = None
     ) -> Generation:
         """Count the prompt and queue the request. Raises NeverFits or QueueFull at once."""
+        prompt_ids, exact = await self._counted(request)
+        return self._queued(request, prompt_ids, exact, priority, arrived_at)
+
+    async def submit_all(
+        self, requests: list[GenerateRequest], priority: Priority = Priority.NORMAL, arrived_at: float | None = None
+    ) -> list[Generation]:
+        """The prompts of one request (a batch of completions): every prompt counted first,
+        then all queued, so that one refused (a 400) leaves none queued or computing. A
+        refusal while queueing (NeverFits, QueueFull) closes those queued before it."""
+        counted = [await self._counted(request) for request in requests]
+        gens: list[Generation] = []
+        try:
+            for request, (prompt_ids, exact) in zip(requests, counted, strict=True):
+                gens.append(self._queued(request, prompt_ids, exact, priority, arrived_at))
+        except BaseException:
+            for gen in gens:
+                gen.close("rejected")
+            raise
+        return gens
+
+    async def _counted(self, request: GenerateRequest) -> tuple[list[int], bool]:
         self.stats.requests_total += 1
         self.hot.observe(request)
         prompt_ids, exact = await self.prompt_tokens(request)
@@ -397,6 +418,10 @@ class KVStreamEngine:
             self.stats.prompts_exact += 1
         else:
             self.stats.prompts_estimated += 1
+        return prompt_ids, exact
+
+    def _queued(self, request: GenerateRequest, prompt_ids: list[int], exact: bool, priority: Priority,
+                arrived_at: float | None) -> Generation:
         retention = self.backend.retained_prefixes(request, prompt_ids) if request.cache_breakpoints and exact else []
         return self._enqueue(request, prompt_ids, exact, priority, arrived_at, retention=tuple(retention))
 

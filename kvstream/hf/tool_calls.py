@@ -21,7 +21,6 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from kvstream.hf.json_schema import loosened
 from kvstream.types import BackendRejected
 
 def _invalid(message: str) -> BackendRejected:
@@ -82,6 +81,10 @@ def holdable_tools(tools: Any) -> Any:
 
 
 def _loosened_tool(tool: Any) -> Any:
+    # (imported here: this module is imported by what a proxy-only install runs, which has
+    # no ``regex``; json_schema.py needs it)
+    from kvstream.hf.json_schema import loosened
+
     function = tool.get("function") if isinstance(tool, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("parameters"), dict) or function.get("strict") is True:
         return tool
