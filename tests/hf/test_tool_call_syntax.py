@@ -735,6 +735,20 @@ def test_bounds_a_hold_cannot_enforce_are_left_out_and_schemas_share_one_set_of_
     assert not pattern.fullmatch(calls[syntax].replace("seats", "places"))
 
 
+def test_a_strict_tool_beyond_the_expression_leaves_its_calls_unheld():
+    """``strict`` asks for the whole schema: where the expression cannot hold it, a model's
+    own calls go unheld (the model may answer in text; a forced call is a 400,
+    test_tool_calls.py), and the same tool not strict is held to the rest."""
+    from kvstream.hf.call_grammar import call_hold
+
+    bounded = copy.deepcopy(FORECAST)
+    bounded["function"]["parameters"]["properties"]["days"]["minimum"] = 1
+    strict = copy.deepcopy(bounded)
+    strict["function"]["strict"] = True
+    assert call_hold(CallReading("hermes"), [strict], None, {}) is None
+    assert call_hold(CallReading("hermes"), [bounded], None, {}) is not None
+
+
 def test_a_loosened_schema_keeps_what_it_can_hold_at_every_depth():
     from kvstream.hf.json_schema import loosened
 
