@@ -834,6 +834,27 @@ async def test_a_holds_expression_is_compiled_off_the_event_loop(smollm2, start_
     assert compiled_on_loop == [False]  # once, on a worker thread; the second request found it cached
 
 
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, QWEN3_XML_TEMPLATE])
+async def test_tools_a_hold_cannot_be_made_of_are_a_400_or_read_unheld_never_a_500(smollm2, start_proxy, template):
+    """A tool without a name is the client's 400 naming ``tools`` (the hold is made before the
+    request is queued); a schema whose reference resolves nowhere leaves the calls unheld and
+    the answer is served."""
+    import aiohttp
+
+    unnamed = [{"type": "function", "function": {"description": "no name", "parameters": {"type": "object"}}}]
+    dangling = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"$ref": "#/nowhere"}}}}}]
+    async with templated_proxy(smollm2, start_proxy, template) as (proxy, _):
+        async with aiohttp.ClientSession() as http:
+            answers = []
+            for tools in (unnamed, dangling):
+                body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 5}
+                async with http.post(proxy.v1 + "/chat/completions", json=body) as resp:
+                    answers.append((resp.status, await resp.json()))
+    assert answers[0][0] == 400 and answers[0][1]["error"]["param"] == "tools", answers[0]
+    assert answers[1][0] == 200 and answers[1][1]["choices"][0]["finish_reason"] in ("stop", "length"), answers[1]
+
+
 async def test_a_tool_with_bounds_the_hold_cannot_enforce_is_held_to_the_rest(smollm2, start_proxy):
     """A tool whose parameters carry ``minimum``/``maximum`` (as real tools' do) is still
     offered and its call held (the request failed before, the bound refused as in a client's
