@@ -10,6 +10,7 @@ import pytest
 
 from kvstream import KVStreamEngine
 from kvstream.backends import OpenAICompatibleBackend
+from kvstream.types import GenerateRequest
 from tests.conftest import make_settings
 from tests.doubles import Script
 
@@ -187,3 +188,25 @@ async def test_the_runtimes_own_reuse_report_is_the_verified_hit(start_upstream,
             cache = (await resp.json())["prefix_cache"]
     assert "kvstream_runtime_cached_tokens_total 74.0" in text
     assert cache["runtime_cached_tokens"] == 74 and cache["estimated"] is True
+
+
+async def test_a_large_prompt_is_estimated_off_the_event_loop(start_upstream, monkeypatch):
+    """In front of a runtime that cannot tokenize for KVStream the prompt is estimated: a
+    quarter second per 4 MB of text, on a worker thread past ESTIMATE_ON_LOOP_CHARS (so that
+    one client's MB of text does not pause every stream), on the loop below it; the same ids."""
+    import threading
+
+    import kvstream.engine.core as core
+    from kvstream.engine.estimate import estimate_tokens
+
+    threads = []
+    monkeypatch.setattr(core, "estimate_tokens", lambda text: threads.append(threading.current_thread()) or estimate_tokens(text))
+    url, _ = await start_upstream()
+    engine = KVStreamEngine(OpenAICompatibleBackend(url, "test-model"), make_settings())
+    large = "x" * core.ESTIMATE_ON_LOOP_CHARS + "the rest"
+    small = "Once upon a time"
+    for text in (large, small):
+        ids, exact = await engine.prompt_tokens(GenerateRequest(model="test-model", prompt=text))
+        assert ids == estimate_tokens(text) and not exact
+    assert threads[0] is not threading.current_thread() and threads[1] is threading.current_thread()
+    await engine.close()

@@ -53,6 +53,22 @@ class QueueTimeout(SchedulerError):
     code = "queue_timeout"
 
 
+# Prompts estimated on the event loop up to this size (a few ms); longer ones on a worker
+# thread, so that one client's MB of text does not pause every other client's stream.
+ESTIMATE_ON_LOOP_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class _CountedPrompt:
+    """A request counted and ready to queue: its prompt's ids, whether they are exact, and the
+    cache breakpoints' prefixes the backend keeps (Backend.retained_prefixes)."""
+
+    request: GenerateRequest
+    prompt_ids: list[int]
+    exact: bool
+    retention: tuple[tuple[int, float], ...]
+
+
 @dataclass
 class EngineStats:
     """Counters behind /status and /metrics."""
@@ -383,14 +399,15 @@ class KVStreamEngine:
         if tokens:
             return tokens, True
         text = flatten_messages(request.messages) if request.is_chat else (request.prompt or "")
-        return estimate_tokens(text), False
+        if len(text) < ESTIMATE_ON_LOOP_CHARS:
+            return estimate_tokens(text), False
+        return await asyncio.to_thread(estimate_tokens, text), False  # a quarter second per 4 MB
 
     async def submit(
         self, request: GenerateRequest, priority: Priority = Priority.NORMAL, arrived_at: float | None = None
     ) -> Generation:
         """Count the prompt and queue the request. Raises NeverFits or QueueFull at once."""
-        prompt_ids, exact = await self._counted(request)
-        return self._queued(request, prompt_ids, exact, priority, arrived_at)
+        return self._queued(await self._counted(request), priority, arrived_at)
 
     async def submit_all(
         self, requests: list[GenerateRequest], priority: Priority = Priority.NORMAL, arrived_at: float | None = None
@@ -401,15 +418,15 @@ class KVStreamEngine:
         counted = [await self._counted(request) for request in requests]
         gens: list[Generation] = []
         try:
-            for request, (prompt_ids, exact) in zip(requests, counted, strict=True):
-                gens.append(self._queued(request, prompt_ids, exact, priority, arrived_at))
+            for prompt in counted:
+                gens.append(self._queued(prompt, priority, arrived_at))
         except BaseException:
             for gen in gens:
                 gen.close("rejected")
             raise
         return gens
 
-    async def _counted(self, request: GenerateRequest) -> tuple[list[int], bool]:
+    async def _counted(self, request: GenerateRequest) -> _CountedPrompt:
         self.stats.requests_total += 1
         self.hot.observe(request)
         prompt_ids, exact = await self.prompt_tokens(request)
@@ -418,12 +435,16 @@ class KVStreamEngine:
             self.stats.prompts_exact += 1
         else:
             self.stats.prompts_estimated += 1
-        return prompt_ids, exact
+        retention: tuple[tuple[int, float], ...] = ()
+        limit = self.scheduler.config.max_model_len
+        if request.cache_breakpoints and exact and (limit is None or len(prompt_ids) <= limit):
+            # Off the event loop: each breakpoint's messages go through the chat template again.
+            retention = tuple(await asyncio.to_thread(self.backend.retained_prefixes, request, prompt_ids))
+        return _CountedPrompt(request, prompt_ids, exact, retention)
 
-    def _queued(self, request: GenerateRequest, prompt_ids: list[int], exact: bool, priority: Priority,
-                arrived_at: float | None) -> Generation:
-        retention = self.backend.retained_prefixes(request, prompt_ids) if request.cache_breakpoints and exact else []
-        return self._enqueue(request, prompt_ids, exact, priority, arrived_at, retention=tuple(retention))
+    def _queued(self, prompt: _CountedPrompt, priority: Priority, arrived_at: float | None) -> Generation:
+        return self._enqueue(prompt.request, prompt.prompt_ids, prompt.exact, priority, arrived_at,
+                             retention=prompt.retention)
 
     def reserve(self, body_size: int, max_tokens: int | None, priority: Priority = Priority.NORMAL) -> Generation:
         """A batch slot for a generation KVStream forwards without reading it (a runtime's

@@ -668,15 +668,22 @@ class HFBackend(InProcessBackend):
 
     # ------------------------------------------------------------ requests
     async def tokenize(self, request: GenerateRequest) -> list[int] | None:
+        """The prompt's token ids, the request checked first (a field the engine refuses is a
+        400 before it is queued). All of it off the event loop every client's stream is served
+        from: a chat template over a few MB of messages and their tokenizing take seconds
+        (benchmarks/loop_stall.py), a tool's schema or a grammar long to compile (compiled once,
+        cached for submit, which runs on the loop)."""
+        if self.runner is None:
+            raise BackendUnavailable(self._error or "the model is still loading")
+        return await asyncio.to_thread(self._prompt_ids, request)
+
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """``tokenize``'s work, on a worker thread."""
         from kvstream.hf.loader import chat_token_ids
         from kvstream.hf.request_options import forces_call, template_kwargs
 
-        if self.runner is None:
-            raise BackendUnavailable(self._error or "the model is still loading")
-        # Before the request is queued: a field the engine refuses is a 400 at once. Off the
-        # event loop: a schema or a grammar (a tool's parameters) takes long to compile, once
-        # (the compiled expressions are cached for submit, which runs on the loop).
-        await asyncio.to_thread(self._checked_params, request)
+        assert self.runner is not None
+        self._checked_params(request)
         tokenizer = self.runner.tokenizer
         if request.is_chat:
             if request.extra.get("suffix"):
@@ -706,8 +713,8 @@ class HFBackend(InProcessBackend):
                     raise BackendRejected(f"{self.model_name or 'this model'} does not support tools (its chat template "
                                           "does not render them; --chat-template can give it one that does)",
                                           param="tools", code="unsupported_parameter")
-                if tools and not forces_call(request):  # the hold on its own calls, compiled off the loop too
-                    await asyncio.to_thread(lambda: self._call_hold(request, self._answer_reading(request, Sequence(ids, 1))))
+                if tools and not forces_call(request):  # the hold on its own calls, compiled here too
+                    self._call_hold(request, self._answer_reading(request, Sequence(ids, 1)))
                 return ids
             except BackendRejected:
                 raise

@@ -97,6 +97,45 @@ async def test_a_prompt_longer_than_the_pool_is_rejected_at_once(hf_proxy, oa):
     await wait_idle(hf_proxy)
 
 
+async def test_a_large_prompt_is_templated_and_tokenized_off_the_event_loop(hf_proxy, oa, monkeypatch):
+    """A few MB of messages take seconds to template and tokenize (benchmarks/loop_stall.py:
+    3 s of every stream paused per 3.5 MB request when it ran on the event loop): the work
+    runs on a worker thread while another client's stream goes on, and the answer is still
+    the exact count's 400."""
+    import kvstream.hf.loader as loader
+
+    on_loop = []
+
+    def where(call):
+        def recorded(*args, **kwargs):
+            if len(repr(args)) > 100_000:  # the large prompt's (small probes run where they like)
+                try:
+                    asyncio.get_running_loop()
+                    on_loop.append(True)
+                except RuntimeError:
+                    on_loop.append(False)
+            return call(*args, **kwargs)
+        return recorded
+
+    tokenizer = hf_proxy.engine.backend.runner.tokenizer
+    monkeypatch.setattr(loader, "chat_token_ids", where(loader.chat_token_ids))
+    monkeypatch.setattr(type(tokenizer), "__call__", where(type(tokenizer).__call__))
+    victim = asyncio.ensure_future(oa.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=24, temperature=0,
+        stream=True))
+    text = "The keeper climbed the stairs at dusk and lit the lamp. " * 9000  # 500 KB, ~90,000 tokens
+    for call in (lambda: oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": text}],
+                                                    max_tokens=4),
+                 lambda: oa.completions.create(model="smollm2", prompt=text, max_tokens=4)):
+        with pytest.raises(BadRequestError) as err:
+            await call()
+        assert err.value.code == "context_length_exceeded" and "prompt" in err.value.message
+    chunks = [chunk async for chunk in await victim]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert on_loop and not any(on_loop), on_loop
+    await wait_idle(hf_proxy)
+
+
 async def test_client_disconnect_aborts_and_frees_the_blocks(hf_proxy):
     async with aiohttp.ClientSession() as http:
         resp = await http.post(
