@@ -272,7 +272,8 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     body = await read_object(request)
     if "prompt" not in body:
         raise invalid("'prompt' is required.", "prompt")
-    prompts, batch = fmt.prompts(body["prompt"], _tokenizer(state))
+    # On a thread: the text pieces of a prompt mixing text and ids are tokenized here.
+    prompts, batch = await asyncio.to_thread(fmt.prompts, body["prompt"], _tokenizer(state))
     return await _generate(request, body, prompts, batch, arrived_at)
 
 
