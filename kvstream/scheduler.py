@@ -70,6 +70,14 @@ class NeverFits(SchedulerError):
     code = "context_length_exceeded"
 
 
+class TooManySamples(SchedulerError):
+    """A request whose choices (``n``, ``best_of``) outnumber the batch: its forks are admitted
+    together, so it could never be."""
+
+    status = 400
+    code = "invalid_value"
+
+
 class QueueFull(SchedulerError):
     status = 429
     code = "queue_full"
@@ -209,7 +217,13 @@ class Scheduler:
 
     # ----------------------------------------------------------------- intake
     def check_fits(self, seq: Sequence) -> None:
-        """Raise NeverFits if ``seq`` could not run even on an empty pool."""
+        """Raise NeverFits if ``seq`` could not run even on an empty pool (TooManySamples if
+        its choices could not run together in an empty batch)."""
+        if self._slots_for(seq) > self.config.max_batch_size:
+            raise TooManySamples(
+                f"This request samples {seq.num_samples} choices together, more than the batch of "
+                f"{self.config.max_batch_size} sequences the engine runs at once."
+            )
         limit = self.config.max_model_len
         if limit is not None and seq.max_total_tokens > limit:
             raise NeverFits(

@@ -13,6 +13,7 @@ from kvstream.scheduler import (
     SchedulerConfig,
     SeqStatus,
     Sequence,
+    TooManySamples,
 )
 
 
@@ -103,6 +104,21 @@ def test_never_fits_is_refused_at_once():
     with pytest.raises(NeverFits):
         make(num_blocks=100, max_model_len=16)[0].add(seq(10, max_tokens=10))  # > model context
     assert not sched.waiting
+
+
+def test_choices_outnumbering_the_batch_are_refused_at_once():
+    """A request's choices are forked at admission and run together: more of them than the
+    batch has slots could never be admitted (it waited forever, nothing running)."""
+    sched, _ = make(max_batch_size=4)
+    many = seq(4, max_tokens=4)
+    many.num_samples = 5
+    with pytest.raises(TooManySamples) as err:
+        sched.add(many)
+    assert err.value.status == 400 and "5 choices" in str(err.value) and not sched.waiting
+    enough = seq(4, max_tokens=4, first=10)
+    enough.num_samples = 4
+    sched.add(enough)
+    assert sched.schedule().admitted == [enough] and sched.running == [enough]
 
 
 def test_memory_pressure_preempts_lowest_priority_by_swap_and_resumes_it_first():

@@ -818,6 +818,14 @@ class HFBackend(InProcessBackend):
         params = self._sampling_params(request, 1)
         if params.pattern is not None:
             machine_for(params.pattern)
+        # The choices are forked from one prompt and run together: all in one batch.
+        lanes = self.runner.scheduler.config.max_batch_size  # type: ignore[union-attr]
+        name, samples = ("best_of", request.best_of) if (request.best_of or 0) > request.n else ("n", request.n)
+        if samples > lanes:
+            raise BackendRejected(f"Invalid value for '{name}': the engine samples a request's {samples} choices "
+                                  f"together and runs at most {lanes} sequences at once (--max-batch-size); "
+                                  f"ask for at most {lanes}, or for the rest in another request.",
+                                  param=name, code="invalid_value")
 
     def _token_of(self, text: str) -> int | None:
         """The id of the one token ``text`` is (special tokens read as such), or None."""

@@ -113,3 +113,20 @@ async def test_the_openai_client_gets_n_choices_with_usage_for_all(hf_choices):
     assert finishes == {0: "length", 1: "length"}
     engine = hf_choices.engine.backend.runner
     assert engine.is_idle()
+
+
+async def test_more_choices_than_the_batch_is_a_400_naming_the_field_and_nothing_waits(hf_choices):
+    """The choices are forked from one prompt and run together: ``n`` (or ``best_of``) past
+    the engine's batch could never be admitted; it waited forever with nothing running (the
+    client's request lost). Now the 400 names the field; as many as the batch holds run."""
+    import openai
+
+    lanes = hf_choices.engine.backend.runner.scheduler.config.max_batch_size
+    async with AsyncOpenAI(base_url=hf_choices.v1, api_key="unused", max_retries=0) as client:
+        for kwargs, param in (({"n": lanes + 1}, "n"), ({"n": 1, "best_of": lanes + 1}, "best_of")):
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=2, **kwargs)
+            assert err.value.param == param and f"at most {lanes}" in err.value.message
+        reply = await client.completions.create(model="smollm2", prompt="1, 2, 3,", n=lanes, max_tokens=2, temperature=0)
+    assert len(reply.choices) == lanes
+    assert hf_choices.engine.backend.runner.is_idle()
