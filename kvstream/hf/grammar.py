@@ -25,6 +25,7 @@ how it is written), looser than one token when counted (``!<x>{2}`` takes a long
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -363,9 +364,16 @@ class Gbnf:
 
 
 def read_gbnf(text: str) -> Gbnf:
-    """``text`` read; GrammarError, saying where, for what cannot be read or followed."""
+    """``text`` read; GrammarError, saying where, for what cannot be read or followed.
+    Cached by the text: a request's grammar is read when it is checked and again when it is
+    queued, and clients resend theirs."""
     if not isinstance(text, str):
         raise GrammarError("a grammar is a string")
+    return _read_gbnf(text)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_gbnf(text: str) -> Gbnf:
     reader = _Reader(text)
     try:
         pattern = reader.read()

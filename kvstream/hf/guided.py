@@ -19,6 +19,7 @@ import regex
 
 from kvstream.hf.grammar import GrammarError, read_gbnf
 from kvstream.hf.pattern_constraint import PatternError, compile_pattern
+from kvstream.hf.pattern_machine import machine_holds
 from kvstream.types import BackendRejected
 
 FIELDS = ("grammar", "guided_grammar", "guided_regex", "guided_choice", "guided_json", "structured_outputs")
@@ -83,10 +84,15 @@ def _read(kind: str, value: Any, field: str) -> Guide:
         except GrammarError as exc:
             raise _invalid(field, f"the grammar cannot be read: {exc}") from None
         pattern, tokens = grammar.pattern, grammar.tokens
+        if machine_holds(pattern):
+            # An expression KVStream wrote, which the machine holds the answer to: the regex
+            # module compiles it only if an answer needs it (seconds for a large grammar, with
+            # the interpreter's lock held: every stream paused).
+            return Guide(field, pattern=pattern, tokens=tokens)
     else:
         pattern = value
     try:
-        compile_pattern(pattern)
+        compile_pattern(pattern)  # a client's expression: what the regex module refuses is a 400
     except PatternError as exc:
         raise _invalid(field, str(exc)) from None
     return Guide(field, pattern=pattern, tokens=tokens)

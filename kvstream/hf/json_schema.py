@@ -30,7 +30,7 @@ from typing import Any
 
 import regex
 
-from kvstream.hf.pattern_machine import machine_for
+from kvstream.hf.pattern_machine import LazyExpression, machine_for, machine_holds
 
 # Whitespace between tokens: none, one space, or a newline and an indent of up to MAX_INDENT
 # spaces or tabs (llama.cpp's JSON grammars' rule). That is all compact or pretty-printed JSON
@@ -278,6 +278,8 @@ def _compiled(text: str) -> Any:
         machine = machine_for(pattern)
         if machine is not None and not machine.matches_something():
             raise SchemaError("no JSON value satisfies the schema (a reference that must always hold itself again)")
+        if machine_holds(pattern):  # the regex module only if the machine gives up on an answer
+            return LazyExpression(pattern)
         return regex.compile(pattern)
     except SchemaError:
         raise

@@ -35,7 +35,15 @@ import regex
 import torch
 
 from kvstream.hf.grammar import MAX_TOKEN_REFERENCES, TOKEN_SENTINELS
-from kvstream.hf.pattern_machine import Machine, State, TooComplex, machine_for, partial_span
+from kvstream.hf.pattern_machine import (
+    LazyExpression,
+    Machine,
+    State,
+    TooComplex,
+    machine_for,
+    machine_holds,
+    partial_span,
+)
 from kvstream.hf.token_bytes import first_byte_mask
 
 CLIENT_BUDGET_S = 0.25  # matching time one token of a client's expression may take
@@ -60,26 +68,10 @@ def compile_pattern(text: str) -> Any:
     return pattern
 
 
-class LazyExpression:
-    """An expression the machine reads, compiled by the regex module only if an answer needs
-    it (the machine gives up on a text past its ``MAX_PLACES``): the regex module takes long
-    to compile a large one (the calls of 50 tools: up to 1.5 s here, 3-10x what the machine
-    takes to read it; benchmarks/tool_holds.py)."""
-
-    def __init__(self, text: str) -> None:
-        self.pattern = text
-        self._compiled: Any = None
-
-    def fullmatch(self, text: str, partial: bool = False, timeout: float | None = None) -> Any:
-        if self._compiled is None:
-            self._compiled = compile_pattern(self.pattern)
-        return self._compiled.fullmatch(text, partial=partial, timeout=timeout)
-
-
 def expression(text: str) -> Any:
     """``text`` ready to hold an answer to: read by the machine (LazyExpression) where it
     can be, else compiled now (PatternError if it does not compile)."""
-    return LazyExpression(text) if machine_for(text) is not None else compile_pattern(text)
+    return LazyExpression(text, compile_pattern) if machine_holds(text) else compile_pattern(text)
 
 
 class PatternConstraint:
@@ -183,6 +175,14 @@ class PatternConstraint:
     # ------------------------------------------------------------ the regex module's way
     def _match(self, text: str, partial: bool) -> bool:
         """Whether ``text`` is a match (``partial``: a prefix of one), within the budget."""
+        if isinstance(self.pattern, LazyExpression):
+            try:
+                self.pattern.compiled()  # (once; outside the budget)
+            except (regex.error, ValueError, RecursionError, OverflowError):
+                # What the machine gave up on, the regex module cannot take either: this answer
+                # ends (as past its budget), the others in the batch go on.
+                self.failed = True
+                return False
         return self._budgeted(lambda timeout: self.pattern.fullmatch(text, partial=partial, timeout=timeout) is not None)
 
     def _regex_continues(self, data: bytes, reference: bool = False) -> bool:

@@ -30,11 +30,15 @@ constraint asks the ``regex`` module instead. An expression whose places multipl
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import regex
 
 MAX_PLACES = 20_000  # continuations one character's closure may visit
+# The regex module refuses a repetition count from this on ("repeat count too big"): an
+# expression the machine reads is one it could fall back on (LazyExpression).
+REGEX_MAX_REPEAT = 2**32 - 1
 MAX_STEPS_CACHED = 8_192  # (state, character) -> state entries a machine remembers (a few MB)
 MAX_FRAMES = 200_000  # interned continuations a machine keeps before starting afresh (~30 MB)
 
@@ -232,6 +236,8 @@ class _Reader:
                 high = None if match.group(2) and not match.group(3) else int(match.group(3) or low)
                 if high is not None and high < low:
                     raise Unsupported("a repetition whose bounds run backwards")
+                if max(low, high or 0) >= REGEX_MAX_REPEAT:  # read only what the regex module compiles too
+                    raise Unsupported("a repetition count the regex module refuses")
             else:
                 return node
             if self.peek() == "?":  # lazy: the same language
@@ -395,6 +401,43 @@ def machine_for(pattern_text: str) -> Machine | None:
     except (Unsupported, RecursionError):
         return None
     return Machine(root)
+
+
+def machine_holds(pattern_text: str) -> bool:
+    """Whether the machine reads ``pattern_text`` and can start on it (its first places within
+    ``MAX_PLACES``): then the machine holds the answer, and the regex module is needed only if
+    it gives up later on (LazyExpression)."""
+    machine = machine_for(pattern_text)
+    if machine is None:
+        return False
+    try:
+        machine.start()
+    except TooComplex:
+        return False
+    return True
+
+
+class LazyExpression:
+    """An expression the machine reads, compiled by ``compile`` (the regex module's) only if
+    an answer needs it (the machine gives up on a text past its ``MAX_PLACES``): the regex
+    module takes long to compile a large one, holding the interpreter's lock in C meanwhile
+    (the calls of 50 tools: up to 1.5 s here, 3-10x what the machine takes to read it;
+    benchmarks/tool_holds.py), which pauses the event loop and the engine's thread alike."""
+
+    def __init__(self, text: str, compile: Callable[[str], Any] | None = None) -> None:
+        self.pattern = text
+        self._compile = compile
+        self._compiled: Any = None
+
+    def compiled(self) -> Any:
+        """The regex module's expression, compiled now if not yet (PatternConstraint asks
+        before a budgeted match: compiling is not matching time)."""
+        if self._compiled is None:
+            self._compiled = (self._compile or regex.compile)(self.pattern)
+        return self._compiled
+
+    def fullmatch(self, text: str, partial: bool = False, timeout: float | None = None) -> Any:
+        return self.compiled().fullmatch(text, partial=partial, timeout=timeout)
 
 
 # --------------------------------------------------------------------------- following

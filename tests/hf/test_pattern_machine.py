@@ -140,6 +140,49 @@ def test_a_closure_past_its_bound_goes_on_in_the_regex_module():
     assert midway.accepts(1) and midway.accepts(2) and not midway.failed
 
 
+def test_what_the_machine_holds_is_compiled_by_the_regex_module_only_when_it_gives_up(monkeypatch):
+    """A schema's or a grammar's expression the machine holds from its start is not compiled
+    by the regex module up front (seconds for a large one, in C with the interpreter's lock
+    held: every stream paused); when the machine gives up midway it is compiled then, outside
+    the matching budget. One the machine cannot start on is compiled at once, as one it
+    cannot read; a bound the regex module refuses stays the schema's error."""
+    import time
+
+    from kvstream.hf.guided import guide
+    from kvstream.hf.json_schema import SchemaError, compile_schema
+    from kvstream.hf.pattern_machine import LazyExpression, machine_holds
+
+    compiled = []
+    original = regex.compile
+    monkeypatch.setattr(regex, "compile", lambda text, *a, **k: compiled.append(text) or original(text, *a, **k))
+    held = compile_schema({"type": "object", "properties": {"lazy_city": {"type": "string"}, "lazy_days": {"type": "integer"}}})
+    assert isinstance(held, LazyExpression) and not compiled
+    assert held.fullmatch('{"lazy_city": "Paris", "lazy_days": 3}') and compiled == [held.pattern]  # asked: compiled once
+    with pytest.raises(SchemaError):
+        compile_schema({"type": "object", "properties": {"s": {"type": "string", "maxLength": 10**12}}})
+    grammar = guide({"grammar": 'root ::= "yes" | "no"'})
+    assert machine_holds(grammar.pattern)
+    wide = 'root ::= ' + " | ".join(f'"w{i}"' for i in range(20_500))  # its first places past MAX_PLACES
+    assert not machine_holds(guide({"grammar": wide}).pattern)
+
+    def slow_compile(text):
+        time.sleep(0.3)  # longer than the whole budget below
+        return compile_pattern(text)
+
+    spelled = {0: b"a", 1: b"b", 2: b"c"}
+    midway = PatternConstraint(LazyExpression("(?:a(?:b?){0,30000})*c", slow_compile), spelled.__getitem__, (),
+                               budget_s=0.1)
+    assert midway.machine is not None and midway.accepts(0) and midway.machine is None  # gave up after "a"
+    midway.advance(0)
+    assert midway.accepts(1) and midway.accepts(2) and not midway.failed
+
+    def refused(text):
+        raise regex.error("too large")
+
+    broken = PatternConstraint(LazyExpression("(?:a(?:b?){0,30000})*c", refused), spelled.__getitem__, ())
+    assert not broken.accepts(0) and broken.failed  # that answer ends; nothing raised into the engine's step
+
+
 def test_a_long_answer_under_a_grammar_is_followed_to_its_end_within_a_clients_budget():
     """An 8 KB JSON answer under llama.cpp's JSON grammar, three bytes a token, with the
     budget a client's grammar gets, the candidate mask asked every token: the machine
