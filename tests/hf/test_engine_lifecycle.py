@@ -266,3 +266,50 @@ def test_jobs_between_steps_run_in_turn_with_the_steps_and_fail_when_the_engine_
     with pytest.raises(EngineStopped, match="stopped before this job ran"):
         left.result(10)
     assert ran == [("blocked", "kvstream-hf-engine")]
+
+
+def test_while_sequences_run_jobs_get_at_most_the_time_the_steps_take(smollm2):
+    """A queue of jobs (an embedding request's forwards) ran one before every step: each token
+    of a running stream waited for a whole job (a 2,048-input request made 20 ms steps 400 ms
+    for minutes). While sequences run, a job now waits until the steps since the last one
+    have taken as long as it did; with nothing to generate, jobs run back to back."""
+    import time
+
+    engine = ModelRunner(smollm2[0], smollm2[2], RunnerConfig(block_size=16, num_blocks=64, max_num_seqs=2))
+    timeline: list[tuple[str, float]] = []
+    step = engine.step
+
+    def timed_step():
+        started = time.perf_counter()
+        step()
+        timeline.append(("step", time.perf_counter() - started))
+
+    def job():
+        started = time.perf_counter()
+        time.sleep(0.2)
+        timeline.append(("job", time.perf_counter() - started))
+
+    engine.step = timed_step
+    engine.start()
+    try:
+        seq = Sequence([1, 2, 3], 400)
+        engine.add_request(seq, SamplingParams(max_tokens=400, ignore_eos=True), lambda events: None)
+        jobs = [engine.run_between_steps(job) for _ in range(3)]
+        for future in jobs:
+            future.result(30)
+        engine.abort(seq.seq_id)
+        deadline = time.monotonic() + 30
+        while engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        idle = [engine.run_between_steps(job) for _ in range(2)]  # nothing generating: back to back
+        for future in idle:
+            future.result(30)
+    finally:
+        engine.stop()
+    jobs_at = [i for i, (kind, _) in enumerate(timeline) if kind == "job"]
+    assert len(jobs_at) == 5
+    for before, after in zip(jobs_at[:2], jobs_at[1:3], strict=True):  # while the sequence ran
+        between = [seconds for kind, seconds in timeline[before + 1 : after] if kind == "step"]
+        # the steps since the job before took as long as it did (the loop's own clock adds µs)
+        assert sum(between) + 0.002 >= timeline[before][1], (between, timeline[before])
+    assert jobs_at[4] == jobs_at[3] + 1 == len(timeline) - 1  # the idle ones, no step between them
