@@ -355,11 +355,12 @@ class ModelRunner:
 
     def run_between_steps(self, job: Callable[[], Any]) -> Future:
         """Run ``job`` on the engine thread between two steps (call from any thread): work that
-        needs the model but is no sequence, such as an embedding's forward. One job runs
-        between two steps, and while sequences run the jobs get at most half the engine's time
-        (``_loop``), so a queue of them slows the running generations, never stalls them. Raises QueueFull when as many jobs wait as requests may, EngineStopped when the
-        engine is not running; the future fails with EngineStopped if the engine stops first,
-        and a job whose future was cancelled does not run."""
+        needs the model but is no sequence, such as an embedding's forward. At most one job
+        runs between two steps, and while sequences run the jobs get at most half the engine's
+        time (``_loop``), so a queue of them slows the running generations, never stalls them.
+        Raises QueueFull when as many jobs wait as requests may, EngineStopped when the engine
+        is not running; the future fails with EngineStopped if the engine stops first, and a
+        job whose future was cancelled does not run."""
         future: Future = Future()
         with self._lock:
             if self._thread is None or self._stopping:
