@@ -136,6 +136,44 @@ async def test_a_large_prompt_is_templated_and_tokenized_off_the_event_loop(hf_p
     await wait_idle(hf_proxy)
 
 
+async def test_a_client_that_leaves_while_its_prompt_is_tokenized_queues_nothing(hf_proxy, oa, monkeypatch):
+    """The prompt is templated and tokenized on a worker thread, which cannot be stopped: a
+    client that leaves meanwhile cancels its handler, the thread's ids are dropped when it
+    ends, and nothing is queued or computed for it; the next request is served."""
+    import threading
+
+    import kvstream.hf.loader as loader
+
+    entered, release = threading.Event(), threading.Event()
+    original = loader.chat_token_ids
+
+    def held(tokenizer, messages, *args, **kwargs):
+        if "LEAVING" in str(messages):  # the leaving client's prompt: held until it has gone
+            entered.set()
+            release.wait(10)
+        return original(tokenizer, messages, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "chat_token_ids", held)
+    runner = hf_proxy.engine.backend.runner
+    before = runner.counters.prefill_tokens
+    leaving = asyncio.ensure_future(oa.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "LEAVING " * 50}], max_tokens=8))
+    assert await asyncio.to_thread(entered.wait, 10)
+    leaving.cancel()  # the client closes its connection mid-request
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    await asyncio.sleep(0.2)  # the server sees the connection gone and cancels the handler
+    release.set()
+    for _ in range(50):  # the thread ends; its ids must go nowhere
+        await asyncio.sleep(0.02)
+        assert not runner.scheduler.waiting and not runner.scheduler.running
+    assert runner.counters.prefill_tokens == before
+    reply = await oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=4, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    await wait_idle(hf_proxy)
+
+
 async def test_client_disconnect_aborts_and_frees_the_blocks(hf_proxy):
     async with aiohttp.ClientSession() as http:
         resp = await http.post(
