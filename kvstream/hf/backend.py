@@ -119,8 +119,10 @@ class HFStream:
     def __init__(
         self, backend: HFBackend, seq: Sequence, token_bytes: TokenBytes | None = None, echo: str | None = None,
         tool_call: ForcedNames | None = None, reading: AnswerReading | None = None, candidates: Candidates | None = None,
+        choices: int = 1,
     ) -> None:
         loop = asyncio.get_running_loop()
+        self._choices = choices  # the request's n (best_of: its candidates), every group's
         # best_of: the choices are candidates, held until all end and the best given out.
         self._candidates = candidates
         self._token_bytes = token_bytes  # spells each token's log-probabilities, when asked for
@@ -170,7 +172,7 @@ class HFStream:
     async def _tokens(self) -> AsyncIterator[Token]:
         seq, runner = self._seq, self._backend.runner
         generated = 0
-        open_choices = seq.num_samples
+        open_choices = self._choices
         while True:
             for event in await self._events.get():
                 if event.kind == "admitted":
@@ -188,7 +190,7 @@ class HFStream:
                     raise BackendError(f"the engine failed: {event.error!r}", 500, code="engine_error")
                 if self._echo is not None:
                     entries = self._prompt_entries(event.prompt_logprobs)
-                    for index in range(seq.num_samples):
+                    for index in range(self._choices):
                         yield Token(text=self._echo, token_logprobs=entries, index=index, echo=True)
                     self._echo = None
                 if event.kind == "prompt":
@@ -818,14 +820,6 @@ class HFBackend(InProcessBackend):
         params = self._sampling_params(request, 1)
         if params.pattern is not None:
             machine_for(params.pattern)
-        # The choices are forked from one prompt and run together: all in one batch.
-        lanes = self.runner.scheduler.config.max_batch_size  # type: ignore[union-attr]
-        name, samples = ("best_of", request.best_of) if (request.best_of or 0) > request.n else ("n", request.n)
-        if samples > lanes:
-            raise BackendRejected(f"Invalid value for '{name}': the engine samples a request's {samples} choices "
-                                  f"together and runs at most {lanes} sequences at once (--max-batch-size); "
-                                  f"ask for at most {lanes}, or for the rest in another request.",
-                                  param=name, code="invalid_value")
 
     def _token_of(self, text: str) -> int | None:
         """The id of the one token ``text`` is (special tokens read as such), or None."""
@@ -890,11 +884,12 @@ class HFBackend(InProcessBackend):
             # Each sampled token's log-probability scores its candidate (best_of.py).
             candidates = Candidates(request.n, with_logprobs=params.logprobs is not None)
             params = dataclasses.replace(params, logprobs=params.logprobs or 0)
+        choices = request.n if candidates is None else request.best_of
         stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None, echo,
                           tool_call=forced_names(request.extra.get("tools"), request.extra.get("tool_choice")) if forces_call(request) else None,
-                          reading=reading, candidates=candidates)
-        self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request),
-                                n=request.n if candidates is None else request.best_of, progress=request.return_progress)
+                          reading=reading, candidates=candidates, choices=choices)
+        self.runner.add_request(seq, params, stream.sink, blend=self._blend_params(request), n=choices,
+                                progress=request.return_progress)
         return stream
 
     def embedding_width(self) -> int | None:

@@ -129,6 +129,14 @@ class TokenEvent:
 Sink = Callable[[list[TokenEvent]], None]
 
 
+def choice_groups(n: int, lanes: int) -> list[int]:
+    """``n`` choices split into as few groups as a batch of ``lanes`` takes, as even as can
+    be (30 on 22 lanes: 15 and 15, not 22 and 8): a group's choices are forked together and
+    wait for that many free lanes, so the smaller the largest group, the sooner it runs."""
+    count = -(-n // max(1, lanes))
+    return [n // count + (i < n % count) for i in range(count)]
+
+
 @dataclass(eq=False)
 class RunnerRequest:
     """A request inside the engine: its scheduler sequence plus decoding state."""
@@ -148,6 +156,9 @@ class RunnerRequest:
     repaired_tokens: int = 0  # of those, recomputed by the repair
     approx_from: int | None = None  # first position holding moved (approximate) KV
     index: int = 0  # choice index among the request's n (forks carry 1..n-1)
+    # The id aborting the client's request ends (its first sequence's): its choices' ids
+    # are "<request_id>/<index>", its other groups' too (add_request).
+    request_id: str = ""
     constraint: PatternConstraint | None = None  # a held answer: what may come next
     lazy: LazyGrammar | None = None  # a lazy grammar's wait for its trigger (the constraint then)
     thinking: ThinkingBudget | None = None  # a cap on its <think> block (thinking_budget.py)
@@ -163,6 +174,9 @@ class RunnerRequest:
     progress_from: float = 0.0
     progress_cache: int = 0
     progress_reported: int = 0
+
+    def __post_init__(self) -> None:
+        self.request_id = self.request_id or self.seq.seq_id
 
 
 @dataclass
@@ -306,10 +320,12 @@ class ModelRunner:
         """Queue a request (any thread). Raises NeverFits / QueueFull at once. ``blend``
         opts the request into approximate reuse of moved chunks (blend.py). With ``n`` > 1
         the prompt is computed once and its block table forked into n choices (copy-on-write),
-        each sampled from the same logits; events carry the choice's ``index``. ``progress``:
+        each sampled from the same logits; events carry the choice's ``index``. More choices
+        than the batch holds run in groups, one after the other (``_later_groups``). ``progress``:
         "progress" events report the prompt's computation, one at admission (what the cache
         held) and one after each forward that computed some of it."""
-        seq.num_samples = n
+        groups = choice_groups(n, self.scheduler.config.max_batch_size)
+        seq.num_samples = groups[0]
         self.scheduler.check_fits(seq)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.preserved_tokens)
         req = RunnerRequest(seq, params, detokenizer, sink, params.make_generator())
@@ -340,12 +356,36 @@ class ModelRunner:
             if self._think_tokens is None:
                 self._think_tokens = ThinkTokens.of(self.tokenizer)
             req.thinking = ThinkingBudget(params.thinking_budget, self._think_tokens, self.token_bytes, params.thinking_opened)
+        requests = [req, *self._later_groups(req, groups)]
         with self._lock:
-            if len(self.scheduler.waiting) + len(self._inbox) >= self.scheduler.config.max_queue_size:
+            if len(self.scheduler.waiting) + len(self._inbox) + len(requests) > self.scheduler.config.max_queue_size:
                 raise QueueFull(f"The queue is full ({self.scheduler.config.max_queue_size} requests waiting).")
-            self._inbox.append(req)
+            self._inbox.extend(requests)
             self._wake.notify()
         return req
+
+    def _later_groups(self, req: RunnerRequest, groups: list[int]) -> list[RunnerRequest]:
+        """More choices than the batch runs at once are sampled in groups of at most a
+        batch, queued one after the other: each group's first sequence (id
+        "<request_id>/<its first index>") takes its prompt from the prefix cache the first
+        group filled, then forks into the group's other choices. Only the first group
+        scores the prompt and reports its progress; choice i keeps choice i's seed."""
+        seq, later = req.seq, []
+        params = replace(req.params, prompt_logprobs=None) if req.scoring else req.params
+        base = groups[0]
+        for size in groups[1:]:
+            group = Sequence(list(seq.prompt_token_ids), seq.max_tokens, seq.priority, seq_id=f"{seq.seq_id}/{base}",
+                             arrival=seq.arrival, preemptible=seq.preemptible, num_samples=size,
+                             cache_root=seq.cache_root, cache_retention=seq.cache_retention)
+            later.append(RunnerRequest(
+                group, params, IncrementalDetokenizer(self.tokenizer, params.stop, params.preserved_tokens), req.sink,
+                params.make_generator(base), index=base, request_id=seq.seq_id, blend=req.blend,
+                constraint=req.constraint.copy() if req.constraint is not None else None,
+                lazy=req.lazy.copy() if req.lazy is not None else None,
+                thinking=req.thinking.copy() if req.thinking is not None else None,
+            ))
+            base += size
+        return later
 
     def abort(self, seq_id: str) -> None:
         """Stop a request and free its blocks at the start of the next step (any thread)."""
@@ -795,13 +835,13 @@ class ModelRunner:
         computed prompt, their own sampling streams (seeded apart)."""
         seq, params = req.seq, req.params
         forks = []
-        for index in range(1, seq.num_samples):
-            child = Sequence(list(seq.prompt_token_ids), seq.max_tokens, seq.priority, seq_id=f"{seq.seq_id}/{index}", arrival=seq.arrival)
+        for index in range(req.index + 1, req.index + seq.num_samples):
+            child = Sequence(list(seq.prompt_token_ids), seq.max_tokens, seq.priority, seq_id=f"{req.request_id}/{index}", arrival=seq.arrival)
             self.scheduler.fork(seq, child)
             fork = RunnerRequest(
                 child, params, IncrementalDetokenizer(self.tokenizer, params.stop, params.preserved_tokens), req.sink,
                 params.make_generator(index),
-                num_computed=req.num_computed, admitted=True, index=index,
+                num_computed=req.num_computed, admitted=True, index=index, request_id=req.request_id,
                 constraint=req.constraint.copy() if req.constraint is not None else None,
                 lazy=req.lazy.copy() if req.lazy is not None else None,
                 thinking=req.thinking.copy() if req.thinking is not None else None,

@@ -14,7 +14,7 @@ from openai import AsyncOpenAI  # noqa: E402
 
 from kvstream.hf import HFBackend  # noqa: E402
 from kvstream.hf.loader import LoadedModel  # noqa: E402
-from kvstream.hf.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from kvstream.hf.model_runner import ModelRunner, RunnerConfig, choice_groups  # noqa: E402
 from kvstream.hf.sampling import SamplingParams  # noqa: E402
 from kvstream.scheduler import Sequence  # noqa: E402
 
@@ -83,6 +83,55 @@ def test_forks_wait_for_batch_slots_reserved_at_admission(smollm2):
     assert engine.is_idle()
 
 
+def test_choice_groups_are_as_few_and_as_even_as_the_batch_allows():
+    assert choice_groups(1, 22) == [1] and choice_groups(22, 22) == [22]
+    assert choice_groups(23, 22) == [12, 11] and choice_groups(30, 22) == [15, 15]
+    assert choice_groups(128, 22) == [22, 22, 21, 21, 21, 21]
+    assert choice_groups(7, 3) == [3, 2, 2] and sum(choice_groups(97, 5)) == 97
+
+
+def test_more_choices_than_the_batch_run_in_groups_from_the_cached_prompt(smollm2):
+    """n past the batch: groups of at most a batch, one after the other, each after the
+    first taking the prompt's full blocks from the prefix cache; choice i keeps choice i's
+    seed, so the choices are those of the same request on a batch that holds them all."""
+
+    def run(lanes: int) -> tuple[ModelRunner, dict[int, list[int]], list[int]]:
+        engine = runner(smollm2, max_num_seqs=lanes)
+        events: list = []
+        seq = Sequence(list(PROMPT), 12)
+        engine.add_request(seq, SamplingParams(max_tokens=12, temperature=1.5, seed=7, ignore_eos=True), events.extend, n=7)
+        most_running = 0
+        while engine.has_work():
+            engine.step()
+            most_running = max(most_running, len(engine.scheduler.running))
+            assert all(s.seq_id == seq.seq_id or s.seq_id.startswith(seq.seq_id + "/") for s in engine.scheduler.running)
+        assert engine.is_idle() and most_running <= lanes
+        ended = [e.index for e in events if e.kind == "token" and e.finish_reason is not None]
+        return engine, {i: [e.token_id for e in events if e.kind == "token" and e.index == i] for i in range(7)}, ended
+
+    split, choices, ended = run(3)
+    assert sorted(ended) == list(range(7)) and all(len(tokens) == 12 for tokens in choices.values())
+    # Groups of 3, 2, 2: the prompt's 2 full blocks computed once; the later groups
+    # recompute only its partial last block (4 tokens) to sample their first tokens.
+    assert split.counters.prefill_tokens == 20 + 4 + 4 and split.counters.cached_tokens == 16 + 16
+    whole, same_request, _ = run(8)
+    assert whole.counters.prefill_tokens == 20
+    assert choices == same_request
+    assert len({tuple(tokens) for tokens in choices.values()}) == 7
+
+
+def test_aborting_a_request_ends_its_later_groups_too(smollm2):
+    engine = runner(smollm2, max_num_seqs=2)
+    events: list = []
+    seq = Sequence(list(PROMPT), 50)
+    engine.add_request(seq, SamplingParams(max_tokens=50, temperature=1.0, ignore_eos=True), events.extend, n=6)
+    engine.step()
+    assert len(engine.requests) == 4  # the first group's 2 choices, the other 2 groups waiting
+    engine.abort(seq.seq_id)
+    engine.step()
+    assert engine.is_idle() and not engine.requests
+
+
 @pytest.fixture
 async def hf_choices(smollm2, start_proxy):
     model, _, tokenizer = smollm2
@@ -115,18 +164,33 @@ async def test_the_openai_client_gets_n_choices_with_usage_for_all(hf_choices):
     assert engine.is_idle()
 
 
-async def test_more_choices_than_the_batch_is_a_400_naming_the_field_and_nothing_waits(hf_choices):
-    """The choices are forked from one prompt and run together: ``n`` (or ``best_of``) past
-    the engine's batch could never be admitted; it waited forever with nothing running (the
-    client's request lost). Now the 400 names the field; as many as the batch holds run."""
-    import openai
-
+async def test_more_choices_than_the_batch_all_come_back_through_the_openai_client(hf_choices):
+    """The choices of one request are forked together; more than the engine's batch run in
+    groups (they waited forever once, then were a 400): the client gets every one."""
     lanes = hf_choices.engine.backend.runner.scheduler.config.max_batch_size
     async with AsyncOpenAI(base_url=hf_choices.v1, api_key="unused", max_retries=0) as client:
-        for kwargs, param in (({"n": lanes + 1}, "n"), ({"n": 1, "best_of": lanes + 1}, "best_of")):
-            with pytest.raises(openai.BadRequestError) as err:
-                await client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=2, **kwargs)
-            assert err.value.param == param and f"at most {lanes}" in err.value.message
-        reply = await client.completions.create(model="smollm2", prompt="1, 2, 3,", n=lanes, max_tokens=2, temperature=0)
-    assert len(reply.choices) == lanes
+        reply = await client.completions.create(model="smollm2", prompt="1, 2, 3,", n=lanes + 3, max_tokens=3, temperature=1.0, seed=5)
+        assert sorted(c.index for c in reply.choices) == list(range(lanes + 3))
+        assert all(c.finish_reason in ("stop", "length") for c in reply.choices)
+        one = await client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=1)
+        assert reply.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once, not per group
+        assert lanes + 3 <= reply.usage.completion_tokens <= 3 * (lanes + 3)
+        echoed = await client.completions.create(model="smollm2", prompt="1, 2, 3,", n=lanes + 1, max_tokens=2,
+                                                 temperature=0, echo=True, logprobs=1)
+        assert len({(c.text, tuple(c.logprobs.tokens)) for c in echoed.choices}) == 1  # greedy, and the prompt scored once
+        assert echoed.choices[-1].text.startswith("1, 2, 3,") and echoed.choices[-1].logprobs.token_logprobs[0] is None
+        best = await client.completions.create(model="smollm2", prompt="1, 2, 3,", n=2, best_of=lanes + 1, max_tokens=3,
+                                               temperature=1.0, seed=5)
+        assert sorted(c.index for c in best.choices) == [0, 1]
+        stream = await client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                                      n=lanes + 2, max_tokens=3, temperature=0, stream=True)
+        texts: dict[int, str] = {}
+        finishes: dict[int, str] = {}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+                if choice.finish_reason:
+                    finishes[choice.index] = choice.finish_reason
+    assert sorted(finishes) == list(range(lanes + 2))
+    assert len(set(texts.values())) == 1 and texts[0]  # greedy: every group's choices alike
     assert hf_choices.engine.backend.runner.is_idle()
