@@ -680,12 +680,31 @@ class HFBackend(InProcessBackend):
         return await asyncio.to_thread(self._prompt_ids, request)
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
-        """``tokenize``'s work, on a worker thread."""
+        """``tokenize``'s work, on a worker thread: the prompt's ids, then the request's fields
+        checked and its constraints read into their machines (cached for submit). Not for a
+        prompt that leaves no room in the context: submit refuses it before building anything
+        (NeverFits), and reading the schema of hundreds of tools into a machine (a second of
+        pure Python, sharing the interpreter with every stream) would be spent on a refusal."""
+        from kvstream.hf.request_options import forces_call
+
+        assert self.runner is not None
+        ids = self._templated_ids(request)
+        limit = self.runner.scheduler.config.max_model_len
+        if limit is not None and len(ids) + (1 if request.max_tokens is None else request.max_tokens) > limit:
+            return ids
+        self._checked_params(request)
+        if request.is_chat and request.extra.get("tools") and request.extra.get("tool_choice") != "none" \
+                and not forces_call(request) and not self._generic_calls(request):
+            self._call_hold(request, self._answer_reading(request, Sequence(ids, 1)))  # the hold on its own calls
+        return ids
+
+    def _templated_ids(self, request: GenerateRequest) -> list[int]:
+        """The prompt's token ids: a chat's through the model's template (400 for what it
+        cannot render), a completion's text, ids or fill-in-the-middle parts."""
         from kvstream.hf.loader import chat_token_ids
         from kvstream.hf.request_options import forces_call, template_kwargs
 
         assert self.runner is not None
-        self._checked_params(request)
         tokenizer = self.runner.tokenizer
         if request.is_chat:
             if request.extra.get("suffix"):
@@ -715,8 +734,6 @@ class HFBackend(InProcessBackend):
                     raise BackendRejected(f"{self.model_name or 'this model'} does not support tools (its chat template "
                                           "does not render them; --chat-template can give it one that does)",
                                           param="tools", code="unsupported_parameter")
-                if tools and not forces_call(request):  # the hold on its own calls, compiled here too
-                    self._call_hold(request, self._answer_reading(request, Sequence(ids, 1)))
                 return ids
             except BackendRejected:
                 raise
@@ -858,6 +875,8 @@ class HFBackend(InProcessBackend):
 
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
+        choices = request.n if (request.best_of or 0) <= request.n else request.best_of
+        self.runner.check_fits(seq, choices)  # before anything is built for a request refused (_prompt_ids)
         params = self._sampling_params(request, seq.max_tokens)
         if request.fill_in_middle or (request.extra.get("suffix") and not request.is_chat):  # its end tokens end it
             from kvstream.hf.fill_in_middle import end_ids
@@ -884,7 +903,6 @@ class HFBackend(InProcessBackend):
             # Each sampled token's log-probability scores its candidate (best_of.py).
             candidates = Candidates(request.n, with_logprobs=params.logprobs is not None)
             params = dataclasses.replace(params, logprobs=params.logprobs or 0)
-        choices = request.n if candidates is None else request.best_of
         stream = HFStream(self, seq, self.runner.token_bytes if params.logprobs is not None else None, echo,
                           tool_call=forced_names(request.extra.get("tools"), request.extra.get("tool_choice")) if forces_call(request) else None,
                           reading=reading, candidates=candidates, choices=choices)

@@ -324,9 +324,7 @@ class ModelRunner:
         than the batch holds run in groups, one after the other (``_later_groups``). ``progress``:
         "progress" events report the prompt's computation, one at admission (what the cache
         held) and one after each forward that computed some of it."""
-        groups = choice_groups(n, self.scheduler.config.max_batch_size)
-        seq.num_samples = groups[0]
-        self.scheduler.check_fits(seq)
+        groups = self.check_fits(seq, n)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.preserved_tokens)
         req = RunnerRequest(seq, params, detokenizer, sink, params.make_generator())
         req.blend = blend
@@ -363,6 +361,14 @@ class ModelRunner:
             self._inbox.extend(requests)
             self._wake.notify()
         return req
+
+    def check_fits(self, seq: Sequence, n: int = 1) -> list[int]:
+        """Raise NeverFits if ``seq`` with ``n`` choices could never run here (past the
+        context or the pool); else the sizes of its groups of choices (``choice_groups``)."""
+        groups = choice_groups(n, self.scheduler.config.max_batch_size)
+        seq.num_samples = groups[0]
+        self.scheduler.check_fits(seq)
+        return groups
 
     def _later_groups(self, req: RunnerRequest, groups: list[int]) -> list[RunnerRequest]:
         """More choices than the batch runs at once are sampled in groups of at most a

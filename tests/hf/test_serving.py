@@ -136,6 +136,36 @@ async def test_a_large_prompt_is_templated_and_tokenized_off_the_event_loop(hf_p
     await wait_idle(hf_proxy)
 
 
+async def test_tools_past_the_context_are_refused_before_their_schema_is_read(hf_proxy, oa, monkeypatch):
+    """Reading hundreds of tools' schema into the constraint machine is a second of pure
+    Python beside every stream (benchmarks/loop_stall.py): for a prompt the context cannot
+    hold it is not done, and the answer is the context's 400; tools that fit are read, once."""
+    from kvstream.hf import HFBackend
+
+    built = []
+    for name in ("_sampling_params", "_call_hold"):
+        def recorded(self, request, *args, _call=getattr(HFBackend, name), _name=name):
+            built.append((_name, len(request.extra["tools"])))
+            return _call(self, request, *args)
+        monkeypatch.setattr(HFBackend, name, recorded)
+
+    def tools(count: int) -> list[dict]:
+        return [{"type": "function", "function": {
+            "name": f"lookup_{t}", "description": "Looks something up in the archive. " * 3,
+            "parameters": {"type": "object", "properties": {f"arg_{p}": {"type": "string"} for p in range(6)}}}}
+            for t in range(count)]
+
+    question = [{"role": "user", "content": "Which tool fits?"}]
+    with pytest.raises(BadRequestError) as err:
+        await oa.chat.completions.create(model="smollm2", messages=question, tools=tools(100), max_tokens=4)
+    assert err.value.code == "context_length_exceeded"
+    assert built == []
+    reply = await oa.chat.completions.create(model="smollm2", messages=question, tools=tools(3), max_tokens=4)
+    assert reply.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    assert {count for _, count in built} == {3} and ("_sampling_params", 3) in built
+    await wait_idle(hf_proxy)
+
+
 async def test_a_client_that_leaves_while_its_prompt_is_tokenized_queues_nothing(hf_proxy, oa, monkeypatch):
     """The prompt is templated and tokenized on a worker thread, which cannot be stopped: a
     client that leaves meanwhile cancels its handler, the thread's ids are dropped when it
