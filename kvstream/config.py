@@ -142,6 +142,7 @@ class SchedulerSettings(_Section):
     max_queue_size: int = Field(256, ge=0, description="waiting requests beyond this get 429 + Retry-After")
     queue_timeout_s: float | None = Field(None, gt=0, description="a request waiting longer for a slot gets 503 + Retry-After; none = no deadline (a request waits as long as its client does, as it would at the runtime; a client sets its own with the X-KVStream-Deadline-Ms header)")
     max_num_batched_tokens: int = Field(2048, ge=16, description="hf: most tokens in one forward pass; longer prompts are prefilled in chunks")
+    prefill_step_ms: int = Field(500, ge=0, description="hf: while sequences decode, the prompt tokens of a step are as many as keep it to about this long (every decoding stream waits on the step for its next token); 0 = as many as max_num_batched_tokens")
 
     @field_validator("max_batch_size")
     @classmethod

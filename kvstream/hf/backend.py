@@ -461,6 +461,7 @@ class HFBackend(InProcessBackend):
             num_cpu_blocks=memory.num_cpu_blocks,
             max_num_seqs=sched.max_batch_size,
             max_num_batched_tokens=sched.max_num_batched_tokens,
+            prefill_step_ms=sched.prefill_step_ms,
             preemption_mode=sched.preemption_policy,
             policy=sched.policy,
             enable_prefix_caching=prefix.enabled,

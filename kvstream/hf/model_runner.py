@@ -45,6 +45,7 @@ from kvstream.hf.sampling import History, SamplingParams, TokenLogprobs, drawn_l
 from kvstream.hf.json_schema import JSON_OBJECT, compile_schema
 from kvstream.hf.lazy_grammar import LazyGrammar
 from kvstream.hf.pattern_constraint import CLIENT_BUDGET_S, PatternConstraint, expression
+from kvstream.hf.prefill_pacing import PrefillPacer
 from kvstream.hf.prompt_scores import STORED_TOP, PromptScores
 from kvstream.hf.thinking_budget import ThinkingBudget, ThinkTokens
 from kvstream.hf.token_bytes import TokenBytes
@@ -82,6 +83,9 @@ class RunnerConfig:
     # Tokens in one forward pass (decodes count one each); long prompts are prefilled in
     # chunks of at most this, interleaved with running decodes.
     max_num_batched_tokens: int = default("scheduler", "max_num_batched_tokens")
+    # While sequences decode, a step's prompt tokens are sized to keep it about this long
+    # (prefill_pacing.py); 0: chunks of max_num_batched_tokens whatever they cost.
+    prefill_step_ms: int = default("scheduler", "prefill_step_ms")
     preemption_mode: str = default("scheduler", "preemption_policy")  # swap | recompute
     policy: str = default("scheduler", "policy")  # auto (= fcfs here) | fcfs | sjf | lpm
     enable_prefix_caching: bool = default("prefix_cache", "enabled")
@@ -277,6 +281,7 @@ class ModelRunner:
         self.score_rows = max(16, SCORE_LOGITS_BYTES // (8 * (self.vocab_size or 32_000)))
         self.prompt_scores = PromptScores(config.block_size, bm.salt)  # scored prompts' blocks, for their prefixes
         self.counters = RunnerCounters()
+        self.pacer = PrefillPacer(config.prefill_step_ms / 1000, config.max_num_batched_tokens)
         self.requests: dict[str, RunnerRequest] = {}
         self._finished: list[RunnerRequest] = []  # finished this step, events not yet sent
         self._inbox: list[RunnerRequest] = []
@@ -499,7 +504,10 @@ class ModelRunner:
                 req.pending = None
         batch = self._plan_batch()
         if batch:
+            prompt_tokens = sum(take for _, take in batch if take > 1)
+            started = time.perf_counter()
             self._forward(batch)
+            self.pacer.observe(prompt_tokens, time.perf_counter() - started)
 
     def _apply(self, out: ScheduleOutput) -> None:
         """Carry out the KV copies of a scheduling decision, in a safe order: reads of host
@@ -667,7 +675,7 @@ class ModelRunner:
             elif todo > 1:
                 prefills.append((req, todo))
         batch = decodes
-        budget = self.config.max_num_batched_tokens - len(decodes)
+        budget = self.pacer.budget(len(decodes))
         prefills.sort(key=lambda item: item[0].seq.admitted_at or 0.0)
         scoring = self.score_rows  # every scored prompt position carries a row of logits
         for req, todo in prefills:
