@@ -665,7 +665,7 @@ class ModelRunner:
 
     def _plan_batch(self) -> list[tuple[RunnerRequest, int]]:
         """(request, tokens to compute) for this forward: every decode, then prefill chunks
-        in admission order within the token budget."""
+        in admission order within the token budget (the pacer's while anything decodes)."""
         decodes, prefills = [], []
         for seq in self.scheduler.running:
             req = self.requests[seq.seq_id]
