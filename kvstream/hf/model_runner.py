@@ -665,7 +665,8 @@ class ModelRunner:
 
     def _plan_batch(self) -> list[tuple[RunnerRequest, int]]:
         """(request, tokens to compute) for this forward: every decode, then prefill chunks
-        in admission order within the token budget (the pacer's while anything decodes)."""
+        within the token budget (the pacer's while anything decodes): first the prompts that
+        finish within half of it, then the rest, each in admission order."""
         decodes, prefills = [], []
         for seq in self.scheduler.running:
             req = self.requests[seq.seq_id]
@@ -677,6 +678,15 @@ class ModelRunner:
         batch = decodes
         budget = self.pacer.budget(len(decodes))
         prefills.sort(key=lambda item: item[0].seq.admitted_at or 0.0)
+        # A short prompt admitted behind a long one's chunks is computed in the next step, not
+        # after the whole long prompt (a chat's first token 20 s late behind a 6,000-token
+        # prompt here); the long one keeps at least half of every step.
+        quick, room = set(), budget // 2
+        for req, todo in prefills:
+            if todo <= room:
+                quick.add(id(req))
+                room -= todo
+        prefills.sort(key=lambda item: id(item[0]) not in quick)  # (stable: admission order within each)
         scoring = self.score_rows  # every scored prompt position carries a row of logits
         for req, todo in prefills:
             if budget <= 0 and batch:

@@ -48,3 +48,24 @@ def test_a_long_prompt_is_prefilled_in_paced_chunks_while_another_decodes(smollm
     assert prefills == [32] * 6 + [8]
     assert [tokens for tokens, _ in pacer.observed[1:8]] == [32] * 6 + [8]
     assert all(seconds > 0 for _, seconds in pacer.observed)
+
+
+def test_a_short_prompt_admitted_behind_a_long_one_is_computed_in_the_next_step(smollm2):
+    """Prompts that finish within half the step's budget go before the chunks of a long one
+    admitted earlier (which keeps the rest of every step): the short one's first token comes
+    in a step, not after the whole long prompt."""
+    engine = ModelRunner(smollm2[0], smollm2[2], RunnerConfig(block_size=8, num_blocks=96, num_cpu_blocks=0,
+                                                             max_num_batched_tokens=64, debug_invariants=True))
+    events: dict[str, list] = {"long": [], "short": []}
+    engine.add_request(Sequence(list(range(400, 700)), 2), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                       events["long"].extend)
+    engine.step()  # the long prompt's first 64 tokens
+    engine.add_request(Sequence(list(range(300, 320)), 2), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                       events["short"].extend)
+    before = engine.counters.prefill_tokens
+    engine.step()
+    assert engine.counters.prefill_tokens - before == 64  # the short prompt's 20, the long one's next 44
+    assert [e.kind for e in events["short"]] == ["admitted", "token"] and not any(e.kind == "token" for e in events["long"])
+    while engine.has_work():
+        engine.step()
+    assert engine.is_idle() and sum(e.kind == "token" for e in events["long"]) == 2
