@@ -128,6 +128,12 @@ class Sequence:
         return len(self.prompt_token_ids) + self.max_tokens * self.num_samples
 
     @property
+    def max_choice_tokens(self) -> int:
+        """Tokens one of its choices may reach: the prompt and its output (what a model's
+        context bounds: each choice is a sequence of its own)."""
+        return len(self.prompt_token_ids) + self.max_tokens
+
+    @property
     def remaining_tokens(self) -> int:
         return max(0, self.max_tokens - len(self.output_token_ids))
 
@@ -225,16 +231,21 @@ class Scheduler:
                 f"{self.config.max_batch_size} sequences the engine runs at once."
             )
         limit = self.config.max_model_len
-        if limit is not None and seq.max_total_tokens > limit:
+        if limit is not None and seq.max_choice_tokens > limit:
             raise NeverFits(
-                f"This request needs {seq.max_total_tokens} tokens ({len(seq.prompt_token_ids)} in the "
+                f"This request needs {seq.max_choice_tokens} tokens ({len(seq.prompt_token_ids)} in the "
                 f"prompt + max_tokens {seq.max_tokens}), more than the model's context of {limit} tokens."
             )
+        # Preemptible, its choices grow and are preempted one by one: one must fit the pool
+        # (n choices without max_tokens, each up to the context, were refused). Otherwise all
+        # it may hold is reserved at admission.
+        needed = seq.max_choice_tokens if self.preemptible else seq.max_total_tokens
         capacity = self.bm.pool.num_blocks * self.bm.block_size
-        if self.bm.blocks_for(seq.max_total_tokens) > self.bm.pool.num_blocks:
+        if self.bm.blocks_for(needed) > self.bm.pool.num_blocks:
+            choices = f" for each of {seq.num_samples} choices" if needed != seq.max_choice_tokens else ""
             raise NeverFits(
-                f"This request needs {seq.max_total_tokens} tokens ({len(seq.prompt_token_ids)} in the "
-                f"prompt + max_tokens {seq.max_tokens}), more than the whole KV pool of {capacity} tokens."
+                f"This request needs {needed} tokens ({len(seq.prompt_token_ids)} in the prompt + max_tokens "
+                f"{seq.max_tokens}{choices}), more than the whole KV pool of {capacity} tokens."
             )
 
     def add(self, seq: Sequence) -> None:

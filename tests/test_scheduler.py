@@ -106,6 +106,28 @@ def test_never_fits_is_refused_at_once():
     assert not sched.waiting
 
 
+def test_the_context_and_a_preemptible_pool_bound_each_choice_not_their_sum():
+    """n choices are n sequences once forked, each up to the context, preempted one by one:
+    two choices of a chat without max_tokens (each its context's rest) were refused as past
+    the context. Without preemption everything a request may hold is reserved, so all of it
+    must fit the pool."""
+    sched, _ = make(num_blocks=8, block_size=4, max_model_len=24)  # a 32-token pool
+    two = seq(4, max_tokens=20)
+    two.num_samples = 2  # 44 tokens in all; each choice 24
+    sched.add(two)
+    past = seq(5, max_tokens=20, first=50)
+    past.num_samples = 2
+    with pytest.raises(NeverFits) as err:
+        sched.add(past)  # one choice is 25 tokens: past the context
+    assert "25 tokens" in str(err.value) and "context of 24" in str(err.value)
+    reserved, _ = make(num_blocks=8, block_size=4, preemptible=False)
+    held = seq(4, max_tokens=20, first=100)
+    held.num_samples = 2
+    with pytest.raises(NeverFits) as err:
+        reserved.add(held)
+    assert "44 tokens" in str(err.value) and "each of 2 choices" in str(err.value)
+
+
 def test_choices_outnumbering_the_batch_are_refused_at_once():
     """A request's choices are forked at admission and run together: more of them than the
     batch has slots could never be admitted (it waited forever, nothing running)."""

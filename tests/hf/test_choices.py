@@ -120,6 +120,27 @@ def test_more_choices_than_the_batch_run_in_groups_from_the_cached_prompt(smollm
     assert len({tuple(tokens) for tokens in choices.values()}) == 7
 
 
+@pytest.mark.parametrize("cpu_blocks", [0, 16], ids=["recompute", "swap"])
+def test_choices_that_outgrow_the_pool_together_are_preempted_one_by_one_and_all_finish(smollm2, cpu_blocks):
+    """Three choices of 44 tokens each (a 20-token prompt shared, 24 generated) need 92
+    tokens together, more than the 64-token pool: each fits alone, so the request runs, its
+    choices preempted and resumed (or recomputed) as the pool fills, and every one finishes
+    with the greedy continuation."""
+    engine = ModelRunner(smollm2[0], smollm2[2], RunnerConfig(block_size=8, num_blocks=8, num_cpu_blocks=cpu_blocks,
+                                                             debug_invariants=True,
+                                                             preemption_mode="swap" if cpu_blocks else "recompute"))
+    events: list = []
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    engine.add_request(Sequence(list(PROMPT), 24), params, events.extend, n=3)
+    while engine.has_work():
+        engine.step()
+    assert engine.is_idle() and not any(e.kind == "error" for e in events)
+    per_choice = {i: [e.token_id for e in events if e.kind == "token" and e.index == i] for i in range(3)}
+    alone = runner(smollm2).generate_sync([list(PROMPT)], params)[0]
+    assert per_choice == {0: alone, 1: alone, 2: alone}
+    assert engine.scheduler.stats.preemptions > 0
+
+
 def test_aborting_a_request_ends_its_later_groups_too(smollm2):
     engine = runner(smollm2, max_num_seqs=2)
     events: list = []
@@ -150,6 +171,12 @@ async def test_the_openai_client_gets_n_choices_with_usage_for_all(hf_choices):
         assert [c.index for c in reply.choices] == [0, 1, 2]
         assert all(c.finish_reason in ("stop", "length") and c.message.content for c in reply.choices)
         assert 3 <= reply.usage.completion_tokens <= 24
+        # Each choice may take all the pool (2,048 tokens here) or the context: n of them are n
+        # sequences, preempted one by one, not one n times as long (that was a 400; so was
+        # n=2 without max_tokens on the default server, "past the context").
+        unbounded = await client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                                         n=2, max_tokens=2000, temperature=0, stop=[" "])
+        assert [c.finish_reason for c in unbounded.choices] == ["stop", "stop"]
         stream = await client.completions.create(model="smollm2", prompt="1, 2, 3,", n=2, max_tokens=5, temperature=0, stream=True)
         texts: dict[int, str] = {0: "", 1: ""}
         finishes: dict[int, str] = {}
