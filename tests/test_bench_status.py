@@ -145,6 +145,7 @@ def test_status_shows_the_in_process_engine_and_its_streamed_weights():
     console = Console(record=True, width=160, file=io.StringIO())
     backend = {"type": "hf", "url": "in-process", "model": "./smollm2-awq", "ready": True, "device": "cpu", "dtype": "float32",
                "kv_dtype": "float32", "steps": 1234, "attention_backend": "native", "matmul_backend": "native",
+               "prefill_pacing": {"step_ms": 500, "tokens_per_s": 312.4, "tokens_beside_decodes": 156},
                "weights": {"format": "awq", "kernel": "native", "mode": "partial_resident", "resident_bytes": 7_771_392,
                            "streamed_bytes": 49_600_512, "mapped_bytes": 56_623_104, "mapped_bytes_per_forward": 56_623_104,
                            "staging": "mapped", "keep_first_k": 2, "keep_last_k": 2, "bytes_staged_per_token": 49_600_512,
@@ -153,7 +154,8 @@ def test_status_shows_the_in_process_engine_and_its_streamed_weights():
     text = console.export_text()
     for expected in ("cpu float32, KV float32", "attention native", "matmul native", "1,234 steps", "awq (native kernel)",
                      "7 MB resident", "54 MB embeddings mapped", "partial_resident, mapped, K 2+2", "47 MB streamed a forward",
-                     "47 MB a token", "stalls 0.25s"):
+                     "47 MB a token", "stalls 0.25s", "paced to 500 ms steps while decoding", "156 prompt tokens a step",
+                     "312 tok/s"):
         assert expected in text, (expected, text)
     dense = {"type": "hf", "model": "smol", "ready": True, "weights": {"format": "dense", "resident_bytes": 538_060_288}}
     console = Console(record=True, width=160, file=io.StringIO())

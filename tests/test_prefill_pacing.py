@@ -46,3 +46,10 @@ def test_steps_converge_on_the_target():
         pacer.observe(tokens, decode_s + tokens / true_rate)
     step = decode_s + pacer.budget(decodes=8) / true_rate
     assert 0.45 <= step <= 0.55
+
+
+def test_the_summary_shows_the_aim_the_rate_and_what_a_step_takes_now():
+    pacer = PrefillPacer(0.5, 2048)
+    assert pacer.summary() == {"step_ms": 500, "tokens_per_s": None, "tokens_beside_decodes": FIRST_TOKENS}
+    pacer.observe(300, 1.0)
+    assert pacer.summary() == {"step_ms": 500, "tokens_per_s": 300.0, "tokens_beside_decodes": 150}

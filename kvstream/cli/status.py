@@ -206,6 +206,12 @@ def _in_process_engine(backend: dict[str, Any], rows: Table) -> None:
         rows.add_row("engine", Flow(f"{backend.get('device')} {backend.get('dtype')}, KV {backend.get('kv_dtype')}",
                                     f"attention {backend['attention_backend']}", f"matmul {backend.get('matmul_backend')}",
                                     f"{backend.get('steps', 0):,} steps"))
+    pacing = backend.get("prefill_pacing")
+    if pacing and pacing.get("step_ms"):
+        rate = pacing.get("tokens_per_s")
+        rows.add_row("prefill", Flow(f"paced to {pacing['step_ms']} ms steps while decoding",
+                                     f"{pacing.get('tokens_beside_decodes')} prompt tokens a step",
+                                     "rate unmeasured" if rate is None else f"{rate:,.0f} tok/s"))
     if weights:
         kind = weights.get("format", "?") + (f" ({weights['kernel']} kernel)" if weights.get("kernel") else "")
         cells: list[str | Text] = [kind, f"{_mb(weights.get('resident_bytes'))} resident"]

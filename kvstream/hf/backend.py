@@ -589,6 +589,7 @@ class HFBackend(InProcessBackend):
                 "prefill_tokens": runner.counters.prefill_tokens,
                 "decode_tokens": runner.counters.decode_tokens,
                 "embedding_tokens": runner.counters.embedding_tokens,  # computed between the steps
+                "prefill_pacing": runner.pacer.summary(),  # prompt tokens a step may take beside decodes
                 # How the model's own tool calls are read (tool_call_syntax.py), None: not at all.
                 "tool_call_syntax": self._call_syntax(),
                 "chat_template": str(self.settings.backend.chat_template or "the model's"),

@@ -39,6 +39,12 @@ class PrefillPacer:
         paced = FIRST_TOKENS if self.rate is None else int(self.rate * self.target_s)
         return max(min(LEAST_TOKENS, room), min(paced, room))
 
+    def summary(self) -> dict[str, float | int | None]:
+        """What /status shows: the aim, the rate learned, and the prompt tokens a step beside
+        one decode takes now."""
+        return {"step_ms": round(self.target_s * 1000), "tokens_per_s": None if self.rate is None else round(self.rate, 1),
+                "tokens_beside_decodes": self.budget(1)}
+
     def observe(self, prompt_tokens: int, seconds: float) -> None:
         """A step computed ``prompt_tokens`` prompt tokens (and its decodes) in ``seconds``."""
         if prompt_tokens < LEAST_TOKENS or seconds <= 0:

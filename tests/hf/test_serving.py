@@ -244,7 +244,8 @@ async def test_hf_settings_size_the_engine(smollm2):
 
     settings = make_settings(
         memory={"block_size": 8, "num_gpu_blocks": 100, "num_cpu_blocks": 10},
-        scheduler={"max_batch_size": 3, "preemption_policy": "recompute", "max_num_batched_tokens": 64},
+        scheduler={"max_batch_size": 3, "preemption_policy": "recompute", "max_num_batched_tokens": 64,
+                   "prefill_step_ms": 250},
     )
     backend = HFBackend(None, None, settings, preloaded=LoadedModel(smollm2[0], smollm2[2], "smollm2", "hf:test"))
     await backend.start()
@@ -252,6 +253,7 @@ async def test_hf_settings_size_the_engine(smollm2):
         config = backend.runner.config
         assert (config.block_size, config.num_blocks, config.num_cpu_blocks) == (8, 100, 10)
         assert (config.max_num_seqs, config.preemption_mode, config.max_num_batched_tokens) == (3, "recompute", 64)
+        assert backend.describe()["prefill_pacing"] == {"step_ms": 250, "tokens_per_s": None, "tokens_beside_decodes": 63}
         limits = await backend.limits()
         assert limits.n_ctx_total == 800 and limits.parallel == 3
     finally:
