@@ -4,7 +4,8 @@
 `--prefill-step-ms 500` and with `--prefill-step-ms 0` (every step may prefill
 `max_num_batched_tokens`, 2,048). Each time a streaming chat (the victim) runs and, once it
 streams, another client sends long prompts one after another (each its own text, nothing
-cached), and 3 s into each a short chat, timed to its first token. Printed: the victim's gaps
+cached), and 3 s into each a short chat, timed to its first token; then the long prompts and
+short chats again with no stream running. Printed: the victim's gaps
 between chunks (median, p99, longest), each long request's time to its answer (a few tokens:
 mostly its prefill), the short chats' first tokens, and the ratios paced / unpaced.
 
@@ -72,16 +73,24 @@ async def long_requests(session: aiohttp.ClientSession, url: str, args: argparse
     return seconds, newcomers
 
 
-async def measure(url: str, args: argparse.Namespace, salt: int) -> tuple[list[float], list[float], list[float]]:
+Result = tuple[list[float], list[float], list[float], list[float]]
+
+
+async def measure(url: str, args: argparse.Namespace, salt: int) -> Result:
+    """(the victim's gaps, the long requests' seconds, the short chats' first tokens while the
+    victim streams, and with nothing else running)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
         await victim_gaps(session, url, 8, asyncio.Event())  # warm up
         started = asyncio.Event()
         gaps, (seconds, newcomers) = await asyncio.gather(victim_gaps(session, url, args.tokens, started),
                                                           long_requests(session, url, args, started, salt))
-    return gaps, seconds, newcomers
+        idle = asyncio.Event()
+        idle.set()
+        _, alone = await long_requests(session, url, args, idle, salt + 10)
+    return gaps, seconds, newcomers, alone
 
 
-def run(step_ms: int, args: argparse.Namespace, salt: int) -> tuple[list[float], list[float], list[float]]:
+def run(step_ms: int, args: argparse.Namespace, salt: int) -> Result:
     port = free_port()
     proc = spawn([PYTHON, "-m", "kvstream.cli.main", "serve", "--backend", "hf", "--port", str(port),
                   "--log-level", "warning", "--prefill-step-ms", str(step_ms)], log=f"/tmp/kvstream-pacing-{port}.log")
@@ -103,11 +112,12 @@ def main() -> None:
     print(f"\nkvstream serve --backend hf (SmolLM2-135M): a {args.tokens}-token stream while {args.requests} prompts of "
           f"~{args.prompt_tokens} tokens are sent one after another\n")
     print(f"{'--prefill-step-ms':<18} | {'gap p50':>8} {'gap p99':>9} {'gap max':>9} | long requests (s) | "
-          "a short chat sent 3 s into each: first token (s)")
-    for step_ms, (gaps, seconds, newcomers) in results.items():
+          "a short chat sent 3 s into each: first token (s), with the stream | without")
+    for step_ms, (gaps, seconds, newcomers, alone) in results.items():
         print(f"{step_ms:<18} | {percentile(gaps, 50) * 1e3:>6.1f}ms {percentile(gaps, 99) * 1e3:>7.1f}ms "
-              f"{max(gaps) * 1e3:>7.1f}ms | {[round(s, 1) for s in seconds]} | {[round(s, 2) for s in newcomers]}")
-    (paced_gaps, paced_s, _), (free_gaps, free_s, _) = results[500], results[0]
+              f"{max(gaps) * 1e3:>7.1f}ms | {[round(s, 1) for s in seconds]} | {[round(s, 2) for s in newcomers]} | "
+              f"{[round(s, 2) for s in alone]}")
+    (paced_gaps, paced_s, _, _), (free_gaps, free_s, _, _) = results[500], results[0]
     print(f"\npaced / unpaced: longest gap {max(paced_gaps) / max(free_gaps):.2f}x, p99 gap "
           f"{percentile(paced_gaps, 99) / percentile(free_gaps, 99):.2f}x; long requests' time "
           f"{statistics.mean(paced_s) / statistics.mean(free_s):.2f}x")

@@ -1,16 +1,20 @@
 """PrefillPacer: a step that decodes prefills as much as keeps it near its target time,
-learned from the steps; a step that decodes nothing takes the whole token budget."""
+learned from the steps; a step that decodes nothing aims at IDLE_STEPS times as long."""
 
 from __future__ import annotations
 
-from kvstream.hf.prefill_pacing import FIRST_TOKENS, LEAST_TOKENS, PrefillPacer
+from kvstream.hf.prefill_pacing import FIRST_TOKENS, IDLE_STEPS, LEAST_TOKENS, PrefillPacer
 
 
-def test_without_decodes_or_pacing_a_step_takes_the_whole_budget():
-    assert PrefillPacer(0.5, 2048).budget(decodes=0) == 2048
-    assert PrefillPacer(0.0, 2048).budget(decodes=3) == 2045  # pacing off: max_num_batched_tokens less the decodes
+def test_a_step_without_decodes_aims_at_idle_steps_times_the_target():
+    assert PrefillPacer(0.5, 2048).budget(decodes=0) == 2048  # nothing measured, nobody waiting
+    off = PrefillPacer(0.0, 2048)
+    off.observe(2048, 10.0)
+    assert off.budget(decodes=0) == 2048 and off.budget(decodes=3) == 2045  # pacing off: max_num_batched_tokens
     paced = PrefillPacer(0.5, 2048)
-    paced.observe(2048, 10.0)  # 205 tokens/s
+    paced.observe(2048, 10.0)  # 205 tokens/s: a newcomer would wait 10 s for such a step
+    assert paced.budget(decodes=0) == int(204.8 * 0.5 * IDLE_STEPS) == 409
+    paced.observe(2048, 0.5)  # fast: the whole budget
     assert paced.budget(decodes=0) == 2048
 
 

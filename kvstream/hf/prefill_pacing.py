@@ -1,4 +1,4 @@
-"""How many prompt tokens a step may prefill while other sequences decode.
+"""How many prompt tokens a step may prefill.
 
 Decodes and prefill chunks share one forward (chunked prefill), so every decoding sequence's
 next token waits for the whole step. A chunk of ``max_num_batched_tokens`` (2,048) deep in a
@@ -9,9 +9,11 @@ for up to 9 s a token, while its own prefill ran no faster in chunks of 2,048 th
 ``PrefillPacer`` sizes the prefill of a step that decodes so that the step takes about
 ``target_s`` (Sarathi-Serve's token budget, set from the step time rather than profiled per
 model): it learns the prefill rate from the steps themselves (prompt tokens over the step's
-seconds, decodes included, so it errs short), and a step with no decodes takes the whole
-budget, as nobody waits on it. On a GPU, where a 2,048-token step takes milliseconds, the
-budget stays at ``max_num_batched_tokens``.
+seconds, decodes included, so it errs short). A step with no decodes has nobody waiting on
+it but the requests that may arrive meanwhile (a chat's first token waits for the step under
+way): it aims at ``IDLE_STEPS`` times as long, chunks large enough to cost the prompt nothing
+(~600 tokens deep in a long prompt here). On a GPU, where a 2,048-token step takes
+milliseconds, the budget stays at ``max_num_batched_tokens``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 LEAST_TOKENS = 64  # a step that decodes still prefills this much: a prompt always moves on
 FIRST_TOKENS = 256  # before any step was measured
 SMOOTHING = 0.5  # weight of the newest rate: a prompt's rate falls as its context grows
+IDLE_STEPS = 4  # a step that decodes nothing aims at this many times the target
 
 
 class PrefillPacer:
@@ -34,9 +37,12 @@ class PrefillPacer:
     def budget(self, decodes: int) -> int:
         """Prompt tokens a step with ``decodes`` decoding sequences may compute."""
         room = self.most - decodes
-        if decodes == 0 or self.target_s <= 0:
+        if self.target_s <= 0 or (decodes == 0 and self.rate is None):
             return room
-        paced = FIRST_TOKENS if self.rate is None else int(self.rate * self.target_s)
+        if self.rate is None:
+            paced = FIRST_TOKENS
+        else:
+            paced = int(self.rate * self.target_s * (1 if decodes else IDLE_STEPS))
         return max(min(LEAST_TOKENS, room), min(paced, room))
 
     def summary(self) -> dict[str, float | int | None]:
