@@ -141,6 +141,17 @@ def choice_groups(n: int, lanes: int) -> list[int]:
     return [n // count + (i < n % count) for i in range(count)]
 
 
+def _finishing_within(prefills: list[tuple[RunnerRequest, int]], tokens: int) -> set[int]:
+    """The ids of the requests whose prompts (request, tokens left) finish within ``tokens``
+    together, taken in order."""
+    quick: set[int] = set()
+    for req, todo in prefills:
+        if todo <= tokens:
+            quick.add(id(req))
+            tokens -= todo
+    return quick
+
+
 @dataclass(eq=False)
 class RunnerRequest:
     """A request inside the engine: its scheduler sequence plus decoding state."""
@@ -681,11 +692,10 @@ class ModelRunner:
         # A short prompt admitted behind a long one's chunks is computed in the next step, not
         # after the whole long prompt (a chat's first token 20 s late behind a 6,000-token
         # prompt here); the long one keeps at least half of every step.
-        quick, room = set(), budget // 2
-        for req, todo in prefills:
-            if todo <= room:
-                quick.add(id(req))
-                room -= todo
+        quick = _finishing_within(prefills, budget // 2)
+        if quick and not decodes:  # their first tokens wait on this step as a decode's next token does
+            budget = self.pacer.budget(len(quick))
+            quick = _finishing_within(prefills, budget // 2)
         prefills.sort(key=lambda item: id(item[0]) not in quick)  # (stable: admission order within each)
         scoring = self.score_rows  # every scored prompt position carries a row of logits
         for req, todo in prefills:

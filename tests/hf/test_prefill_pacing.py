@@ -63,8 +63,13 @@ def test_a_short_prompt_admitted_behind_a_long_one_is_computed_in_the_next_step(
     engine.add_request(Sequence(list(range(300, 320)), 2), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
                        events["short"].extend)
     before = engine.counters.prefill_tokens
+    asked, budget = [], engine.pacer.budget
+    engine.pacer.budget = lambda decodes: asked.append(decodes) or budget(decodes)
     engine.step()
-    assert engine.counters.prefill_tokens - before == 64  # the short prompt's 20, the long one's next 44
+    assert asked == [0, 1]  # nothing decodes; then the short prompt counts as one decoding
+    # The short prompt's 20 and the long one's next 43: the short one's first token waits on
+    # this step, which is paced as a decoding one (a lane less: 63 tokens at most).
+    assert engine.counters.prefill_tokens - before == 63
     assert [e.kind for e in events["short"]] == ["admitted", "token"] and not any(e.kind == "token" for e in events["long"])
     while engine.has_work():
         engine.step()
