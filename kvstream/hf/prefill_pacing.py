@@ -35,7 +35,8 @@ class PrefillPacer:
         self.rate: float | None = None  # prompt tokens a second, smoothed over the steps
 
     def budget(self, decodes: int) -> int:
-        """Prompt tokens a step with ``decodes`` decoding sequences may compute."""
+        """Prompt tokens a step may compute with ``decodes`` sequences waiting on it for a
+        token (decoding ones, and prompts that finish in it: ModelRunner._plan_batch)."""
         room = self.most - decodes
         if self.target_s <= 0 or (decodes == 0 and self.rate is None):
             return room
