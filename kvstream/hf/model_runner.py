@@ -84,8 +84,10 @@ class RunnerConfig:
     # chunks of at most this, interleaved with running decodes.
     max_num_batched_tokens: int = default("scheduler", "max_num_batched_tokens")
     # While sequences decode, a step's prompt tokens are sized to keep it about this long
-    # (prefill_pacing.py); 0: chunks of max_num_batched_tokens whatever they cost.
-    prefill_step_ms: int = default("scheduler", "prefill_step_ms")
+    # (prefill_pacing.py); 0: chunks of max_num_batched_tokens whatever they cost. The server
+    # sets scheduler.prefill_step_ms (500); a runner built directly is unpaced, so that what
+    # its steps compute depends on its requests alone, not on how fast the machine ran.
+    prefill_step_ms: int = 0
     preemption_mode: str = default("scheduler", "preemption_policy")  # swap | recompute
     policy: str = default("scheduler", "policy")  # auto (= fcfs here) | fcfs | sjf | lpm
     enable_prefix_caching: bool = default("prefix_cache", "enabled")
