@@ -221,3 +221,28 @@ async def test_more_choices_than_the_batch_all_come_back_through_the_openai_clie
     assert sorted(finishes) == list(range(lanes + 2))
     assert len(set(texts.values())) == 1 and texts[0]  # greedy: every group's choices alike
     assert hf_choices.engine.backend.runner.is_idle()
+
+
+async def test_a_client_leaving_a_request_of_several_groups_frees_every_one(hf_choices):
+    """A streamed request of more choices than the batch, its later groups still queued,
+    left after its first chunk: every group is aborted, the pool and queue empty, and the
+    next request is served."""
+    import asyncio
+
+    runner = hf_choices.engine.backend.runner
+    lanes = runner.scheduler.config.max_batch_size
+    async with AsyncOpenAI(base_url=hf_choices.v1, api_key="unused", max_retries=0) as client:
+        stream = await client.completions.create(model="smollm2", prompt="Once upon a time", n=2 * lanes + 1,
+                                                 max_tokens=200, temperature=1.0, stream=True)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                break
+        assert runner.scheduler.waiting or runner._inbox  # the later groups wait their turn
+        await stream.close()
+        for _ in range(1000):
+            if runner.is_idle():
+                break
+            await asyncio.sleep(0.01)
+        assert runner.is_idle() and not runner.requests, (runner.scheduler.running, runner.scheduler.waiting)
+        reply = await client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=2, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
