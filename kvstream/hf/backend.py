@@ -479,6 +479,10 @@ class HFBackend(InProcessBackend):
             kv_dtype=None if memory.kv_dtype == "auto" else memory.kv_dtype,
         )
         runner = ModelRunner(loaded.model, loaded.tokenizer, config)
+        if runner.vocab_size:
+            from kvstream.hf.token_bytes import first_bytes
+
+            first_bytes(runner.token_bytes, runner.vocab_size)  # now, not at the first constrained step
         logger.info(
             "hf engine: %s on %s, KV pool %d blocks x %d tokens (%.0f MiB), host swap %d blocks, batch %d",
             loaded.name, runner.device, config.num_blocks, config.block_size,

@@ -188,6 +188,21 @@ _QUANTIFIER = regex.compile(r"\{([0-9]*)(,?)([0-9]*)\}")
 _GROUP_NAME = regex.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+# Characters that stand for themselves outside a class: everything but the syntax (a lone
+# "]" or "}" is itself in the regex module too). A run of them is read in one match.
+_PLAIN_RUN = regex.compile(r"[^\\()\[.|*+?{^$]+")
+_QUANTIFIER_OPENERS = frozenset("*+?{")
+
+
+@functools.lru_cache(maxsize=4096)
+def _literal(ch: str) -> CharSet:
+    """The set of the one character ``ch``, shared by every place it is read: a set is never
+    changed once made (what it caches, its spans and first bytes, depends on the set alone),
+    and a place is its node with its continuation, so two places sharing the node stay two."""
+    code = ord(ch)
+    return CharSet(((code, code),))
+
+
 class _Reader:
     def __init__(self, text: str) -> None:
         self.text, self.pos = text, 0
@@ -216,8 +231,23 @@ class _Reader:
         return options[0] if len(options) == 1 else Alt(options)
 
     def sequence(self) -> Any:
-        parts = []
-        while self.peek() not in ("", "|", ")"):
+        parts: list[Any] = []
+        text = self.text
+        while True:
+            # A run of plain characters at once (a schema's expression is mostly its names
+            # and values spelled out: read one character a call, a 300-property schema took
+            # a quarter of a second, all of it holding the interpreter's lock every stream's
+            # step needs), less its last character where a quantifier follows: that one is
+            # the quantifier's.
+            run = _PLAIN_RUN.match(text, self.pos)
+            if run is not None:
+                end = run.end()
+                if end < len(text) and text[end] in _QUANTIFIER_OPENERS:
+                    end -= 1
+                parts.extend(map(_literal, text[self.pos : end]))
+                self.pos = end
+            if self.peek() in ("", "|", ")"):
+                break
             parts.append(self.quantified(self.atom()))
         return parts[0] if len(parts) == 1 else Seq(parts)
 
@@ -260,7 +290,7 @@ class _Reader:
         if c in "*+?{^$":
             raise Unsupported(f"{c!r} where a character or group belongs")
         self.pos += 1
-        return CharSet(((ord(c), ord(c)),))
+        return _literal(c)
 
     def group(self) -> Any:
         text, start = self.text, self.pos

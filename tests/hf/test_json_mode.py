@@ -307,6 +307,31 @@ def test_the_candidate_mask_holds_every_token_the_constraint_accepts(smollm2, ki
         constraint.advance(token)
 
 
+def test_every_tokens_bytes_read_at_once_equal_each_read_alone(smollm2):
+    """``spell_all`` (one tokenizer call for the vocabulary, what the first-byte table is read
+    from) spells every id as the id alone is spelled, and the table is each id's first byte."""
+    from kvstream.hf.token_bytes import TokenBytes, first_bytes
+
+    model, _, tokenizer = smollm2
+    vocab = model.config.vocab_size
+    alone, at_once = TokenBytes(tokenizer), TokenBytes(tokenizer)
+    at_once.spell_all(vocab)
+    assert all(alone(i) == at_once(i) for i in range(vocab))
+    table = first_bytes(at_once, vocab).tolist()
+    assert table == [raw[0] if (raw := alone(i)) else 256 for i in range(vocab)]
+
+
+async def test_a_started_backend_has_read_the_first_byte_table(smollm2):
+    """Read at start on the engine's thread: at a request's first constrained step it paused
+    every stream (0.13-0.4 s on SmolLM2's vocabulary)."""
+    from kvstream.hf.token_bytes import _FIRST_BYTES
+    from tests.hf.conftest import started_backend
+
+    async with started_backend(smollm2) as backend:
+        entry = _FIRST_BYTES.get(id(backend.runner.token_bytes))
+        assert entry is not None and entry[1].numel() == smollm2[0].config.vocab_size
+
+
 async def test_the_openai_clients_parse_gets_its_pydantic_model(oa):
     """``client.chat.completions.parse(response_format=Model)``: the strict schema the client
     sends is honoured and every answer that closed validates as the model."""

@@ -47,6 +47,11 @@ CASES = [
     (r"(?P<x>ab)(?&x)(?P>x)", ["ababab", "abab", "abba"]),
     (r"\{\}\[\]\.\-\ [\]a][-a][a-]\x41\u00e9\U0001F600", ["{}[]. ]-aA\u00e9\U0001f600", "{}[]. a-aA\u00e9\U0001f600"]),
     (r"(?!)|z", ["z", "y"]),
+    # Plain runs read at once (a quantifier takes the run's last character only), lone "]" and "}"
+    # themselves, one character's set shared by every place it is read.
+    (r"abc+d?e{2}f*", ["abccdeeff", "abcabcee", "abee", "abcee"]),
+    (r"x]y}z(?:xy]){1,2}", ["x]y}zxy]xy]", "x]y}zxy]xy]xy]", "x]y}z"]),
+    (r'"key_1"|"key_2"|"key_10"', ['"key_10"', '"key_1"', '"key_12"', '"key"']),
 ]
 
 
