@@ -691,6 +691,7 @@ class HFBackend(InProcessBackend):
         prompt that leaves no room in the context: submit refuses it before building anything
         (NeverFits), and reading the schema of hundreds of tools into a machine (a second of
         pure Python, sharing the interpreter with every stream) would be spent on a refusal."""
+        from kvstream.hf.engine_turns import yielding_to_engine
         from kvstream.hf.request_options import forces_call
 
         assert self.runner is not None
@@ -698,10 +699,13 @@ class HFBackend(InProcessBackend):
         limit = self.runner.scheduler.config.max_model_len
         if limit is not None and len(ids) + (1 if request.max_tokens is None else request.max_tokens) > limit:
             return ids
-        self._checked_params(request)
-        if request.is_chat and request.extra.get("tools") and request.extra.get("tool_choice") != "none" \
-                and not forces_call(request) and not self._generic_calls(request):
-            self._call_hold(request, self._answer_reading(request, Sequence(ids, 1)))  # the hold on its own calls
+        # Reading constraints is pure Python: it lets the engine step between slices of it
+        # (beside it, a step waited for the interpreter's lock at each of its torch calls).
+        with yielding_to_engine():
+            self._checked_params(request)
+            if request.is_chat and request.extra.get("tools") and request.extra.get("tool_choice") != "none" \
+                    and not forces_call(request) and not self._generic_calls(request):
+                self._call_hold(request, self._answer_reading(request, Sequence(ids, 1)))  # the hold on its own calls
         return ids
 
     def _templated_ids(self, request: GenerateRequest) -> list[int]:

@@ -31,6 +31,8 @@ from typing import Any
 
 import regex
 
+from kvstream.hf.engine_turns import give_turn
+
 MAX_REPEAT = 100_000  # the largest {m,n} bound taken (the regex module's own limit is far higher)
 # Token references' sentinels: private-use characters (plane 15), one per distinct token.
 TOKEN_SENTINELS = 0xF0000
@@ -151,6 +153,7 @@ class _Reader:
     def sequence(self) -> tuple[str, Any]:
         parts, shapes = [], []
         while True:
+            give_turn()  # (read on a request's worker thread: engine_turns.py)
             self.space()
             if self.pos >= len(self.text) or self.text[self.pos] in "|)" or self.at_rule_start():
                 return "".join(parts), ("seq", shapes)

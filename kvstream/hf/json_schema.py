@@ -30,6 +30,7 @@ from typing import Any
 
 import regex
 
+from kvstream.hf.engine_turns import give_turn
 from kvstream.hf.pattern_machine import LazyExpression, machine_for, machine_holds
 
 # Whitespace between tokens: none, one space, or a newline and an indent of up to MAX_INDENT
@@ -110,6 +111,7 @@ class _Writer:
             self.containers -= 1
 
     def value(self, schema: Any, where: str) -> str:
+        give_turn()  # (written on a request's worker thread: engine_turns.py)
         if schema is True or schema == {}:
             return self.any_value()
         if not isinstance(schema, dict):

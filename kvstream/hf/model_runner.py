@@ -34,7 +34,7 @@ import torch
 from kvstream.config import default
 from kvstream.hf import compat
 from kvstream.hf import blend as blend_module
-from kvstream.hf import fast_decoder, flash, flex, native_linear, native_ops
+from kvstream.hf import engine_turns, fast_decoder, flash, flex, native_linear, native_ops
 from kvstream.hf.attention import AttentionPlan, scattered_plan
 from kvstream.hf.attention_tiers import TierChoice, choose_tier
 from kvstream.hf.blend import BlendParams
@@ -977,10 +977,12 @@ class ModelRunner:
             while True:
                 with self._lock:
                     while not self._stopping and not self.has_work() and not self._between_steps:
+                        engine_turns.set_busy(self, False)
                         self._wake.wait()
                     if self._stopping:
                         return
                 generating = self.has_work()
+                engine_turns.set_busy(self, generating)  # other threads' pure Python gives it turns
                 if not generating:
                     job_debt_s = 0.0  # nothing to share with: jobs back to back
                 if job_debt_s <= 0.0:
@@ -993,6 +995,7 @@ class ModelRunner:
                     self.step()
                     job_debt_s = max(0.0, job_debt_s - (time.perf_counter() - started))
         finally:
+            engine_turns.set_busy(self, False)
             with self._lock:
                 left, self._between_steps = self._between_steps, deque()
             for future, _ in left:

@@ -35,6 +35,8 @@ from typing import Any
 
 import regex
 
+from kvstream.hf.engine_turns import give_turn
+
 MAX_PLACES = 20_000  # continuations one character's closure may visit
 # The regex module refuses a repetition count from this on ("repeat count too big"): an
 # expression the machine reads is one it could fall back on (LazyExpression).
@@ -227,6 +229,7 @@ class _Reader:
         options = [self.sequence()]
         while self.peek() == "|":
             self.pos += 1
+            give_turn()  # (read on a request's worker thread: engine_turns.py)
             options.append(self.sequence())
         return options[0] if len(options) == 1 else Alt(options)
 
@@ -321,6 +324,7 @@ class _Reader:
             raise Unsupported(f"the group {text[start:start + 4]!r}...")
         else:
             self.pos += 1
+        give_turn()
         node = self.alternatives()
         self.expect(")")
         if name is not None:
@@ -514,6 +518,8 @@ class Machine:
             if id(node) in seen:
                 continue
             seen.add(id(node))
+            if not len(seen) % 1024:
+                give_turn()
             kind = node.kind
             if kind == SEQ:
                 todo.extend(node.parts)
@@ -613,6 +619,7 @@ def _ends(node: Any, ending: set[int]) -> bool:
     if kind == CHARS:
         return not node.empty
     if kind == SEQ:
+        give_turn()  # (the whole tree is walked once more: engine_turns.py)
         return all(_ends(part, ending) for part in node.parts)
     if kind == ALT:
         return any(_ends(option, ending) for option in node.options)

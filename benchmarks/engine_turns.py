@@ -1,0 +1,89 @@
+"""What a thread running pure Python does to the engine's steps, and what giving turns buys.
+
+A stand-in for a decode step (the same number of small torch calls as SmolLM2's step here,
+each letting go of the interpreter's lock and taking it back) is timed alone, then beside a
+thread reading 300-property schemas into the constraint machine (the work a request with a
+large schema puts on a worker thread), without and with ``yielding_to_engine()``
+(kvstream/hf/engine_turns.py), same run, with the server's garbage collector settings. Prints each case's median and longest step, the
+ratio to the step alone, and how long the reading took.
+
+    python benchmarks/engine_turns.py [--steps 40] [--calls 210]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from kvstream.api.server import tune_gc  # noqa: E402
+from kvstream.hf import engine_turns  # noqa: E402
+from kvstream.hf.json_schema import schema_pattern  # noqa: E402
+from kvstream.hf.pattern_machine import _Reader, Machine  # noqa: E402
+
+
+def step(calls: int, x: torch.Tensor, w: torch.Tensor) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        x @ w
+    return time.perf_counter() - start
+
+
+def reading(stop: threading.Event, yielding: bool, spent: list[float]) -> None:
+    """Schemas of 300 enum properties, each its own (nothing cached), until ``stop``."""
+    i = 0
+    while not stop.is_set():
+        schema = {"type": "object", "properties": {f"key_{i}_{k}": {"enum": [f"v{v}" for v in range(50)]}
+                                                   for k in range(300)}}
+        start = time.perf_counter()
+        if yielding:
+            with engine_turns.yielding_to_engine():
+                Machine(_Reader(schema_pattern(schema)).read()[0]).matches_something()
+        else:
+            Machine(_Reader(schema_pattern(schema)).read()[0]).matches_something()
+        spent.append(time.perf_counter() - start)
+        i += 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--calls", type=int, default=210, help="torch calls in a step")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    tune_gc()  # as the server does once started: else a full collection (~160 ms here) shows in the steps
+    x, w = torch.randn(1, 576), torch.randn(576, 1536)
+    engine = object()
+    results = {}
+    for case in ("alone", "beside a reading thread", "beside it, giving turns"):
+        stop, spent = threading.Event(), []
+        thread = None
+        if case != "alone":
+            thread = threading.Thread(target=reading, args=(stop, case.endswith("turns"), spent))
+            thread.start()
+            time.sleep(0.05)
+        engine_turns.set_busy(engine, True)
+        steps = [step(args.calls, x, w) for _ in range(args.steps)]
+        engine_turns.set_busy(engine, False)
+        stop.set()
+        if thread is not None:
+            thread.join()
+        results[case] = (steps, spent)
+    alone = statistics.median(results["alone"][0])
+    print(f"a step of {args.calls} torch calls, {args.steps} steps a case (same run)\n")
+    print(f"{'case':<26} {'median ms':>10} {'max ms':>8} {'x alone':>8} {'schema read, median s':>22}")
+    for case, (steps, spent) in results.items():
+        median = statistics.median(steps)
+        read = f"{statistics.median(spent):.3f}" if spent else "-"
+        print(f"{case:<26} {median * 1e3:>10.1f} {max(steps) * 1e3:>8.1f} {median / alone:>8.2f} {read:>22}")
+
+
+if __name__ == "__main__":
+    main()

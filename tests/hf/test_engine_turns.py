@@ -1,0 +1,167 @@
+"""engine_turns.py: pure Python on a request's worker thread pauses for the engine while it
+steps, only there and only then, and what it computes is the same."""
+
+from __future__ import annotations
+
+import threading
+
+import time
+
+import pytest
+
+from tests.conftest import require_import
+
+require_import("regex")
+
+from kvstream.hf import engine_turns  # noqa: E402
+from kvstream.hf.engine_turns import give_turn, set_busy, yielding_to_engine  # noqa: E402
+
+
+class Clock:
+    """perf_counter and sleep of the module, on a clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(engine_turns.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(engine_turns.time, "sleep", clock.sleep)
+    yield clock
+    engine_turns._busy.clear()
+
+
+ENGINE = object()
+
+
+def test_a_turn_is_given_once_a_slice_of_work_has_passed_while_an_engine_steps(clock):
+    set_busy(ENGINE, True)
+    with yielding_to_engine():
+        give_turn()
+        clock.now += engine_turns.SLICE_S / 2
+        give_turn()
+        assert clock.sleeps == []  # within the slice
+        clock.now += engine_turns.SLICE_S
+        give_turn()
+        assert clock.sleeps == [engine_turns.PAUSE_S]
+        give_turn()  # the next slice starts after the turn
+        assert clock.sleeps == [engine_turns.PAUSE_S]
+        clock.now += engine_turns.SLICE_S
+        give_turn()
+        assert clock.sleeps == [engine_turns.PAUSE_S] * 2
+
+
+def test_no_turn_while_no_engine_steps_nor_outside_the_context(clock):
+    with yielding_to_engine():
+        clock.now += 1.0
+        give_turn()  # every engine idle: the work runs at full speed
+    set_busy(ENGINE, True)
+    clock.now += 1.0
+    give_turn()  # a thread that did not ask (the engine's own, the event loop)
+    set_busy(ENGINE, False)
+    with yielding_to_engine():
+        clock.now += 1.0
+        give_turn()
+    assert clock.sleeps == []
+
+
+def test_nested_contexts_leave_the_thread_as_they_found_it(clock):
+    set_busy(ENGINE, True)
+    with yielding_to_engine():
+        with yielding_to_engine():
+            pass
+        clock.now += 1.0
+        give_turn()  # still within the outer one
+        assert len(clock.sleeps) == 1
+    clock.now += 1.0
+    give_turn()
+    assert len(clock.sleeps) == 1
+    assert "deadline" not in engine_turns._local.__dict__
+
+
+def test_a_schema_read_on_a_worker_thread_gives_turns_and_reads_the_same(clock):
+    """A 300-property schema (benchmarks/loop_stall.py's), written and read into its machine
+    on a worker thread within the context while an engine steps: it pauses (sleeps), and the
+    expression and the machine's verdicts are those of the same reading with no engine."""
+    from kvstream.hf.json_schema import schema_pattern
+    from kvstream.hf.pattern_machine import _Reader, Machine
+
+    schema = {"type": "object", "properties": {f"key_{k}": {"enum": [f"v{v}" for v in range(50)]} for k in range(300)}}
+    answer = "{" + ", ".join(f'"key_{k}": "v{k % 50}"' for k in range(300)) + "}"
+
+    def read_all() -> tuple[str, bool, bool]:
+        pattern = schema_pattern(schema)
+        machine = Machine(_Reader(pattern).read()[0])
+        state = machine.start()
+        for ch in answer:
+            state = machine.step(state, ch)
+        return pattern, machine.matches_something(), Machine.whole(state)
+
+    def ticking_give_turn() -> None:  # each piece of work takes the clock a tenth of a ms
+        clock.now += 1e-4
+        real_give_turn()
+
+    plain = read_all()
+    assert plain[1:] == (True, True) and not clock.sleeps
+    results = []
+
+    def worker() -> None:
+        with yielding_to_engine():
+            results.append(read_all())
+
+    set_busy(ENGINE, True)
+    real_give_turn = engine_turns.give_turn
+    import kvstream.hf.json_schema as json_schema
+    import kvstream.hf.pattern_machine as pattern_machine
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pattern_machine, "give_turn", ticking_give_turn)
+        patch.setattr(json_schema, "give_turn", ticking_give_turn)
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+    assert results == [plain]
+    assert len(clock.sleeps) > 10  # turns given all along the reading
+
+
+def test_the_engine_is_marked_stepping_while_it_has_work_and_idle_after(smollm2):
+    """The runner's loop marks itself while a request runs (give_turn pauses then), and
+    unmarks itself before waiting for work (then nothing pauses for it), and on stopping."""
+    require_import("torch")
+    from kvstream.hf.model_runner import ModelRunner, RunnerConfig
+    from kvstream.hf.sampling import SamplingParams
+    from kvstream.scheduler import Sequence
+
+    runner = ModelRunner(smollm2[0], smollm2[2], RunnerConfig(block_size=16, num_blocks=64))
+    seen_busy, finished = [], threading.Event()
+
+    def sink(events) -> None:
+        seen_busy.append(id(runner) in engine_turns._busy)
+        if any(e.finish_reason is not None or e.kind == "error" for e in events):
+            finished.set()
+
+    runner.start()
+    try:
+        assert id(runner) not in engine_turns._busy  # waiting for work
+        runner.add_request(Sequence(smollm2[2]("Hello").input_ids, 8), SamplingParams(max_tokens=8, temperature=0), sink)
+        assert finished.wait(120)
+        assert seen_busy and all(seen_busy)
+        for _ in range(600):  # back to waiting (a timeout, not a measure)
+            if id(runner) not in engine_turns._busy:
+                break
+            time.sleep(0.05)
+        assert id(runner) not in engine_turns._busy
+    finally:
+        runner.stop()
+        runner.close()
+    assert id(runner) not in engine_turns._busy
