@@ -52,6 +52,10 @@ CASES = [
     (r"abc+d?e{2}f*", ["abccdeeff", "abcabcee", "abee", "abcee"]),
     (r"x]y}z(?:xy]){1,2}", ["x]y}zxy]xy]", "x]y}zxy]xy]xy]", "x]y}z"]),
     (r'"key_1"|"key_2"|"key_10"', ['"key_10"', '"key_1"', '"key_12"', '"key"']),
+    # Literal options merged into a trie (with the empty word, a word that is another's
+    # beginning, options that are not literal beside them, a class of one character).
+    (r"(?:ab|abc|a||b[c]|x+|abd)d", ["abcd", "abdd", "ad", "d", "bcd", "xxd", "abd", "abxd", "bd"]),
+    (r"(?:cat|car|cart|ca\.t)s?", ["carts", "cars", "ca.ts", "cas", "cart", "c"]),
 ]
 
 
@@ -167,7 +171,8 @@ def test_what_the_machine_holds_is_compiled_by_the_regex_module_only_when_it_giv
         compile_schema({"type": "object", "properties": {"s": {"type": "string", "maxLength": 10**12}}})
     grammar = guide({"grammar": 'root ::= "yes" | "no"'})
     assert machine_holds(grammar.pattern)
-    wide = 'root ::= ' + " | ".join(f'"w{i}"' for i in range(20_500))  # its first places past MAX_PLACES
+    # Its first places past MAX_PLACES (words would be merged into a trie: a class keeps them apart).
+    wide = 'root ::= ' + " | ".join(f'"w{i}" [ab]' for i in range(20_500))
     assert not machine_holds(guide({"grammar": wide}).pattern)
 
     def slow_compile(text):
@@ -186,6 +191,25 @@ def test_what_the_machine_holds_is_compiled_by_the_regex_module_only_when_it_giv
 
     broken = PatternConstraint(LazyExpression("(?:a(?:b?){0,30000})*c", refused), spelled.__getitem__, ())
     assert not broken.accepts(0) and broken.failed  # that answer ends; nothing raised into the engine's step
+
+
+def test_a_list_of_20000_words_is_held_by_the_machine_from_its_first_character():
+    """Literal options are merged into a trie: the grammar of 20,500 words, whose first places
+    ran past MAX_PLACES (one a word) and were compiled by the regex module up front instead
+    (seconds with the interpreter's lock held), starts with one place; its verdicts are the
+    regex module's."""
+    from kvstream.hf.guided import guide
+    from kvstream.hf.pattern_machine import machine_holds
+
+    pattern = guide({"grammar": 'root ::= ' + " | ".join(f'"w{i}"' for i in range(20_500))}).pattern
+    assert machine_holds(pattern)
+    machine, reference = machine_for(pattern), regex.compile(pattern)
+    assert len(machine.start()) == 1
+    for probe in ("w0", "w20499", "w20500", "w1234", "w12345", "w", "x1", "w01", "w204999"):
+        for cut in range(len(probe) + 1):
+            text = probe[:cut]
+            assert _verdicts(machine, text) == (reference.fullmatch(text, partial=True) is not None,
+                                                reference.fullmatch(text) is not None), text
 
 
 def test_a_long_answer_under_a_grammar_is_followed_to_its_end_within_a_clients_budget():
