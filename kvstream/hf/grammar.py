@@ -26,6 +26,7 @@ how it is written), looser than one token when counted (``!<x>{2}`` takes a long
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,13 +53,22 @@ class GrammarError(ValueError):
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "[": "[", "]": "]", "-": "-", "^": "^", "/": "/"}
 HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 NAME = regex.compile(r"[A-Za-z0-9_-]+")
-RULE_START = regex.compile(r"[A-Za-z0-9_-]+[ \t]*::=")
+# (The stdlib's: the regex module looks for the required "::=" in all the text left before
+# matching, at each of a rule's elements: a grammar of 20,500 words took 0.65 s in it.)
+RULE_START = re.compile(r"[A-Za-z0-9_-]+[ \t]*::=")
 REPETITION = regex.compile(r"\{\s*([0-9]*)\s*(,?)\s*([0-9]*)\s*\}")
 
 
 def _char(text: str) -> str:
-    """One character as a pattern of the regex module, inside a class or out."""
+    """One character as a pattern of the regex module, inside a class or out: an ASCII
+    letter, digit or underscore as itself (a word list then reads as runs of plain text:
+    each character escaped, 20,500 words took the machine 0.69 s to read), any other escaped."""
+    if text in _PLAIN:
+        return text
     return f"\\U{ord(text):08x}"
+
+
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 
 
 class _Reader:
