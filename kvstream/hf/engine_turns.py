@@ -28,6 +28,11 @@ PAUSE_S = 0.006  # each turn: the engine's, about three quarters of the time
 
 _busy: set[int] = set()  # id() of the engines stepping now (set.add/discard: atomic under the lock)
 _local = threading.local()  # .deadline: when this thread's next turn is due (absent: it does not yield)
+# Held by the one thread whose slice of such work runs now, and the time before which no
+# slice starts (the engine's turn): several requests read at once (a client sending schemas
+# in parallel) take turns among themselves and leave the engine the same turns as one does.
+_working = threading.Lock()
+_resume_at = 0.0
 
 
 def set_busy(engine: object, busy: bool) -> None:
@@ -40,22 +45,24 @@ def set_busy(engine: object, busy: bool) -> None:
 
 @contextlib.contextmanager
 def yielding_to_engine() -> Iterator[None]:
-    """Within it, this thread's ``give_turn()`` calls pause for the engine while it steps."""
-    outer = getattr(_local, "deadline", None)
-    _local.deadline = time.perf_counter() + SLICE_S
+    """Within it, this thread's ``give_turn()`` calls pause for the engine while it steps;
+    one thread at a time works within it (the others wait, off the interpreter's lock)."""
+    if "deadline" in _local.__dict__:  # within one already: that one holds the turn
+        yield
+        return
+    _start_slice()
     try:
         yield
     finally:
-        if outer is None:
-            del _local.deadline
-        else:
-            _local.deadline = outer
+        del _local.deadline
+        _working.release()
 
 
 def give_turn() -> None:
     """A point in a long pure-Python loop where this thread may let the engine step: sleeps
     ``PAUSE_S`` once ``SLICE_S`` of work has passed since the last turn, within
     ``yielding_to_engine()`` and while an engine steps; else returns at once."""
+    global _resume_at
     if not _busy:
         return
     deadline = _local.__dict__.get("deadline")
@@ -63,5 +70,15 @@ def give_turn() -> None:
         return
     now = time.perf_counter()
     if now >= deadline:
+        _resume_at = now + PAUSE_S
+        _working.release()  # another reading thread may wait out the turn meanwhile
         time.sleep(PAUSE_S)
-        _local.deadline = time.perf_counter() + SLICE_S
+        _start_slice()
+
+
+def _start_slice() -> None:
+    """Take the working lock, wait out the engine's turn if one is under way, and start a slice."""
+    _working.acquire()
+    if _busy and (wait := _resume_at - time.perf_counter()) > 0:
+        time.sleep(wait)
+    _local.deadline = time.perf_counter() + SLICE_S

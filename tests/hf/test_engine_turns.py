@@ -35,6 +35,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     clock = Clock()
+    monkeypatch.setattr(engine_turns, "_resume_at", 0.0)  # (a turn of another test, on another clock)
     monkeypatch.setattr(engine_turns.time, "perf_counter", clock.perf_counter)
     monkeypatch.setattr(engine_turns.time, "sleep", clock.sleep)
     yield clock
@@ -87,6 +88,52 @@ def test_nested_contexts_leave_the_thread_as_they_found_it(clock):
     give_turn()
     assert len(clock.sleeps) == 1
     assert "deadline" not in engine_turns._local.__dict__
+
+
+def test_a_slice_starts_after_the_engines_turn_whichever_thread_gave_it(clock):
+    """Another thread's turn under way (it gave one 2 ms ago): this thread's slice waits out
+    the rest, so that threads reading at once leave the engine the turns one thread does."""
+    set_busy(ENGINE, True)
+    engine_turns._resume_at = clock.now + engine_turns.PAUSE_S - 0.002
+    with yielding_to_engine():
+        assert clock.sleeps == [pytest.approx(engine_turns.PAUSE_S - 0.002)]
+    set_busy(ENGINE, False)
+    engine_turns._resume_at = clock.now + 1.0
+    with yielding_to_engine():  # no engine stepping: nothing to wait for
+        assert len(clock.sleeps) == 1
+
+
+def test_threads_reading_at_once_take_turns_among_themselves(monkeypatch):
+    """One thread works within the context at a time: a second waits until the first leaves
+    or gives a turn (then it has its slice while the first sleeps), so that requests read in
+    parallel get the interpreter no more often than one does."""
+    entered, second_done = threading.Event(), threading.Event()
+
+    def second() -> None:
+        with yielding_to_engine():
+            entered.set()
+        second_done.set()
+
+    first = threading.current_thread()
+
+    def turn_sleep(seconds: float) -> None:  # the first's turn: the second gets in meanwhile
+        if threading.current_thread() is first:
+            assert entered.wait(30)
+
+    monkeypatch.setattr(engine_turns.time, "sleep", turn_sleep)
+    set_busy(ENGINE, True)
+    try:
+        with yielding_to_engine():
+            thread = threading.Thread(target=second)
+            thread.start()
+            assert not entered.wait(0.2)  # the first works: the second waits
+            engine_turns._local.deadline = 0.0  # its slice is over
+            give_turn()
+            assert entered.is_set()  # the second had its slice during the first's turn
+        thread.join(30)
+        assert second_done.is_set() and not engine_turns._working.locked()
+    finally:
+        engine_turns._busy.clear()
 
 
 def test_a_schema_read_on_a_worker_thread_gives_turns_and_reads_the_same(clock):
