@@ -12,8 +12,10 @@ So such work runs ``yielding_to_engine()``, and its loops call ``give_turn()``: 
 engine is stepping, after each ``SLICE_S`` of work the thread sleeps ``PAUSE_S``, in which
 the engine runs with the lock to itself. The work then takes up to
 ``(SLICE_S + PAUSE_S) / SLICE_S`` times as long while others stream, and no longer when the
-engine is idle. Elsewhere (the engine's own thread, the event loop, a thread that did not
-ask) ``give_turn()`` does nothing.
+engine is idle. Threads within it work one at a time, and a slice never starts during the
+engine's turn whichever thread gave it: four requests read at once left the engine no turns
+while each thread gave its own. Elsewhere (the engine's own thread, the event loop, a thread
+that did not ask) ``give_turn()`` does nothing.
 """
 
 from __future__ import annotations
