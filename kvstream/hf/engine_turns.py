@@ -74,8 +74,10 @@ def give_turn() -> None:
     if now >= deadline:
         _resume_at = now + PAUSE_S
         _working.release()  # another reading thread may wait out the turn meanwhile
-        time.sleep(PAUSE_S)
-        _start_slice()
+        try:
+            time.sleep(PAUSE_S)
+        finally:
+            _start_slice()  # (held again whatever happens: the context releases it)
 
 
 def _start_slice() -> None:

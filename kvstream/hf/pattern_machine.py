@@ -229,10 +229,12 @@ _END = ""  # a trie's key for "a word ends here" (no character is empty)
 
 def _factored(options: list[Any]) -> Any:
     """``options`` as one alternation, its literal options (an enum's values, a grammar's word
-    list, the tools' names) merged into a trie: the language is the same (which option a match
-    takes does not matter here), and the places after a character are the words it can still
-    begin, not every word: 20,000 words were 20,000 places from the first character on, past
-    ``MAX_PLACES``, and the regex module compiled them instead (seconds, holding the lock)."""
+    list) merged into a trie: the language is the same (which option a match takes does not
+    matter here), and the places after a character are the words it can still begin, not
+    every word: 20,000 words were 20,000 places from the first character on, past
+    ``MAX_PLACES``, and the regex module compiled them instead (seconds, holding the lock).
+    Words that branch more than ``MAX_TRIE_DEPTH`` times one inside another ("a", "aa",
+    "aaa"... 999 of them ran past Python's recursion limit) stay apart."""
     trie: dict[str, Any] = {}
     others = []
     for option in options:
@@ -246,10 +248,23 @@ def _factored(options: list[Any]) -> Any:
         node[_END] = True
     if len(options) - len(others) < 2:
         return Alt(options)
-    return Alt([_trie_node(trie), *others]) if others else _trie_node(trie)
+    try:
+        merged = _trie_node(trie, 0)
+    except _TooDeep:
+        return Alt(options)
+    return Alt([merged, *others]) if others else merged
 
 
-def _trie_node(trie: dict[str, Any]) -> Any:
+MAX_TRIE_DEPTH = 100  # branchings one inside another merged (each a level of recursion, here and in walks)
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _trie_node(trie: dict[str, Any], depth: int) -> Any:
+    if depth > MAX_TRIE_DEPTH:
+        raise _TooDeep
     options = []
     for ch, rest in trie.items():
         if ch == _END:
@@ -259,7 +274,7 @@ def _trie_node(trie: dict[str, Any]) -> Any:
             ((ch, rest),) = rest.items()
             parts.append(_literal(ch))
         if len(rest) > 1:
-            parts.append(_trie_node(rest))
+            parts.append(_trie_node(rest, depth + 1))
         options.append(parts[0] if len(parts) == 1 else Seq(parts))
     if _END in trie:
         options.append(Seq([]))

@@ -212,6 +212,23 @@ def test_a_list_of_20000_words_is_held_by_the_machine_from_its_first_character()
                                                 reference.fullmatch(text) is not None), text
 
 
+def test_words_nested_past_the_tries_depth_stay_apart_and_the_machine_holds_them():
+    """An enum of 999 values, each the one before and one more character, branches at every
+    character: merged whole, the reading recursed past Python's limit and the regex module
+    compiled the schema instead; past MAX_TRIE_DEPTH its words stay apart, and the machine
+    holds them as before, with the regex module's verdicts."""
+    from kvstream.hf.json_schema import compile_schema, schema_pattern
+    from kvstream.hf.pattern_machine import LazyExpression
+
+    schema = {"enum": ["a" * i for i in range(1, 1000)]}
+    assert isinstance(compile_schema(schema), LazyExpression)
+    machine, reference = machine_for(schema_pattern(schema)), regex.compile(schema_pattern(schema))
+    assert machine is not None and machine.matches_something()
+    for probe in ('"a"', '"' + "a" * 999 + '"', '"' + "a" * 1000 + '"', '""', '"aab"'):
+        assert _verdicts(machine, probe) == (reference.fullmatch(probe, partial=True) is not None,
+                                             reference.fullmatch(probe) is not None), probe
+
+
 def test_a_long_answer_under_a_grammar_is_followed_to_its_end_within_a_clients_budget():
     """An 8 KB JSON answer under llama.cpp's JSON grammar, three bytes a token, with the
     budget a client's grammar gets, the candidate mask asked every token: the machine
