@@ -25,6 +25,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+_clock, _sleep = time.perf_counter, time.sleep  # (module names: tests replace these alone)
+
 SLICE_S = 0.002  # work between turns
 PAUSE_S = 0.006  # each turn: the engine's, about three quarters of the time
 
@@ -70,12 +72,12 @@ def give_turn() -> None:
     deadline = _local.__dict__.get("deadline")
     if deadline is None:
         return
-    now = time.perf_counter()
+    now = _clock()
     if now >= deadline:
         _resume_at = now + PAUSE_S
         _working.release()  # another reading thread may wait out the turn meanwhile
         try:
-            time.sleep(PAUSE_S)
+            _sleep(PAUSE_S)
         finally:
             _start_slice()  # (held again whatever happens: the context releases it)
 
@@ -83,6 +85,6 @@ def give_turn() -> None:
 def _start_slice() -> None:
     """Take the working lock, wait out the engine's turn if one is under way, and start a slice."""
     _working.acquire()
-    if _busy and (wait := _resume_at - time.perf_counter()) > 0:
-        time.sleep(wait)
-    _local.deadline = time.perf_counter() + SLICE_S
+    if _busy and (wait := _resume_at - _clock()) > 0:
+        _sleep(wait)
+    _local.deadline = _clock() + SLICE_S

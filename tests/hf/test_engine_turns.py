@@ -4,7 +4,6 @@ steps, only there and only then, and what it computes is the same."""
 from __future__ import annotations
 
 import threading
-
 import time
 
 import pytest
@@ -18,7 +17,7 @@ from kvstream.hf.engine_turns import give_turn, set_busy, yielding_to_engine  # 
 
 
 class Clock:
-    """perf_counter and sleep of the module, on a clock the test moves."""
+    """The module's clock and sleep, on a clock the test moves."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -36,8 +35,8 @@ class Clock:
 def clock(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(engine_turns, "_resume_at", 0.0)  # (a turn of another test, on another clock)
-    monkeypatch.setattr(engine_turns.time, "perf_counter", clock.perf_counter)
-    monkeypatch.setattr(engine_turns.time, "sleep", clock.sleep)
+    monkeypatch.setattr(engine_turns, "_clock", clock.perf_counter)
+    monkeypatch.setattr(engine_turns, "_sleep", clock.sleep)
     yield clock
     engine_turns._busy.clear()
 
@@ -120,7 +119,7 @@ def test_threads_reading_at_once_take_turns_among_themselves(monkeypatch):
         if threading.current_thread() is first:
             assert entered.wait(30)
 
-    monkeypatch.setattr(engine_turns.time, "sleep", turn_sleep)
+    monkeypatch.setattr(engine_turns, "_sleep", turn_sleep)
     set_busy(ENGINE, True)
     try:
         with yielding_to_engine():
