@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from kvstream.api.server import tune_gc  # noqa: E402
 from kvstream.hf import engine_turns  # noqa: E402
 from kvstream.hf.json_schema import schema_pattern  # noqa: E402
-from kvstream.hf.pattern_machine import _Reader, Machine  # noqa: E402
+from kvstream.hf.pattern_machine import Machine, _Reader  # noqa: E402
 
 
 def step(calls: int, x: torch.Tensor, w: torch.Tensor) -> float:

@@ -140,7 +140,7 @@ def test_a_schema_read_on_a_worker_thread_gives_turns_and_reads_the_same(clock):
     on a worker thread within the context while an engine steps: it pauses (sleeps), and the
     expression and the machine's verdicts are those of the same reading with no engine."""
     from kvstream.hf.json_schema import schema_pattern
-    from kvstream.hf.pattern_machine import _Reader, Machine
+    from kvstream.hf.pattern_machine import Machine, _Reader
 
     schema = {"type": "object", "properties": {f"key_{k}": {"enum": [f"v{v}" for v in range(50)]} for k in range(300)}}
     answer = "{" + ", ".join(f'"key_{k}": "v{k % 50}"' for k in range(300)) + "}"
