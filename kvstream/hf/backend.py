@@ -482,7 +482,11 @@ class HFBackend(InProcessBackend):
         if runner.vocab_size:
             from kvstream.hf.token_bytes import first_bytes
 
-            first_bytes(runner.token_bytes, runner.vocab_size)  # now, not at the first constrained step
+            try:
+                first_bytes(runner.token_bytes, runner.vocab_size)  # now, not at the first constrained step
+            except Exception as exc:  # a tokenizer that cannot spell the model's padded ids: never fail the start for it
+                logger.warning("the vocabulary's first bytes could not be read at start (%s); a constrained "
+                               "answer will ask again", exc)
         logger.info(
             "hf engine: %s on %s, KV pool %d blocks x %d tokens (%.0f MiB), host swap %d blocks, batch %d",
             loaded.name, runner.device, config.num_blocks, config.block_size,

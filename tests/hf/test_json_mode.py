@@ -332,6 +332,35 @@ async def test_a_started_backend_has_read_the_first_byte_table(smollm2):
         assert entry is not None and entry[1].numel() == smollm2[0].config.vocab_size
 
 
+async def test_a_tokenizer_that_cannot_spell_every_id_does_not_fail_the_start(smollm2):
+    """A slow tokenizer raises for ids past its own length (a model's padded vocabulary):
+    reading the table at start must not fail the start for it."""
+    import copy
+
+    from kvstream.hf.backend import HFBackend
+    from kvstream.hf.loader import LoadedModel
+    from kvstream.hf.token_bytes import _FIRST_BYTES
+    from tests.conftest import make_settings
+
+    model, _, tokenizer = smollm2
+    short = copy.copy(tokenizer)
+    spell = tokenizer.convert_ids_to_tokens
+
+    def convert(ids, *args, **kwargs):
+        if max(ids if isinstance(ids, list) else [ids]) >= model.config.vocab_size - 8:
+            raise IndexError("piece id is out of range.")
+        return spell(ids, *args, **kwargs)
+
+    short.convert_ids_to_tokens = convert
+    backend = HFBackend(None, None, make_settings(memory={"num_gpu_blocks": 64}),
+                        preloaded=LoadedModel(model, short, "smollm2", "hf:test"))
+    await backend.start()
+    try:
+        assert backend.runner is not None and id(backend.runner.token_bytes) not in _FIRST_BYTES
+    finally:
+        await backend.close()
+
+
 async def test_the_openai_clients_parse_gets_its_pydantic_model(oa):
     """``client.chat.completions.parse(response_format=Model)``: the strict schema the client
     sends is honoured and every answer that closed validates as the model."""
