@@ -66,14 +66,24 @@ class TokenBytes:
         cached = self._bytes.get(token_id)
         if cached is not None:
             return cached
-        raw = self._bytes[token_id] = _piece_bytes(self.tokenizer.convert_ids_to_tokens(token_id))
+        raw = self._bytes[token_id] = _piece_bytes(self._piece(token_id))
         return raw
+
+    def _piece(self, token_id: int) -> str | None:
+        try:
+            return self.tokenizer.convert_ids_to_tokens(token_id)
+        except (IndexError, KeyError, ValueError):  # a slow tokenizer, past its own length (a padded vocabulary)
+            return None
 
     def spell_all(self, vocab: int) -> None:
         """Remember the bytes of every id below ``vocab``, asked of the tokenizer in one call
         (one id a call, SmolLM2's 49,152 took 0.12 s, 0.4 s beside other work, on the
-        engine's thread the first time a constraint needed every token's first byte)."""
-        pieces = self.tokenizer.convert_ids_to_tokens(list(range(vocab)))
+        engine's thread the first time a constraint needed every token's first byte); one
+        id a call where the tokenizer refuses some of them."""
+        try:
+            pieces = self.tokenizer.convert_ids_to_tokens(list(range(vocab)))
+        except (IndexError, KeyError, ValueError):
+            pieces = [self._piece(token_id) for token_id in range(vocab)]
         for token_id, piece in enumerate(pieces):
             if token_id not in self._bytes:
                 self._bytes[token_id] = _piece_bytes(piece)
