@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import re
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +69,7 @@ def _char(text: str) -> str:
     return f"\\U{ord(text):08x}"
 
 
-_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+_PLAIN = frozenset(string.ascii_letters + string.digits + "_")
 
 
 class _Reader:

@@ -259,7 +259,7 @@ MAX_TRIE_DEPTH = 100  # branchings one inside another merged (each a level of re
 
 
 class _TooDeep(Exception):
-    pass
+    """The words branch more than ``MAX_TRIE_DEPTH`` times one inside another."""
 
 
 def _trie_node(trie: dict[str, Any], depth: int) -> Any:

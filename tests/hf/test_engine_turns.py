@@ -89,6 +89,20 @@ def test_nested_contexts_leave_the_thread_as_they_found_it(clock):
     assert "deadline" not in engine_turns._local.__dict__
 
 
+def test_work_that_raises_leaves_the_turns_to_the_others(clock):
+    """A reading that fails (a schema refused midway: a 400) leaves the context as it found
+    it: the working lock free for the next request, this thread no longer yielding."""
+    set_busy(ENGINE, True)
+    with pytest.raises(ValueError), yielding_to_engine():
+        clock.now += 1.0
+        give_turn()  # a turn given, then the work fails
+        raise ValueError("refused")
+    assert not engine_turns._working.locked() and "deadline" not in engine_turns._local.__dict__
+    clock.now += 1.0
+    give_turn()
+    assert len(clock.sleeps) == 1
+
+
 def test_a_slice_starts_after_the_engines_turn_whichever_thread_gave_it(clock):
     """Another thread's turn under way (it gave one 2 ms ago): this thread's slice waits out
     the rest, so that threads reading at once leave the engine the turns one thread does."""
