@@ -1,8 +1,8 @@
 """What a thread running pure Python does to the engine's steps, and what giving turns buys.
 
 A stand-in for a decode step (the same number of small torch calls as SmolLM2's step here,
-each letting go of the interpreter's lock and taking it back) is timed alone, then beside a
-thread reading 300-property schemas into the constraint machine (the work a request with a
+each letting go of the interpreter's lock and taking it back) is timed alone, beside a thread
+looping in pure Python (the worst case), then beside a thread reading 300-property schemas into the constraint machine (the work a request with a
 large schema puts on a worker thread), without and with ``yielding_to_engine()``
 (kvstream/hf/engine_turns.py), same run, with the server's garbage collector settings. Prints each case's median and longest step, the
 ratio to the step alone, and how long the reading took.
@@ -52,9 +52,17 @@ def reading(stop: threading.Event, yielding: bool, spent: list[float]) -> None:
         i += 1
 
 
+def busy_loop(stop: threading.Event, yielding: bool, spent: list[float]) -> None:
+    """Pure Python that never lets go of the lock by itself (the worst case), until ``stop``."""
+    while not stop.is_set():
+        total = 0
+        for i in range(10_000):
+            total += i
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--calls", type=int, default=210, help="torch calls in a step")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -62,11 +70,12 @@ def main() -> None:
     x, w = torch.randn(1, 576), torch.randn(576, 1536)
     engine = object()
     results = {}
-    for case in ("alone", "beside a reading thread", "beside it, giving turns"):
+    for case in ("alone", "beside a busy loop", "beside a reading thread", "beside it, giving turns"):
         stop, spent = threading.Event(), []
         thread = None
         if case != "alone":
-            thread = threading.Thread(target=reading, args=(stop, case.endswith("turns"), spent))
+            work = busy_loop if case.endswith("loop") else reading
+            thread = threading.Thread(target=work, args=(stop, case.endswith("turns"), spent))
             thread.start()
             time.sleep(0.05)
         engine_turns.set_busy(engine, True)

@@ -3,9 +3,10 @@
 A step of the engine is a few hundred torch calls, each of which lets go of the
 interpreter's lock and takes it back. While another thread runs pure Python (reading a
 client's schema or grammar into its constraint machine, before the request is queued),
-taking it back waits for that thread's switch interval (5 ms) each time: a 20 ms step took
-over 3 s beside a busy thread here, so the engine all but stopped, and every stream with
-it, for as long as the reading lasted (the 300-property schemas of
+taking it back waits for that thread's switch interval (5 ms) each time: a 13-19 ms step took
+3.7 s beside a thread looping in pure Python here, and 4-6x as long beside one reading
+schemas (`benchmarks/engine_turns.py`), so the engine all but stopped, and every stream
+with it, for as long as the reading lasted (the 300-property schemas of
 `benchmarks/loop_stall.py`).
 
 So such work runs ``yielding_to_engine()``, and its loops call ``give_turn()``: while an
