@@ -15,8 +15,11 @@ the engine runs with the lock to itself. The work then takes up to
 ``(SLICE_S + PAUSE_S) / SLICE_S`` times as long while others stream, and no longer when the
 engine is idle. Threads within it work one at a time, and a slice never starts during the
 engine's turn whichever thread gave it: four requests read at once left the engine no turns
-while each thread gave its own. Elsewhere (the engine's own thread, the event loop, a thread
-that did not ask) ``give_turn()`` does nothing.
+while each thread gave its own. The working lock is taken only while an engine steps (at the
+first ``give_turn()`` then) and let go when none does: with the engine idle, requests read at
+once share the interpreter as any threads do, and a small schema does not wait out a large
+one's reading. Elsewhere (the engine's own thread, the event loop, a thread that did not ask)
+``give_turn()`` does nothing.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ PAUSE_S = 0.006  # each turn: the engine's, about three quarters of the time
 
 _busy: set[int] = set()  # id() of the engines stepping now (set.add/discard: atomic under the lock)
 _local = threading.local()  # .deadline: when this thread's next turn is due (absent: it does not yield)
-# Held by the one thread whose slice of such work runs now, and the time before which no
-# slice starts (the engine's turn): several requests read at once (a client sending schemas
-# in parallel) take turns among themselves and leave the engine the same turns as one does.
+# Held by the one thread whose slice of such work runs now (its ident in _holder), and the
+# time before which no slice starts (the engine's turn): several requests read at once (a
+# client sending schemas in parallel) take turns among themselves and leave the engine the
+# same turns as one does.
 _working = threading.Lock()
+_holder: int | None = None
 _resume_at = 0.0
 
 
@@ -50,17 +55,18 @@ def set_busy(engine: object, busy: bool) -> None:
 
 @contextlib.contextmanager
 def yielding_to_engine() -> Iterator[None]:
-    """Within it, this thread's ``give_turn()`` calls pause for the engine while it steps;
-    one thread at a time works within it (the others wait, off the interpreter's lock)."""
-    if "deadline" in _local.__dict__:  # within one already: that one holds the turn
+    """Within it, this thread's ``give_turn()`` calls pause for the engine while it steps,
+    one such thread working at a time then (the others wait, off the interpreter's lock)."""
+    if "deadline" in _local.__dict__:  # within one already: that one lets go
         yield
         return
-    _start_slice()
+    _local.deadline = 0.0  # (a slice is started when an engine steps: give_turn)
     try:
         yield
     finally:
         del _local.deadline
-        _working.release()
+        if _holder == threading.get_ident():
+            _let_go()
 
 
 def give_turn() -> None:
@@ -69,23 +75,37 @@ def give_turn() -> None:
     ``yielding_to_engine()`` and while an engine steps; else returns at once."""
     global _resume_at
     if not _busy:
+        if _holder is not None and _holder == threading.get_ident():
+            _let_go()  # every engine idle: the other readers need not wait for this one
         return
     deadline = _local.__dict__.get("deadline")
     if deadline is None:
         return
+    if _holder != threading.get_ident():
+        _start_slice()  # the first turn point since an engine began stepping
+        return
     now = _clock()
     if now >= deadline:
         _resume_at = now + PAUSE_S
-        _working.release()  # another reading thread may wait out the turn meanwhile
+        _let_go()  # another reading thread may wait out the turn meanwhile
         try:
             _sleep(PAUSE_S)
         finally:
-            _start_slice()  # (held again whatever happens: the context releases it)
+            _start_slice()  # (held again whatever happens: the context lets go)
 
 
 def _start_slice() -> None:
     """Take the working lock, wait out the engine's turn if one is under way, and start a slice."""
+    global _holder
     _working.acquire()
+    _holder = threading.get_ident()
     if _busy and (wait := _resume_at - _clock()) > 0:
         _sleep(wait)
     _local.deadline = _clock() + SLICE_S
+
+
+def _let_go() -> None:
+    """Let go of the working lock this thread holds."""
+    global _holder
+    _holder = None
+    _working.release()

@@ -47,7 +47,8 @@ ENGINE = object()
 def test_a_turn_is_given_once_a_slice_of_work_has_passed_while_an_engine_steps(clock):
     set_busy(ENGINE, True)
     with yielding_to_engine():
-        give_turn()
+        give_turn()  # the first: a slice starts (the working lock taken)
+        assert clock.sleeps == [] and engine_turns._working.locked()
         clock.now += engine_turns.SLICE_S / 2
         give_turn()
         assert clock.sleeps == []  # within the slice
@@ -78,6 +79,7 @@ def test_no_turn_while_no_engine_steps_nor_outside_the_context(clock):
 def test_nested_contexts_leave_the_thread_as_they_found_it(clock):
     set_busy(ENGINE, True)
     with yielding_to_engine():
+        give_turn()
         with yielding_to_engine():
             pass
         clock.now += 1.0
@@ -86,7 +88,7 @@ def test_nested_contexts_leave_the_thread_as_they_found_it(clock):
     clock.now += 1.0
     give_turn()
     assert len(clock.sleeps) == 1
-    assert "deadline" not in engine_turns._local.__dict__
+    assert "deadline" not in engine_turns._local.__dict__ and not engine_turns._working.locked()
 
 
 def test_work_that_raises_leaves_the_turns_to_the_others(clock):
@@ -94,6 +96,7 @@ def test_work_that_raises_leaves_the_turns_to_the_others(clock):
     it: the working lock free for the next request, this thread no longer yielding."""
     set_busy(ENGINE, True)
     with pytest.raises(ValueError), yielding_to_engine():
+        give_turn()
         clock.now += 1.0
         give_turn()  # a turn given, then the work fails
         raise ValueError("refused")
@@ -109,21 +112,25 @@ def test_a_slice_starts_after_the_engines_turn_whichever_thread_gave_it(clock):
     set_busy(ENGINE, True)
     engine_turns._resume_at = clock.now + engine_turns.PAUSE_S - 0.002
     with yielding_to_engine():
+        give_turn()
         assert clock.sleeps == [pytest.approx(engine_turns.PAUSE_S - 0.002)]
     set_busy(ENGINE, False)
     engine_turns._resume_at = clock.now + 1.0
     with yielding_to_engine():  # no engine stepping: nothing to wait for
+        give_turn()
         assert len(clock.sleeps) == 1
 
 
 def test_threads_reading_at_once_take_turns_among_themselves(monkeypatch):
-    """One thread works within the context at a time: a second waits until the first leaves
-    or gives a turn (then it has its slice while the first sleeps), so that requests read in
-    parallel get the interpreter no more often than one does."""
+    """While an engine steps, one thread works within the context at a time: a second waits
+    at its first turn point until the first leaves or gives a turn (then it has its slice
+    while the first sleeps), so that requests read in parallel get the interpreter no more
+    often than one does."""
     entered, second_done = threading.Event(), threading.Event()
 
     def second() -> None:
         with yielding_to_engine():
+            give_turn()
             entered.set()
         second_done.set()
 
@@ -137,6 +144,7 @@ def test_threads_reading_at_once_take_turns_among_themselves(monkeypatch):
     set_busy(ENGINE, True)
     try:
         with yielding_to_engine():
+            give_turn()  # the first's slice
             thread = threading.Thread(target=second)
             thread.start()
             assert not entered.wait(0.2)  # the first works: the second waits
@@ -147,6 +155,36 @@ def test_threads_reading_at_once_take_turns_among_themselves(monkeypatch):
         assert second_done.is_set() and not engine_turns._working.locked()
     finally:
         engine_turns._busy.clear()
+
+
+def test_with_no_engine_stepping_readers_do_not_wait_for_each_other(clock):
+    """The engine idle, a second request's reading runs beside a first's (a small schema need
+    not wait out a large one); a reader holding the turn when the engine goes idle lets go at
+    its next turn point, and takes it again once the engine steps."""
+    done = threading.Event()
+
+    def second() -> None:
+        with yielding_to_engine():
+            give_turn()
+        done.set()
+
+    with yielding_to_engine():
+        give_turn()
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert done.wait(30)  # not behind the first, which is still reading
+        thread.join(30)
+        set_busy(ENGINE, True)
+        give_turn()
+        assert engine_turns._holder == threading.get_ident()
+        set_busy(ENGINE, False)
+        give_turn()  # the engine went idle: let go
+        assert engine_turns._holder is None and not engine_turns._working.locked()
+        set_busy(ENGINE, True)
+        give_turn()
+        assert engine_turns._working.locked()
+    assert not engine_turns._working.locked() and engine_turns._holder is None
+    assert clock.sleeps == []
 
 
 def test_a_schema_read_on_a_worker_thread_gives_turns_and_reads_the_same(clock):
