@@ -5,7 +5,7 @@ compiled by the ``regex`` module and the empty answer judged by it (``compile_pa
 the hold did before, after writing it), and the first held step (the candidate mask of the first
 token of a call), same run, same expression.
 
-    python benchmarks/tool_holds.py [--tools 10 50] [--syntaxes hermes qwen3_xml deepseek mistral] [--rounds 2]
+    python benchmarks/tool_holds.py [--tools 10 50] [--syntaxes hermes qwen3_xml deepseek mistral pythonic] [--rounds 2]
 
 The tools are of the kind agents send: six parameters each (strings, an enum, integers,
 numbers, booleans, arrays, nested objects with a bound). Both sides start cold: the caches
@@ -33,7 +33,7 @@ from kvstream.hf.tool_call_syntax import OPEN, CallReading  # noqa: E402
 
 KINDS = ("string", "integer", "boolean", "array", "object", "number")
 OPENINGS = {"hermes": OPEN, "qwen3_xml": OPEN, "deepseek": "<｜tool▁calls▁begin｜>", "mistral": "[TOOL_CALLS]",
-            "granite": "<|tool_call|>", "llama3_json": '{"name": "'}
+            "granite": "<|tool_call|>", "llama3_json": '{"name": "', "pythonic": "[to"}
 
 
 def tools(n: int) -> list[dict]:
@@ -66,7 +66,8 @@ def cold() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tools", type=int, nargs="+", default=[10, 50])
-    parser.add_argument("--syntaxes", nargs="+", default=["hermes", "qwen3_xml", "deepseek", "mistral"], choices=list(OPENINGS))
+    parser.add_argument("--syntaxes", nargs="+", default=["hermes", "qwen3_xml", "deepseek", "mistral", "pythonic"],
+                        choices=list(OPENINGS))
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     print(f"{'tools':>5} {'syntax':>11} {'expression':>11} {'machine s':>10} {'regex s':>9} {'regex/machine':>14} "

@@ -25,12 +25,21 @@ Held syntaxes, and what opens a call:
 - DeepSeek's: ``<｜tool▁calls▁begin｜>`` (or a first ``<｜tool▁call▁begin｜>``), each call in
   V3's fenced form or V3.1's bare one (deepseek_calls.py), then ``<｜tool▁calls▁end｜>`` or the
   end (the reader takes the calls without their closing mark; held to write it, SmolLM2 wrote
-  another call instead of ending).
+  another call instead of ending);
+- the pythonic templates' (Llama 3.2 and 4, Gemma 3, ToolACE): an answer that begins with ``[``
+  and the first two characters of an offered tool's name (or all of a shorter one), a Python
+  list of calls ``name(key=value, ...)``, each argument a keyword in the schema's order (the
+  required ones present, each other one at most once), its value the Python literal of a
+  value its schema admits (``True``, ``None``, strings in either quotes: json_schema's
+  ``PYTHON`` spelling), as pythonic_calls.py reads them back. A bare ``[`` opens no hold (an
+  answer may begin with a bracketed word): the name's first characters say it is a call.
+  Tools whose names or parameters a Python call cannot write (``get-weather``, a parameter
+  named ``class``) are left out of the hold.
 
 A call opened inside the model's thinking is a draft, not a call, and does not start the hold
 (the trigger counts outside ``<think>`` blocks). An opening the expression cannot begin with
 (blanks it does not allow) leaves the answer unheld, read as before; so do tools whose
-expression cannot be followed. The pythonic lists are read unheld.
+expression cannot be followed.
 
 A tool's bounds the expression cannot enforce (``minimum``, ``pattern``...) are left out of its
 hold (tool_calls.holdable_tools). The expression of many tools is long (50 tools: 0.1-0.25 MB):
@@ -43,14 +52,15 @@ from __future__ import annotations
 
 import functools
 import json
+import keyword
 from dataclasses import dataclass
 from typing import Any
 
 import regex
 
-from kvstream.hf import deepseek_calls
+from kvstream.hf import deepseek_calls, pythonic_calls
 from kvstream.hf.grammar import TOKEN_SENTINELS
-from kvstream.hf.json_schema import schema_parts, with_rules
+from kvstream.hf.json_schema import JSON, PYTHON, WS, Spelling, schema_parts, with_rules
 from kvstream.hf.lazy_grammar import Triggers
 from kvstream.hf.pattern_constraint import expression
 from kvstream.hf.tool_call_syntax import CLOSE, GRANITE_CALLS, MISTRAL_ARGS, MISTRAL_CALLS, OPEN, PYTHON_TAG, CallReading
@@ -59,7 +69,7 @@ from kvstream.hf.xml_calls import FUNCTION_END, FUNCTION_TAG, PARAMETER_END, PAR
 
 # The syntaxes held, each with the tags its expression writes (referenced where they are tokens).
 HELD_TAGS = {"hermes": (OPEN, CLOSE), "llama3_json": (), "granite": (GRANITE_CALLS,), "mistral": (MISTRAL_CALLS, MISTRAL_ARGS),
-             "qwen3_xml": (OPEN, CLOSE), "deepseek": deepseek_calls.TAGS}
+             "qwen3_xml": (OPEN, CLOSE), "deepseek": deepseek_calls.TAGS, "pythonic": (pythonic_calls.PYTHON_END,)}
 
 GAP = "[ \\t\\n]{0,4}"  # between the tags and the call, and between calls: a few blanks, never a run
 # The whole answer so far beginning as a Llama 3 call (its python tag may open it).
@@ -146,9 +156,65 @@ def _hold(calls: CallReading, rules: _Rules, thinking_opened: bool | None, speci
         named = "|".join(f"{regex.escape(name)}{tag(MISTRAL_ARGS)}{rules.arguments(name)}" for name in rules.names)
         return held(f"(?:{tag(MISTRAL_CALLS)}{GAP}{listed}|{some(f'{tag(MISTRAL_CALLS)}(?:{named}){GAP}')})",
                     MISTRAL_CALLS)
+    if calls.syntax == "pythonic":
+        return _pythonic_hold(rules, several, tag(pythonic_calls.PYTHON_END))
     # Llama 3: the answer itself is the calls (a thinking model's, after its block: not one of these).
     joined = f"{call}(?:{GAP};{GAP}{call})*" if several else call
     return CallHold(rules.pattern(f"{joined}{GAP}"), Triggers(patterns=(LLAMA3_OPENING,), strict=False))
+
+
+def _pythonic_hold(rules: _Rules, several: bool, list_end: str) -> CallHold:
+    """A Python list of calls of the tools a Python call can name (ValueError if none),
+    opened by ``[`` and the first characters of one of their names."""
+    names = [name for name in rules.names if all(part.isidentifier() and not keyword.iskeyword(part)
+                                                 for part in name.split("."))]
+    calls = {name: call for name in names if (call := _python_call(name, rules)) is not None}
+    if not calls:
+        raise ValueError("no offered tool can be called in Python's syntax")
+    call = "(?:" + "|".join(calls.values()) + ")"
+    listed = f"\\[{GAP}{call}(?:{GAP},{GAP}{call})*{GAP},?{GAP}\\]" if several else f"\\[{GAP}{call}{GAP},?{GAP}\\]"
+    starts = sorted({regex.escape(name[:2]) for name in calls})
+    opening = f"^\\s*(?:{regex.escape(pythonic_calls.PYTHON_START)}\\s*)?(\\[[ \\t\\n]*(?:{'|'.join(starts)}))[\\s\\S]*$"
+    return CallHold(rules.pattern(f"{listed}{GAP}(?:{list_end}{GAP})?"), Triggers(patterns=(opening,), strict=False))
+
+
+def _python_call(name: str, rules: _Rules) -> str | None:
+    """One call of ``name`` as a Python call, ``name(key=value, ...)``: its parameters as
+    keywords in the schema's order, the required ones present, each other one at most once;
+    None where a parameter's name cannot be a keyword argument. A tool with no properties
+    listed takes any keywords unless ``additionalProperties`` is false."""
+    parameters = rules.parameters(name)
+    properties = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
+    required = set(parameters.get("required") or ()) if isinstance(parameters.get("required"), list) else set()
+    definitions = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
+    if any(not key.isidentifier() or keyword.iskeyword(key) for key in properties):
+        return None
+    equals = "[ ]?=[ ]?"
+    if not properties:
+        if parameters.get("additionalProperties") is False:
+            return f"{regex.escape(name)}\\({WS}\\)"
+        value = rules.schema({}, PYTHON)
+        one = f"[A-Za-z_][A-Za-z0-9_]*{equals}{value}"
+        return f"{regex.escape(name)}\\({WS}(?:{one}(?:{WS},{WS}{one})*{WS},?)?{WS}\\)"
+    keywords = [(rules.rule(f"{regex.escape(key)}{equals}{rules.schema({**schema, **definitions}, PYTHON)}"),
+                 key in required) for key, schema in properties.items()]
+    listed = f"{_in_order(keywords)}{WS},?"  # (a trailing comma only after an argument)
+    return f"{regex.escape(name)}\\({WS}{listed if any(needed for _, needed in keywords) else f'(?:{listed})?'}{WS}\\)"
+
+
+def _in_order(items: list[tuple[str, bool]]) -> str:
+    """Comma-separated ``items`` (expression, required) in their order, at least one, each
+    optional one present or not: an option for each optional item before the first required
+    one (the one the list begins with), each item a named rule called, not copied."""
+    def following(start: int) -> str:
+        return "".join(f"{WS},{WS}{item}" if needed else f"(?:{WS},{WS}{item})?" for item, needed in items[start:])
+
+    options = []
+    for k, (item, needed) in enumerate(items):
+        options.append(item + following(k + 1))
+        if needed:
+            break
+    return "(?:" + "|".join(options) + ")"
 
 
 class _Rules:
@@ -160,15 +226,22 @@ class _Rules:
         self.tools = tools
         self.names = forced_names(tools, "required").names  # type: ignore[union-attr]  # (checked by call_hold)
         self.rules: dict[str, str] = {}
-        self._roots: dict[str, str] = {}  # a schema's text -> its root expression
+        self._roots: dict[tuple[str, Spelling], str] = {}  # a schema's text and spelling -> its root expression
 
-    def schema(self, schema: dict[str, Any]) -> str:
-        text = json.dumps(schema)
-        if text not in self._roots:
-            root, rules = schema_parts(schema, prefix=f"s{len(self._roots)}_")
+    def schema(self, schema: dict[str, Any], spelling: Spelling = JSON) -> str:
+        """``schema``'s expression, its values as JSON (or as ``spelling`` writes them)."""
+        key = (json.dumps(schema), spelling)
+        if key not in self._roots:
+            root, rules = schema_parts(schema, f"s{len(self._roots)}_", spelling)
             self.rules.update(rules)  # (the rules of any JSON value are the same in every schema)
-            self._roots[text] = f"(?:{root})"
-        return self._roots[text]
+            self._roots[key] = f"(?:{root})"
+        return self._roots[key]
+
+    def rule(self, expression: str) -> str:
+        """``expression`` as a named rule of its own, called where it is used (written once)."""
+        name = f"r{len(self.rules)}"
+        self.rules[name] = expression
+        return f"(?&{name})"
 
     def call(self, arguments_key: str) -> str:
         """A call of any of the tools as JSON, ``{"name", arguments_key}``."""

@@ -62,29 +62,81 @@ class SchemaError(ValueError):
     """A schema (or a part of it) the engine cannot constrain its output to."""
 
 
-def _literal(value: Any) -> str:
-    return regex.escape(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
-
-
 def _bounded(unit: str, low: int, high: int | None) -> str:
     return f"(?:{unit}){{{low},{'' if high is None else high}}}"
 
 
-# Any JSON value, at any depth: two rules of the expression's DEFINE block (see _Writer).
 def _container(opening: str, item: str, closing: str) -> str:
     """``item``s between an opening and a closing bracket, comma-separated, maybe none."""
     return rf"{opening}(?:{WS}{item}(?:{WS},{WS}{item})*)?{WS}{closing}"
 
 
-ANY_OBJECT = _container(r"\{", f'"{STRING_CHAR}*"{WS}:{WS}(?&any)', r"\}")
-ANY_VALUE = "(?:" + "|".join(['"' + STRING_CHAR + '*"', NUMBER, "true", "false", "null",
-                              _container(r"\[", "(?&any)", r"\]"), "(?&any_object)"]) + ")"
+class Spelling:
+    """How the values a schema admits are written: as JSON (``JSON``), or as the Python
+    literals that ``ast.literal_eval`` reads back as the same values (``PYTHON``: the
+    arguments of a pythonic tool call, ``f(city="Paris", days=3)``)."""
+
+    true, false, null = "true", "false", "null"
+    any, any_object = "any", "any_object"  # the rules of any value (see _Writer.any_value)
+
+    def string(self, low: int = 0, high: int | None = None) -> str:
+        """A string of ``low`` to ``high`` characters (an escape counts one)."""
+        return '"' + _bounded(STRING_CHAR, low, high) + '"'
+
+    def literal(self, value: Any) -> str:
+        """Exactly ``value`` (a ``const``, an ``enum``'s member, a property's name)."""
+        return regex.escape(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+    def any_rules(self) -> dict[str, str]:
+        """The two rules of any value at any depth: any value, and any object."""
+        member = f"{self.string()}{WS}:{WS}(?&{self.any})"
+        options = [self.string(), NUMBER, self.true, self.false, self.null,
+                   _container(r"\[", f"(?&{self.any})", r"\]"), f"(?&{self.any_object})"]
+        return {self.any: "(?:" + "|".join(options) + ")", self.any_object: _container(r"\{", member, r"\}")}
+
+
+# A character of a Python string in double quotes, and in single: JSON's escapes and the other
+# quote's, not "\/" (Python keeps it as two characters).
+PY_DOUBLE_CHAR = r"""(?:[^"\\\x00-\x1f]|\\["'\\bfnrt]|\\u[0-9a-fA-F]{4})"""
+PY_SINGLE_CHAR = r"""(?:[^'\\\x00-\x1f]|\\["'\\bfnrt]|\\u[0-9a-fA-F]{4})"""
+
+
+class PythonSpelling(Spelling):
+    """Python's literals: ``True``, ``False``, ``None``, and strings in either quotes."""
+
+    true, false, null = "True", "False", "None"
+    any, any_object = "py_any", "py_any_object"
+
+    def string(self, low: int = 0, high: int | None = None) -> str:
+        return f"""(?:"{_bounded(PY_DOUBLE_CHAR, low, high)}"|'{_bounded(PY_SINGLE_CHAR, low, high)}')"""
+
+    def literal(self, value: Any) -> str:
+        if isinstance(value, str):  # in either quotes
+            inner = json.dumps(value, ensure_ascii=False)[1:-1]
+            single = "'" + inner.replace('\\"', '"').replace("'", "\\'") + "'"
+            return f'(?:{regex.escape(f"{chr(34)}{inner}{chr(34)}")}|{regex.escape(single)})'
+        return regex.escape(_python_text(value))
+
+
+def _python_text(value: Any) -> str:
+    """``value`` as a Python literal, compactly (its strings in double quotes)."""
+    if value is None or isinstance(value, bool):
+        return {None: "None", True: "True", False: "False"}[value]
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{_python_text(str(key))}:{_python_text(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(map(_python_text, value)) + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
+JSON, PYTHON = Spelling(), PythonSpelling()
 
 
 class _Writer:
-    def __init__(self, root: dict[str, Any], prefix: str = "") -> None:
+    def __init__(self, root: dict[str, Any], prefix: str = "", spelling: Spelling = JSON) -> None:
         self.root = root
         self.prefix = prefix  # of the references' group names
+        self.spelling = spelling
         # Each $ref is one named group of a DEFINE block, called where it is used, so that a
         # schema may refer to itself (a tree of nodes) as a grammar's rule does.
         self.groups: dict[str, str] = {}  # ref -> its group's name
@@ -94,13 +146,13 @@ class _Writer:
 
     def any_value(self) -> str:
         """Any JSON value (a schema that says nothing)."""
-        self.definitions.setdefault("any", ANY_VALUE)
-        self.definitions.setdefault("any_object", ANY_OBJECT)
-        return "(?&any)"
+        for name, rule in self.spelling.any_rules().items():
+            self.definitions.setdefault(name, rule)
+        return f"(?&{self.spelling.any})"
 
     def any_object(self) -> str:
         self.any_value()
-        return "(?&any_object)"
+        return f"(?&{self.spelling.any_object})"
 
     def inside(self, schema: Any, where: str) -> str:
         """A value inside an object or an array: after its ``{`` or ``[``."""
@@ -122,11 +174,11 @@ class _Writer:
         if "$ref" in schema:
             return self._ref(schema["$ref"], where)
         if "const" in schema:
-            return _literal(schema["const"])
+            return self.spelling.literal(schema["const"])
         if "enum" in schema:
             if not isinstance(schema["enum"], list) or not schema["enum"]:
                 raise SchemaError(f"{where}: 'enum' must be a non-empty list")
-            return "(?:" + "|".join(_literal(v) for v in schema["enum"]) + ")"
+            return "(?:" + "|".join(map(self.spelling.literal, schema["enum"])) + ")"
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 options = schema[key]
@@ -147,15 +199,15 @@ class _Writer:
 
     def _typed(self, kind: Any, schema: dict[str, Any], where: str) -> str:
         if kind == "string":
-            return '"' + _bounded(STRING_CHAR, int(schema.get("minLength", 0)), schema.get("maxLength")) + '"'
+            return self.spelling.string(int(schema.get("minLength", 0)), schema.get("maxLength"))
         if kind == "integer":
             return INTEGER
         if kind == "number":
             return NUMBER
         if kind == "boolean":
-            return "(?:true|false)"
+            return f"(?:{self.spelling.true}|{self.spelling.false})"
         if kind == "null":
-            return "null"
+            return self.spelling.null
         if kind == "array":
             return self._array(schema, where)
         if kind == "object":
@@ -164,11 +216,12 @@ class _Writer:
                 raise SchemaError(f"{where}: 'properties' must be an object")
             extra = schema.get("additionalProperties")
             if not properties and isinstance(extra, dict) and extra:  # a map: any keys, values of one schema
-                member = f'"{STRING_CHAR}*"{WS}:{WS}{self.inside(extra, f"{where}.additionalProperties")}'
+                member = f'{self.spelling.string()}{WS}:{WS}{self.inside(extra, f"{where}.additionalProperties")}'
                 return _container(r"\{", member, r"\}")
             if not properties:  # a free-form object
                 return self.any_object()
-            members = [f"{_literal(name)}{WS}:{WS}{self.inside(sub, f'{where}.{name}')}" for name, sub in properties.items()]
+            members = [f"{self.spelling.literal(name)}{WS}:{WS}{self.inside(sub, f'{where}.{name}')}"
+                       for name, sub in properties.items()]
             return rf"\{{{WS}" + f"{WS},{WS}".join(members) + rf"{WS}\}}"
         raise SchemaError(f"{where}: type {kind!r} is not supported")
 
@@ -232,14 +285,15 @@ def schema_pattern(schema: Any) -> str:
     return with_rules(*schema_parts(schema))
 
 
-def schema_parts(schema: Any, prefix: str = "") -> tuple[str, dict[str, str]]:
+def schema_parts(schema: Any, prefix: str = "", spelling: Spelling = JSON) -> tuple[str, dict[str, str]]:
     """``schema``'s expression as its root and the named rules the root calls (``(?&name)``),
     for an expression that holds several schemas (call_grammar.py): a name may be defined only
     once in it, so each schema's references get their own ``prefix``; the rules of any JSON
-    value are the same in every schema."""
+    value are the same in every schema. ``spelling``: the values as JSON, or as Python
+    literals (``PYTHON``)."""
     if not isinstance(schema, dict):
         raise SchemaError("the schema must be a JSON object")
-    writer = _Writer(schema, prefix)
+    writer = _Writer(schema, prefix, spelling)
     return writer.value(schema, "schema"), writer.definitions
 
 

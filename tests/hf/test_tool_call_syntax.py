@@ -632,6 +632,8 @@ FORECAST = {"type": "function", "function": {"name": "get_forecast", "descriptio
     ("deepseek", ["Ok. ", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n",
                   '{"city": "Paris"}', "\n```<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"], 1),
     ("deepseek", ["<｜tool▁call▁begin｜>", 'get_weather<｜tool▁sep｜>{"city": "Rome"}', "<｜tool▁call▁end｜>"], 0),
+    ("pythonic", ["[", "get", '_weather(city="Paris"', ")]"], 1),  # "[g" could begin a bracketed word: "[ge" not
+    ("pythonic", ["<|python_start|>", "[get_weather(", "city='Paris'), ", 'get_weather(city="Rome")]', "<|python_end|>"], 1),
 ])
 def test_each_held_syntax_opens_where_its_calls_do_and_takes_them_whole(syntax, pieces, opens_at):
     """The hold begins at the call's opening (not at a tag drafted inside thinking), and the
@@ -654,7 +656,6 @@ def test_each_held_syntax_opens_where_its_calls_do_and_takes_them_whole(syntax, 
             assert held.accepts(i), pieces[i]
             held.advance(i)
     assert held is not None and held.complete
-    assert call_hold(CallReading("pythonic"), [WEATHER], None, {}) is None
 
 
 def held_pattern(syntax: str, tools: list, single_call: bool = False):
@@ -709,7 +710,60 @@ def test_a_qwen3_xml_hold_takes_the_values_the_reader_types(text, held):
         assert call["function"]["name"] == "get_forecast" and isinstance(arguments["days"], int) and arguments["city"]
 
 
-@pytest.mark.parametrize("syntax", ["hermes", "llama3_json", "granite", "mistral", "qwen3_xml", "deepseek"])
+@pytest.mark.parametrize(("text", "held"), [
+    ('[get_forecast(city="São Paulo", days=3)]', True),
+    ("[get_forecast(city='it\\'s \\u00e9', days=-2, unit='f', options={'hourly': True}), get_forecast(city=\"x\", days=0)]",
+     True),
+    ('[get_forecast(\n    city="Paris",\n    days=3,\n)]', True),  # spread over lines, a trailing comma
+    ('[get_forecast(city="Paris", days=3, options={"hourly": False})]', True),  # an optional one (unit) left out
+    ('[get_forecast(city="Paris")]', False),  # a required one missing
+    ('[get_forecast(days=3, city="Paris")]', False),  # out of the schema's order
+    ('[get_forecast(city="Paris", days="3")]', False),  # a string for an integer
+    ('[get_forecast(city="Paris", days=3, unit="k")]', False),  # not one of the enum's words
+    ('[get_forecast(city="Paris", days=3, options={"hourly": true})]', False),  # JSON's true is not Python's
+    ('[get_forecast(city="a\\/b", days=3)]', False),  # an escape Python keeps as two characters
+    ('[get_weather(city="Paris")]', False),  # not an offered tool
+    ('[get_forecast(city=Paris, days=3)]', False),  # a name, not a literal
+])
+def test_a_pythonic_hold_takes_the_literals_the_reader_reads(text, held):
+    """A pythonic list held: each call an offered tool, its arguments keywords in the
+    schema's order with the required ones present, each value the Python literal of a value
+    its schema admits; and what is held reads back (pythonic_calls.py) as the calls it spells."""
+    import ast
+
+    pattern = held_pattern("pythonic", [FORECAST_UNITS])
+    assert (pattern.fullmatch(text) is not None) == held
+    if held:
+        calls = [call for _, call in scan(text, 5, CallReading("pythonic").scanner()) if call]
+        assert len(calls) == text.count("get_forecast(")
+        for call in calls:
+            arguments = json.loads(call["function"]["arguments"])
+            assert call["function"]["name"] == "get_forecast" and isinstance(arguments["days"], int)
+        listed = ast.parse(text).body[0].value
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+            {k.arg: ast.literal_eval(k.value) for k in node.keywords} for node in listed.elts]
+
+
+def test_tools_a_python_call_cannot_name_are_left_out_of_a_pythonic_hold():
+    """A tool named ``get-time`` or with a parameter ``from`` cannot be called in Python's
+    syntax (the reader takes such a call as text): the others are held; none: unheld."""
+    from kvstream.hf.call_grammar import call_hold
+
+    dashed = {"type": "function", "function": {"name": "get-time", "parameters": {"type": "object", "properties": {}}}}
+    keyword = {"type": "function", "function": {"name": "move", "parameters": {"type": "object", "properties": {
+        "from": {"type": "string"}}}}}
+    optional = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string"}}}}}
+    pattern = held_pattern("pythonic", [dashed, keyword, FORECAST, optional])
+    assert pattern.fullmatch('[get_forecast(city="Paris", days=3)]')
+    assert not pattern.fullmatch("[get-time()]") and not pattern.fullmatch('[move(from="a")]')
+    assert call_hold(CallReading("pythonic"), [dashed, keyword], None, {}) is None
+    # Arguments all optional: none, or some, a trailing comma only after one (Python's syntax).
+    assert all(pattern.fullmatch(text) for text in ("[clock()]", "[clock(zone='CET')]", "[clock(zone='CET',)]"))
+    assert not pattern.fullmatch("[clock(,)]")
+
+
+@pytest.mark.parametrize("syntax", ["hermes", "llama3_json", "granite", "mistral", "qwen3_xml", "deepseek", "pythonic"])
 def test_bounds_a_hold_cannot_enforce_are_left_out_and_schemas_share_one_set_of_rules(syntax):
     """Tools with keywords the expression cannot hold (``minimum``, ``pattern``: common in real
     tools; a 500 before) are held to the rest; values of any JSON (``{}``) in several tools, in
@@ -730,7 +784,8 @@ def test_bounds_a_hold_cannot_enforce_are_left_out_and_schemas_share_one_set_of_
                           "<tool_call>\n<function=log>\n<parameter=value>\nanything\n</parameter>\n</function>\n</tool_call>",
              "deepseek": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>book\n```json\n"
                          '{"seats": 2, "code": "x", "note": {}}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>log<｜tool▁sep｜>'
-                         '{"value": 2}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'}
+                         '{"value": 2}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+             "pythonic": "[book(seats=2, code='x', note=[1]), log(value={'a': None})]"}
     assert pattern.fullmatch(calls[syntax]), syntax
     assert not pattern.fullmatch(calls[syntax].replace("seats", "places"))
 
@@ -762,11 +817,12 @@ def test_a_loosened_schema_keeps_what_it_can_hold_at_every_depth():
                                 "required": ["minimum"], "$defs": {"d": {"anyOf": [{"maxLength": 3, "format": "date"}]}}}
 
 
-@pytest.mark.parametrize("syntax", ["hermes", "llama3_json", "granite", "mistral", "qwen3_xml", "deepseek"])
+@pytest.mark.parametrize("syntax", ["hermes", "llama3_json", "granite", "mistral", "qwen3_xml", "deepseek", "pythonic"])
 async def test_calls_are_held_to_the_offered_tools_from_their_opening_on(smollm2, start_proxy, monkeypatch, syntax):
     """Shown a ``get_weather`` call and offered only ``get_forecast`` (city and days
     required), SmolLM2 left free writes calls the tools refuse (as measured here: Hermes,
-    Llama 3, Mistral and DeepSeek leave ``days`` out for Paris, Qwen3-Coder's XML ``city``,
+    Llama 3, Mistral and DeepSeek leave ``days`` out for Paris, Qwen3-Coder's XML ``city``, the pythonic
+    list writes ``days`` a string and adds a ``max_days``,
     Granite calls ``forecast`` with ``days`` a string, Hermes calls ``get_weather`` for Rome).
     Held from the call's opening on (call_grammar.py), each is ``get_forecast`` with both
     arguments. (Held in Mistral's list, the model repeats its call until ``max_tokens``: one
