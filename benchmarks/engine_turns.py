@@ -5,7 +5,10 @@ each letting go of the interpreter's lock and taking it back) is timed alone, be
 looping in pure Python (the worst case), then beside a thread reading 300-property schemas into the constraint machine (the work a request with a
 large schema puts on a worker thread), without and with ``yielding_to_engine()``
 (kvstream/hf/engine_turns.py), same run, with the server's garbage collector settings. Prints each case's median and longest step, the
-ratio to the step alone, and how long the reading took.
+ratio to the step alone, and how long the reading took. Then, with no engine stepping, how long
+a small schema (10 properties) takes to read beside a large one's reading (300), both within
+``yielding_to_engine()``: the working lock is taken only while an engine steps, so the small
+one does not wait the large one out (when it was held from the context's entry, it did).
 
     python benchmarks/engine_turns.py [--steps 40] [--calls 210]
 """
@@ -13,6 +16,7 @@ ratio to the step alone, and how long the reading took.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import threading
@@ -60,6 +64,45 @@ def busy_loop(stop: threading.Event, yielding: bool, spent: list[float]) -> None
             total += i
 
 
+def schema_of(properties: int, tag: str) -> dict:
+    return {"type": "object", "properties": {f"key_{tag}_{k}": {"enum": [f"v{v}" for v in range(50)]}
+                                             for k in range(properties)}}
+
+
+_one_at_a_time = threading.Lock()
+
+
+def read_within(schema: dict, serialized: bool = False) -> float:
+    """Seconds to read ``schema`` into its machine within ``yielding_to_engine()``;
+    ``serialized``: within a lock held for the whole reading as well (the baseline: the
+    working lock as it was taken before, from the context's entry, engine idle or not)."""
+    start = time.perf_counter()
+    with _one_at_a_time if serialized else contextlib.nullcontext(), engine_turns.yielding_to_engine():
+        Machine(_Reader(schema_pattern(schema)).read()[0]).matches_something()
+    return time.perf_counter() - start
+
+
+def idle_readers(rounds: int = 5) -> None:
+    """A small schema read alone, and beside a large one's reading (started 5 ms before it),
+    no engine stepping, now and with the readings one at a time: the medians of ``rounds``."""
+    print(f"\nno engine stepping ({rounds} rounds, medians): a 10-property schema read beside a 300-property one's reading")
+    print(f"{'readers':<30} {'small alone ms':>15} {'beside ms':>10} {'x alone':>8} {'large ms':>9}")
+    for serialized in (True, False):
+        alone, beside, large_s = [], [], []
+        for r in range(rounds):
+            tag = f"{serialized}{r}"
+            alone.append(read_within(schema_of(10, f"a{tag}"), serialized))
+            thread = threading.Thread(target=lambda t=tag: large_s.append(read_within(schema_of(300, f"l{t}"), serialized)))
+            thread.start()
+            time.sleep(0.005)
+            beside.append(read_within(schema_of(10, f"b{tag}"), serialized))
+            thread.join()
+        small, near = statistics.median(alone), statistics.median(beside)
+        name = "one at a time (before)" if serialized else "side by side (engine idle)"
+        print(f"{name:<30} {small * 1e3:>15.1f} {near * 1e3:>10.1f} {near / small:>8.2f} "
+              f"{statistics.median(large_s) * 1e3:>9.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
@@ -92,6 +135,7 @@ def main() -> None:
         median = statistics.median(steps)
         read = f"{statistics.median(spent):.3f}" if spent else "-"
         print(f"{case:<26} {median * 1e3:>10.1f} {max(steps) * 1e3:>8.1f} {median / alone:>8.2f} {read:>22}")
+    idle_readers()
 
 
 if __name__ == "__main__":
