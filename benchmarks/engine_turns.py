@@ -40,12 +40,17 @@ def step(calls: int, x: torch.Tensor, w: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+def schema_of(properties: int, tag: str) -> dict:
+    """A schema of ``properties`` enum properties of 50 words, named with ``tag`` (each its own: nothing cached)."""
+    return {"type": "object", "properties": {f"key_{tag}_{k}": {"enum": [f"v{v}" for v in range(50)]}
+                                             for k in range(properties)}}
+
+
 def reading(stop: threading.Event, yielding: bool, spent: list[float]) -> None:
     """Schemas of 300 enum properties, each its own (nothing cached), until ``stop``."""
     i = 0
     while not stop.is_set():
-        schema = {"type": "object", "properties": {f"key_{i}_{k}": {"enum": [f"v{v}" for v in range(50)]}
-                                                   for k in range(300)}}
+        schema = schema_of(300, str(i))
         start = time.perf_counter()
         if yielding:
             with engine_turns.yielding_to_engine():
@@ -62,11 +67,6 @@ def busy_loop(stop: threading.Event, yielding: bool, spent: list[float]) -> None
         total = 0
         for i in range(10_000):
             total += i
-
-
-def schema_of(properties: int, tag: str) -> dict:
-    return {"type": "object", "properties": {f"key_{tag}_{k}": {"enum": [f"v{v}" for v in range(50)]}
-                                             for k in range(properties)}}
 
 
 _one_at_a_time = threading.Lock()
