@@ -890,7 +890,7 @@ async def test_a_holds_expression_is_compiled_off_the_event_loop(smollm2, start_
     assert compiled_on_loop == [False]  # once, on a worker thread; the second request found it cached
 
 
-@pytest.mark.parametrize("template", [HERMES_TEMPLATE, QWEN3_XML_TEMPLATE])
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, QWEN3_XML_TEMPLATE, PYTHONIC_TEMPLATE])
 async def test_tools_a_hold_cannot_be_made_of_are_a_400_or_read_unheld_never_a_500(smollm2, start_proxy, template):
     """A tool without a name is the client's 400 naming ``tools`` (the hold is made before the
     request is queued); a schema whose reference resolves nowhere leaves the calls unheld and
