@@ -201,11 +201,19 @@ class Scheduler:
         preemptible: bool,
         clock: Callable[[], float] = time.monotonic,
         affinity: Callable[[Sequence], int] | None = None,
+        split_group: Callable[[Sequence, int], Sequence] | None = None,
     ) -> None:
         """``affinity`` (lpm): prompt tokens of a sequence the runtime already holds, as its
-        owner infers it (a remote runtime's slots, or this pool's prefix cache)."""
+        owner infers it (a remote runtime's slots, or this pool's prefix cache). ``split_group``:
+        see the attribute."""
         self.bm = block_manager
         self.affinity = affinity
+        # A group of n choices at the head of the queue that finds fewer free slots than it
+        # has choices runs those that fit now: split_group(seq, keep) queues the others as a
+        # group of their own and returns its sequence (the owner names it and keeps its
+        # state); the scheduler then admits ``seq`` with ``keep`` choices. None: a group
+        # waits for slots for all of its choices, holding the queue behind it.
+        self.split_group = split_group
         self.config = config
         self.preemptible = preemptible
         self.clock = clock
@@ -335,7 +343,7 @@ class Scheduler:
             # No free slot or not enough blocks: preempt a running request of a lower class
             # (preemptible backends only), or wait.
             short = self._shortfall(seq)
-            if short != (0, 0) and not self._preempting_makes_room(seq.priority, *short):
+            if short != (0, 0) and not self._preempting_makes_room(seq.priority, *short) and not self._split_to_fit(seq, position):
                 # Head of line waits (admitting around it could starve it); preempting
                 # would not make it fit (the victims' blocks shared with swapped sequences
                 # stay), and would only stop work that could finish and free them.
@@ -368,6 +376,27 @@ class Scheduler:
         slots = len(self.running) + self._reserved + self._slots_for(seq) - self.config.max_batch_size
         blocks = self._blocks_to_admit(seq) - (self.bm.num_free_blocks - self._headroom)
         return max(0, slots), max(0, blocks)
+
+    def _split_to_fit(self, seq: Sequence, position: int) -> bool:
+        """Whether waiting group ``seq`` (n choices, not forked yet) fits once split: the most
+        of its choices that fit now stay in it, the others are queued right behind it as a
+        group of their own (``split_group``). Free lanes are used at once instead of idling
+        until the whole group fits; the rest keeps the head of the queue."""
+        if self.split_group is None or seq.forked or seq.num_samples < 2:
+            return False
+        choices = seq.num_samples
+        free = self.config.max_batch_size - len(self.running) - self._reserved
+        for keep in range(min(choices - 1, free), 0, -1):
+            seq.num_samples = keep  # (blocks reserved at admission count the choices)
+            fits = self._shortfall(seq) == (0, 0)
+            seq.num_samples = choices
+            if fits:
+                rest = self.split_group(seq, keep)
+                seq.num_samples = keep
+                rest.status = SeqStatus.WAITING
+                self.waiting.insert(position + 1, rest)
+                return True
+        return False
 
     def _preempting_makes_room(self, below: Priority, slots: int, blocks: int) -> bool:
         """Whether preempting every running sequence of a class below ``below`` would free

@@ -236,6 +236,81 @@ def test_head_of_line_waits_instead_of_being_starved():
     assert admitted_ids(sched.schedule()) == [big.seq_id, small.seq_id]
 
 
+def splitting(sched: Scheduler) -> list[tuple[str, int]]:
+    """Give ``sched`` a split_group that names the rest "<id>/<keep>"; returns its calls."""
+    calls: list[tuple[str, int]] = []
+
+    def split(group: Sequence, keep: int) -> Sequence:
+        calls.append((group.seq_id, keep))
+        return Sequence(list(group.prompt_token_ids), group.max_tokens, group.priority, seq_id=f"{group.seq_id}/{keep}",
+                        arrival=group.arrival, num_samples=group.num_samples - keep)
+
+    sched.split_group = split
+    return calls
+
+
+def test_a_group_of_choices_runs_what_fits_and_its_rest_keeps_the_head_of_the_queue():
+    sched, _ = make(max_batch_size=4)
+    calls = splitting(sched)
+    running = seq(4, arrival=0, first=0)
+    sched.add(running)
+    sched.schedule()
+    group = seq(4, arrival=1, first=100)
+    group.num_samples = 4
+    behind = seq(4, arrival=2, first=200)
+    sched.add(group)
+    sched.add(behind)
+    out = sched.schedule()
+    # 3 free lanes: 3 of the 4 choices run (2 slots reserved for forks), the 4th waits
+    # first, and the request behind it does not pass it.
+    assert calls == [(group.seq_id, 3)] and admitted_ids(out) == [group.seq_id]
+    assert group.num_samples == 3 and group.unforked == 2 and sched._reserved == 2
+    assert [s.seq_id for s in sched.waiting] == [f"{group.seq_id}/3", behind.seq_id]
+    assert sched.waiting[0].num_samples == 1
+    sched.check_invariants()
+    sched.finish(running)
+    assert admitted_ids(sched.schedule()) == [f"{group.seq_id}/3"]  # one lane: the rest, not the one behind
+    sched.check_invariants()
+
+
+def test_a_group_is_not_split_without_a_splitter_nor_when_preempting_a_lower_class_fits_it_whole():
+    sched, _ = make(max_batch_size=4)
+    running = seq(4, arrival=0, first=0)
+    sched.add(running)
+    sched.schedule()
+    group = seq(4, arrival=1, first=100)
+    group.num_samples = 4
+    sched.add(group)
+    assert not sched.schedule() and group.num_samples == 4  # no split_group: it waits whole
+    sched, _ = make(num_blocks=32, cpu=16, max_batch_size=4, preemption_policy="swap")
+    calls = splitting(sched)
+    low = seq(4, priority=Priority.LOW, arrival=0, first=0)
+    sched.add(low)
+    sched.schedule()
+    high = seq(4, priority=Priority.HIGH, arrival=1, first=100)
+    high.num_samples = 4
+    sched.add(high)
+    out = sched.schedule()
+    assert not calls and out.preempted == [low] and admitted_ids(out) == [high.seq_id] and high.num_samples == 4
+    sched.check_invariants()
+
+
+def test_a_group_split_for_blocks_keeps_as_many_choices_as_their_reserved_growth_allows():
+    """Non-preemptible, each choice's growth is reserved at admission: 4 prompt tokens and 4
+    each for 3 choices is 4 blocks of 4; with 3 free, 2 choices (3 blocks) run now."""
+    sched, _ = make(num_blocks=4, block_size=4, cpu=0, preemptible=False, max_batch_size=8)
+    calls = splitting(sched)
+    running = seq(3, max_tokens=1, first=0)  # 1 block
+    sched.add(running)
+    sched.schedule()
+    group = seq(4, max_tokens=4, arrival=1, first=100)
+    group.num_samples = 3
+    sched.add(group)
+    assert admitted_ids(sched.schedule()) == [group.seq_id] and calls == [(group.seq_id, 2)]
+    assert sched.waiting[0].num_samples == 1
+    sched.check_invariants()
+
+
 def test_finish_is_idempotent_and_frees_from_any_queue():
     sched, _ = make(max_batch_size=1)
     a, b = seq(4, first=0), seq(4, first=100)

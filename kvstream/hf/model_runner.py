@@ -272,6 +272,7 @@ class ModelRunner:
             ),
             preemptible=True,
             affinity=lambda seq: len(bm.cached_prefix(seq.prompt_token_ids, seq.cache_root)) * bm.block_size,
+            split_group=self._split_group,
         )
         self.layers = blend_module.decoder_layers(model)
         try:
@@ -390,26 +391,39 @@ class ModelRunner:
 
     def _later_groups(self, req: RunnerRequest, groups: list[int]) -> list[RunnerRequest]:
         """More choices than the batch runs at once are sampled in groups of at most a
-        batch, queued one after the other: each group's first sequence (id
-        "<request_id>/<its first index>") takes its prompt from the prefix cache the first
-        group filled, then forks into the group's other choices. Only the first group
-        scores the prompt and reports its progress; choice i keeps choice i's seed."""
-        seq, later = req.seq, []
-        params = replace(req.params, prompt_logprobs=None) if req.scoring else req.params
-        base = groups[0]
+        batch, queued one after the other (``_group``)."""
+        later, base = [], groups[0]
         for size in groups[1:]:
-            group = Sequence(list(seq.prompt_token_ids), seq.max_tokens, seq.priority, seq_id=f"{seq.seq_id}/{base}",
-                             arrival=seq.arrival, preemptible=seq.preemptible, num_samples=size,
-                             cache_root=seq.cache_root, cache_retention=seq.cache_retention)
-            later.append(RunnerRequest(
-                group, params, IncrementalDetokenizer(self.tokenizer, params.stop, params.preserved_tokens), req.sink,
-                params.make_generator(base), index=base, request_id=seq.seq_id, blend=req.blend,
-                constraint=req.constraint.copy() if req.constraint is not None else None,
-                lazy=req.lazy.copy() if req.lazy is not None else None,
-                thinking=req.thinking.copy() if req.thinking is not None else None,
-            ))
+            later.append(self._group(req, base, size))
             base += size
         return later
+
+    def _group(self, req: RunnerRequest, first: int, size: int) -> RunnerRequest:
+        """Choices ``first`` .. ``first + size - 1`` of waiting ``req``'s request as a group of
+        their own: its first sequence (id "<request_id>/<first>") takes the prompt from the
+        prefix cache the request's first group fills, then forks into the group's other
+        choices. Only the first group scores the prompt and reports its progress; choice i
+        keeps choice i's seed."""
+        seq = req.seq
+        params = replace(req.params, prompt_logprobs=None) if req.scoring else req.params
+        group = Sequence(list(seq.prompt_token_ids), seq.max_tokens, seq.priority, seq_id=f"{req.request_id}/{first}",
+                         arrival=seq.arrival, preemptible=seq.preemptible, num_samples=size,
+                         cache_root=seq.cache_root, cache_retention=seq.cache_retention)
+        return RunnerRequest(
+            group, params, IncrementalDetokenizer(self.tokenizer, params.stop, params.preserved_tokens), req.sink,
+            params.make_generator(first), index=first, request_id=req.request_id, blend=req.blend,
+            constraint=req.constraint.copy() if req.constraint is not None else None,
+            lazy=req.lazy.copy() if req.lazy is not None else None,
+            thinking=req.thinking.copy() if req.thinking is not None else None,
+        )
+
+    def _split_group(self, seq: Sequence, keep: int) -> Sequence:
+        """The scheduler's ``split_group``: waiting group ``seq`` runs its first ``keep``
+        choices now, the others wait as a group of their own (registered here)."""
+        req = self.requests[seq.seq_id]
+        rest = self._group(req, req.index + keep, seq.num_samples - keep)
+        self.requests[rest.seq.seq_id] = rest
+        return rest.seq
 
     def abort(self, seq_id: str) -> None:
         """Stop a request and free its blocks at the start of the next step (any thread)."""

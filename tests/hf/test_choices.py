@@ -112,12 +112,44 @@ def test_more_choices_than_the_batch_run_in_groups_from_the_cached_prompt(smollm
     split, choices, ended = run(3)
     assert sorted(ended) == list(range(7)) and all(len(tokens) == 12 for tokens in choices.values())
     # Groups of 3, 2, 2: the prompt's 2 full blocks computed once; the later groups
-    # recompute only its partial last block (4 tokens) to sample their first tokens.
-    assert split.counters.prefill_tokens == 20 + 4 + 4 and split.counters.cached_tokens == 16 + 16
+    # recompute only its partial last block (4 tokens) to sample their first tokens. The
+    # second group takes 2 of the 3 lanes the first leaves; the third, finding 1, runs 1
+    # choice at once and its last after: four groups.
+    assert split.counters.prefill_tokens == 20 + 4 + 4 + 4 and split.counters.cached_tokens == 16 * 3
     whole, same_request, _ = run(8)
     assert whole.counters.prefill_tokens == 20
     assert choices == same_request
     assert len({tuple(tokens) for tokens in choices.values()}) == 7
+
+
+def test_a_group_finding_fewer_free_lanes_than_choices_runs_those_it_can_at_once(smollm2):
+    """A request of 4 choices behind a long one on 4 lanes: 3 run at once (not after the
+    long one ends), the 4th waits at the head of the queue, where a request behind it does
+    not pass it, and runs when a lane frees; the seeded choices are those of a batch that
+    holds them all."""
+    params = SamplingParams(max_tokens=6, temperature=1.5, seed=3, ignore_eos=True)
+
+    def run(lanes: int) -> tuple[ModelRunner, dict[int, list[int]]]:
+        engine = runner(smollm2, max_num_seqs=lanes)
+        engine.add_request(Sequence([5] * 9, 30), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), lambda events: None)
+        engine.step()
+        events: list = []
+        group, behind = Sequence(list(PROMPT), 6), Sequence([9] * 11, 4)
+        engine.add_request(group, params, events.extend, n=4)
+        engine.add_request(behind, SamplingParams(max_tokens=4, temperature=0), lambda events: None)
+        engine.step()
+        if lanes == 4:
+            running = {s.seq_id for s in engine.scheduler.running}
+            assert {group.seq_id, f"{group.seq_id}/1", f"{group.seq_id}/2"} <= running and len(running) == 4
+            assert [s.seq_id for s in engine.scheduler.waiting] == [f"{group.seq_id}/3", behind.seq_id]
+        while engine.has_work():
+            engine.step()
+        assert engine.is_idle() and not any(e.kind == "error" for e in events)
+        return engine, {i: [e.token_id for e in events if e.kind == "token" and e.index == i] for i in range(4)}
+
+    _, split = run(4)
+    _, whole = run(8)
+    assert split == whole and all(len(tokens) == 6 for tokens in split.values())
 
 
 @pytest.mark.parametrize("cpu_blocks", [0, 16], ids=["recompute", "swap"])
