@@ -71,8 +71,8 @@ class NeverFits(SchedulerError):
 
 
 class TooManySamples(SchedulerError):
-    """A request whose choices (``n``, ``best_of``) outnumber the batch: its forks are admitted
-    together, so it could never be."""
+    """A request whose choices (``n``, ``best_of``) outnumber the batch of a scheduler that
+    admits a group's forks together (no ``split_group``), so it could never be."""
 
     status = 400
     code = "invalid_value"
@@ -211,8 +211,10 @@ class Scheduler:
         # A group of n choices at the head of the queue that finds fewer free slots than it
         # has choices runs those that fit now: split_group(seq, keep) queues the others as a
         # group of their own and returns its sequence (the owner names it and keeps its
-        # state); the scheduler then admits ``seq`` with ``keep`` choices. None: a group
-        # waits for slots for all of its choices, holding the queue behind it.
+        # state); the scheduler then admits ``seq`` with ``keep`` choices. A group past the
+        # batch is split to a batch at the head of the queue the same way. None: a group
+        # waits for slots for all of its choices, holding the queue behind it, and one past
+        # the batch is refused (TooManySamples).
         self.split_group = split_group
         self.config = config
         self.preemptible = preemptible
@@ -232,8 +234,8 @@ class Scheduler:
     # ----------------------------------------------------------------- intake
     def check_fits(self, seq: Sequence) -> None:
         """Raise NeverFits if ``seq`` could not run even on an empty pool (TooManySamples if
-        its choices could not run together in an empty batch)."""
-        if self._slots_for(seq) > self.config.max_batch_size:
+        its choices could not run together in an empty batch and are never split)."""
+        if self.split_group is None and self._slots_for(seq) > self.config.max_batch_size:
             raise TooManySamples(
                 f"This request samples {seq.num_samples} choices together, more than the batch of "
                 f"{self.config.max_batch_size} sequences the engine runs at once."
@@ -340,6 +342,8 @@ class Scheduler:
             if self._shares_prefix_in_flight(seq):
                 position += 1
                 continue
+            if self.split_group is not None and self._slots_for(seq) > self.config.max_batch_size:
+                self._split(seq, self.config.max_batch_size, position)  # a batch of choices at most at once
             # No free slot or not enough blocks: preempt a running request of a lower class
             # (preemptible backends only), or wait.
             short = self._shortfall(seq)
@@ -381,7 +385,8 @@ class Scheduler:
         """Whether waiting group ``seq`` (n choices, not forked yet) fits once split: the most
         of its choices that fit now stay in it, the others are queued right behind it as a
         group of their own (``split_group``). Free lanes are used at once instead of idling
-        until the whole group fits; the rest keeps the head of the queue."""
+        until the whole group fits (or, n past the batch, forever); the rest keeps the head
+        of the queue."""
         if self.split_group is None or seq.forked or seq.num_samples < 2:
             return False
         choices = seq.num_samples
@@ -391,12 +396,16 @@ class Scheduler:
             fits = self._shortfall(seq) == (0, 0)
             seq.num_samples = choices
             if fits:
-                rest = self.split_group(seq, keep)
-                seq.num_samples = keep
-                rest.status = SeqStatus.WAITING
-                self.waiting.insert(position + 1, rest)
+                self._split(seq, keep, position)
                 return True
         return False
+
+    def _split(self, seq: Sequence, keep: int, position: int) -> None:
+        """Leave ``keep`` of waiting ``seq``'s choices in it; the rest wait right behind it."""
+        rest = self.split_group(seq, keep)  # type: ignore[misc]
+        seq.num_samples = keep
+        rest.status = SeqStatus.WAITING
+        self.waiting.insert(position + 1, rest)
 
     def _preempting_makes_room(self, below: Priority, slots: int, blocks: int) -> bool:
         """Whether preempting every running sequence of a class below ``below`` would free

@@ -295,6 +295,26 @@ def test_a_group_is_not_split_without_a_splitter_nor_when_preempting_a_lower_cla
     sched.check_invariants()
 
 
+def test_choices_past_the_batch_run_a_batch_at_a_time_and_a_higher_class_preempts_for_each():
+    sched, _ = make(num_blocks=32, cpu=16, max_batch_size=4, preemption_policy="swap")
+    calls = splitting(sched)
+    lows = [seq(4, priority=Priority.LOW, arrival=i, first=10 * i) for i in range(2)]
+    for low in lows:
+        sched.add(low)
+    sched.schedule()
+    high = seq(4, priority=Priority.HIGH, arrival=5, first=100)
+    high.num_samples = 10  # past the batch: no TooManySamples with a splitter
+    sched.add(high)
+    out = sched.schedule()
+    # A batch of its choices first, for which the two lows are preempted as for any group
+    # of a higher class; the rest, a batch and 2, finds no free lane.
+    assert calls == [(high.seq_id, 4), (f"{high.seq_id}/4", 4)] and high.num_samples == 4
+    assert admitted_ids(out) == [high.seq_id]
+    assert sorted(s.seq_id for s in out.preempted) == sorted(s.seq_id for s in lows)
+    assert [s.num_samples for s in sched.waiting] == [4, 2]
+    sched.check_invariants()
+
+
 def test_a_group_split_for_blocks_keeps_as_many_choices_as_their_reserved_growth_allows():
     """Non-preemptible, each choice's growth is reserved at admission: 4 prompt tokens and 4
     each for 3 choices is 4 blocks of 4; with 3 free, 2 choices (3 blocks) run now."""

@@ -135,14 +135,6 @@ class TokenEvent:
 Sink = Callable[[list[TokenEvent]], None]
 
 
-def choice_groups(n: int, lanes: int) -> list[int]:
-    """``n`` choices split into as few groups as a batch of ``lanes`` takes, as even as can
-    be (30 on 22 lanes: 15 and 15, not 22 and 8): a group's choices are forked together and
-    wait for that many free lanes, so the smaller the largest group, the sooner it runs."""
-    count = -(-n // max(1, lanes))
-    return [n // count + (i < n % count) for i in range(count)]
-
-
 def _finishing_within(prefills: list[tuple[RunnerRequest, int]], tokens: int) -> set[int]:
     """The ids of the requests whose prompts (request, tokens left) finish within ``tokens``
     together, taken in order."""
@@ -339,11 +331,11 @@ class ModelRunner:
         """Queue a request (any thread). Raises NeverFits / QueueFull at once. ``blend``
         opts the request into approximate reuse of moved chunks (blend.py). With ``n`` > 1
         the prompt is computed once and its block table forked into n choices (copy-on-write),
-        each sampled from the same logits; events carry the choice's ``index``. More choices
-        than the batch holds run in groups, one after the other (``_later_groups``). ``progress``:
+        each sampled from the same logits; events carry the choice's ``index``. Choices past
+        the free lanes wait as a group of their own (``_split_group``). ``progress``:
         "progress" events report the prompt's computation, one at admission (what the cache
         held) and one after each forward that computed some of it."""
-        groups = self.check_fits(seq, n)
+        self.check_fits(seq, n)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.preserved_tokens)
         req = RunnerRequest(seq, params, detokenizer, sink, params.make_generator())
         req.blend = blend
@@ -373,37 +365,25 @@ class ModelRunner:
             if self._think_tokens is None:
                 self._think_tokens = ThinkTokens.of(self.tokenizer)
             req.thinking = ThinkingBudget(params.thinking_budget, self._think_tokens, self.token_bytes, params.thinking_opened)
-        requests = [req, *self._later_groups(req, groups)]
         with self._lock:
-            if len(self.scheduler.waiting) + len(self._inbox) + len(requests) > self.scheduler.config.max_queue_size:
+            if len(self.scheduler.waiting) + len(self._inbox) >= self.scheduler.config.max_queue_size:
                 raise QueueFull(f"The queue is full ({self.scheduler.config.max_queue_size} requests waiting).")
-            self._inbox.extend(requests)
+            self._inbox.append(req)
             self._wake.notify()
         return req
 
-    def check_fits(self, seq: Sequence, n: int = 1) -> list[int]:
+    def check_fits(self, seq: Sequence, n: int = 1) -> None:
         """Raise NeverFits if ``seq`` with ``n`` choices could never run here (past the
-        context or the pool); else the sizes of its groups of choices (``choice_groups``)."""
-        groups = choice_groups(n, self.scheduler.config.max_batch_size)
-        seq.num_samples = groups[0]
+        context or the pool); any number of choices fits the batch, run as lanes free."""
+        seq.num_samples = n
         self.scheduler.check_fits(seq)
-        return groups
-
-    def _later_groups(self, req: RunnerRequest, groups: list[int]) -> list[RunnerRequest]:
-        """More choices than the batch runs at once are sampled in groups of at most a
-        batch, queued one after the other (``_group``)."""
-        later, base = [], groups[0]
-        for size in groups[1:]:
-            later.append(self._group(req, base, size))
-            base += size
-        return later
 
     def _group(self, req: RunnerRequest, first: int, size: int) -> RunnerRequest:
         """Choices ``first`` .. ``first + size - 1`` of waiting ``req``'s request as a group of
         their own: its first sequence (id "<request_id>/<first>") takes the prompt from the
         prefix cache the request's first group fills, then forks into the group's other
         choices. Only the first group scores the prompt and reports its progress; choice i
-        keeps choice i's seed."""
+        keeps choice i's seed, so a seeded request gets the same choices on any batch."""
         seq = req.seq
         params = replace(req.params, prompt_logprobs=None) if req.scoring else req.params
         group = Sequence(list(seq.prompt_token_ids), seq.max_tokens, seq.priority, seq_id=f"{req.request_id}/{first}",

@@ -14,7 +14,7 @@ from openai import AsyncOpenAI  # noqa: E402
 
 from kvstream.hf import HFBackend  # noqa: E402
 from kvstream.hf.loader import LoadedModel  # noqa: E402
-from kvstream.hf.model_runner import ModelRunner, RunnerConfig, choice_groups  # noqa: E402
+from kvstream.hf.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from kvstream.hf.sampling import SamplingParams  # noqa: E402
 from kvstream.scheduler import Sequence  # noqa: E402
 
@@ -83,17 +83,11 @@ def test_forks_wait_for_batch_slots_reserved_at_admission(smollm2):
     assert engine.is_idle()
 
 
-def test_choice_groups_are_as_few_and_as_even_as_the_batch_allows():
-    assert choice_groups(1, 22) == [1] and choice_groups(22, 22) == [22]
-    assert choice_groups(23, 22) == [12, 11] and choice_groups(30, 22) == [15, 15]
-    assert choice_groups(128, 22) == [22, 22, 21, 21, 21, 21]
-    assert choice_groups(7, 3) == [3, 2, 2] and sum(choice_groups(97, 5)) == 97
-
-
 def test_more_choices_than_the_batch_run_in_groups_from_the_cached_prompt(smollm2):
-    """n past the batch: groups of at most a batch, one after the other, each after the
-    first taking the prompt's full blocks from the prefix cache; choice i keeps choice i's
-    seed, so the choices are those of the same request on a batch that holds them all."""
+    """n past the batch: the choices that fit run at once, the rest as a group of their own
+    once lanes free, each later group taking the prompt's full blocks from the prefix cache;
+    choice i keeps choice i's seed, so the choices are those of the same request on a batch
+    that holds them all."""
 
     def run(lanes: int) -> tuple[ModelRunner, dict[int, list[int]], list[int]]:
         engine = runner(smollm2, max_num_seqs=lanes)
@@ -111,11 +105,9 @@ def test_more_choices_than_the_batch_run_in_groups_from_the_cached_prompt(smollm
 
     split, choices, ended = run(3)
     assert sorted(ended) == list(range(7)) and all(len(tokens) == 12 for tokens in choices.values())
-    # Groups of 3, 2, 2: the prompt's 2 full blocks computed once; the later groups
-    # recompute only its partial last block (4 tokens) to sample their first tokens. The
-    # second group takes 2 of the 3 lanes the first leaves; the third, finding 1, runs 1
-    # choice at once and its last after: four groups.
-    assert split.counters.prefill_tokens == 20 + 4 + 4 + 4 and split.counters.cached_tokens == 16 * 3
+    # Groups of 3, 3 and 1: the prompt's 2 full blocks computed once; the later groups
+    # recompute only its partial last block (4 tokens) to sample their first tokens.
+    assert split.counters.prefill_tokens == 20 + 4 + 4 and split.counters.cached_tokens == 16 + 16
     whole, same_request, _ = run(8)
     assert whole.counters.prefill_tokens == 20
     assert choices == same_request
@@ -179,7 +171,7 @@ def test_aborting_a_request_ends_its_later_groups_too(smollm2):
     seq = Sequence(list(PROMPT), 50)
     engine.add_request(seq, SamplingParams(max_tokens=50, temperature=1.0, ignore_eos=True), events.extend, n=6)
     engine.step()
-    assert len(engine.requests) == 4  # the first group's 2 choices, the other 2 groups waiting
+    assert len(engine.requests) == 4  # the first group's 2 choices, the other 4 waiting in groups of a batch
     engine.abort(seq.seq_id)
     engine.step()
     assert engine.is_idle() and not engine.requests
