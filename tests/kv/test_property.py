@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 from kvstream.kv import BlockManager, NoFreeBlocks
-from kvstream.scheduler import NeverFits, Priority, QueueFull, Scheduler, SchedulerConfig, Sequence
+from kvstream.scheduler import NeverFits, Priority, QueueFull, Scheduler, SchedulerConfig, Sequence, TooManySamples
 
 # A small vocabulary and a few fixed prefixes make prefix hits and shared blocks frequent.
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
@@ -123,35 +123,53 @@ TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_coun
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random arrivals, token appends, finishes and aborts through the scheduler, for both
-    admission modes; budgets and block invariants hold at every step."""
+    """Random arrivals (some of several choices), forks, token appends, finishes and aborts
+    through the scheduler, for both admission modes, with groups of choices split to the free
+    lanes or admitted whole; budgets, fork reservations and block invariants hold at every
+    step."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sched: Scheduler | None = None
         self.live: list[Sequence] = []
+        self.groups: list[Sequence] = []  # every accepted arrival and split-off rest, ended or not
+        self.choices = 0  # the accepted arrivals' choices: the groups' must always add up to them
         # A clock that ticks per arrival: orders (fcfs, sjf aging) must not depend on how
         # fast the machine runs, or hypothesis cannot replay an example.
         self.now = 0.0
 
     @precondition(lambda self: self.sched is None)
-    @rule(preemptible=st.booleans(), policy=st.sampled_from(["swap", "recompute"]), order=st.sampled_from(["fcfs", "sjf", "lpm"]))
-    def configure(self, preemptible, policy, order):
+    @rule(preemptible=st.booleans(), policy=st.sampled_from(["swap", "recompute"]), order=st.sampled_from(["fcfs", "sjf", "lpm"]),
+          split=st.booleans())
+    def configure(self, preemptible, policy, order, split):
         bm = BlockManager(10, 4, 4 if preemptible else 0, model_identity="sched")
         config = SchedulerConfig(max_batch_size=3, preemption_policy=policy, policy=order, max_queue_size=6)
         affinity = lambda seq: len(bm.cached_prefix(seq.prompt_token_ids)) * bm.block_size  # noqa: E731
-        self.sched = Scheduler(bm, config, preemptible=preemptible, clock=lambda: self.now, affinity=affinity)
+        self.sched = Scheduler(bm, config, preemptible=preemptible, clock=lambda: self.now, affinity=affinity,
+                               split_group=self._split if split else None)
+
+    def _split(self, group: Sequence, keep: int) -> Sequence:
+        rest = Sequence(list(group.prompt_token_ids), group.max_tokens, group.priority, arrival=group.arrival,
+                        num_samples=group.num_samples - keep)
+        self.live.append(rest)
+        self.groups.append(rest)
+        return rest
 
     @precondition(lambda self: self.sched is not None)
-    @rule(prefix=st.sampled_from(PREFIXES), suffix=tokens, max_tokens=st.integers(1, 12), prio=st.sampled_from(list(Priority)))
-    def arrive(self, prefix, suffix, max_tokens, prio):
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=tokens, max_tokens=st.integers(1, 12), prio=st.sampled_from(list(Priority)),
+          samples=st.sampled_from([1, 2, 3, 5]))
+    def arrive(self, prefix, suffix, max_tokens, prio, samples):
         self.now += 1.0
-        seq = Sequence(prefix + suffix, max_tokens, prio, arrival=self.now)
+        if not self.sched.preemptible:  # (choices are forked in-process only: a runtime's requests are one sequence)
+            samples = 1
+        seq = Sequence(prefix + suffix, max_tokens, prio, arrival=self.now, num_samples=samples)
         try:
             self.sched.add(seq)
-        except (NeverFits, QueueFull):  # the only refusals; anything else is a bug
+        except (NeverFits, QueueFull, TooManySamples):  # the only refusals; anything else is a bug
             return
         self.live.append(seq)
+        self.groups.append(seq)
+        self.choices += samples
         self.sched.schedule()
 
     @precondition(lambda self: self.sched is not None and self.sched.running)
@@ -163,6 +181,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.live.remove(seq)
         else:
             self.sched.append(seq, data.draw(st.integers(0, 9)))
+        self.sched.schedule()
+
+    @precondition(lambda self: self.sched is not None and any(s.unforked for s in self.sched.running))
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from([s for s in self.sched.running if s.unforked]))
+        child = Sequence(list(parent.prompt_token_ids), parent.max_tokens, parent.priority, arrival=parent.arrival)
+        self.sched.fork(parent, child)
+        self.live.append(child)
         self.sched.schedule()
 
     @precondition(lambda self: self.sched is not None and self.live)
@@ -179,6 +206,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.check_invariants()
             for seq in self.sched.running:
                 assert len(seq.output_token_ids) <= seq.max_tokens or self.sched.preemptible
+            assert sum(g.num_samples for g in self.groups) == self.choices, "a split lost or doubled choices"
+            # Everything queued fits an idle engine (or was refused): after a scheduling pass
+            # something runs whenever something waits.
+            assert self.sched.running or not (self.sched.waiting or self.sched.swapped), "work waits on an idle engine"
 
     def teardown(self):
         if self.sched is None:
