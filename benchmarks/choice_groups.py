@@ -2,15 +2,15 @@
 admitted whole (same run, same engine, same requests).
 
 The in-process engine (SmolLM2-135M, fp32) gets a burst of requests on a batch of
-``--lanes`` sequences: every third one asks for n choices (each of ``--n``, in turn: 4, then 8, the whole batch) of ``--group-tokens`` tokens,
-the others for one choice of 8 to 96 tokens (a fixed spread). Seeded sampling with
-``ignore_eos``, so both ways generate exactly the same tokens. Two ways, alternating for
-``--rounds`` rounds:
+``--lanes`` sequences: every third one asks for n choices of ``--group-tokens`` tokens (a
+burst for each n of ``--n``: 4, then 8, the whole batch), the others for one choice of 8 to
+96 tokens (a fixed spread). Seeded sampling with ``ignore_eos``, so both ways generate
+exactly the same tokens. Two ways, alternating for ``--rounds`` rounds:
 
 - split (the engine's way): a group that finds fewer free lanes than it has choices runs
   those that fit at once; the rest keeps the head of the queue (``Scheduler.split_group``);
 - whole (the way before): a group waits for lanes for all of its choices, holding the queue
-  behind it (``split_group`` unset).
+  behind it (``split_group`` unset; n at most the batch, as groups were then).
 
 Printed per way: seconds to the end of the burst, generated tokens per second, the mean
 share of the lanes busy per step, and seconds from the burst to each request's end (mean
@@ -30,10 +30,10 @@ import time
 
 from _util import percentile
 
-from kvstream.hf.loader import load_model  # noqa: E402
-from kvstream.hf.model_runner import ModelRunner, RunnerConfig  # noqa: E402
-from kvstream.hf.sampling import SamplingParams  # noqa: E402
-from kvstream.scheduler import Sequence  # noqa: E402
+from kvstream.hf.loader import load_model
+from kvstream.hf.model_runner import ModelRunner, RunnerConfig
+from kvstream.hf.sampling import SamplingParams
+from kvstream.scheduler import Sequence
 
 SINGLE_TOKENS = (8, 96, 24, 64, 16, 48, 80, 32)  # the single requests' lengths, in turn
 
@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--group-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    if max(args.n) > args.lanes:
+        parser.error("each --n must be at most --lanes (the whole way cannot run more choices than the batch)")
     logging.basicConfig(level=logging.WARNING)
     loaded = load_model(None, device="cpu")
     run(loaded, args, args.n[0], split=True)  # warm up
@@ -126,6 +128,7 @@ def report(args: argparse.Namespace, choices: int, results: dict[str, list[dict]
                        ("group_mean", "n-choice requests' mean")):
         ratios = [w[key] / s[key] for w, s in zip(results["whole"], results["split"])]
         print(f"  whole / split, {label}: " + ", ".join(f"{r:.2f}x" for r in ratios))
+
 
 if __name__ == "__main__":
     main()

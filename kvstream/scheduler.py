@@ -347,11 +347,12 @@ class Scheduler:
             # No free slot or not enough blocks: preempt a running request of a lower class
             # (preemptible backends only), or wait.
             short = self._shortfall(seq)
-            if short != (0, 0) and not self._preempting_makes_room(seq.priority, *short) and not self._split_to_fit(seq, position):
-                # Head of line waits (admitting around it could starve it); preempting
-                # would not make it fit (the victims' blocks shared with swapped sequences
-                # stay), and would only stop work that could finish and free them.
-                return out
+            if short != (0, 0) and not self._preempting_makes_room(seq.priority, *short):
+                if not self._split_to_fit(seq, position):
+                    # Head of line waits (admitting around it could starve it); preempting
+                    # would not make it fit (the victims' blocks shared with swapped sequences
+                    # stay), and would only stop work that could finish and free them.
+                    return out
             while self._shortfall(seq) != (0, 0):
                 victim = self._pick_victim(below=seq.priority)
                 if victim is None:
@@ -385,8 +386,7 @@ class Scheduler:
         """Whether waiting group ``seq`` (n choices, not forked yet) fits once split: the most
         of its choices that fit now stay in it, the others are queued right behind it as a
         group of their own (``split_group``). Free lanes are used at once instead of idling
-        until the whole group fits (or, n past the batch, forever); the rest keeps the head
-        of the queue."""
+        until the whole group fits; the rest keeps the head of the queue."""
         if self.split_group is None or seq.forked or seq.num_samples < 2:
             return False
         choices = seq.num_samples
@@ -402,7 +402,8 @@ class Scheduler:
 
     def _split(self, seq: Sequence, keep: int, position: int) -> None:
         """Leave ``keep`` of waiting ``seq``'s choices in it; the rest wait right behind it."""
-        rest = self.split_group(seq, keep)  # type: ignore[misc]
+        assert self.split_group is not None
+        rest = self.split_group(seq, keep)
         seq.num_samples = keep
         rest.status = SeqStatus.WAITING
         self.waiting.insert(position + 1, rest)

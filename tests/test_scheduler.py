@@ -317,7 +317,9 @@ def test_choices_past_the_batch_run_a_batch_at_a_time_and_a_higher_class_preempt
 
 def test_a_group_split_for_blocks_keeps_as_many_choices_as_their_reserved_growth_allows():
     """Non-preemptible, each choice's growth is reserved at admission: 4 prompt tokens and 4
-    each for 3 choices is 4 blocks of 4; with 3 free, 2 choices (3 blocks) run now."""
+    each for 3 choices is 4 blocks of 4; with 3 free, 2 choices (3 blocks) run now. (Only
+    here do blocks depend on the choices: a preempting scheduler, the in-process engine's,
+    admits on the prompt's blocks.)"""
     sched, _ = make(num_blocks=4, block_size=4, cpu=0, preemptible=False, max_batch_size=8)
     calls = splitting(sched)
     running = seq(3, max_tokens=1, first=0)  # 1 block
