@@ -194,12 +194,51 @@ def _python_call(name: str, rules: _Rules) -> str | None:
         if parameters.get("additionalProperties") is False:
             return f"{regex.escape(name)}\\({WS}\\)"
         value = rules.schema({}, PYTHON)
-        one = f"[A-Za-z_][A-Za-z0-9_]*{equals}{value}"
+        one = f"{rules.rule(python_identifier(rules.rule('[A-Za-z0-9_]*')))}{equals}{value}"
         return f"{regex.escape(name)}\\({WS}(?:{one}(?:{WS},{WS}{one})*{WS},?)?{WS}\\)"
     keywords = [(rules.rule(f"{regex.escape(key)}{equals}{rules.schema({**schema, **definitions}, PYTHON)}"),
                  key in required) for key, schema in properties.items()]
     listed = f"{_in_order(keywords)}{WS},?"  # (a trailing comma only after an argument)
     return f"{regex.escape(name)}\\({WS}{listed if any(needed for _, needed in keywords) else f'(?:{listed})?'}{WS}\\)"
+
+
+_ID_START = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_"
+_ID_CHARS = _ID_START + "0123456789"
+
+
+@functools.cache
+def python_identifier(tail: str = "[A-Za-z0-9_]*") -> str:
+    """An ASCII name Python takes as a keyword argument: an identifier that is not one of its
+    keywords (``class=1`` does not parse, and the reader takes such a call as text). Built
+    from a trie of the keywords, no lookahead (the constraint machine reads none): at each
+    node of the trie, the name may take a child's character and go on from there, take any
+    other character and be free, or end where no keyword does. ``tail``: the expression of
+    any identifier characters (a named rule's call keeps the expression short)."""
+    trie: dict = {}
+    for word in keyword.kwlist:
+        node = trie
+        for char in word:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a keyword ends here
+
+    def others(chars: str, taken: dict) -> str:
+        free = sorted(char for char in chars if char not in taken)
+        runs: list[list[str]] = []  # contiguous characters as ranges: a short class reads fast
+        for char in free:
+            if runs and ord(char) == ord(runs[-1][-1]) + 1:
+                runs[-1].append(char)
+            else:
+                runs.append([char])
+        spans = "".join(run[0] if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+        return f"[{spans}]{tail}"
+
+    def after(node: dict) -> str:
+        options = [f"{char}{after(child)}" for char, child in sorted(node.items()) if char]
+        options.append(others(_ID_CHARS, node))
+        group = "(?:" + "|".join(options) + ")"
+        return group if "" in node else group + "?"
+
+    return "(?:" + "|".join([f"{char}{after(child)}" for char, child in sorted(trie.items())] + [others(_ID_START, trie)]) + ")"
 
 
 def _in_order(items: list[tuple[str, bool]]) -> str:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import copy
 import json
+import keyword
 from pathlib import Path
 
 import pytest
+import regex
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -672,8 +674,6 @@ def held_pattern(syntax: str, tools: list, single_call: bool = False):
 def test_a_string_value_is_any_text_but_its_close_tag(text):
     """The expression of a raw XML value (the search automaton for ``</parameter>`` written
     out) matches exactly the texts without it: a ``<``, a cut close tag, ``<</para`` are fine."""
-    import regex
-
     from kvstream.hf.call_grammar import _text_without
 
     assert (regex.fullmatch(_text_without("</parameter>"), text) is not None) == ("</parameter>" not in text)
@@ -761,6 +761,38 @@ def test_tools_a_python_call_cannot_name_are_left_out_of_a_pythonic_hold():
     # Arguments all optional: none, or some, a trailing comma only after one (Python's syntax).
     assert all(pattern.fullmatch(text) for text in ("[clock()]", "[clock(zone='CET')]", "[clock(zone='CET',)]"))
     assert not pattern.fullmatch("[clock(,)]")
+
+
+@given(st.text(alphabet="aAcdefilnorstuTFN_9ywhkbmp", min_size=1, max_size=9) | st.sampled_from(keyword.kwlist))
+def test_a_python_identifier_is_any_name_but_a_keyword(name):
+    """The keyword names a tool without listed parameters is held to: exactly the ASCII
+    identifiers Python takes as a keyword argument (``class=1`` does not parse)."""
+    from kvstream.hf.call_grammar import python_identifier
+
+    identifier = regex.compile(python_identifier())
+    assert (identifier.fullmatch(name) is not None) == (name.isidentifier() and not keyword.iskeyword(name))
+    for grown in (name + "_", name[:-1]):  # the keywords' neighbours too
+        assert (identifier.fullmatch(grown) is not None) == (grown.isidentifier() and not keyword.iskeyword(grown))
+
+
+def test_a_tool_without_listed_parameters_takes_any_keyword_argument_but_a_language_keyword():
+    from kvstream.hf.call_grammar import call_hold
+    from kvstream.hf.pattern_machine import Machine, machine_for
+
+    ping = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+    pattern = held_pattern("pythonic", [ping])
+    machine = machine_for(call_hold(CallReading("pythonic"), [ping], None, {}).pattern)
+
+    def machine_holds(text: str) -> bool:
+        state = machine.start()
+        for char in text:
+            state = machine.step(state, char)
+        return bool(state) and Machine.whole(state)
+
+    for text, held in [("[ping()]", True), ("[ping(host='a', classy=1, match=2, from_=3)]", True),
+                       ("[ping(Truth=None)]", True), ("[ping(class=1)]", False), ("[ping(host='a', from=1)]", False),
+                       ("[ping(None=1)]", False), ("[ping(1x=2)]", False)]:
+        assert (pattern.fullmatch(text) is not None) == held == machine_holds(text), text
 
 
 @pytest.mark.parametrize("syntax", ["hermes", "llama3_json", "granite", "mistral", "qwen3_xml", "deepseek", "pythonic"])
