@@ -391,7 +391,10 @@ class Scheduler:
             return False
         choices = seq.num_samples
         free = self.config.max_batch_size - len(self.running) - self._reserved
-        for keep in range(min(choices - 1, free), 0, -1):
+        keeps = range(min(choices - 1, free), 0, -1)
+        if self.preemptible:  # (admission counts the prompt's blocks alone: fewer choices free none)
+            keeps = keeps[:1]
+        for keep in keeps:
             seq.num_samples = keep  # (blocks reserved at admission count the choices)
             fits = self._shortfall(seq) == (0, 0)
             seq.num_samples = choices
