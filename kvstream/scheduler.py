@@ -327,7 +327,7 @@ class Scheduler:
         for seq in sorted(self.swapped, key=lambda s: self._order_key(s, now)):
             if urgent is not None and urgent < seq.priority:
                 break
-            if not self._can_resume(seq):
+            if not self._can_resume(seq) and not self._split_to_fit(seq, -1):
                 break
             self._resume(seq, out)
         if not self.running and self.swapped:
@@ -383,10 +383,11 @@ class Scheduler:
         return max(0, slots), max(0, blocks)
 
     def _split_to_fit(self, seq: Sequence, position: int) -> bool:
-        """Whether waiting group ``seq`` (n choices, not forked yet) fits once split: the most
-        of its choices that fit now stay in it, the others are queued right behind it as a
-        group of their own (``split_group``). Free lanes are used at once instead of idling
-        until the whole group fits; the rest keeps the head of the queue."""
+        """Whether group ``seq`` (n choices, not forked yet), waiting at ``position`` or
+        swapped (-1: preempted before it forked), can be admitted or resumed once split: the
+        most of its choices that fit now stay in it, the others are queued right behind it
+        (a swapped one's first in the queue) as a group of their own (``split_group``). Free
+        lanes are used at once instead of idling until the whole group fits."""
         if self.split_group is None or seq.forked or seq.num_samples < 2:
             return False
         choices = seq.num_samples
@@ -396,7 +397,7 @@ class Scheduler:
             keeps = keeps[:1]
         for keep in keeps:
             seq.num_samples = keep  # (blocks reserved at admission count the choices)
-            fits = self._shortfall(seq) == (0, 0)
+            fits = self._can_resume(seq) if seq.status is SeqStatus.SWAPPED else self._shortfall(seq) == (0, 0)
             seq.num_samples = choices
             if fits:
                 self._split(seq, keep, position)
@@ -404,7 +405,8 @@ class Scheduler:
         return False
 
     def _split(self, seq: Sequence, keep: int, position: int) -> None:
-        """Leave ``keep`` of waiting ``seq``'s choices in it; the rest wait right behind it."""
+        """Leave ``keep`` of ``seq``'s choices in it; the rest wait right behind its
+        ``position`` in the queue (-1: first)."""
         assert self.split_group is not None
         rest = self.split_group(seq, keep)
         seq.num_samples = keep

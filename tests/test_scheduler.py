@@ -315,6 +315,30 @@ def test_choices_past_the_batch_run_a_batch_at_a_time_and_a_higher_class_preempt
     sched.check_invariants()
 
 
+def test_a_group_swapped_out_before_it_forked_resumes_the_choices_that_fit_and_queues_the_rest_first():
+    sched, _ = make(num_blocks=32, cpu=16, max_batch_size=3, preemption_policy="swap")
+    calls = splitting(sched)
+    low = seq(4, priority=Priority.LOW, arrival=0, first=0)
+    low.num_samples = 3
+    sched.add(low)
+    sched.schedule()
+    high = seq(4, priority=Priority.HIGH, arrival=1, first=100)
+    behind = seq(4, priority=Priority.LOW, arrival=2, first=200)
+    sched.add(high)
+    sched.add(behind)
+    out = sched.schedule()
+    assert out.preempted == [low] and admitted_ids(out) == [high.seq_id] and low.status is SeqStatus.SWAPPED
+    # 2 lanes free: the swapped group comes back with 2 of its 3 choices (not after the
+    # high one ends), its third first in the queue, ahead of the request that came after it.
+    out = sched.schedule()
+    assert out.resumed == [low] and low.num_samples == 2 and calls == [(low.seq_id, 2)]
+    assert [s.seq_id for s in sched.waiting] == [f"{low.seq_id}/2", behind.seq_id]
+    sched.check_invariants()
+    sched.finish(high)
+    assert admitted_ids(sched.schedule()) == [f"{low.seq_id}/2"]
+    sched.check_invariants()
+
+
 def test_a_group_split_for_blocks_keeps_as_many_choices_as_their_reserved_growth_allows():
     """Non-preemptible, each choice's growth is reserved at admission: 4 prompt tokens and 4
     each for 3 choices is 4 blocks of 4; with 3 free, 2 choices (3 blocks) run now. (Only
