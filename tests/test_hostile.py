@@ -328,6 +328,29 @@ def test_warm_obeys_the_per_key_cap_and_the_message_limit_and_is_counted(guarded
     assert 'kvstream_requests_total{code="200",route="warm"}' in metrics
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/warm", "/api/chat"])
+def test_too_many_messages_are_refused_before_each_is_read(guarded, path):
+    """Past ``server.max_messages`` every route that takes messages answers the 413 on their
+    count, before validating or translating each (tens of thousands of them held the event
+    loop a quarter of a second for a refusal): a bad message among them does not make it a 400.
+    (In front of an OpenAI runtime: the chat is forwarded, the others translated; the routes
+    KVStream validates in front of Ollama: tests/test_api_fronts.py.)"""
+    messages = [{"role": "user", "content": "x"}] * 64 + [{"role": "nobody", "content": 7}]
+    body = {"model": "test-model", "max_tokens": 4, "messages": messages}
+    resp = httpx.post(guarded.url + path, json=body, headers=auth(), timeout=10)
+    assert resp.status_code == 413, resp.text
+    answer = resp.json()
+    if path == "/api/chat":  # Ollama's error shape
+        assert "too many messages" in answer["error"]
+    else:
+        assert answer["error"]["code"] == "too_many_messages"
+    # Within the limit the bad message is what is judged: by KVStream where it translates the
+    # body, by the runtime where the body is forwarded as sent (this double takes any role).
+    within = {"model": "test-model", "max_tokens": 4, "messages": messages[:63] + messages[-1:]}
+    forwarded = path == "/v1/chat/completions"
+    assert httpx.post(guarded.url + path, json=within, headers=auth(), timeout=10).status_code == (200 if forwarded else 400)
+
+
 # ------------------------------------------------------------- tenant isolation
 def test_a_tenant_sees_only_its_own_cached_prefixes(guarded):
     system = "You answer questions about the private roadmap of tenant A. " * 12

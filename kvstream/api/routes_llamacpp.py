@@ -32,14 +32,13 @@ from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception
 from kvstream.api.llamacpp_format import CompletionAnswer, LlamaCppError, invalid
 from kvstream.api.routes_openai import (
     _next,
-    check_message_count,
     default_model,
     parse_deadline,
     parse_priority,
+    read_body,
     read_object,
     retry_after,
     serving_model,
-    validated,
 )
 from kvstream.api.routes_passthrough import passthrough
 from kvstream.api.schemas import ChatCompletionRequest
@@ -167,8 +166,7 @@ async def apply_template(request: web.Request) -> web.StreamResponse:
     spelled out; ``add_generation_prompt: false`` leaves the assistant's header off,
     ``continue_final_message`` the assistant's last message open."""
     state = request.app[STATE]
-    generate = validated(await read_object(request), ChatCompletionRequest).to_generate(request[REQUEST_ID])
-    check_message_count(state, generate)
+    generate = (await read_body(request, ChatCompletionRequest)).to_generate(request[REQUEST_ID])
     backend = state.engine.backend
     _tokenizer(state)("", False)  # 404 without a tokenizer
     ids = await backend.tokenize(generate) or []

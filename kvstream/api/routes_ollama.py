@@ -283,6 +283,12 @@ def _arguments(text: str) -> Any:
         return text
 
 
+def _check_message_count(state: AppState, messages: object) -> None:
+    """413 past ``server.max_messages`` (Ollama's messages become as many OpenAI ones)."""
+    if isinstance(messages, list) and len(messages) > state.settings.server.max_messages:
+        raise OllamaError(413, f"too many messages (the limit is {state.settings.server.max_messages})")
+
+
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     arrived_at = time.monotonic()
@@ -292,6 +298,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         raise OllamaError(400, exc.message) from None
     request_id = request[REQUEST_ID]
     if chat:
+        _check_message_count(state, body.get("messages"))  # before translating them all
         generate = _request(body, request_id, _messages(body.get("messages", [])), None)
     else:
         prompt = body.get("prompt") or ""
@@ -321,8 +328,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if chat and not generate.messages:
         # An empty chat loads the model in Ollama; here the model is always loaded.
         return web.json_response({"model": model_name or generate.model, "created_at": now_iso(), "message": {"role": "assistant", "content": ""}, "done_reason": "load", "done": True})
-    if len(generate.messages or ()) > state.settings.server.max_messages:
-        raise OllamaError(413, f"too many messages (the limit is {state.settings.server.max_messages})")
+    _check_message_count(state, generate.messages)
     generate.cache_salt = request.get(CACHE_SALT)
     generate.session = request.headers.get("X-KVStream-Session") or None
     try:

@@ -54,7 +54,9 @@ async def read_object(request: web.Request) -> dict[str, Any]:
 async def read_body(request: web.Request, model: type[BaseModel]) -> Any:
     """Parse and validate a JSON body; 400 ``invalid_request_error`` for any bad value, as
     OpenAI answers (never 422)."""
-    return validated(await read_object(request), model)
+    data = await read_object(request)
+    check_message_count(request.app[STATE], data.get("messages"))  # before validating them all
+    return validated(data, model)
 
 
 def validated(data: dict[str, Any], model: type[BaseModel]) -> Any:
@@ -177,6 +179,7 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[lis
     prompts: list[str | list[int]] = []  # a translated completions request's prompts
     if state.engine.backend.forwards_body:
         data = await read_object(request)
+        check_message_count(state, data.get("messages"))
         generate = forwarded_request(data, chat, request_id)
         generate.headers = managed_route_headers(request)
         priority = parse_priority(request, data.get("priority"))
@@ -203,7 +206,7 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[lis
         generate.return_progress = body.stream and len(prompts) <= 1 and llama_timings.wants(generate.extra, "return_progress")
         priority = parse_priority(request, body.priority)
         include_usage = body.include_usage
-    check_message_count(state, generate)
+    check_message_count(state, generate.messages)
     generate.cache_salt = request.get(CACHE_SALT)
     generate.queue_deadline_s = parse_deadline(request)
     generate.session = request.headers.get(SESSION_HEADER) or None
@@ -223,14 +226,17 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[lis
     return batch, priority, include_usage, named
 
 
-def check_message_count(state: AppState, generate: GenerateRequest) -> None:
-    """413 past ``server.max_messages`` (every route that takes messages)."""
+def check_message_count(state: AppState, messages: object) -> None:
+    """413 past ``server.max_messages`` (every route that takes messages): on the body as
+    parsed, before it is validated or translated (validating 45,000 messages only to refuse
+    them held the event loop, and every stream it serves, for a quarter of a second), where
+    the body's messages become at least as many; again on the request made of it (a body
+    whose messages come from elsewhere: a Responses conversation)."""
     max_messages = state.settings.server.max_messages
-    if len(generate.messages or ()) > max_messages:
-        raise APIError(
-            413, f"Too many messages ({len(generate.messages or ())}; the limit is {max_messages}).",
-            param="messages", code="too_many_messages",
-        )
+    count = len(messages) if isinstance(messages, list) else 0
+    if count > max_messages:
+        raise APIError(413, f"Too many messages ({count}; the limit is {max_messages}).",
+                       param="messages", code="too_many_messages")
 
 
 async def default_model(state: AppState) -> str | None:
@@ -430,7 +436,7 @@ async def chat_input_tokens(request: web.Request) -> web.StreamResponse:
     if state.engine.backend.forwards_body:
         return await forward(request)
     generate = (await read_body(request, ChatCompletionRequest)).to_generate(request[REQUEST_ID])
-    check_message_count(state, generate)
+    check_message_count(state, generate.messages)
     generate.cache_salt = request.get(CACHE_SALT)
     generate.model = await serving_model(state, generate.model)
     ids, exact = await state.engine.prompt_tokens(generate)
@@ -456,7 +462,7 @@ async def warm(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_body(request, WarmRequest)
     generate = body.to_generate(request[REQUEST_ID])
-    check_message_count(state, generate)
+    check_message_count(state, generate.messages)
     generate.cache_salt = request.get(CACHE_SALT)
     try:
         generate.model = await serving_model(state, body.model)

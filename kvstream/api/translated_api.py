@@ -120,14 +120,16 @@ async def _generate_request(request: web.Request, api: TranslatedAPI,
     """The GenerateRequest the API's body amounts to (its model resolved), the body, and the
     model name the client used."""
     state = request.app[STATE]
-    data = api.prepare(request, await read_object(request))
+    data = await read_object(request)
+    check_message_count(state, data.get("messages"))  # (Anthropic's: each becomes one chat message or more)
+    data = api.prepare(request, data)
     try:
         body = ChatCompletionRequest.model_validate(api.chat_body(defaults | data))
     except ValidationError as exc:
         error = exc.errors()[0]
         raise api.invalid(".".join(str(p) for p in error["loc"]) or None, error["msg"].removeprefix("Value error, ")) from None
     generate = body.to_generate(request[REQUEST_ID])
-    check_message_count(state, generate)
+    check_message_count(state, generate.messages)
     generate.cache_salt = request.get(CACHE_SALT)
     named = generate.model
     generate.model = await serving_model(state, named)
