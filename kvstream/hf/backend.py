@@ -30,6 +30,7 @@ from kvstream.hf.answer_reading import AnswerReader, AnswerReading, answer_readi
 from kvstream.hf.best_of import Candidates
 from kvstream.hf.call_streams import ArgumentsCallStream, JsonCallStream, call_entry
 from kvstream.hf.generic_calls import GENERIC, with_tools_prompt
+from kvstream.hf.low_priority import LARGE_CHARS, LowPriorityWorker, text_chars
 from kvstream.hf.tool_call_syntax import CallReading
 from kvstream.hf.tool_calls import ForcedNames
 from kvstream.scheduler import Scheduler, SchedulerError, Sequence
@@ -395,6 +396,7 @@ class HFBackend(InProcessBackend):
             raise ValueError(problem)
         self.preloaded = preloaded
         self.runner: Any = None  # ModelRunner once started
+        self._large_requests = LowPriorityWorker()  # prepares prompts of megabytes (low_priority.py)
         self.loaded: LoadedModel | None = None
         self.model_name: str | None = None
         self._start_lock = asyncio.Lock()
@@ -495,6 +497,7 @@ class HFBackend(InProcessBackend):
         return runner
 
     async def close(self) -> None:
+        self._large_requests.close()
         if self.runner is not None:
             await asyncio.to_thread(self.runner.close)
         if self._engine_thread is not None:
@@ -684,9 +687,12 @@ class HFBackend(InProcessBackend):
         400 before it is queued). All of it off the event loop every client's stream is served
         from: a chat template over a few MB of messages and their tokenizing take seconds
         (benchmarks/loop_stall.py), a tool's schema or a grammar long to compile (compiled once,
-        cached for submit, which runs on the loop)."""
+        cached for submit, which runs on the loop). A request of megabytes of text is prepared
+        at a lower CPU priority than the engine's steps (low_priority.py)."""
         if self.runner is None:
             raise BackendUnavailable(self._error or "the model is still loading")
+        if text_chars(request.messages, request.prompt) > LARGE_CHARS:
+            return await self._large_requests.run(self._prompt_ids, request)
         return await asyncio.to_thread(self._prompt_ids, request)
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:

@@ -101,10 +101,15 @@ async def test_a_large_prompt_is_templated_and_tokenized_off_the_event_loop(hf_p
     """A few MB of messages take seconds to template and tokenize (benchmarks/loop_stall.py:
     3 s of every stream paused per 3.5 MB request when it ran on the event loop): the work
     runs on a worker thread while another client's stream goes on, and the answer is still
-    the exact count's 400."""
+    the exact count's 400. That thread is the large requests' own, at a lower CPU priority than
+    the engine's (low_priority.py; on Linux, where a thread has a priority of its own)."""
+    import os
+    import sys
+    import threading
+
     import kvstream.hf.loader as loader
 
-    on_loop = []
+    on_loop, threads = [], set()
 
     def where(call):
         def recorded(*args, **kwargs):
@@ -114,6 +119,8 @@ async def test_a_large_prompt_is_templated_and_tokenized_off_the_event_loop(hf_p
                     on_loop.append(True)
                 except RuntimeError:
                     on_loop.append(False)
+                    threads.add((threading.current_thread().name.split("_")[0],
+                                 os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
             return call(*args, **kwargs)
         return recorded
 
@@ -133,6 +140,8 @@ async def test_a_large_prompt_is_templated_and_tokenized_off_the_event_loop(hf_p
     chunks = [chunk async for chunk in await victim]
     assert chunks[-1].choices[0].finish_reason == "length"
     assert on_loop and not any(on_loop), on_loop
+    lowered = os.getpriority(os.PRIO_PROCESS, 0) + 10 if sys.platform.startswith("linux") else os.getpriority(os.PRIO_PROCESS, 0)
+    assert threads == {("kvstream-large", min(19, lowered))}, threads
     await wait_idle(hf_proxy)
 
 
