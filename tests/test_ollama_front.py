@@ -178,6 +178,16 @@ async def test_errors_come_in_ollamas_shape(start_upstream, start_proxy, http):
         assert resp.status == 400 and (await resp.json()) == {"error": "model is required"}
 
 
+async def test_a_body_past_the_limit_is_a_413_in_ollamas_shape(start_upstream, start_proxy, http):
+    url, recorder = await start_upstream(Script())
+    proxy = await start_proxy(OpenAICompatibleBackend(url), server={"max_body_bytes": 2048})
+    body = {"model": "llama3.2", "messages": [{"role": "user", "content": "x" * 4096}], "stream": False}
+    async with http.post(proxy.url + "/api/chat", json=body) as resp:
+        assert resp.status == 413
+        assert set(answer := await resp.json()) == {"error"} and "too large" in answer["error"]
+    assert not recorder.bodies
+
+
 async def test_a_runtime_failing_mid_stream_ends_the_ndjson_with_an_error_line(start_upstream, start_proxy, http):
     url, _ = await start_upstream(Script(tokens=["a", "b", "c"], error_after=2))
     proxy = await start_proxy(OpenAICompatibleBackend(url))

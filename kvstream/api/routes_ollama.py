@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from kvstream import __version__
-from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception
+from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, counted, from_exception
 from kvstream.api.routes_openai import default_model, parse_deadline, read_object, resolve_model
 from kvstream.api.routes_passthrough import forward
 from kvstream.api.schemas import is_prefill
@@ -294,8 +294,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     arrived_at = time.monotonic()
     try:
         body = await read_object(request)
-    except APIError as exc:
-        raise OllamaError(400, exc.message) from None
+    except APIError as exc:  # its status kept: a body too large is a 413, one too slow a 408
+        raise OllamaError(exc.status, exc.message) from None
     request_id = request[REQUEST_ID]
     if chat:
         _check_message_count(state, body.get("messages"))  # before translating them all
@@ -610,3 +610,13 @@ async def _embed_here(state: AppState, inputs: list[str], body: dict[str, Any]) 
 def _unit(vector: list[float]) -> list[float]:
     norm = sum(x * x for x in vector) ** 0.5
     return [x / norm for x in vector] if norm else vector
+
+
+def _ollama_shaped(error: APIError) -> APIError:
+    """``error`` in Ollama's shape: what the routes raise is already; an error from outside
+    them (aiohttp's 413 for a body past ``server.max_body_bytes``) is made so."""
+    return error if isinstance(error, OllamaError) else OllamaError(error.status, error.message, retry_after=error.retry_after)
+
+
+for _route in routes:  # (errors.py's middleware asks the route's handler for its shape)
+    setattr(_route.handler, ERROR_SHAPE, _ollama_shaped)
