@@ -60,22 +60,25 @@ async def test_anthropics_messages_in_front_of_ollama_are_translated(start_upstr
     await wait_released(proxy)
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
 async def test_in_front_of_ollama_too_many_messages_are_refused_before_each_is_read(start_upstream, start_proxy, http, path):
-    """The chat KVStream validates and Anthropic's messages it translates: past
-    ``server.max_messages`` the 413 comes on their count, before each is read (a bad message
-    among them is not the 400), and nothing reaches the runtime."""
+    """The chat KVStream validates, Anthropic's messages and the Responses API's input items
+    it translates: past ``server.max_messages`` the 413 comes on their count, before each is
+    read (a bad one among them is not the 400), and nothing reaches the runtime."""
     url, recorder = await start_upstream(Script(tokens=["Hi"]), factory=ollama_double)
     proxy = await start_proxy(OllamaBackend(url), server={"max_messages": 4})
-    messages = [{"role": "user", "content": "x"}] * 4 + [{"role": "nobody", "content": 7}]
-    body = {"model": "llama3.2", "max_tokens": 8, "messages": messages}
+    field = "input" if path == "/v1/responses" else "messages"
+    turns = [{"role": "user", "content": "x"}] * 4 + [{"role": "nobody", "content": 7}]
+    body = {"model": "llama3.2", "max_tokens": 8, field: turns}
     async with http.post(proxy.url + path, json=body) as resp:
         assert resp.status == 413, await resp.text()
         answer = await resp.json()
     assert answer["error"]["type"] == ("request_too_large" if path == "/v1/messages" else "invalid_request_error")
     assert "Too many messages (5; the limit is 4)" in answer["error"]["message"]
-    async with http.post(proxy.url + path, json=body | {"messages": messages[-4:]}) as resp:
-        assert resp.status == 400  # within the limit the bad message is what is judged
+    if path != "/v1/messages":  # (Anthropic's error names no field)
+        assert answer["error"]["param"] == field
+    async with http.post(proxy.url + path, json=body | {field: turns[-4:]}) as resp:
+        assert resp.status == 400, await resp.text()  # within the limit the bad one is what is judged
     assert not recorder.bodies
 
 

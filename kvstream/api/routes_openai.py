@@ -226,17 +226,16 @@ async def _parse(request: web.Request, state: AppState, chat: bool) -> tuple[lis
     return batch, priority, include_usage, named
 
 
-def check_message_count(state: AppState, messages: object) -> None:
-    """413 past ``server.max_messages`` (every route that takes messages): on the body as
-    parsed, before it is validated or translated (validating 45,000 messages only to refuse
-    them held the event loop, and every stream it serves, for a quarter of a second), where
-    the body's messages become at least as many; again on the request made of it (a body
-    whose messages come from elsewhere: a Responses conversation)."""
+def check_message_count(state: AppState, messages: object, param: str = "messages") -> None:
+    """413 past ``server.max_messages`` (every route that takes messages): on the body's list
+    (``param``) as parsed, before it is validated or translated (validating 45,000 messages
+    only to refuse them held the event loop, and every stream it serves, for a quarter of a
+    second); again on the request made of it (a Responses conversation's stored turns)."""
     max_messages = state.settings.server.max_messages
     count = len(messages) if isinstance(messages, list) else 0
     if count > max_messages:
         raise APIError(413, f"Too many messages ({count}; the limit is {max_messages}).",
-                       param="messages", code="too_many_messages")
+                       param=param, code="too_many_messages")
 
 
 async def default_model(state: AppState) -> str | None:

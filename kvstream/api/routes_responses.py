@@ -207,7 +207,7 @@ async def _fit(engine: KVStreamEngine, generate: GenerateRequest, body: dict[str
 
 RESPONSES = TranslatedAPI(chat_body=chat_body, answer=ResponseAnswer, error_shape=_shaped, invalid=_invalid,
                           counted=lambda tokens: {"object": "response.input_tokens", "input_tokens": tokens}, count_defaults={},
-                          prepare=_prepare, keep=_keep, detach=_detach, fit=_fit,
+                          prepare=_prepare, keep=_keep, detach=_detach, fit=_fit, turns_field="input",
                           timed_events=frozenset({"response.in_progress", "response.output_text.delta"}))
 
 

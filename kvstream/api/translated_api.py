@@ -95,6 +95,10 @@ class TranslatedAPI:
     # reports (``return_progress``), and ``timings`` (``timings_per_token``) on these events
     # (the last event of the stream has them too). Empty: the API has none.
     timed_events: frozenset[str] = frozenset()
+    # The body's list of turns, counted against ``server.max_messages`` as parsed, before it
+    # is prepared or translated (Anthropic's messages, each one chat message or more; the
+    # Responses API's input items, each at most one); the chat it becomes is counted after.
+    turns_field: str | None = None
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -121,7 +125,8 @@ async def _generate_request(request: web.Request, api: TranslatedAPI,
     model name the client used."""
     state = request.app[STATE]
     data = await read_object(request)
-    check_message_count(state, data.get("messages"))  # (Anthropic's: each becomes one chat message or more)
+    if api.turns_field is not None:
+        check_message_count(state, data.get(api.turns_field), api.turns_field)
     data = api.prepare(request, data)
     try:
         body = ChatCompletionRequest.model_validate(api.chat_body(defaults | data))
