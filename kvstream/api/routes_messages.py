@@ -21,8 +21,9 @@ def _answer(body: dict[str, Any], model: str) -> MessageAnswer:
     return MessageAnswer(model)
 
 
-MESSAGES = TranslatedAPI(chat_body=chat_body, answer=_answer, error_shape=messages_error, invalid=_invalid, turns_field="messages",
-                         counted=lambda tokens: {"input_tokens": tokens}, count_defaults={"max_tokens": 1})
+MESSAGES = TranslatedAPI(chat_body=chat_body, answer=_answer, error_shape=messages_error, invalid=_invalid,
+                         counted=lambda tokens: {"input_tokens": tokens}, count_defaults={"max_tokens": 1},
+                         turns_field="messages")
 
 
 # (Anthropic's count route takes no max_tokens.)
