@@ -108,6 +108,20 @@ class SamplingParams:
             if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
 
+    def bias_tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logit_bias`` as (token ids, biases) on ``device``, ids at or past ``vocab`` (the
+        logits' width) left out; made once per request, not at every step: built from the
+        dict each time, a whole vocabulary's bias cost 7 ms of Python per row per step, every
+        stream's step slowed with it (benchmarks/logit_bias.py)."""
+        key = (vocab, str(device))
+        cached = self.__dict__.get("_bias_tensors")
+        if cached is None or cached[0] != key:
+            known = [i for i in self.logit_bias if i < vocab]  # ids past the logits (padding rows): nothing to bias
+            ids = torch.tensor(known, dtype=torch.long, device=device)
+            values = torch.tensor([self.logit_bias[i] for i in known], dtype=torch.float32, device=device)
+            cached = self.__dict__["_bias_tensors"] = (key, ids, values)
+        return cached[1], cached[2]
+
     @property
     def adjusts_logits(self) -> bool:
         """Whether the logits change before the choice (bias or a penalty)."""
@@ -204,9 +218,8 @@ def adjust(scores: torch.Tensor, p: SamplingParams, history: History | None) -> 
     scores = scores.clone()
     vocab, device = scores.numel(), scores.device
     if p.logit_bias:
-        known = [i for i in p.logit_bias if i < vocab]  # ids past the logits (padding rows): nothing to bias
-        scores[torch.tensor(known, dtype=torch.long, device=device)] += torch.tensor(
-            [p.logit_bias[i] for i in known], dtype=scores.dtype, device=device)
+        ids, values = p.bias_tensors(vocab, device)
+        scores[ids] += values.to(scores.dtype)
     if history is None:
         return scores
     if p.repeat_penalty != 1.0:

@@ -57,6 +57,41 @@ def test_logit_bias_decides_a_greedy_choice_and_can_ban_a_token():
     assert banned.adjusts_logits and not SamplingParams().adjusts_logits
 
 
+def test_logit_bias_is_made_into_tensors_once_per_request_not_at_every_step():
+    """The bias is the dict's, ids past the logits' width left out (padding rows), and its
+    tensors are built at the first step and reused: built from a whole vocabulary's dict at
+    every step they cost 7 ms of Python per row (benchmarks/logit_bias.py)."""
+    x = torch.zeros(8)
+    p = SamplingParams(logit_bias={1: 2.5, 6: float("-inf"), 9: 1.0})  # 9: past the logits
+    out = adjust(x, p, None)
+    assert out[1] == 2.5 and out[6] == float("-inf") and out[[0, 2, 3, 4, 5, 7]].eq(0).all()
+    ids, values = p.bias_tensors(8, x.device)
+    assert p.bias_tensors(8, x.device)[0] is ids  # the same tensors at the next step
+    assert adjust(x, p, None).equal(out) and p.bias_tensors(8, x.device)[1] is values
+    assert sorted(ids.tolist()) == [1, 6]
+    assert sorted(p.bias_tensors(10, x.device)[0].tolist()) == [1, 6, 9]  # another width: made again
+
+
+def test_a_large_logit_bias_map_is_read_once_per_request():
+    """A request's fields are read on its worker thread and again for submit, on the event
+    loop: a map of a whole vocabulary is read the first time only (by the identity of the
+    client's map), and a map refused is refused every time."""
+    from kvstream.hf import request_options
+    from kvstream.types import BackendRejected
+
+    extra = {"logit_bias": {str(i): -1.5 for i in range(5000)}}
+    first = request_options.logit_bias(extra, 49152)
+    assert first == {i: -1.5 for i in range(5000)}
+    assert request_options.logit_bias(extra, 49152) is first  # read once
+    assert request_options.logit_bias({"logit_bias": dict(extra["logit_bias"])}, 49152) is not first  # another map
+    with pytest.raises(BackendRejected):
+        request_options.logit_bias(extra, 4000)  # another vocabulary: read again, and past it
+    bad = {"logit_bias": {**extra["logit_bias"], "7": True}}
+    for _ in range(2):
+        with pytest.raises(BackendRejected, match="expected a number"):
+            request_options.logit_bias(bad, 49152)
+
+
 def test_presence_and_frequency_penalties_follow_openais_formula():
     """logit[j] - count[j] * frequency - (count[j] > 0) * presence, counted over the output."""
     x = torch.zeros(6)
