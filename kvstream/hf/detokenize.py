@@ -61,12 +61,7 @@ class IncrementalDetokenizer:
             self.stopped = True
             self.pending = ""
             return text[:at]
-        hold = 0
-        for stop in self.stop:
-            for n in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:n]):
-                    hold = max(hold, n)
-                    break
+        hold = held_back(text, self.stop)
         self.pending = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold]
 
@@ -74,3 +69,20 @@ class IncrementalDetokenizer:
         """What was held back, at the end of the generation (no stop string followed)."""
         text, self.pending = self.pending, ""
         return "" if self.stopped else text
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """The length of the longest end of ``text`` that begins one of ``stops`` (shorter than
+    it: a whole one is found before), which must wait for the next tokens. Each stop's
+    candidates are where its first character occurs in the text's last ``len(stop) - 1``
+    characters, the earliest that begins it the longest; trying every length instead, each a
+    new slice of the stop, was quadratic in a long stop string, at every token."""
+    hold = 0
+    for stop in stops:
+        at = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+        while at != -1 and len(text) - at > hold:
+            if stop.startswith(text[at:]):
+                hold = len(text) - at
+                break
+            at = text.find(stop[0], at + 1)
+    return hold

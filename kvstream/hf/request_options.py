@@ -108,6 +108,11 @@ def stop_token_ids(extra: dict[str, Any], vocab_size: int | None) -> tuple[int, 
     return tuple(raw)
 
 
+# Stop strings are looked for in the text at every token, on the engine's thread: 100,000 of
+# them (llama-server's /completion and Ollama's options take a list of any length) cost 30 ms
+# per row at every step, every stream slowed with it. OpenAI's API takes 4.
+MAX_STOP_STRINGS = 256
+
 # Large maps read, by the identity of the client's map: a request's fields are read twice
 # (checked on its worker thread, then for submit on the event loop, where 49,000 entries
 # read again held every stream; benchmarks/logit_bias.py). Cleared past 64 maps.
@@ -357,6 +362,10 @@ def sampling_params(request: GenerateRequest, max_tokens: int, vocab_size: int |
         field = "n" if request.n > 1 else "best_of"
         raise BackendRejected(f"Invalid value for '{field}': with max_tokens 0 there is one choice, the prompt.",
                               param=field, code="invalid_value")
+    if len(request.stop) > MAX_STOP_STRINGS:
+        raise BackendRejected(f"Invalid value for 'stop': {len(request.stop)} stop strings, more than the {MAX_STOP_STRINGS} "
+                              "this engine takes (each is looked for in the text at every token).", param="stop",
+                              code="invalid_value")
     preserved = preserved_tokens(extra, token_of)
     try:
         return SamplingParams(

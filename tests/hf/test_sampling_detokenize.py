@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.conftest import require_import
 
 torch = require_import("torch")
 
-from kvstream.hf.detokenize import IncrementalDetokenizer  # noqa: E402
+from kvstream.hf.detokenize import IncrementalDetokenizer, held_back  # noqa: E402
 from kvstream.hf.sampling import History, SamplingParams, adjust, logprobs_of, sample  # noqa: E402
 
 
@@ -211,3 +213,30 @@ def test_the_stop_string_that_begins_first_ends_the_text_whatever_their_order(to
         if detok.stopped:
             break
     assert detok.stopped and out == "alpha " and detok.matched_stop == "beta gamma"
+
+
+def _held_back_by_every_length(text: str, stops: list[str]) -> int:
+    """The definition: the largest n < len(stop) with text ending in stop's first n characters."""
+    return max((n for stop in stops for n in range(1, min(len(stop) - 1, len(text)) + 1) if text.endswith(stop[:n])),
+               default=0)
+
+
+@given(st.text("ab\n", max_size=12), st.lists(st.text("ab\n", min_size=1, max_size=6), min_size=1, max_size=4))
+def test_what_is_held_back_is_the_longest_end_that_begins_a_stop(text, stops):
+    if any(stop in text for stop in stops):
+        return  # (a whole stop string ends the text before anything is held)
+    assert held_back(text, stops) == _held_back_by_every_length(text, stops)
+
+
+def test_more_stop_strings_than_the_engine_takes_are_a_400_naming_stop():
+    """Each stop string is looked for at every token on the engine's thread: past
+    MAX_STOP_STRINGS (llama-server's /completion and Ollama's options take any number) the
+    request is refused before it runs."""
+    from kvstream.hf.request_options import MAX_STOP_STRINGS, sampling_params
+    from kvstream.types import BackendRejected, GenerateRequest
+
+    stops = [f"stop {i}" for i in range(MAX_STOP_STRINGS + 1)]
+    assert sampling_params(GenerateRequest(None, prompt="x", stop=stops[:-1]), 8).stop == stops[:-1]
+    with pytest.raises(BackendRejected) as err:
+        sampling_params(GenerateRequest(None, prompt="x", stop=stops), 8)
+    assert err.value.status == 400 and err.value.param == "stop" and f"{MAX_STOP_STRINGS + 1} stop strings" in err.value.message
