@@ -888,7 +888,7 @@ class ModelRunner:
                 "The answer cannot be held to the request's grammar or expression: matching it took too long.",
                 code="constraint_too_costly")))
             return
-        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_set:
             self._finish(req, TokenEvent("token", token, req.detokenizer.flush(), "stop", index=index))
             return
         text = req.detokenizer.add(token)

@@ -13,6 +13,7 @@ its tokens were drawn from (llama-server's ``post_sampling_probs``).
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass, field
@@ -107,6 +108,11 @@ class SamplingParams:
         for k in (self.logprobs, self.prompt_logprobs):
             if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """``stop_token_ids`` to look a token up in at every step (a client may list thousands)."""
+        return frozenset(self.stop_token_ids)
 
     def bias_tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``logit_bias`` as (token ids, biases) on ``device``, ids at or past ``vocab`` (the
