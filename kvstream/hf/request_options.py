@@ -115,7 +115,8 @@ MAX_STOP_STRINGS = 256
 
 # Large maps read, by the identity of the client's map: a request's fields are read twice
 # (checked on its worker thread, then for submit on the event loop, where 49,000 entries
-# read again held every stream; benchmarks/logit_bias.py). Cleared past 64 maps.
+# read again held every stream; benchmarks/logit_bias.py); the second reading takes the
+# first's. Cleared past 8 maps (a map of 4 MB of JSON is tens of MB in Python).
 _READ_BIASES: dict[int, tuple[dict[str, Any], int | None, dict[int, float]]] = {}
 _REMEMBERED_BIAS_ENTRIES = 1000  # maps of more entries than this are remembered
 
@@ -130,11 +131,11 @@ def logit_bias(extra: dict[str, Any], vocab_size: int | None) -> dict[int, float
                               param="logit_bias", code="invalid_type")
     if len(raw) <= _REMEMBERED_BIAS_ENTRIES:
         return _read_bias(raw, vocab_size)
-    read = _READ_BIASES.get(id(raw))
+    read = _READ_BIASES.pop(id(raw), None)  # (the second reading takes it: nothing is held past it)
     if read is not None and read[0] is raw and read[1] == vocab_size:
         return read[2]
     bias = _read_bias(raw, vocab_size)
-    if len(_READ_BIASES) >= 64:
+    if len(_READ_BIASES) >= 8:  # (requests refused or gone between their readings)
         _READ_BIASES.clear()
     _READ_BIASES[id(raw)] = (raw, vocab_size, bias)  # (the map held: its id names it while remembered)
     return bias

@@ -85,6 +85,7 @@ def test_a_large_logit_bias_map_is_read_once_per_request():
     first = request_options.logit_bias(extra, 49152)
     assert first == {i: -1.5 for i in range(5000)}
     assert request_options.logit_bias(extra, 49152) is first  # read once
+    assert id(extra["logit_bias"]) not in request_options._READ_BIASES  # the second reading took it: nothing held after
     assert request_options.logit_bias({"logit_bias": dict(extra["logit_bias"])}, 49152) is not first  # another map
     with pytest.raises(BackendRejected):
         request_options.logit_bias(extra, 4000)  # another vocabulary: read again, and past it
