@@ -52,6 +52,21 @@ def spawn(args: list[str], env: dict[str, str] | None = None, log: str | None = 
 
 
 
+def serve_hf(name: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`kvstream serve --backend hf` on a free port (log: /tmp/kvstream-NAME-PORT.log), once
+    it is ready: (the process, its URL). Stop it with ``stop``."""
+    port = free_port()
+    proc = spawn([PYTHON, "-m", "kvstream.cli.main", "serve", "--backend", "hf", "--port", str(port),
+                  "--log-level", "warning", *extra], log=f"/tmp/kvstream-{name}-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/ready", timeout=300, proc=proc)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, url
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -18,7 +18,7 @@ import argparse
 import asyncio
 import time
 
-from _util import PYTHON, free_port, spawn, stop, wait_http
+from _util import serve_hf, stop
 
 
 async def round_trip(url: str, concurrency: int, tokens: int, bias: dict[str, float] | None) -> tuple[float, int]:
@@ -44,13 +44,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--vocab", type=int, default=49152, help="token ids biased: 0 to this (SmolLM2's vocabulary)")
     args = parser.parse_args()
-    port = free_port()
-    proc = spawn([PYTHON, "-m", "kvstream.cli.main", "serve", "--backend", "hf", "--port", str(port),
-                  "--log-level", "warning"], log=f"/tmp/kvstream-logit-bias-{port}.log")
-    url = f"http://127.0.0.1:{port}"
     bias = {str(i): 0.0 for i in range(args.vocab)}
+    proc, url = serve_hf("logit-bias")
     try:
-        wait_http(url + "/ready", timeout=300, proc=proc)
         asyncio.run(round_trip(url, args.concurrency, args.tokens, None))  # warm up (a first round runs slow)
         rounds = [(name, asyncio.run(round_trip(url, args.concurrency, args.tokens, b)))
                   for name, b in (("plain", None), ("whole-vocabulary bias", bias), ("plain", None))]

@@ -29,7 +29,7 @@ import time
 
 import aiohttp
 
-from _util import PYTHON, free_port, percentile, spawn, stop, wait_http
+from _util import percentile, serve_hf, stop
 
 
 async def victim_gaps(session: aiohttp.ClientSession, url: str, tokens: int, started: asyncio.Event) -> list[float]:
@@ -142,12 +142,8 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--parallel", type=int, default=1, help="large requests sent at once")
     args = parser.parse_args()
-    port = free_port()
-    proc = spawn([PYTHON, "-m", "kvstream.cli.main", "serve", "--backend", "hf", "--port", str(port),
-                  "--log-level", "warning"], log=f"/tmp/kvstream-loop-stall-{port}.log")
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve_hf("loop-stall")
     try:
-        wait_http(url + "/ready", timeout=300, proc=proc)
         asyncio.run(measure(url, 8, large_bodies("prompt", 0.01, 1)))  # warm up
         results = {kind: asyncio.run(measure(url, args.tokens, large_bodies(kind, args.mb, args.requests), args.parallel))
                    for kind in args.kinds}
