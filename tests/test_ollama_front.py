@@ -5,6 +5,7 @@ and in front of a real Ollama (its own routes pass through)."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 
 import ollama
@@ -185,6 +186,13 @@ async def test_a_body_past_the_limit_is_a_413_in_ollamas_shape(start_upstream, s
     async with http.post(proxy.url + "/api/chat", json=body) as resp:
         assert resp.status == 413
         assert set(answer := await resp.json()) == {"error"} and "too large" in answer["error"]
+    # Refused while it is read (not by aiohttp's own limit): a compressed body inflating past
+    # the limit, an encoding KVStream cannot read; each keeps its status (they were 400s).
+    packed = gzip.compress(json.dumps(body).encode())
+    for headers, status in (({"Content-Encoding": "gzip"}, 413), ({"Content-Encoding": "br"}, 415)):
+        async with http.post(proxy.url + "/api/chat", data=packed, headers=headers) as resp:
+            assert resp.status == status, await resp.text()
+            assert set(await resp.json()) == {"error"}
     assert not recorder.bodies
 
 
