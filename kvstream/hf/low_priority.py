@@ -35,7 +35,7 @@ NICE = 10  # added to the thread's niceness (Linux: at +10, weight 110 against t
 LARGE_CHARS = 256 * 1024  # text in a request past which its preparation runs here (~64k tokens of English)
 
 
-def _lower_priority() -> None:
+def lower_thread_priority() -> None:
     """Lower the calling thread's own scheduling priority (Linux: a thread id names one thread)."""
     if not sys.platform.startswith("linux"):
         return  # (elsewhere the id would name a process, or nothing)
@@ -43,7 +43,7 @@ def _lower_priority() -> None:
     try:
         os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + NICE))
     except OSError as exc:  # (a sandbox that forbids it: the queue still serializes the work)
-        logger.info("could not lower the priority of large requests' preparation: %s", exc)
+        logger.info("could not lower the priority of thread %s: %s", threading.current_thread().name, exc)
 
 
 class LowPriorityWorker:
@@ -56,7 +56,7 @@ class LowPriorityWorker:
         """``fn(*args)`` on the worker thread (with the caller's context variables, as
         ``asyncio.to_thread``); cancelled before it starts, it never runs."""
         if self._executor is None:  # (made on first use: most servers never see such a request)
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstream-large", initializer=_lower_priority)
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstream-large", initializer=lower_thread_priority)
         call = functools.partial(contextvars.copy_context().run, fn, *args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 

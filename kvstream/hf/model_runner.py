@@ -2,8 +2,8 @@
 
 Each ``step()`` is one iteration of continuous batching:
 
-1. take in new requests and aborts (thread-safe inboxes; everything else runs on the
-   engine's own thread);
+1. take in new requests, aborts and tokens decided beside the steps (thread-safe inboxes;
+   everything else runs on the engine's own thread);
 2. ``scheduler.schedule()`` resumes swapped sequences and admits waiting ones; the copies it
    returns (swap in, swap out) are carried out on the KV pool before anything is written;
 3. each running sequence's last sampled token is appended to its block table, which may
@@ -13,6 +13,9 @@ Each ``step()`` is one iteration of continuous batching:
    where a token is sampled;
 5. the newly computed full blocks are committed to the prefix cache, tokens are sampled,
    detokenized and checked against stop conditions, and finished sequences free their blocks.
+   A row whose constraint judges candidates slowly (a client's expression the ``regex``
+   module follows) is decided on a side thread instead (side_decisions.py) and sits out the
+   steps until its token is back, so that its matching time is not every row's.
 
 Invariant kept for correctness: a block is shareable (hashed) only once its KV has been
 written, and a sequence's ``num_computed`` tokens are exactly those whose KV is in the pool.
@@ -47,6 +50,7 @@ from kvstream.hf.lazy_grammar import LazyGrammar
 from kvstream.hf.pattern_constraint import CLIENT_BUDGET_S, PatternConstraint, expression
 from kvstream.hf.prefill_pacing import PrefillPacer
 from kvstream.hf.prompt_scores import STORED_TOP, PromptScores
+from kvstream.hf.side_decisions import SideDecider
 from kvstream.hf.thinking_budget import ThinkingBudget, ThinkTokens
 from kvstream.hf.token_bytes import TokenBytes
 from kvstream.hf.block_manager import ReuseBlockManager
@@ -65,6 +69,10 @@ logger = logging.getLogger(__name__)
 
 
 SCORE_LOGITS_BYTES = 256 * 2**20  # most memory one step's prompt scoring may hold in logits
+# A step waits for tokens decided aside (side_decisions.py) up to this share of the last
+# step's time, so that a row whose token comes back at once (most: a cheap expression's
+# token takes a millisecond) rejoins the very next step instead of sitting one out.
+DECISION_GRACE_SHARE = 0.1
 
 
 class EngineStopped(RuntimeError):
@@ -293,6 +301,13 @@ class ModelRunner:
         self._inbox: list[RunnerRequest] = []
         self._aborts: list[str] = []
         self._between_steps: deque[tuple[Future, Callable[[], Any]]] = deque()  # run_between_steps' jobs
+        # Rows whose token is decided beside the steps (side_decisions.py): those out on the
+        # side thread (engine thread only), and the decisions back from it (under the lock).
+        self.side = SideDecider()
+        self._deciding: dict[str, RunnerRequest] = {}
+        self._decided: list[tuple[RunnerRequest, tuple[int, TokenLogprobs | None, torch.Tensor | None] | Exception]] = []
+        self._stepped = False  # whether the last step computed anything
+        self._last_step_s = 0.0  # ... and how long its forward took
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | Future | None = None
@@ -445,12 +460,13 @@ class ModelRunner:
 
     def has_work(self) -> bool:
         s = self.scheduler
-        return bool(self._inbox or self._aborts or s.waiting or s.running or s.swapped)
+        return bool(self._inbox or self._aborts or self._decided or s.waiting or s.running or s.swapped)
 
     def _take_inbox(self) -> None:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            decided, self._decided = self._decided, []
         for req in inbox:
             if req.scoring:  # on this thread: the kept scores change as steps run
                 self._resume_scoring(req)
@@ -466,11 +482,14 @@ class ModelRunner:
                 req = self.requests.pop(key, None)
                 if req is not None:
                     self.scheduler.finish(req.seq)
+        for req, decision in decided:
+            self._take_decision(req, decision)
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         """One iteration: schedule, grow, forward, sample, emit."""
         try:
+            self._wait_briefly_for_decisions()
             self._take_inbox()
             self._step()
         except Exception as exc:  # never leave a request hanging or a block held
@@ -510,11 +529,13 @@ class ModelRunner:
             if seq.status is SeqStatus.RUNNING:
                 req.pending = None
         batch = self._plan_batch()
+        self._stepped = bool(batch)
         if batch:
             prompt_tokens = sum(take for _, take in batch if take > 1)
             started = time.perf_counter()
             self._forward(batch)
-            self.pacer.observe(prompt_tokens, time.perf_counter() - started)
+            self._last_step_s = time.perf_counter() - started
+            self.pacer.observe(prompt_tokens, self._last_step_s)
 
     def _apply(self, out: ScheduleOutput) -> None:
         """Carry out the KV copies of a scheduling decision, in a safe order: reads of host
@@ -589,6 +610,7 @@ class ModelRunner:
     def close(self) -> None:
         """Stop the thread, then persist the cache, close the disk tier and free the pools."""
         self.stop()
+        self.side.close()
         if self.store is not None and not self._closed:
             self.persist_cache()
             self.store.close()
@@ -677,6 +699,8 @@ class ModelRunner:
         decodes, prefills = [], []
         for seq in self.scheduler.running:
             req = self.requests[seq.seq_id]
+            if seq.seq_id in self._deciding:  # its next token is not known yet
+                continue
             todo = len(self.scheduler.bm.tables[seq.seq_id].token_ids) - req.num_computed
             if todo == 1:
                 decodes.append((req, 1))
@@ -789,8 +813,18 @@ class ModelRunner:
         params = [r.params for r in sampled]
         histories = [History(r.seq.prompt_token_ids, r.seq.output_token_ids) if p.adjusts_logits else None
                      for r, p in zip(sampled, params, strict=True)]
-        constraints = [r.constraint for r in sampled]
         forced = [r.thinking.forced() if r.thinking is not None else None for r in sampled]
+        aside = [row for row, r in enumerate(sampled) if forced[row] is None and r.lazy is None
+                 and r.constraint is not None and r.constraint.slow_to_judge]
+        if aside:  # decided on the side thread; the others now
+            for row in aside:
+                self._decide_aside(sampled[row], logits[row], histories[row])
+            keep = [row for row in range(len(sampled)) if row not in aside]
+            if not keep:
+                return
+            sampled, params, histories, forced = ([items[row] for row in keep] for items in (sampled, params, histories, forced))
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+        constraints = [r.constraint for r in sampled]
         drawn_from: dict[int, torch.Tensor] = {}
         tokens = sample(logits, params, [r.generator for r in sampled], histories,
                         constraints if any(c is not None for c in constraints) else None,
@@ -880,7 +914,83 @@ class ModelRunner:
             forks.append(fork)
         return forks
 
-    def _emit(self, req: RunnerRequest, token: int) -> None:
+    def _decide_aside(self, req: RunnerRequest, scores: torch.Tensor, history: History | None) -> None:
+        """Decide ``req``'s next token on the side thread (side_decisions.py): its constraint
+        judges candidates slowly. The request sits out the steps until the token is back
+        (``_take_decision``); the constraint is advanced there too, where ``_emit`` would."""
+        params, constraint, generator = req.params, req.constraint, req.generator
+        assert constraint is not None
+        first = scores.float().cpu() if params.keep_first_logits and req.num_generated == 0 else None
+        scores = scores.clone()  # (one row, not the step's whole logits)
+
+        @torch.inference_mode()
+        def decide() -> tuple[int, TokenLogprobs | None, torch.Tensor | None]:
+            drawn: dict[int, torch.Tensor] = {}
+            token = sample(scores[None], [params], [generator], [history], [constraint], None, drawn)[0]
+            if params.logprobs is None:
+                logprobs = None
+            elif 0 in drawn:
+                logprobs = drawn_logprobs(drawn[0], token, params.logprobs or 0)
+            else:
+                logprobs = logprobs_of(scores[None], [0], [token], [params.logprobs])[0]
+            if not self._ends(req, token):
+                constraint.advance(token)
+            return token, logprobs, first
+
+        def deliver(decision: tuple[int, TokenLogprobs | None, torch.Tensor | None] | Exception) -> None:
+            with self._lock:
+                self._decided.append((req, decision))
+                self._wake.notify()
+
+        self._deciding[req.seq.seq_id] = req
+        self.side.submit(decide, deliver)
+
+    def _take_decision(self, req: RunnerRequest, decision: tuple[int, TokenLogprobs | None, torch.Tensor | None] | Exception) -> None:
+        """A token decided on the side thread, emitted as a step's would be (dropped if the
+        request was aborted meanwhile)."""
+        self._deciding.pop(req.seq.seq_id, None)
+        if self.requests.get(req.seq.seq_id) is not req:
+            return
+        if isinstance(decision, Exception):
+            self._finish(req, TokenEvent("error", error=decision))
+            return
+        token, logprobs, first = decision
+        self._emit(req, token, advanced=True)
+        if first is not None:
+            req.events[-1].logits = first
+        if logprobs is not None:
+            req.events[-1].logprobs = logprobs
+
+    def _wait_briefly_for_decisions(self) -> None:
+        """Before a step, give the tokens out on the side thread ``DECISION_GRACE_SHARE`` of
+        the last step's time to come back (the other rows wait as long: a tenth of a step)."""
+        if not self._deciding or not self._stepped:
+            return
+        deadline = time.perf_counter() + DECISION_GRACE_SHARE * self._last_step_s
+        with self._lock:
+            while len(self._decided) < len(self._deciding) and not (self._inbox or self._aborts or self._stopping):
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return
+                self._wake.wait(left)
+
+    def _await_decision(self, timeout_s: float = 0.05) -> None:
+        """After a step that computed nothing while tokens are decided aside: sleep until one
+        is back (or anything else arrives) instead of stepping in a busy loop that takes the
+        core the decision needs."""
+        if not self._deciding or self._stepped:
+            return
+        with self._lock:
+            if not (self._decided or self._inbox or self._aborts or self._stopping or self._between_steps):
+                self._wake.wait(timeout_s)
+
+    def _ends(self, req: RunnerRequest, token: int) -> bool:
+        """Whether ``token`` ends ``req``'s answer by itself (an end of text or a stop token)."""
+        return (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_set
+
+    def _emit(self, req: RunnerRequest, token: int, advanced: bool = False) -> None:
+        """Queue ``token``'s event for ``req`` (or end it); ``advanced``: its constraint has
+        taken the token already (decided aside)."""
         req.num_generated += 1
         params, index = req.params, req.index
         if req.constraint is not None and req.constraint.failed:  # a client's expression ran past its budget
@@ -888,7 +998,7 @@ class ModelRunner:
                 "The answer cannot be held to the request's grammar or expression: matching it took too long.",
                 code="constraint_too_costly")))
             return
-        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_set:
+        if self._ends(req, token):
             self._finish(req, TokenEvent("token", token, req.detokenizer.flush(), "stop", index=index))
             return
         text = req.detokenizer.add(token)
@@ -902,7 +1012,7 @@ class ModelRunner:
                 return
             if req.constraint is not None:
                 req.lazy = None
-        elif req.constraint is not None:
+        elif req.constraint is not None and not advanced:
             req.constraint.advance(token)
         if req.thinking is not None:
             req.thinking.advance(token)
@@ -988,6 +1098,7 @@ class ModelRunner:
                     started = time.perf_counter()
                     self.step()
                     job_debt_s = max(0.0, job_debt_s - (time.perf_counter() - started))
+                    self._await_decision()
         finally:
             engine_turns.set_busy(self, False)
             with self._lock:
@@ -1019,6 +1130,7 @@ class ModelRunner:
             self.add_request(Sequence(list(prompt), p.max_tokens), p, sink_for(i))
         while self.has_work():
             self.step()
+            self._await_decision()
         if errors:
             raise errors[0]
         return results

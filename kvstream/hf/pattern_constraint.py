@@ -11,10 +11,11 @@ whole match that no character can continue (a closed object, a closing quote), o
 is whole but could go on (a number), with the model's end token.
 
 An expression a client wrote (a grammar, a regex) may backtrack for a long time on some text
-in the ``regex`` module: its matches share a budget of time per token (``budget_s``) and, ten
+in the ``regex`` module: its matches share a budget of time per token (``budget_s``) and, forty
 times that, per answer; past either the constraint gives up (``failed``) and the engine ends
-that request with an error, so that no client's expression stalls the steps every other
-request shares for long. The machine's questions count against the same budget (one
+that request with an error. Such a row's tokens are decided beside the engine's steps
+(``slow_to_judge``, side_decisions.py), so that the matching time is its own, not that of
+every request sharing the steps. The machine's questions count against the same budget (one
 character's work is bounded, by its ``MAX_PLACES``; an expression past that goes on in the
 ``regex`` module).
 
@@ -118,6 +119,13 @@ class PatternConstraint:
         # the text cannot continue with is refused without matching (most candidates a
         # forced key or brace turns down share a few first bytes).
         self._first: dict[int, bool] = {}
+
+    @property
+    def slow_to_judge(self) -> bool:
+        """Whether judging a candidate may take long: a client's expression (budgeted) that the
+        regex module follows, where the machine's work per character is bounded. The engine
+        decides such a row's token beside its steps (side_decisions.py)."""
+        return self.budget_s is not None and self.machine is None and not self.failed
 
     def copy(self) -> PatternConstraint:
         other = PatternConstraint.__new__(PatternConstraint)
