@@ -71,8 +71,10 @@ logger = logging.getLogger(__name__)
 SCORE_LOGITS_BYTES = 256 * 2**20  # most memory one step's prompt scoring may hold in logits
 # A step waits for tokens decided aside (side_decisions.py) up to this share of the last
 # step's time, so that a row whose token comes back at once (most: a cheap expression's
-# token takes a millisecond) rejoins the very next step instead of sitting one out.
+# token takes a millisecond) rejoins the very next step instead of sitting one out. At most
+# DECISION_GRACE_MAX_S: after a long prefill step a costly token would hold the next one long.
 DECISION_GRACE_SHARE = 0.1
+DECISION_GRACE_MAX_S = 0.01
 
 
 class EngineStopped(RuntimeError):
@@ -963,10 +965,11 @@ class ModelRunner:
 
     def _wait_briefly_for_decisions(self) -> None:
         """Before a step, give the tokens out on the side thread ``DECISION_GRACE_SHARE`` of
-        the last step's time to come back (the other rows wait as long: a tenth of a step)."""
+        the last step's time to come back, ``DECISION_GRACE_MAX_S`` at most (the other rows
+        wait as long: a tenth of a step)."""
         if not self._deciding or not self._stepped:
             return
-        deadline = time.perf_counter() + DECISION_GRACE_SHARE * self._last_step_s
+        deadline = time.perf_counter() + min(DECISION_GRACE_SHARE * self._last_step_s, DECISION_GRACE_MAX_S)
         with self._lock:
             while len(self._decided) < len(self._deciding) and not (self._inbox or self._aborts or self._stopping):
                 left = deadline - time.perf_counter()

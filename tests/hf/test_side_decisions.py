@@ -191,6 +191,7 @@ def test_a_token_back_within_the_grace_rejoins_the_next_step(smollm2, monkeypatc
 
     def tokens_when_plain_ends(grace: float) -> tuple[int, int]:
         monkeypatch.setattr(model_runner, "DECISION_GRACE_SHARE", grace)
+        monkeypatch.setattr(model_runner, "DECISION_GRACE_MAX_S", grace)
         engine = engine_for(smollm2)
         held_events: list = []
         plain_events: list = []
