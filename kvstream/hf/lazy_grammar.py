@@ -98,6 +98,14 @@ class LazyGrammar:
         self.budget_s = budget_s
         self._left_s = budget_s * ANSWER_BUDGETS
 
+    @property
+    def slow_to_search(self) -> bool:
+        """Whether noting a token may take long: a client's trigger patterns, searched by the
+        ``regex`` module in all of the text at each token (KVStream's own holds, not strict,
+        search expressions it wrote). The engine notes such a row's tokens beside its steps
+        (side_decisions.py)."""
+        return bool(self.patterns) and self.triggers.strict and self.failed is None and not self.abandoned
+
     def copy(self) -> LazyGrammar:
         other = LazyGrammar.__new__(LazyGrammar)
         other.__dict__.update(self.__dict__)

@@ -199,6 +199,18 @@ class RunnerRequest:
 
 
 @dataclass
+class Decision:
+    """A token decided on the side thread (side_decisions.py), with what the step would have
+    computed beside it: its logprobs, the first token's logits (``keep_first_logits``), and a
+    lazy grammar's constraint where the token triggered it."""
+
+    token: int
+    logprobs: TokenLogprobs | None
+    first_logits: torch.Tensor | None
+    triggered: PatternConstraint | None = None
+
+
+@dataclass
 class RunnerCounters:
     steps: int = 0
     step_requests: int = 0  # the requests each step held, summed (over steps: busy lanes per step)
@@ -307,7 +319,7 @@ class ModelRunner:
         # side thread (engine thread only), and the decisions back from it (under the lock).
         self.side = SideDecider()
         self._deciding: dict[str, RunnerRequest] = {}
-        self._decided: list[tuple[RunnerRequest, tuple[int, TokenLogprobs | None, torch.Tensor | None] | Exception]] = []
+        self._decided: list[tuple[RunnerRequest, Decision | Exception]] = []
         self._stepped = False  # whether the last step computed anything
         self._last_step_s = 0.0  # ... and how long its forward took
         self._lock = threading.Lock()
@@ -816,8 +828,8 @@ class ModelRunner:
         histories = [History(r.seq.prompt_token_ids, r.seq.output_token_ids) if p.adjusts_logits else None
                      for r, p in zip(sampled, params, strict=True)]
         forced = [r.thinking.forced() if r.thinking is not None else None for r in sampled]
-        aside = [row for row, r in enumerate(sampled) if forced[row] is None and r.lazy is None
-                 and r.constraint is not None and r.constraint.slow_to_judge]
+        aside = [row for row, r in enumerate(sampled) if forced[row] is None and (
+            r.lazy.slow_to_search if r.lazy is not None else r.constraint is not None and r.constraint.slow_to_judge)]
         if aside:  # decided on the side thread; the others now
             for row in aside:
                 self._decide_aside(sampled[row], logits[row], histories[row])
@@ -918,15 +930,15 @@ class ModelRunner:
 
     def _decide_aside(self, req: RunnerRequest, scores: torch.Tensor, history: History | None) -> None:
         """Decide ``req``'s next token on the side thread (side_decisions.py): its constraint
-        judges candidates slowly. The request sits out the steps until the token is back
-        (``_take_decision``); the constraint is advanced there too, where ``_emit`` would."""
-        params, constraint, generator = req.params, req.constraint, req.generator
-        assert constraint is not None
+        judges candidates slowly, or its lazy grammar searches a client's patterns. The
+        request sits out the steps until the token is back (``_take_decision``); the
+        constraint (or the lazy grammar) takes the token there too, where ``_emit`` would."""
+        params, constraint, lazy, generator = req.params, req.constraint, req.lazy, req.generator
         first = scores.float().cpu() if params.keep_first_logits and req.num_generated == 0 else None
         scores = scores.clone()  # (one row, not the step's whole logits)
 
         @torch.inference_mode()
-        def decide() -> tuple[int, TokenLogprobs | None, torch.Tensor | None]:
+        def decide() -> Decision:
             drawn: dict[int, torch.Tensor] = {}
             token = sample(scores[None], [params], [generator], [history], [constraint], None, drawn)[0]
             if params.logprobs is None:
@@ -935,11 +947,15 @@ class ModelRunner:
                 logprobs = drawn_logprobs(drawn[0], token, params.logprobs or 0)
             else:
                 logprobs = logprobs_of(scores[None], [0], [token], [params.logprobs])[0]
+            triggered = None
             if not self._ends(req, token):
-                constraint.advance(token)
-            return token, logprobs, first
+                if lazy is not None:
+                    triggered = lazy.advance(token)
+                elif constraint is not None:
+                    constraint.advance(token)
+            return Decision(token, logprobs, first, triggered)
 
-        def deliver(decision: tuple[int, TokenLogprobs | None, torch.Tensor | None] | Exception) -> None:
+        def deliver(decision: Decision | Exception) -> None:
             with self._lock:
                 self._decided.append((req, decision))
                 self._wake.notify()
@@ -947,7 +963,7 @@ class ModelRunner:
         self._deciding[req.seq.seq_id] = req
         self.side.submit(decide, deliver)
 
-    def _take_decision(self, req: RunnerRequest, decision: tuple[int, TokenLogprobs | None, torch.Tensor | None] | Exception) -> None:
+    def _take_decision(self, req: RunnerRequest, decision: Decision | Exception) -> None:
         """A token decided on the side thread, emitted as a step's would be (dropped if the
         request was aborted meanwhile)."""
         self._deciding.pop(req.seq.seq_id, None)
@@ -956,12 +972,11 @@ class ModelRunner:
         if isinstance(decision, Exception):
             self._finish(req, TokenEvent("error", error=decision))
             return
-        token, logprobs, first = decision
-        self._emit(req, token, advanced=True)
-        if first is not None:
-            req.events[-1].logits = first
-        if logprobs is not None:
-            req.events[-1].logprobs = logprobs
+        self._emit(req, decision.token, decided=decision)
+        if decision.first_logits is not None:
+            req.events[-1].logits = decision.first_logits
+        if decision.logprobs is not None:
+            req.events[-1].logprobs = decision.logprobs
 
     def _wait_briefly_for_decisions(self) -> None:
         """Before a step, give the tokens out on the side thread ``DECISION_GRACE_SHARE`` of
@@ -991,9 +1006,9 @@ class ModelRunner:
         """Whether ``token`` ends ``req``'s answer by itself (an end of text or a stop token)."""
         return (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_set
 
-    def _emit(self, req: RunnerRequest, token: int, advanced: bool = False) -> None:
-        """Queue ``token``'s event for ``req`` (or end it); ``advanced``: its constraint has
-        taken the token already (decided aside)."""
+    def _emit(self, req: RunnerRequest, token: int, decided: Decision | None = None) -> None:
+        """Queue ``token``'s event for ``req`` (or end it); ``decided``: the token was decided
+        aside, where its constraint or lazy grammar took it already."""
         req.num_generated += 1
         params, index = req.params, req.index
         if req.constraint is not None and req.constraint.failed:  # a client's expression ran past its budget
@@ -1006,7 +1021,7 @@ class ModelRunner:
             return
         text = req.detokenizer.add(token)
         if req.lazy is not None:  # the token may be (or end) its trigger: the constraint takes it then
-            req.constraint = req.lazy.advance(token)
+            req.constraint = decided.triggered if decided is not None else req.lazy.advance(token)
             if req.lazy.failed is not None:  # (a client's costly expression, as below; else llama-server's 500)
                 why = f"The answer cannot be held to the request's lazy grammar: {req.lazy.failed}."
                 error = (BackendRejected(why, code="constraint_too_costly") if req.lazy.costly
@@ -1015,7 +1030,7 @@ class ModelRunner:
                 return
             if req.constraint is not None:
                 req.lazy = None
-        elif req.constraint is not None and not advanced:
+        elif req.constraint is not None and decided is None:
             req.constraint.advance(token)
         if req.thinking is not None:
             req.thinking.advance(token)

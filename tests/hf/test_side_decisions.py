@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import regex
 
 from tests.conftest import require_import
 
@@ -210,3 +211,65 @@ def test_a_token_back_within_the_grace_rejoins_the_next_step(smollm2, monkeypatc
     assert tokens_when_plain_ends(1000.0) == (15, 16)
     held, plain = tokens_when_plain_ends(0.0)
     assert plain == 16 and held < 15
+
+
+class SearchGate(Gate):
+    """A trigger's expression (searched), its first search held as Gate's first match."""
+
+    def search(self, *args, **kwargs):
+        first = not self.threads
+        self.threads.add((threading.current_thread().name, torch.get_num_threads(), None))
+        if first:
+            self.opened.wait(5)
+        return self.inner.search(*args, **kwargs)
+
+
+@pytest.mark.parametrize("trigger", [r"\b(the)\b", r"never(q)"], ids=["found", "not-found"])
+def test_a_lazy_grammar_searching_a_clients_patterns_is_noted_aside(smollm2, monkeypatch, trigger):
+    """A lazy grammar's trigger patterns (llama-server's ``grammar_triggers`` of type 2) are
+    searched in all the text at each token: a row waiting for one is decided aside too, the
+    other rows stepping on meanwhile, and its answer (held from the trigger on where one is
+    found) is the one noted inside the step."""
+    from kvstream.hf.lazy_grammar import LazyGrammar, Triggers
+
+    tokenizer = smollm2[2]
+    prompt = list(tokenizer("Write a sentence about the sea:").input_ids)
+    other = list(tokenizer("The capital of France is").input_ids)
+
+    def params() -> SamplingParams:  # from "the" on: letters and spaces only
+        return SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, pattern=r"the[a-z ]{0,200}",
+                              triggers=Triggers(patterns=(trigger,)))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LazyGrammar, "slow_to_search", property(lambda self: False))
+        inline = engine_for(smollm2)
+        events: list = []
+        inline.add_request(Sequence(list(prompt), 16), params(), events.extend)
+        run_to_end(inline)
+        inline.close()
+    expected = [(e.token_id, e.text) for e in events if e.kind == "token"]
+    assert len(expected) == 16
+
+    engine = engine_for(smollm2)
+    held_events: list = []
+    plain_events: list = []
+    held = engine.add_request(Sequence(list(prompt), 16), params(), held_events.extend)
+    engine.add_request(Sequence(list(other), 10), SamplingParams(max_tokens=10, temperature=0), plain_events.extend)
+    assert held.lazy is not None and held.lazy.slow_to_search
+    gate = SearchGate(held.lazy.patterns[0])
+    held.lazy.patterns = [gate]
+    held.lazy.budget_s = held.lazy._left_s = 60.0
+    for _ in range(40):
+        engine.step()
+        if any(e.finish_reason for e in plain_events):
+            break
+    assert sum(e.kind == "token" for e in plain_events) == 10
+    assert not any(e.kind == "token" for e in held_events)
+    gate.opened.set()
+    run_to_end(engine)
+    assert [(e.token_id, e.text) for e in held_events if e.kind == "token"] == expected
+    assert {name.split("_")[0] for name, _, _ in gate.threads} == {"kvstream-decide"}
+    if trigger.startswith(r"\b"):  # held from the trigger on
+        text = "".join(text for _, text in expected)
+        assert "the" in text and regex.fullmatch(r"the[a-z ]*", text[text.index("the"):]), text
+    engine.close()
