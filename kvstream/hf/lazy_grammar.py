@@ -15,7 +15,8 @@ matched something begins (else where the match does), and the tokens from there 
 into it as they were generated: the first one only from that point. A pattern is searched in
 all of the generation so far at each token (llama.cpp's behaviour; a client's expression may
 backtrack, so the searches share the matching budget constraints have,
-pattern_constraint.py); a word only in the text that could end in it now. A trigger's text
+pattern_constraint.py, and are made beside the engine's steps, side_decisions.py); a word
+only in the text that could end in it now. A trigger's text
 the grammar cannot begin with ends the request with an error, as llama-server's 500 does.
 
 Words may be looked for outside ``<think>`` blocks only (``Triggers.thinking``): a tool call

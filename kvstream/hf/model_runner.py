@@ -14,8 +14,9 @@ Each ``step()`` is one iteration of continuous batching:
 5. the newly computed full blocks are committed to the prefix cache, tokens are sampled,
    detokenized and checked against stop conditions, and finished sequences free their blocks.
    A row whose constraint judges candidates slowly (a client's expression the ``regex``
-   module follows) is decided on a side thread instead (side_decisions.py) and sits out the
-   steps until its token is back, so that its matching time is not every row's.
+   module follows, or a lazy grammar's trigger patterns) is decided on a side thread instead
+   (side_decisions.py) and sits out the steps until its token is back, so that its matching
+   time is not every row's.
 
 Invariant kept for correctness: a block is shareable (hashed) only once its KV has been
 written, and a sequence's ``num_computed`` tokens are exactly those whose KV is in the pool.

@@ -9,7 +9,8 @@ the interpreter's lock while it matches, so such a row's token is decided here i
 thread of its own, while the engine's steps go on without that row (it sits out until its
 token comes back, ModelRunner._plan_batch). Rows queue on the one thread, at a lower CPU
 priority (as large prompts' preparation, low_priority.py): a second costly request waits
-behind the first, never in front of anyone else.
+behind the first, never in front of anyone else. A lazy grammar's trigger patterns, searched
+in all the text at each token (lazy_grammar.py), are noted here too.
 """
 
 from __future__ import annotations
