@@ -279,3 +279,28 @@ def test_a_lazy_grammar_searching_a_clients_patterns_is_noted_aside(smollm2, mon
         text = "".join(text for _, text in expected)
         assert "the" in text and regex.fullmatch(r"the[a-z ]*", text[text.index("the"):]), text
     engine.close()
+
+
+def test_a_decision_that_fails_ends_its_request_and_the_engine_goes_on(smollm2):
+    """An error raised while a token is decided aside ends that request with it (an error
+    event, its blocks freed); the other request sharing the steps answers whole."""
+    engine = engine_for(smollm2)
+    prompt = list(smollm2[2]("Write a sentence about the sea:").input_ids)
+    held_events: list = []
+    plain_events: list = []
+    held = engine.add_request(Sequence(list(prompt), 12), held_params(temperature=0), held_events.extend)
+    engine.add_request(Sequence(list(prompt), 10), SamplingParams(max_tokens=10, temperature=0), plain_events.extend)
+    gate = gated(engine, held)
+    gate.opened.set()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the matcher broke")
+
+    gate.fullmatch = broken
+    run_to_end(engine)
+    errors = [e for e in held_events if e.kind == "error"]
+    assert len(errors) == 1 and "the matcher broke" in str(errors[0].error)
+    assert not any(e.kind == "token" for e in held_events)
+    assert sum(e.kind == "token" for e in plain_events) == 10
+    assert engine.is_idle() and not engine._deciding
+    engine.close()
