@@ -30,6 +30,7 @@ from typing import Any
 
 import regex
 
+from kvstream.hf.bounded_compile import bounded_compile
 from kvstream.hf.engine_turns import give_turn
 from kvstream.hf.pattern_machine import LazyExpression, machine_for, machine_holds
 
@@ -336,7 +337,7 @@ def _compiled(text: str) -> Any:
             raise SchemaError("no JSON value satisfies the schema (a reference that must always hold itself again)")
         if machine_holds(pattern):  # the regex module only if the machine gives up on an answer
             return LazyExpression(pattern)
-        return regex.compile(pattern)
+        return bounded_compile(pattern)
     except SchemaError:
         raise
     except (ValueError, TypeError, RecursionError, regex.error) as exc:  # a malformed bound, an expression too large

@@ -34,6 +34,7 @@ from typing import Any
 
 import regex
 
+from kvstream.hf.bounded_compile import CompileTooCostly, bounded_compile
 from kvstream.hf.pattern_constraint import ANSWER_BUDGETS, CLIENT_BUDGET_S, PatternConstraint
 from kvstream.hf.reasoning import END_THINK, THINK
 
@@ -60,7 +61,9 @@ class Triggers:
 def compile_trigger(pattern: str) -> Any:
     """A trigger's expression compiled (ValueError for one that does not)."""
     try:
-        return regex.compile(pattern)
+        return bounded_compile(pattern)
+    except CompileTooCostly as exc:
+        raise ValueError(f"the expression {pattern!r} cannot be used: {exc}") from None
     except (regex.error, ValueError, TypeError, RecursionError, OverflowError) as exc:
         raise ValueError(f"the expression {pattern!r} does not compile ({exc})") from None
 

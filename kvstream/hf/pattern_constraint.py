@@ -35,6 +35,7 @@ from typing import Any
 import regex
 import torch
 
+from kvstream.hf.bounded_compile import CompileTooCostly, bounded_compile
 from kvstream.hf.grammar import MAX_TOKEN_REFERENCES, TOKEN_SENTINELS
 from kvstream.hf.pattern_machine import (
     LazyExpression,
@@ -60,10 +61,12 @@ def compile_pattern(text: str) -> Any:
     """A client's expression compiled (cached by its text); PatternError if it does not
     compile, or if judging the empty answer already runs past the budget."""
     try:
-        pattern = regex.compile(text)
+        pattern = bounded_compile(text)
         pattern.fullmatch("", partial=True, timeout=CLIENT_BUDGET_S)
     except TimeoutError:
         raise PatternError("the expression takes too long to match") from None
+    except CompileTooCostly as exc:
+        raise PatternError(str(exc)) from None
     except (regex.error, ValueError, TypeError, RecursionError, OverflowError) as exc:
         raise PatternError(f"the expression does not compile ({exc})") from None
     return pattern

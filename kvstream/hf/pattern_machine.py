@@ -39,6 +39,7 @@ from typing import Any
 
 import regex
 
+from kvstream.hf.bounded_compile import bounded_compile
 from kvstream.hf.engine_turns import give_turn
 
 MAX_PLACES = 20_000  # continuations one character's closure may visit
@@ -528,7 +529,8 @@ def machine_holds(pattern_text: str) -> bool:
 
 
 class LazyExpression:
-    """An expression the machine reads, compiled by ``compile`` (the regex module's) only if
+    """An expression the machine reads, compiled by ``compile`` (the regex module's, after its
+    helper process: bounded_compile.py) only if
     an answer needs it (the machine gives up on a text past its ``MAX_PLACES``): the regex
     module takes long to compile a large one, holding the interpreter's lock in C meanwhile
     (the calls of 50 tools: up to 1.5 s here, 3-10x what the machine takes to read it;
@@ -543,7 +545,7 @@ class LazyExpression:
         """The regex module's expression, compiled now if not yet (PatternConstraint asks
         before a budgeted match: compiling is not matching time)."""
         if self._compiled is None:
-            self._compiled = (self._compile or regex.compile)(self.pattern)
+            self._compiled = (self._compile or bounded_compile)(self.pattern)
         return self._compiled
 
     def fullmatch(self, text: str, partial: bool = False, timeout: float | None = None) -> Any:

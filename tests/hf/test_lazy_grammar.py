@@ -133,6 +133,8 @@ def test_a_trigger_inside_a_character_and_the_copy_of_a_fork():
     ({"grammar_lazy": True, "grammar_triggers": [{"type": 0, "value": "a"}]}, "'token'"),
     ({"grammar_lazy": True, "grammar_triggers": [{"type": 0, "value": "a", "token": 99}]}, "'token'"),
     ({"grammar_lazy": True, "grammar_triggers": [{"type": 2, "value": "(["}]}, "does not compile"),
+    # Seventeen characters the regex module's compile dies of (test_bounded_compile.py).
+    ({"grammar_lazy": True, "grammar_triggers": [{"type": 2, "value": "(?:ab|c){1000000}"}]}, "to compile"),
     ({"grammar_lazy": True, "grammar_triggers": [{"type": 1, "value": "<tool>"}]}, "preserved_tokens"),
 ])
 def test_triggers_read_as_llama_server_reads_them_or_a_400(extra, complaint):

@@ -15,10 +15,11 @@ from tests.conftest import require_import
 
 require_import("torch")
 
-from kvstream.hf.grammar import gbnf_pattern  # noqa: E402
+from kvstream.hf.grammar import gbnf_pattern, read_gbnf  # noqa: E402
 from kvstream.hf.json_schema import schema_pattern  # noqa: E402
 from kvstream.hf.pattern_constraint import CLIENT_BUDGET_S, PatternConstraint, compile_pattern  # noqa: E402
 from kvstream.hf.pattern_machine import Machine, machine_for, partial_span  # noqa: E402
+from kvstream.types import BackendRejected  # noqa: E402
 from tests.hf.test_grammar import JSON_GBNF  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
@@ -171,9 +172,15 @@ def test_what_the_machine_holds_is_compiled_by_the_regex_module_only_when_it_giv
         compile_schema({"type": "object", "properties": {"s": {"type": "string", "maxLength": 10**12}}})
     grammar = guide({"grammar": 'root ::= "yes" | "no"'})
     assert machine_holds(grammar.pattern)
-    # Its first places past MAX_PLACES (words would be merged into a trie: a class keeps them apart).
+    # Its first places past MAX_PLACES (words would be merged into a trie: a class keeps them
+    # apart): compiled at once, which takes the regex module 2 s and 72 MB here, past what one
+    # request's expression may (bounded_compile.py): a 400, where it paused every stream as long.
     wide = 'root ::= ' + " | ".join(f'"w{i}" [ab]' for i in range(20_500))
-    assert not machine_holds(guide({"grammar": wide}).pattern)
+    assert not machine_holds(read_gbnf(wide).pattern)
+    with pytest.raises(BackendRejected, match="to compile"):
+        guide({"grammar": wide})
+    assert not machine_holds("(?:a?){0,50000}")  # (too many places at once) compiled at once, cheaply
+    assert guide({"guided_regex": "(?:a?){0,50000}"}) and compiled[-1] == "(?:a?){0,50000}"
 
     def slow_compile(text):
         time.sleep(0.3)  # longer than the whole budget below

@@ -478,6 +478,10 @@ async def test_logit_bias_and_penalties_change_the_answer(oa, smollm2):
         # Constraints it has (test_grammar.py), given what it cannot read.
         ({"extra_body": {"grammar": 'root ::= "a'}}, "grammar"),
         ({"extra_body": {"guided_regex": "a+("}}, "guided_regex"),
+        # An expression whose compile ends the process with a segmentation fault, as the
+        # server's did (bounded_compile.py), and one that takes gigabytes to compile.
+        ({"extra_body": {"guided_regex": "(?:ab|c){1000000}"}}, "guided_regex"),
+        ({"extra_body": {"structured_outputs": {"regex": "(?=a)(?:(?:a{1000}){1000}){64}"}}}, "structured_outputs.regex"),
         ({"extra_body": {"guided_choice": "a"}}, "guided_choice"),
     ],
 )
