@@ -45,7 +45,9 @@ from kvstream.hf.blend import BlendParams
 from kvstream.hf.detokenize import IncrementalDetokenizer
 from kvstream.hf.kv_cache import KVShape, PagedKVCache, auto_batch_size, pool_dtype
 from kvstream.hf.kv_store import BlockCodec, DiskBlockStore, HostBlockStore
-from kvstream.hf.sampling import History, SamplingParams, TokenLogprobs, drawn_logprobs, logprobs_of, sample
+from kvstream.hf.sampling import (
+    History, NoTokenToDraw, SamplingParams, TokenLogprobs, drawn_logprobs, logprobs_of, sample,
+)
 from kvstream.hf.json_schema import JSON_OBJECT, compile_schema
 from kvstream.hf.lazy_grammar import LazyGrammar
 from kvstream.hf.pattern_constraint import CLIENT_BUDGET_S, PatternConstraint, expression
@@ -841,15 +843,21 @@ class ModelRunner:
             logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
         constraints = [r.constraint for r in sampled]
         drawn_from: dict[int, torch.Tensor] = {}
+        failed: dict[int, NoTokenToDraw] = {}
         tokens = sample(logits, params, [r.generator for r in sampled], histories,
                         constraints if any(c is not None for c in constraints) else None,
-                        forced if any(f is not None for f in forced) else None, drawn_from)
-        wanted = [row for row, p in enumerate(params) if p.logprobs is not None and row not in drawn_from]
+                        forced if any(f is not None for f in forced) else None, drawn_from, failed)
+        for row, error in failed.items():  # its own parameters: that request ends, the others go on
+            self._finish(sampled[row], TokenEvent("error", error=BackendRejected(str(error), code="invalid_value")))
+        wanted = [row for row, p in enumerate(params)
+                  if p.logprobs is not None and row not in drawn_from and row not in failed]
         logprobs = dict(zip(wanted, logprobs_of(
             logits, wanted, [tokens[row] for row in wanted], [params[row].logprobs for row in wanted]), strict=True))
         for row, probs in drawn_from.items():  # post_sampling_probs
             logprobs[row] = drawn_logprobs(probs, tokens[row], params[row].logprobs or 0)
         for row, (req, token) in enumerate(zip(sampled, tokens, strict=True)):
+            if row in failed:
+                continue
             first = logits[row].float().cpu() if req.params.keep_first_logits and req.num_generated == 0 else None
             self._emit(req, token)
             if first is not None:
@@ -970,6 +978,8 @@ class ModelRunner:
         self._deciding.pop(req.seq.seq_id, None)
         if self.requests.get(req.seq.seq_id) is not req:
             return
+        if isinstance(decision, NoTokenToDraw):  # its own parameters, as in a step
+            decision = BackendRejected(str(decision), code="invalid_value")
         if isinstance(decision, Exception):
             self._finish(req, TokenEvent("error", error=decision))
             return

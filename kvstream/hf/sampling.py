@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from kvstream.hf.lazy_grammar import Triggers
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+# Below this temperature a request is greedy (vLLM's rule): logits over a temperature near 0
+# overflow float32 (1e-320 is 0 there: every logit infinite, the distribution NaN).
+MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_HELD_TOP_K = 1000  # most tokens judged for a held answer's post-sampling distribution
 
 
@@ -136,7 +139,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         # top_p 0 keeps only the most likely token (OpenAI accepts it): greedy as well.
-        return self.temperature == 0 or self.top_k == 1 or self.top_p == 0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE or self.top_k == 1 or self.top_p == 0
 
     def make_generator(self, stream: int = 0) -> torch.Generator | None:
         """The random stream of one choice (``stream`` > 0 for a request's other choices:
@@ -241,17 +244,27 @@ def adjust(scores: torch.Tensor, p: SamplingParams, history: History | None) -> 
     return scores
 
 
+class NoTokenToDraw(ValueError):
+    """A row's own parameters left it no distribution to draw from (every token banned, say):
+    that request ends with this error, the others in the step go on."""
+
+
+UNDRAWN = -1  # a failed row's place in ``sample``'s tokens
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     histories: list[History | None] | None = None, constraints: list[Constraint | None] | None = None,
     forced: list[int | None] | None = None, drawn_from: dict[int, torch.Tensor] | None = None,
+    failed: dict[int, NoTokenToDraw] | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` ``[N, vocab]``; ``histories`` (per row) feed the
     penalties of the rows that have them, ``constraints`` (per row) limit what they choose,
     and a row's ``forced`` token (a thinking budget's closing text) is taken as it is.
     ``drawn_from``, where given, gets each row whose params ask for logprobs with
     ``post_sampling_probs``: the (unnormalized) probabilities its token was drawn from, on
-    the CPU."""
+    the CPU. A row left nothing to draw from raises NoTokenToDraw, or, where ``failed`` is
+    given, goes there and has ``UNDRAWN`` for its token."""
     logits = logits.float()
     tokens: list[int] = []
     greedy = logits.argmax(dim=-1).tolist()
@@ -260,23 +273,24 @@ def sample(
         probs = None  # what a sampled row draws from (a held one: before the constraint's restriction)
         if forced is not None and forced[row] is not None:
             token: int = forced[row]  # type: ignore[assignment]
+        elif not p.greedy:
+            try:
+                token, probs = _drawn(logits[row], p, gen, histories[row] if histories is not None else None, constraint)
+            except RuntimeError as exc:  # torch's "invalid multinomial distribution" (NaN, no mass)
+                error = NoTokenToDraw(f"The request's sampling parameters leave no token to draw ({exc}).")
+                if failed is None:
+                    raise error from exc
+                failed[row] = error
+                tokens.append(UNDRAWN)
+                continue
         else:
             scores = logits[row]
             if p.adjusts_logits:
                 scores = adjust(scores, p, histories[row] if histories is not None else None)
-            if p.greedy:
-                if constraint is not None:
-                    token = first_accepted(scores, constraint, None if p.adjusts_logits else greedy[row])
-                else:
-                    token = int(scores.argmax()) if p.adjusts_logits else greedy[row]
-            elif constraint is not None:
-                probs = filtered(scores, p).cpu()
-                drawn = draw_accepted(probs, gen, constraint)
-                # Nothing acceptable where top-k / top-p / min-p left mass: the model's best acceptable.
-                token = drawn if drawn is not None else first_accepted(scores, constraint)
+            if constraint is not None:
+                token = first_accepted(scores, constraint, None if p.adjusts_logits else greedy[row])
             else:
-                probs = filtered(scores, p).cpu()
-                token = int(torch.multinomial(probs, 1, generator=gen).item())
+                token = int(scores.argmax()) if p.adjusts_logits else greedy[row]
         tokens.append(token)
         if drawn_from is not None and p.post_sampling_probs and p.logprobs is not None:
             if constraint is not None and probs is not None:
@@ -288,6 +302,20 @@ def sample(
             # Greedy or forced: certain.
             drawn_from[row] = probs if probs is not None else torch.zeros(logits.shape[-1]).index_fill_(0, torch.tensor([token]), 1.0)
     return tokens
+
+
+def _drawn(scores: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, history: History | None,
+           constraint: Constraint | None) -> tuple[int, torch.Tensor]:
+    """A sampled row's token and the probabilities it was drawn from (before a constraint's
+    restriction)."""
+    if p.adjusts_logits:
+        scores = adjust(scores, p, history)
+    probs = filtered(scores, p).cpu()
+    if constraint is None:
+        return int(torch.multinomial(probs, 1, generator=gen).item()), probs
+    drawn = draw_accepted(probs, gen, constraint)
+    # Nothing acceptable where top-k / top-p / min-p left mass: the model's best acceptable.
+    return (drawn if drawn is not None else first_accepted(scores, constraint)), probs
 
 
 def accepted_only(probs: torch.Tensor, constraint: Constraint) -> torch.Tensor:
@@ -305,7 +333,9 @@ def filtered(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The probabilities a sampled row draws from (unnormalized): ``scores`` (its logits,
     adjusted) over the temperature, then top-k, typical-p, top-p and min-p, in llama.cpp's
     order."""
-    scores = scores / p.temperature
+    # A repeat penalty near 0 (llama.cpp takes any above 0) makes logits infinite: the largest
+    # finite ones instead, so that softmax still gives a distribution (theirs, shared).
+    scores = (scores / p.temperature).clamp_(max=torch.finfo(scores.dtype).max)
     if p.top_k:
         kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

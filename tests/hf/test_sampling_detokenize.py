@@ -11,7 +11,7 @@ from tests.conftest import require_import
 torch = require_import("torch")
 
 from kvstream.hf.detokenize import IncrementalDetokenizer, held_back  # noqa: E402
-from kvstream.hf.sampling import History, SamplingParams, adjust, logprobs_of, sample  # noqa: E402
+from kvstream.hf.sampling import UNDRAWN, History, NoTokenToDraw, SamplingParams, adjust, logprobs_of, sample  # noqa: E402
 
 
 def logits(rows: int = 3, vocab: int = 50) -> torch.Tensor:
@@ -24,6 +24,39 @@ def test_greedy_top_k_one_and_tiny_or_zero_top_p_all_take_the_argmax():
     params = [SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(top_p=0)]
     gens = [p.make_generator() for p in params]
     assert sample(x, params, gens) == best
+
+
+def test_a_temperature_too_small_for_float32_is_greedy():
+    """1e-320 is 0 in float32: the logits over it were infinite, the distribution NaN, and
+    torch's draw raised inside the step (every running request failed with it)."""
+    x = logits(rows=3)
+    tiny = [SamplingParams(temperature=t, seed=1) for t in (1e-320, 1e-38, 9e-6)]
+    assert all(p.greedy for p in tiny) and not SamplingParams(temperature=1e-4).greedy
+    assert sample(x, tiny, [p.make_generator() for p in tiny]) == x.argmax(-1).tolist()
+
+
+def test_a_repeat_penalty_near_zero_leaves_a_distribution_of_the_repeated_tokens():
+    """llama.cpp takes any penalty above 0: near 0 a repeated token's positive logit is
+    infinite, kept the largest finite one, so the draw is among those tokens."""
+    x = logits(rows=1)
+    history = History(prompt=list(range(10)), output=[])
+    repeated = {t for t in range(10) if x[0, t] > 0}
+    for seed in range(5):
+        p = SamplingParams(repeat_penalty=1e-300, temperature=0.8, seed=seed)
+        assert sample(x, [p], [p.make_generator()], [history])[0] in repeated
+
+
+def test_a_row_left_nothing_to_draw_fails_alone():
+    x = logits(rows=3)
+    x[1] = float("-inf")  # no token with any mass
+    params = [SamplingParams(seed=1), SamplingParams(seed=2), SamplingParams(temperature=0)]
+    gens = [p.make_generator() for p in params]
+    failed: dict[int, NoTokenToDraw] = {}
+    tokens = sample(x, params, gens, failed=failed)
+    assert list(failed) == [1] and "leave no token to draw" in str(failed[1])
+    assert tokens[1] == UNDRAWN and tokens[0] >= 0 and tokens[2] == int(x[2].argmax())
+    with pytest.raises(NoTokenToDraw):  # (asked alone: raised)
+        sample(x[1:2], params[1:2], gens[1:2])
 
 
 def test_seed_reproduces_a_draw_whatever_else_is_in_the_batch():

@@ -304,6 +304,48 @@ async def test_the_engine_failing_mid_stream_ends_that_stream_with_an_error_and_
     assert after.choices[0].finish_reason == "length"
 
 
+async def test_a_request_left_nothing_to_draw_ends_alone_and_the_others_stream_on(hf_proxy, oa, monkeypatch):
+    """A row whose draw raises (its distribution NaN) ends that request with a 400; the step's
+    exception used to fail every running request with it (a client's temperature of 1e-320 or
+    repeat_penalty of 1e-300 did that: test_sampling_detokenize.py)."""
+    from kvstream.hf import sampling
+
+    real = sampling.filtered
+    monkeypatch.setattr(sampling, "filtered", lambda scores, p: (
+        torch.full_like(scores, float("nan")) if p.temperature == 0.77 else real(scores, p)))
+    streaming = asyncio.Event()
+
+    async def bystander() -> tuple[int, str | None]:
+        stream = await oa.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=64, temperature=0,
+                                             stream=True, stream_options={"include_usage": True})
+        finish, tokens = None, 0
+        async for chunk in stream:
+            streaming.set()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return tokens, finish
+
+    task = asyncio.create_task(bystander())
+    await streaming.wait()
+    with pytest.raises(BadRequestError, match="leave no token to draw"):
+        await oa.completions.create(model="smollm2", prompt="Hello", max_tokens=8, temperature=0.77)
+    assert not task.done()  # it was running beside the failed one
+    assert await task == (64, "length")
+    await wait_idle(hf_proxy)
+    assert hf_proxy.engine.scheduler.bm.is_idle()
+
+
+async def test_sampling_values_at_the_edge_of_float32_answer(oa):
+    greedy = await oa.completions.create(model="smollm2", prompt="The sky is", max_tokens=8, temperature=0)
+    tiny = await oa.completions.create(model="smollm2", prompt="The sky is", max_tokens=8, temperature=1e-320)
+    assert tiny.choices[0].text == greedy.choices[0].text
+    penalized = await oa.completions.create(model="smollm2", prompt="The sky is", max_tokens=8, seed=1,
+                                            extra_body={"repeat_penalty": 1e-300})
+    assert penalized.choices[0].finish_reason == "length" and penalized.usage.completion_tokens == 8
+
+
 async def test_top_p_zero_is_accepted_and_greedy(oa):
     greedy = await oa.completions.create(model="smollm2", prompt="The sky is", max_tokens=8, temperature=0)
     nucleus = await oa.completions.create(model="smollm2", prompt="The sky is", max_tokens=8, temperature=1.0, top_p=0)
