@@ -136,6 +136,8 @@ def _number(body: dict[str, Any], name: str, low: float | None = None, high: flo
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise invalid(f"'{name}' must be a number.", name)
+    if value != value:  # NaN (Python's json reads it; llama-server's parser refuses it), past any range check
+        raise invalid(f"'{name}' must be a number, not NaN.", name)
     if (low is not None and value < low) or (high is not None and value > high):
         raise invalid(f"'{name}' must be within [{low}, {high}], not {value}.", name)
     return value
@@ -182,7 +184,7 @@ def _logit_bias(value: Any, tokenize: Callable[[str, bool], list[int]]) -> dict[
     for token, amount in pairs:
         if amount is False:
             amount = BANNED
-        if isinstance(amount, bool) or not isinstance(amount, int | float):
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or amount != amount:  # (NaN)
             raise invalid("A 'logit_bias' bias is a number, or false to ban the token.", "logit_bias")
         # A text is each of its tokens; an object's keys are ids where they are numbers.
         if isinstance(token, str) and not (isinstance(value, dict) and token.strip().isdigit()):

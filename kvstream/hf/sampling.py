@@ -83,6 +83,12 @@ class SamplingParams:
         return self.json_object or self.json_schema is not None or self.pattern is not None
 
     def __post_init__(self) -> None:
+        # NaN passes every range check below (Python's json reads a client's NaN): named here.
+        for name in ("temperature", "top_p", "min_p", "typical_p", "presence_penalty", "frequency_penalty", "repeat_penalty"):
+            if math.isnan(getattr(self, name)):
+                raise ValueError(f"{name} must be a number, not NaN")
+        if self.logit_bias and math.isnan(sum(self.logit_bias.values())):  # (sum: one pass in C)
+            raise ValueError("logit_bias values must be numbers, not NaN")
         if self.max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
         if self.temperature < 0:

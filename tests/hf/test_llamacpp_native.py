@@ -293,6 +293,8 @@ async def test_post_sampling_probs_under_a_grammar_are_the_distribution_it_allow
     ({"prompt": "x", "grammar": "root ::= \"a\"", "json_schema": {"type": "object"}}, "grammar"),
     ({"prompt": "x", "n_probs": 50}, "n_probs"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": float("nan")}, "temperature"),  # (Python's json writes NaN; was read as greedy)
+    ({"prompt": "x", "logit_bias": [[5, float("nan")]]}, "logit_bias"),  # (was a bias of 100)
     ({"prompt": "x", "top_p": 2}, "top_p"),
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": "x", "logit_bias": [[1]]}, "logit_bias"),

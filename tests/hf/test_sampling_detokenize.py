@@ -75,7 +75,10 @@ def test_top_k_never_draws_outside_the_k_best():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"temperature": -1}, {"top_p": -0.1}, {"top_p": 1.5}, {"top_k": -2}, {"max_tokens": -1}, {"prompt_logprobs": 21}]
+    "kwargs", [{"temperature": -1}, {"top_p": -0.1}, {"top_p": 1.5}, {"top_k": -2}, {"max_tokens": -1}, {"prompt_logprobs": 21},
+               # NaN (Python's json reads a client's) passes range checks: each named.
+               {"temperature": float("nan")}, {"repeat_penalty": float("nan")}, {"presence_penalty": float("nan")},
+               {"min_p": float("nan")}, {"logit_bias": {5: 1.0, 7: float("nan")}}]
 )
 def test_invalid_parameters_are_refused(kwargs):
     with pytest.raises(ValueError):
