@@ -843,12 +843,12 @@ class ModelRunner:
             logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
         constraints = [r.constraint for r in sampled]
         drawn_from: dict[int, torch.Tensor] = {}
-        failed: dict[int, NoTokenToDraw] = {}
+        failed: dict[int, Exception] = {}
         tokens = sample(logits, params, [r.generator for r in sampled], histories,
                         constraints if any(c is not None for c in constraints) else None,
                         forced if any(f is not None for f in forced) else None, drawn_from, failed)
-        for row, error in failed.items():  # its own parameters: that request ends, the others go on
-            self._finish(sampled[row], TokenEvent("error", error=BackendRejected(str(error), code="invalid_value")))
+        for row, error in failed.items():  # that request ends, the others go on
+            self._fail_alone(sampled[row], error)
         wanted = [row for row, p in enumerate(params)
                   if p.logprobs is not None and row not in drawn_from and row not in failed]
         logprobs = dict(zip(wanted, logprobs_of(
@@ -859,7 +859,11 @@ class ModelRunner:
             if row in failed:
                 continue
             first = logits[row].float().cpu() if req.params.keep_first_logits and req.num_generated == 0 else None
-            self._emit(req, token)
+            try:
+                self._emit(req, token)
+            except Exception as exc:  # its own constraint, detokenizer or stop strings: it alone ends
+                self._fail_alone(req, exc)
+                continue
             if first is not None:
                 req.events[-1].logits = first  # the event _emit just queued
             if row in logprobs:
@@ -978,12 +982,14 @@ class ModelRunner:
         self._deciding.pop(req.seq.seq_id, None)
         if self.requests.get(req.seq.seq_id) is not req:
             return
-        if isinstance(decision, NoTokenToDraw):  # its own parameters, as in a step
-            decision = BackendRejected(str(decision), code="invalid_value")
         if isinstance(decision, Exception):
-            self._finish(req, TokenEvent("error", error=decision))
+            self._fail_alone(req, decision)
             return
-        self._emit(req, decision.token, decided=decision)
+        try:
+            self._emit(req, decision.token, decided=decision)
+        except Exception as exc:
+            self._fail_alone(req, exc)
+            return
         if decision.first_logits is not None:
             req.events[-1].logits = decision.first_logits
         if decision.logprobs is not None:
@@ -1054,6 +1060,17 @@ class ModelRunner:
         else:
             req.pending = token
             req.events.append(TokenEvent("token", token, text, index=index))
+
+    def _fail_alone(self, req: RunnerRequest, error: Exception) -> None:
+        """End ``req`` with ``error`` raised by its own part of a step (its sampling values,
+        constraint or detokenizer), the step going on for the others: a 400 where its own
+        values left nothing to draw, else the engine's error (logged)."""
+        if isinstance(error, NoTokenToDraw):
+            error = BackendRejected(str(error), code="invalid_value")
+        elif not isinstance(error, BackendError):
+            logger.error("request %s failed in its step; the others go on", req.seq.seq_id, exc_info=error)
+        if self.requests.get(req.seq.seq_id) is req:  # (not if it ended before raising)
+            self._finish(req, TokenEvent("error", error=error))
 
     def _finish(self, req: RunnerRequest, event: TokenEvent) -> None:
         req.events.append(event)

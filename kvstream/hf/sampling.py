@@ -211,7 +211,7 @@ def draw_accepted(probs: torch.Tensor, generator: torch.Generator | None, constr
     for attempt in range(CONSTRAINED_TRIES):
         if float(probs.sum()) <= 0:
             return None
-        token = int(torch.multinomial(probs, 1, generator=generator).item())
+        token = _multinomial(probs, generator)
         if constraint.accepts(token):
             return token
         probs[token] = 0.0
@@ -251,8 +251,8 @@ def adjust(scores: torch.Tensor, p: SamplingParams, history: History | None) -> 
 
 
 class NoTokenToDraw(ValueError):
-    """A row's own parameters left it no distribution to draw from (every token banned, say):
-    that request ends with this error, the others in the step go on."""
+    """A row's own parameters left it no distribution to draw from (every token's mass NaN,
+    say): that request ends with this error (a 400), the others in the step go on."""
 
 
 UNDRAWN = -1  # a failed row's place in ``sample``'s tokens
@@ -262,66 +262,81 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     histories: list[History | None] | None = None, constraints: list[Constraint | None] | None = None,
     forced: list[int | None] | None = None, drawn_from: dict[int, torch.Tensor] | None = None,
-    failed: dict[int, NoTokenToDraw] | None = None,
+    failed: dict[int, Exception] | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` ``[N, vocab]``; ``histories`` (per row) feed the
     penalties of the rows that have them, ``constraints`` (per row) limit what they choose,
     and a row's ``forced`` token (a thinking budget's closing text) is taken as it is.
     ``drawn_from``, where given, gets each row whose params ask for logprobs with
     ``post_sampling_probs``: the (unnormalized) probabilities its token was drawn from, on
-    the CPU. A row left nothing to draw from raises NoTokenToDraw, or, where ``failed`` is
-    given, goes there and has ``UNDRAWN`` for its token."""
+    the CPU. A row whose choice raises (NoTokenToDraw, or what its constraint raised) raises,
+    or, where ``failed`` is given, goes there with ``UNDRAWN`` for its token: one request's
+    fault is not every request's in its step."""
     logits = logits.float()
     tokens: list[int] = []
     greedy = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        constraint = constraints[row] if constraints is not None else None
-        probs = None  # what a sampled row draws from (a held one: before the constraint's restriction)
-        if forced is not None and forced[row] is not None:
-            token: int = forced[row]  # type: ignore[assignment]
-        elif not p.greedy:
-            try:
-                token, probs = _drawn(logits[row], p, gen, histories[row] if histories is not None else None, constraint)
-            except RuntimeError as exc:  # torch's "invalid multinomial distribution" (NaN, no mass)
-                error = NoTokenToDraw(f"The request's sampling parameters leave no token to draw ({exc}).")
-                if failed is None:
-                    raise error from exc
-                failed[row] = error
-                tokens.append(UNDRAWN)
-                continue
-        else:
-            scores = logits[row]
-            if p.adjusts_logits:
-                scores = adjust(scores, p, histories[row] if histories is not None else None)
-            if constraint is not None:
-                token = first_accepted(scores, constraint, None if p.adjusts_logits else greedy[row])
-            else:
-                token = int(scores.argmax()) if p.adjusts_logits else greedy[row]
+        try:
+            token, probs = _row_token(
+                logits[row], p, gen, histories[row] if histories is not None else None,
+                constraints[row] if constraints is not None else None,
+                forced[row] if forced is not None else None, greedy[row],
+                drawn_from is not None and p.post_sampling_probs and p.logprobs is not None)
+        except Exception as exc:
+            if failed is None:
+                raise
+            failed[row] = exc
+            tokens.append(UNDRAWN)
+            continue
         tokens.append(token)
-        if drawn_from is not None and p.post_sampling_probs and p.logprobs is not None:
-            if constraint is not None and probs is not None:
-                # What the draw above samples (by rejection): the filtered distribution
-                # restricted to the tokens the constraint accepts.
-                probs = accepted_only(probs, constraint)
-                if float(probs[token]) <= 0:  # (none held mass: the model's best acceptable, certain)
-                    probs = None
-            # Greedy or forced: certain.
-            drawn_from[row] = probs if probs is not None else torch.zeros(logits.shape[-1]).index_fill_(0, torch.tensor([token]), 1.0)
+        if probs is not None:
+            assert drawn_from is not None
+            drawn_from[row] = probs
     return tokens
 
 
-def _drawn(scores: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, history: History | None,
-           constraint: Constraint | None) -> tuple[int, torch.Tensor]:
-    """A sampled row's token and the probabilities it was drawn from (before a constraint's
-    restriction)."""
-    if p.adjusts_logits:
-        scores = adjust(scores, p, history)
-    probs = filtered(scores, p).cpu()
-    if constraint is None:
-        return int(torch.multinomial(probs, 1, generator=gen).item()), probs
-    drawn = draw_accepted(probs, gen, constraint)
-    # Nothing acceptable where top-k / top-p / min-p left mass: the model's best acceptable.
-    return (drawn if drawn is not None else first_accepted(scores, constraint)), probs
+def _row_token(scores: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, history: History | None,
+               constraint: Constraint | None, forced: int | None, greedy: int, wants_drawn: bool,
+               ) -> tuple[int, torch.Tensor | None]:
+    """One row's token and, if ``wants_drawn``, the probabilities it was drawn from."""
+    probs = None  # what a sampled row draws from (a held one: before the constraint's restriction)
+    if forced is not None:
+        token = forced
+    elif not p.greedy:
+        if p.adjusts_logits:
+            scores = adjust(scores, p, history)
+        probs = filtered(scores, p).cpu()
+        if constraint is None:
+            token = _multinomial(probs, gen)
+        else:
+            drawn = draw_accepted(probs, gen, constraint)
+            # Nothing acceptable where top-k / top-p / min-p left mass: the model's best acceptable.
+            token = drawn if drawn is not None else first_accepted(scores, constraint)
+    else:
+        if p.adjusts_logits:
+            scores = adjust(scores, p, history)
+        if constraint is not None:
+            token = first_accepted(scores, constraint, None if p.adjusts_logits else greedy)
+        else:
+            token = int(scores.argmax()) if p.adjusts_logits else greedy
+    if not wants_drawn:
+        return token, None
+    if constraint is not None and probs is not None:
+        # What the draw above samples (by rejection): the filtered distribution restricted
+        # to the tokens the constraint accepts.
+        probs = accepted_only(probs, constraint)
+        if float(probs[token]) <= 0:  # (none held mass: the model's best acceptable, certain)
+            probs = None
+    # Greedy or forced: certain.
+    return token, probs if probs is not None else torch.zeros(scores.numel()).index_fill_(0, torch.tensor([token]), 1.0)
+
+
+def _multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from ``probs``; NoTokenToDraw where they are no distribution (NaN, no mass)."""
+    try:
+        return int(torch.multinomial(probs, 1, generator=generator).item())
+    except RuntimeError as exc:  # torch's "probability tensor contains either inf, nan or element < 0"
+        raise NoTokenToDraw(f"The request's sampling parameters leave no token to draw ({exc}).") from None
 
 
 def accepted_only(probs: torch.Tensor, constraint: Constraint) -> torch.Tensor:

@@ -314,24 +314,50 @@ async def test_a_request_left_nothing_to_draw_ends_alone_and_the_others_stream_o
     monkeypatch.setattr(sampling, "filtered", lambda scores, p: (
         torch.full_like(scores, float("nan")) if p.temperature == 0.77 else real(scores, p)))
     streaming = asyncio.Event()
-
-    async def bystander() -> tuple[int, str | None]:
-        stream = await oa.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=64, temperature=0,
-                                             stream=True, stream_options={"include_usage": True})
-        finish, tokens = None, 0
-        async for chunk in stream:
-            streaming.set()
-            if chunk.choices and chunk.choices[0].finish_reason:
-                finish = chunk.choices[0].finish_reason
-            if chunk.usage:
-                tokens = chunk.usage.completion_tokens
-        return tokens, finish
-
-    task = asyncio.create_task(bystander())
+    task = asyncio.create_task(bystander(oa, streaming))
     await streaming.wait()
     with pytest.raises(BadRequestError, match="leave no token to draw"):
         await oa.completions.create(model="smollm2", prompt="Hello", max_tokens=8, temperature=0.77)
     assert not task.done()  # it was running beside the failed one
+    assert await task == (64, "length")
+    await wait_idle(hf_proxy)
+    assert hf_proxy.engine.scheduler.bm.is_idle()
+
+
+async def bystander(oa, streaming: asyncio.Event) -> tuple[int, str | None]:
+    """A greedy stream of 64 tokens (``streaming`` set at its first chunk): its count and finish."""
+    stream = await oa.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=64, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    finish, tokens = None, 0
+    async for chunk in stream:
+        streaming.set()
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return tokens, finish
+
+
+async def test_a_request_whose_own_state_raises_in_a_step_ends_alone(hf_proxy, oa, monkeypatch):
+    """What raises in one request's part of a step (its detokenizer here; its constraint or
+    stop strings alike) ends that request with the engine's error, the step going on for the
+    others: the step's handler used to fail every running request."""
+    from kvstream.hf.detokenize import IncrementalDetokenizer
+
+    real = IncrementalDetokenizer.add
+
+    def add(self, token):
+        if "BOOM" in self.stop and self.read_offset:
+            raise RuntimeError("this request's own fault")
+        return real(self, token)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add", add)
+    streaming = asyncio.Event()
+    task = asyncio.create_task(bystander(oa, streaming))
+    await streaming.wait()
+    with pytest.raises(openai.InternalServerError, match="own fault"):
+        await oa.completions.create(model="smollm2", prompt="Hello", max_tokens=8, temperature=0, stop=["BOOM"])
+    assert not task.done()
     assert await task == (64, "length")
     await wait_idle(hf_proxy)
     assert hf_proxy.engine.scheduler.bm.is_idle()
