@@ -109,19 +109,26 @@ class CompileProbe:
         if self._process is not None and self._process.poll() is None:
             return self._process
         self._discard()
-        process = subprocess.Popen(
-            [sys.executable, "-c", _HELPER, str(self.memory_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True, encoding="utf-8")
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-c", _HELPER, str(self.memory_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, text=True, encoding="utf-8")
+        except OSError as exc:
+            raise self._unchecked(exc) from None
         reply, _ = self._ask(process, None, START_TIMEOUT_S)
         if reply != "ready":
             process.kill()
             process.wait()
-            # Without its helper the server cannot tell a costly expression from a cheap one:
-            # it refuses them all rather than risk the process (a 400 naming the cause).
-            log.error("the helper that checks expressions before they are compiled did not start")
-            raise CompileTooCostly("this server cannot check expressions now (its helper process did not start)")
+            raise self._unchecked("it did not answer")
         self._process = process
         return process
+
+    @staticmethod
+    def _unchecked(why: object) -> CompileTooCostly:
+        # Without its helper the server cannot tell a costly expression from a cheap one: it
+        # refuses them all rather than risk its process (a 400 naming the cause).
+        log.error("the helper process that checks expressions before they are compiled did not start: %s", why)
+        return CompileTooCostly("this server cannot check expressions now (its helper process did not start)")
 
     @staticmethod
     def _ask(process: subprocess.Popen[str], line: str | None, timeout_s: float) -> tuple[str, bool]:

@@ -150,3 +150,15 @@ def test_checks_from_many_threads_take_turns(probe):
     for thread in threads:
         thread.join()
     assert verdicts == {text: text != CRASHES for text in texts}
+
+
+@pytest.mark.parametrize("python", ["/nonexistent/python", "/bin/true"])
+def test_without_its_helper_every_expression_is_refused_not_compiled_unchecked(monkeypatch, python):
+    """A helper that cannot start (no interpreter there) or exits at once: a 400 saying so."""
+    monkeypatch.setattr("sys.executable", python)
+    checker = CompileProbe()
+    try:
+        with pytest.raises(CompileTooCostly, match="cannot check expressions now"):
+            checker.check("a")
+    finally:
+        checker.close()
