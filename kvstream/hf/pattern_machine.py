@@ -530,11 +530,12 @@ def machine_holds(pattern_text: str) -> bool:
 
 class LazyExpression:
     """An expression the machine reads, compiled by ``compile`` (the regex module's, after its
-    helper process: bounded_compile.py) only if
-    an answer needs it (the machine gives up on a text past its ``MAX_PLACES``): the regex
-    module takes long to compile a large one, holding the interpreter's lock in C meanwhile
-    (the calls of 50 tools: up to 1.5 s here, 3-10x what the machine takes to read it;
-    benchmarks/tool_holds.py), which pauses the event loop and the engine's thread alike."""
+    helper process: bounded_compile.py) only if an answer needs it (the machine gives up on
+    a text past its ``MAX_PLACES``): the regex module takes long to compile a large one,
+    holding the interpreter's lock in C meanwhile (the calls of 50 tools: up to 1.5 s here,
+    3-10x what the machine takes to read it; benchmarks/tool_holds.py), which pauses the
+    event loop and the engine's thread alike. One past the helper's limits (1 s, 64 MiB) is
+    not compiled: that answer ends as past its matching budget."""
 
     def __init__(self, text: str, compile: Callable[[str], Any] | None = None) -> None:
         self.pattern = text
