@@ -363,6 +363,60 @@ async def test_a_request_whose_own_state_raises_in_a_step_ends_alone(hf_proxy, o
     assert hf_proxy.engine.scheduler.bm.is_idle()
 
 
+MIXED = [{"role": "user", "content": "Tell me a story about a cat."}]
+MIXED_KINDS: dict[str, tuple[str, dict, set[int]]] = {  # kind: (path, body, the statuses it may get)
+    "plain": ("/v1/chat/completions", {"messages": MIXED, "max_tokens": 16}, {200}),
+    "stream": ("/v1/chat/completions", {"messages": MIXED, "max_tokens": 16, "stream": True}, {200}),
+    "choices": ("/v1/chat/completions", {"messages": MIXED, "max_tokens": 8, "n": 3, "temperature": 1, "logprobs": True,
+                                         "top_logprobs": 3}, {200}),
+    # Decided on the side thread (a lookahead the machine cannot read), streamed.
+    "lookahead": ("/v1/chat/completions", {"messages": MIXED, "max_tokens": 8, "stream": True,
+                                           "guided_regex": "(?=[A-Za-z ])[A-Za-z ,.]{1,40}"}, {200}),
+    "schema": ("/v1/chat/completions", {"messages": MIXED, "max_tokens": 16, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}}, {200}),
+    "lazy": ("/completion", {"prompt": "hi", "n_predict": 8, "stream": True, "grammar": 'root ::= "x" [a-z]*',
+                             "grammar_lazy": True, "grammar_triggers": [{"type": 2, "value": "(?<=a)b"}]}, {200}),
+    "crashing regex": ("/v1/chat/completions", {"messages": MIXED, "max_tokens": 4, "guided_regex": "(?:ab|c){1000000}"}, {400}),
+    "tiny penalty": ("/v1/chat/completions", {"messages": MIXED, "max_tokens": 4, "repeat_penalty": 1e-300}, {200}),
+}
+
+
+async def test_a_mixed_crowd_with_hostile_requests_and_aborts_leaves_nothing_behind(hf_proxy):
+    """48 requests, 12 at a time, of every kind above, a quarter of them left mid-answer by
+    their client: each answered with its kind's status, then nothing running, queued or held,
+    and the next request answered."""
+    import random
+
+    rng = random.Random(7)
+    wrong: list[str] = []
+
+    async def one(session: aiohttp.ClientSession, kind: str, leave: bool) -> None:
+        path, body, statuses = MIXED_KINDS[kind]
+        async with session.post(hf_proxy.url + path, json={"model": "smollm2", **body}) as response:
+            if leave:
+                await asyncio.sleep(rng.random() * 0.3)
+                return
+            await response.read()
+            if response.status not in statuses:
+                wrong.append(f"{kind}: {response.status} {await response.text()}")
+
+    gate = asyncio.Semaphore(12)
+
+    async def paced(session: aiohttp.ClientSession, kind: str, leave: bool) -> None:
+        async with gate:
+            await one(session, kind, leave)
+
+    plan = [(rng.choice(list(MIXED_KINDS)), rng.random() < 0.25) for _ in range(48)]
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(paced(session, kind, leave) for kind, leave in plan))
+        assert not wrong
+        await wait_idle(hf_proxy)
+        assert hf_proxy.engine.scheduler.bm.is_idle()
+        async with session.post(hf_proxy.url + "/v1/chat/completions",
+                                json={"model": "smollm2", "messages": MIXED, "max_tokens": 4}) as response:
+            assert response.status == 200
+
+
 async def test_sampling_values_at_the_edge_of_float32_answer(oa):
     greedy = await oa.completions.create(model="smollm2", prompt="The sky is", max_tokens=8, temperature=0)
     tiny = await oa.completions.create(model="smollm2", prompt="The sky is", max_tokens=8, temperature=1e-320)
