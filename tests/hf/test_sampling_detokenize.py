@@ -51,12 +51,24 @@ def test_a_row_left_nothing_to_draw_fails_alone():
     x[1] = float("-inf")  # no token with any mass
     params = [SamplingParams(seed=1), SamplingParams(seed=2), SamplingParams(temperature=0)]
     gens = [p.make_generator() for p in params]
-    failed: dict[int, NoTokenToDraw] = {}
+    failed: dict[int, Exception] = {}
     tokens = sample(x, params, gens, failed=failed)
-    assert list(failed) == [1] and "leave no token to draw" in str(failed[1])
+    assert list(failed) == [1] and isinstance(failed[1], NoTokenToDraw) and "leave no token to draw" in str(failed[1])
     assert tokens[1] == UNDRAWN and tokens[0] >= 0 and tokens[2] == int(x[2].argmax())
     with pytest.raises(NoTokenToDraw):  # (asked alone: raised)
         sample(x[1:2], params[1:2], gens[1:2])
+
+
+def test_a_row_whose_constraint_raises_fails_alone():
+    class Broken:
+        def accepts(self, token: int) -> bool:
+            raise KeyError("its own state")
+
+    x = logits(rows=2)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0)]
+    failed: dict[int, Exception] = {}
+    tokens = sample(x, params, [None, None], constraints=[Broken(), None], failed=failed)
+    assert isinstance(failed[0], KeyError) and tokens == [UNDRAWN, int(x[1].argmax())]
 
 
 def test_seed_reproduces_a_draw_whatever_else_is_in_the_batch():
