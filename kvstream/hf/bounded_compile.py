@@ -44,10 +44,10 @@ MAX_COMPILE_BYTES = 64 * 1024 * 1024
 MAX_COMPILE_S = 1.0
 START_TIMEOUT_S = 30.0  # the helper's interpreter starting, on a loaded machine
 
-# The helper: limits its own address space, then answers "done" for each expression it has
-# compiled (an expression that does not compile is done too: the caller's own compile raises
-# the regex module's error with its message). A compile that runs out of memory either raises
-# MemoryError (answered "memory") or kills the helper outright; either way the caller refuses.
+# The helper: limits its own address space, then answers each expression with "done" once
+# compiled, or "error" and the regex module's complaint (JSON) where it does not compile. A
+# compile that runs out of memory either raises MemoryError (answered "memory") or kills the
+# helper outright; either way the caller refuses.
 _HELPER = r"""
 import json, os, signal, sys
 import regex
@@ -66,8 +66,8 @@ for line in sys.stdin:
         reply = "done"
     except MemoryError:
         reply = "memory"
-    except Exception:
-        reply = "done"
+    except Exception as exc:  # regex.error, RecursionError, OverflowError...
+        reply = "error " + json.dumps(str(exc))
     regex.purge()  # keep nothing: each expression is measured from rest
     print(reply, flush=True)
 """
@@ -81,7 +81,8 @@ class CompileProbe:
     """A helper process that compiles an expression within bounds before this one does.
 
     ``check(text)`` returns once the helper has compiled ``text`` within ``memory_bytes`` and
-    ``timeout_s``, and raises CompileTooCostly if it did not. Thread-safe (checks take turns)."""
+    ``timeout_s`` (with the regex module's complaint where it does not compile), and raises
+    CompileTooCostly if it did not. Thread-safe (checks take turns)."""
 
     def __init__(self, memory_bytes: int = MAX_COMPILE_BYTES, timeout_s: float = MAX_COMPILE_S) -> None:
         self.memory_bytes = memory_bytes
@@ -90,13 +91,16 @@ class CompileProbe:
         self._process: subprocess.Popen[str] | None = None
         atexit.register(self.close)
 
-    def check(self, text: str) -> None:
-        """Return if ``text`` compiles within the bounds; CompileTooCostly if not."""
+    def check(self, text: str) -> str | None:
+        """None if ``text`` compiles within the bounds, the regex module's complaint if it
+        does not compile; CompileTooCostly past the bounds."""
         with self._lock:
             process = self._started()
             reply, timed_out = self._ask(process, json.dumps(text) + "\n", self.timeout_s)
             if reply == "done":
-                return
+                return None
+            if reply.startswith("error "):
+                return str(json.loads(reply[len("error "):]))
             self._discard()  # killed, dead or out of memory: the next check starts a fresh one
         mb = self.memory_bytes // (1024 * 1024)
         why = f"longer than {self.timeout_s:g} s" if timed_out else f"more than {mb} MB"
@@ -172,6 +176,13 @@ class CompileProbe:
 
 
 _probe = CompileProbe()
+
+
+def compile_complaint(text: str) -> str | None:
+    """The regex module's complaint about ``text`` (None: it compiles), asked of the helper
+    alone (CompileTooCostly past its bounds): for an expression this process compiles only
+    if an answer needs it, checked now without pausing everything here for its compile."""
+    return _probe.check(text)
 
 
 def bounded_compile(text: str) -> Any:

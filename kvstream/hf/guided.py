@@ -18,15 +18,17 @@ from typing import Any
 import regex
 
 from kvstream.hf.grammar import GrammarError, read_gbnf
-from kvstream.hf.pattern_constraint import PatternError, compile_pattern
+from kvstream.hf.pattern_constraint import PatternError, check_pattern, compile_pattern
 from kvstream.hf.pattern_machine import machine_holds
 from kvstream.types import BackendRejected
 
-# A client's own expression is compiled by the regex module, in C with the interpreter's lock
-# held: every stream pauses for as long (about 4 ms per 1,000 characters here, linearly: 3 s
-# for 490 KB of alternatives). Past this length it is refused, which bounds that pause to
-# about 0.1 s; hand-written expressions are far shorter, and a long list of literal answers
-# is what ``guided_choice`` (or a schema's ``enum``) is for: the machine follows those.
+# A client's own expression the machine cannot follow is compiled by the regex module, in C
+# with the interpreter's lock held: every stream pauses for as long (about 4 ms per 1,000
+# characters here, linearly: 3 s for 490 KB of alternatives); one it follows is compiled in
+# the helper process alone (bounded_compile.py), and read into the machine. Past this length
+# either is refused, which bounds that pause to about 0.1 s; hand-written expressions are far
+# shorter, and a long list of literal answers is what ``guided_choice`` (or a schema's
+# ``enum``) is for: the machine follows those.
 MAX_EXPRESSION_CHARS = 16 * 1024
 
 FIELDS = ("grammar", "guided_grammar", "guided_regex", "guided_choice", "guided_json", "structured_outputs")
@@ -102,7 +104,13 @@ def _read(kind: str, value: Any, field: str) -> Guide:
                                   "server compiles (a list of literal answers fits 'guided_choice', or a JSON schema's 'enum')")
         pattern = value
     try:
-        compile_pattern(pattern)  # a client's expression: what the regex module refuses is a 400
+        # A client's expression: what the regex module refuses is a 400. One the machine holds
+        # is compiled by the helper only (the engine compiles it if an answer needs it): the
+        # regex module holds the interpreter's lock as it compiles, pausing every stream.
+        if machine_holds(pattern):
+            check_pattern(pattern)
+        else:
+            compile_pattern(pattern)
     except PatternError as exc:
         raise _invalid(field, str(exc)) from None
     return Guide(field, pattern=pattern, tokens=tokens)

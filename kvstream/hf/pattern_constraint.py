@@ -35,7 +35,7 @@ from typing import Any
 import regex
 import torch
 
-from kvstream.hf.bounded_compile import CompileTooCostly, bounded_compile
+from kvstream.hf.bounded_compile import CompileTooCostly, bounded_compile, compile_complaint
 from kvstream.hf.grammar import MAX_TOKEN_REFERENCES, TOKEN_SENTINELS
 from kvstream.hf.pattern_machine import (
     LazyExpression,
@@ -70,6 +70,18 @@ def compile_pattern(text: str) -> Any:
     except (regex.error, ValueError, TypeError, RecursionError, OverflowError) as exc:
         raise PatternError(f"the expression does not compile ({exc})") from None
     return pattern
+
+
+def check_pattern(text: str) -> None:
+    """A client's expression the machine holds, checked without compiling it here (this
+    process compiles it only if an answer needs it: LazyExpression): PatternError if the
+    regex module does not compile it, or not within bounded_compile's limits."""
+    try:
+        complaint = compile_complaint(text)
+    except CompileTooCostly as exc:
+        raise PatternError(str(exc)) from None
+    if complaint is not None:
+        raise PatternError(f"the expression does not compile ({complaint})")
 
 
 def expression(text: str) -> Any:

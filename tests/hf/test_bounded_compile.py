@@ -20,7 +20,7 @@ from tests.conftest import require_import
 regex = require_import("regex")
 
 from kvstream.hf.bounded_compile import CompileProbe, CompileTooCostly, bounded_compile  # noqa: E402
-from kvstream.hf.pattern_constraint import PatternError, compile_pattern  # noqa: E402
+from kvstream.hf.pattern_constraint import PatternError, check_pattern, compile_pattern  # noqa: E402
 
 CRASHES = "(?:ab|c){1000000}"  # seventeen characters: a segmentation fault in regex.compile
 GIGABYTES = "(?=a)(?:(?:a{1000}){1000}){64}"  # ~20 GB (16 of the outer count took 11 s and 5 GB)
@@ -68,7 +68,21 @@ def test_a_client_expression_too_costly_is_a_pattern_error_a_400():
 def test_an_expression_that_does_not_compile_raises_the_regex_modules_own_error(probe):
     with pytest.raises(regex.error, match="missing \\)"):
         bounded_compile("a+(")
-    probe.check("a+(")  # (the helper has nothing to refuse: the caller's compile says why)
+    assert probe.check("a+(") == "missing ) at position 3"  # the helper's answer: the complaint
+    assert probe.check("a+") is None
+
+
+def test_an_expression_is_checked_without_compiling_it_here(monkeypatch):
+    """For an expression the machine holds (guided.py): the helper's verdict alone."""
+    compiled = []
+    original = regex.compile
+    monkeypatch.setattr(regex, "compile", lambda text, *a, **k: compiled.append(text) or original(text, *a, **k))
+    check_pattern(r"\d{4}-\d{2}")
+    with pytest.raises(PatternError, match="does not compile \\(missing \\) at position 3\\)"):
+        check_pattern("a+(")
+    with pytest.raises(PatternError, match="MB to compile"):
+        check_pattern(CRASHES)
+    assert compiled == []
 
 
 def test_the_memory_limit_is_what_the_probe_is_given(probe):

@@ -208,8 +208,9 @@ def test_a_client_expression_past_the_length_limit_is_refused_before_it_is_compi
     ``guided_choice`` (an expression KVStream writes, which the machine follows)."""
     import kvstream.hf.guided as guided
 
-    compiled = []
+    compiled, checked = [], []
     monkeypatch.setattr(guided, "compile_pattern", lambda text: compiled.append(len(text)))
+    monkeypatch.setattr(guided, "check_pattern", lambda text: checked.append(len(text)))
     words = "|".join(f"w{i}" for i in range(10_000))
     for extra, field in (({"guided_regex": words}, "guided_regex"), ({"structured_outputs": {"regex": words}},
                                                                      "structured_outputs.regex")):
@@ -217,10 +218,26 @@ def test_a_client_expression_past_the_length_limit_is_refused_before_it_is_compi
             guide(extra)
         assert err.value.status == 400 and err.value.param == field
         assert f"{len(words)} characters long" in err.value.message and "guided_choice" in err.value.message
-    assert compiled == []
+    assert compiled == [] and checked == []
     at_limit = words[: guided.MAX_EXPRESSION_CHARS].rstrip("|")
-    assert guide({"guided_regex": at_limit}).pattern == at_limit and compiled == [len(at_limit)]
+    # (the machine holds it: compiled by the helper process alone, test_bounded_compile.py)
+    assert guide({"guided_regex": at_limit}).pattern == at_limit and checked == [len(at_limit)] and compiled == []
     assert len(guide({"guided_choice": words.split("|")}).pattern) > guided.MAX_EXPRESSION_CHARS
+
+
+def test_a_client_expression_the_machine_holds_is_not_compiled_in_this_process(monkeypatch):
+    """The regex module compiles holding the interpreter's lock: a client's expression the
+    machine follows is checked by the helper process alone (test_bounded_compile.py); one the
+    machine cannot follow (a lookahead) is compiled here."""
+    import regex
+
+    compiled = []
+    original = regex.compile
+    monkeypatch.setattr(regex, "compile", lambda text, *a, **k: compiled.append(text) or original(text, *a, **k))
+    held = r"(?:[0-9a-f]{2}:){5}[0-9a-f]{2} \d+"
+    assert guide({"guided_regex": held}).pattern == held and held not in compiled
+    ahead = "(?=x)x[a-z]+ \\d"
+    assert guide({"guided_regex": ahead}).pattern == ahead and ahead in compiled
 
 
 def test_an_expression_that_backtracks_without_end_fails_within_its_budget_not_the_engine():
