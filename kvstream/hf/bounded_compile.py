@@ -19,7 +19,8 @@ comments, scoped flags, fuzzy counts).
 What it costs (``python benchmarks/bounded_compile.py``): each expression not yet cached
 compiled twice, the first time in the helper (half a millisecond more for the expressions
 people write; 16 KiB of alternatives 73 -> 165 ms), ~30 ms to start the helper on first use
-and after each refusal, and a small idle process.
+and after each refusal, and a small idle process. An expression the incremental machine
+holds is only checked here (``compile_complaint``): compiled once, in the helper.
 """
 
 from __future__ import annotations
