@@ -72,10 +72,12 @@ def compile_pattern(text: str) -> Any:
     return pattern
 
 
+@functools.lru_cache(maxsize=64)
 def check_pattern(text: str) -> None:
     """A client's expression the machine holds, checked without compiling it here (this
     process compiles it only if an answer needs it: LazyExpression): PatternError if the
-    regex module does not compile it, or not within bounded_compile's limits."""
+    regex module does not compile it, or not within bounded_compile's limits. Cached by the
+    text, as compile_pattern is (a request's fields are read twice: checked, then run)."""
     try:
         complaint = compile_complaint(text)
     except CompileTooCostly as exc:
