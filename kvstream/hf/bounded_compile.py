@@ -172,7 +172,7 @@ class CompileProbe:
             try:
                 if stream is not None:
                     stream.close()
-            except OSError:
+            except OSError:  # (flushing what was buffered for a killed helper: nobody reads it)
                 pass
 
 

@@ -87,7 +87,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "typical_p", "presence_penalty", "frequency_penalty", "repeat_penalty"):
             if math.isnan(getattr(self, name)):
                 raise ValueError(f"{name} must be a number, not NaN")
-        if self.logit_bias and math.isnan(sum(self.logit_bias.values())):  # (sum: one pass in C)
+        if self.logit_bias and any(map(math.isnan, self.logit_bias.values())):  # (one pass in C; inf and -inf allowed)
             raise ValueError("logit_bias values must be numbers, not NaN")
         if self.max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")

@@ -26,6 +26,11 @@ def test_greedy_top_k_one_and_tiny_or_zero_top_p_all_take_the_argmax():
     assert sample(x, params, gens) == best
 
 
+def test_infinite_biases_are_numbers_not_nan():
+    """(inf plus -inf summed is NaN: the NaN check looks at each value.)"""
+    SamplingParams(logit_bias={1: float("inf"), 2: float("-inf")})
+
+
 def test_a_temperature_too_small_for_float32_is_greedy():
     """1e-320 is 0 in float32: the logits over it were infinite, the distribution NaN, and
     torch's draw raised inside the step (every running request failed with it)."""
