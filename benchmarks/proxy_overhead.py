@@ -2,7 +2,7 @@
 requests/s and streams/s, and the proxy's CPU time per request, at concurrency 1, 32 and 128,
 streaming and not. Every request goes through the scheduler.
 
-    python benchmarks/proxy_overhead.py [--requests 2000] [--tokens 8]
+    python benchmarks/proxy_overhead.py [--requests 2000] [--tokens 8] [--max-batch-size 512]
 
 Three paths in the same run: direct to the upstream, through a bare aiohttp pass-through
 proxy (benchmarks/_passthrough_proxy.py, the floor for any Python proxy), and through
@@ -88,6 +88,8 @@ async def main() -> None:
     parser.add_argument("--requests", type=int, default=2000, help="requests per cell (c=1 uses a fifth)")
     parser.add_argument("--tokens", type=int, default=8, help="tokens per response")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument("--max-batch-size", type=int, default=512,
+                        help="KVStream's batch (512: nothing waits; 8, its default, queues the rest in its scheduler)")
     args = parser.parse_args()
 
     up_port, floor_port, proxy_port = free_port(), free_port(), free_port()
@@ -96,7 +98,7 @@ async def main() -> None:
     floor = spawn([PYTHON, "benchmarks/_passthrough_proxy.py", "--port", str(floor_port), "--upstream", direct_url])
     proxy = spawn(
         [PYTHON, "-m", "kvstream.cli.main", "serve", "--backend", "openai", "--backend-url", direct_url,
-         "--port", str(proxy_port), "--max-batch-size", "512", "--log-level", "warning"],
+         "--port", str(proxy_port), "--max-batch-size", str(args.max_batch_size), "--log-level", "warning"],
         env={"KVSTREAM_SCHEDULER__MAX_QUEUE_SIZE": "100000", "KVSTREAM_MEMORY__NUM_GPU_BLOCKS": "20000"},
     )
     floor_url, proxy_url = f"http://127.0.0.1:{floor_port}", f"http://127.0.0.1:{proxy_port}"

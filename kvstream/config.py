@@ -139,6 +139,7 @@ class SchedulerSettings(_Section):
     preemption_policy: Literal["swap", "recompute"] = Field("swap", description="how a preempted sequence is paused")
     policy: Literal["auto", "fcfs", "sjf", "lpm"] = Field("auto", description="queue order: fcfs = arrival; sjf = shortest job first (with aging); lpm = longest prefix the runtime already holds first (with aging); auto = lpm in front of a runtime with a per-slot prompt cache (every remote backend), fcfs in-process")
     lpm_max_overtakes: int = Field(8, ge=0, description="lpm: times a waiting request may be passed over for a better prefix match before it goes first")
+    lpm_window: int = Field(64, ge=1, description="lpm: the waiting requests (the first in arrival order) ordered by the prefix the runtime holds; those behind them wait in arrival order, so a scheduling pass costs the same however long the queue")
     max_queue_size: int = Field(256, ge=0, description="waiting requests beyond this get 429 + Retry-After")
     queue_timeout_s: float | None = Field(None, gt=0, description="a request waiting longer for a slot gets 503 + Retry-After; none = no deadline (a request waits as long as its client does, as it would at the runtime; a client sets its own with the X-KVStream-Deadline-Ms header)")
     max_num_batched_tokens: int = Field(2048, ge=16, description="hf: most tokens in one forward pass; longer prompts are prefilled in chunks")

@@ -23,6 +23,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from kvstream.kv.block_manager import UNKNOWN_TOKEN, BlockManager
 from kvstream.kv.block_pool import NoFreeBlocks
@@ -84,6 +85,8 @@ class QueueFull(SchedulerError):
 
 
 _seq_counter = itertools.count()
+# fcfs order within each class; a C-level key, since the queue is ordered on every pass.
+_ARRIVAL_ORDER = attrgetter("priority", "arrival")
 
 
 @dataclass(eq=False)
@@ -149,6 +152,11 @@ class SchedulerConfig:
     # lpm: a waiting request is passed over for better prefix matches at most this many
     # times; then it goes first (FCFS among such), so nobody starves behind a hot prefix.
     lpm_max_overtakes: int = 8
+    # lpm orders only this many waiting requests, the first in arrival order, by the prefix
+    # they share with the runtime (one lookup each, every pass); the others wait behind them
+    # in arrival order, so that a pass costs the same with 64 or 4,096 waiting (SGLang falls
+    # back to fcfs past 128 waiting, for the same reason).
+    lpm_window: int = 64
     # sjf aging: a waiting request's expected size shrinks by this many tokens per second
     # waited, so a long request is eventually first however many short ones arrive.
     sjf_aging_tokens_per_s: float = 200.0
@@ -279,6 +287,27 @@ class Scheduler:
             return (seq.priority, -self.affinity(seq), seq.arrival)
         return (seq.priority, -float("inf"), seq.arrival) if policy == "lpm" else (seq.priority, seq.arrival, 0.0)
 
+    def _order_waiting(self, now: float) -> None:
+        """Put the waiting queue in admission order (``_order_key``); lpm only within its
+        window (``lpm_window``: the first in arrival order), the rest behind it by arrival."""
+        if self.config.policy == "sjf":  # (sizes age with time: every key changes)
+            self.waiting.sort(key=lambda s: self._order_key(s, now))
+            return
+        self.waiting.sort(key=_ARRIVAL_ORDER)  # (nearly sorted already: a linear pass)
+        if self.config.policy == "lpm" and self.affinity is not None:
+            window = self.config.lpm_window
+            self.waiting[:window] = sorted(self.waiting[:window], key=lambda s: self._order_key(s, now))
+
+    def _may_admit(self) -> bool:
+        """Whether a pass could admit anyone: a batch slot is free, or a running sequence
+        of a lower class than the best waiting one could be preempted for it."""
+        if len(self.running) + self._reserved < self.config.max_batch_size:
+            return True
+        if not self.preemptible or not self.waiting:
+            return False
+        best = min(seq.priority for seq in self.waiting)
+        return any(seq.preemptible and seq.priority > best for seq in self.running)
+
     def _expire_cache(self, now: float) -> None:
         """Drop cached blocks past the TTL before they can be matched; the scan over the
         free queue runs at most once per tenth of the TTL (and per second), not per call."""
@@ -320,7 +349,11 @@ class Scheduler:
             return out
         now = self.clock()
         self._expire_cache(now)
-        self.waiting.sort(key=lambda s: self._order_key(s, now))
+        if not self.swapped and not self._may_admit():
+            # The common case under load (an arrival while every slot is busy): ordering
+            # the queue would change nothing.
+            return out
+        self._order_waiting(now)
         # A waiting request of a strictly higher class goes before the swapped (it may have
         # been what preempted them); otherwise the preempted resume first.
         urgent = self.waiting[0].priority if self.waiting else None
@@ -347,23 +380,27 @@ class Scheduler:
             # No free slot or not enough blocks: preempt a running request of a lower class
             # (preemptible backends only), or wait.
             short = self._shortfall(seq)
-            if short != (0, 0) and not self._preempting_makes_room(seq.priority, *short):
-                if not self._split_to_fit(seq, position):
+            if short != (0, 0):
+                if not self._preempting_makes_room(seq.priority, *short) and not self._split_to_fit(seq, position):
                     # Head of line waits (admitting around it could starve it); preempting
                     # would not make it fit (the victims' blocks shared with swapped sequences
                     # stay), and would only stop work that could finish and free them.
                     return out
-            while self._shortfall(seq) != (0, 0):
-                victim = self._pick_victim(below=seq.priority)
-                if victim is None:
-                    return out  # head of line waits; admitting around it could starve it
-                self._preempt(victim, out)
+                while self._shortfall(seq) != (0, 0):
+                    victim = self._pick_victim(below=seq.priority)
+                    if victim is None:
+                        return out  # head of line waits; admitting around it could starve it
+                    self._preempt(victim, out)
             self.waiting.remove(seq)
-            for other in self.waiting:  # lpm aging: earlier arrivals of its class passed over
-                other.overtaken += other.arrival < seq.arrival and other.priority == seq.priority
+            if self.config.policy == "lpm":
+                # Aging: earlier arrivals of its class passed over (all in the window, or
+                # before the position it was admitted from: behind the window the order is
+                # arrival's).
+                for other in self.waiting[: max(self.config.lpm_window, position)]:
+                    other.overtaken += other.arrival < seq.arrival and other.priority == seq.priority
             if out.preempted:
                 # Recompute victims re-entered the queue; put them in their place behind.
-                self.waiting.sort(key=lambda s: self._order_key(s, now))
+                self._order_waiting(now)
                 position = 0
             seq.num_cached_tokens = self.bm.allocate(
                 seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, seq.cache_root, max_reused=seq.max_reused_tokens
@@ -465,7 +502,7 @@ class Scheduler:
             self.bm.free(dropped.seq_id)
             dropped.status = SeqStatus.WAITING
             self.waiting.append(dropped)
-            self.waiting.sort(key=lambda s: self._order_key(s, now))
+            self._order_waiting(now)
             self.stats.swap_drops += 1
 
     def _shares_prefix_in_flight(self, seq: Sequence) -> bool:

@@ -456,6 +456,71 @@ def test_lpm_admits_the_longest_held_prefix_first_and_bounds_how_often_one_is_pa
     sched.check_invariants()
 
 
+def test_lpm_orders_its_window_by_prefix_and_the_queue_behind_it_by_arrival():
+    """Only the lpm_window first arrivals are looked up (a pass costs the same however long
+    the queue): a match inside the window goes first, one behind it waits its turn; the
+    aging of those passed over counts only the earlier arrivals of the same class."""
+    looked_up = []
+
+    def affinity(s):
+        looked_up.append(s.seq_id)
+        return 64 if s.prompt_token_ids[0] == 0 else 0
+
+    bm = BlockManager(256, 4, 0, model_identity="t")
+    sched = Scheduler(bm, SchedulerConfig(max_batch_size=1, policy="lpm", lpm_window=3), preemptible=False,
+                      clock=Clock(), affinity=affinity)
+    running = seq(4, max_tokens=1, first=0, arrival=0)
+    sched.add(running)
+    sched.schedule()
+    others = [seq(4, max_tokens=1, first=100 + 10 * i, arrival=1 + i) for i in range(3)]  # the window, no match
+    late_match = seq(4, max_tokens=1, first=0, arrival=10)  # behind the window
+    early_match = seq(4, max_tokens=1, first=0, arrival=2.5)  # inside it once sorted by arrival
+    for s in (*others, late_match, early_match):
+        sched.add(s)
+    looked_up.clear()
+    sched.finish(running)
+    (first,) = sched.schedule().admitted
+    assert first is early_match  # passed the two that arrived before it
+    assert len(looked_up) == 3 and late_match.seq_id not in looked_up
+    assert [s.overtaken for s in others] == [1, 1, 0] and late_match.overtaken == 0
+    order = []
+    current = first
+    while sched.waiting:
+        sched.finish(current)
+        (current,) = sched.schedule().admitted
+        order.append(current)
+    # The window's first by arrival; then the late match, once inside the window, passes the rest.
+    assert order == [others[0], late_match, others[1], others[2]]
+    sched.check_invariants()
+
+
+def test_an_arrival_while_every_slot_is_busy_orders_nothing():
+    """With the batch full and nothing to preempt for it, a pass returns at once: no prefix
+    is looked up for the queue (under load that was every arrival's cost, per waiting
+    request); a higher class arriving at a preemptible engine still preempts."""
+    looked_up = []
+
+    def affinity(s):
+        looked_up.append(s.seq_id)
+        return 0
+
+    bm = BlockManager(64, 4, 8, model_identity="t")
+    sched = Scheduler(bm, SchedulerConfig(max_batch_size=2, policy="lpm"), preemptible=True, clock=Clock(), affinity=affinity)
+    for i in range(2):
+        sched.add(seq(4, first=100 * i, arrival=i))
+    assert len(sched.schedule().admitted) == 2
+    for i in range(5):
+        sched.add(seq(4, first=1000 + 100 * i, arrival=10 + i))
+    looked_up.clear()
+    out = sched.schedule()
+    assert not out.admitted and not out.preempted and looked_up == []
+    urgent = seq(4, priority=Priority.HIGH, first=5000, arrival=20)
+    sched.add(urgent)
+    out = sched.schedule()
+    assert admitted_ids(out) == [urgent.seq_id] and len(out.preempted) == 1
+    sched.check_invariants()
+
+
 def test_a_prompt_sharing_a_prefix_being_computed_waits_for_it_and_then_hits_the_cache():
     """In-process engines (hash_on_append off, commit reports what is computed): b shares
     a's three-block document, arrives with it, waits until a has computed it, and is then

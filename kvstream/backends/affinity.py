@@ -17,25 +17,22 @@ figure.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from kvstream.kv.hashing import BlockHash, block_hashes, model_key
 
 
-def common_blocks(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
-    """Leading blocks two chains share (equal chained hashes mean equal prefixes)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class SlotModel:
     """``slots`` runtime slots: each idle one holds the block chain of the last prompt that
-    ran in it (most recently used last); busy ones the prompt running there, by key."""
+    ran in it (most recently used last); busy ones the prompt running there, by key.
+
+    Chained hashes name whole prefixes (a block's hash covers every block before it), so a
+    chain's longest prefix held by some slot is its longest run of leading hashes that some
+    slot's chain contains: each hash is counted over the idle chains (and over all of them)
+    and a lookup walks the prompt's own chain, whatever the number of slots. lpm asks it for
+    every waiting request each time a slot frees; a scan of every slot made that the
+    scheduler's largest cost in front of a runtime with many slots."""
 
     def __init__(self, slots: int, block_size: int, identity: str) -> None:
         self.slots = slots
@@ -43,6 +40,8 @@ class SlotModel:
         self.salt = model_key(identity)
         self.idle: list[list[BlockHash]] = [[] for _ in range(slots)]
         self.busy: dict[str, list[BlockHash]] = {}
+        self._in_idle: Counter[BlockHash] = Counter()  # idle chains holding each hash
+        self._in_any: Counter[BlockHash] = Counter()  # idle or busy chains holding it
 
     def chain(self, token_ids: Sequence[int], root: bytes | None = None) -> list[BlockHash]:
         """The block chain of a prompt (``root``: its tenant's, when tenants are isolated)."""
@@ -51,10 +50,15 @@ class SlotModel:
     def held_blocks(self, chain: Sequence[BlockHash], busy: bool = False) -> int:
         """Leading blocks of ``chain`` that the best idle slot already holds (``busy``: or a
         slot running now, which will hold them when it frees)."""
-        if not chain:
+        held = self._in_any if busy else self._in_idle
+        if not held:
             return 0
-        held = [*self.idle, *self.busy.values()] if busy else self.idle
-        return max((common_blocks(chain, h) for h in held), default=0)
+        n = 0
+        for block in chain:
+            if block not in held:
+                break
+            n += 1
+        return n
 
     @property
     def free(self) -> int:
@@ -63,13 +67,20 @@ class SlotModel:
 
     def start(self, key: str, chain: list[BlockHash]) -> None:
         """The prompt ``chain`` was sent: it lands in the idle slot sharing the longest
-        prefix with it, else the least recently used one (as llama-server chooses)."""
+        prefix with it (the least recently used of those), else the least recently used one
+        (as llama-server chooses)."""
         if self.idle:
-            best = max(range(len(self.idle)), key=lambda i: (common_blocks(chain, self.idle[i]), -i))
-            if common_blocks(chain, self.idle[best]) == 0:
-                best = 0  # no match: the least recently used slot
-            self.idle.pop(best)
+            n = self.held_blocks(chain)
+            # The first idle chain with the prompt's n-th hash shares its first n blocks.
+            best = next(i for i, held in enumerate(self.idle) if n == 0 or (len(held) >= n and held[n - 1] == chain[n - 1]))
+            taken = self.idle.pop(best)  # the slot's old prompt is overwritten
+            self._forget(self._in_idle, taken)
+            self._forget(self._in_any, taken)
+        previous = self.busy.get(key)
+        if previous is not None:  # started again without finishing: one slot, one prompt
+            self._forget(self._in_any, previous)
         self.busy[key] = chain
+        self._in_any.update(chain)
 
     def finish(self, key: str) -> None:
         """The request ``key`` left its slot (finished, failed or paused); the slot keeps
@@ -77,8 +88,20 @@ class SlotModel:
         chain = self.busy.pop(key, None)
         if chain is not None:
             self.idle.append(chain)
+            self._in_idle.update(chain)
             if len(self.idle) + len(self.busy) > self.slots:
-                self.idle.pop(0)  # more in flight than modelled slots: forget the oldest
+                # More in flight than modelled slots: forget the oldest.
+                oldest = self.idle.pop(0)
+                self._forget(self._in_idle, oldest)
+                self._forget(self._in_any, oldest)
+
+    @staticmethod
+    def _forget(counts: Counter[BlockHash], chain: list[BlockHash]) -> None:
+        for block in chain:
+            if counts[block] == 1:
+                del counts[block]
+            else:
+                counts[block] -= 1
 
 
 class SharedCacheModel:

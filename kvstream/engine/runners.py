@@ -62,6 +62,7 @@ def build_scheduler(
         preemption_policy=sched.preemption_policy,
         policy=resolve_policy(sched.policy, affinity is not None),
         lpm_max_overtakes=sched.lpm_max_overtakes,
+        lpm_window=sched.lpm_window,
         max_queue_size=sched.max_queue_size,
         max_model_len=limits.n_ctx_per_request,
         cache_ttl_s=settings.prefix_cache.ttl_seconds,

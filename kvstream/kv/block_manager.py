@@ -164,9 +164,11 @@ class BlockManager:
     def blocks_needed(self, token_ids: Sequence[int], root: BlockHash | None = None, *, max_reused: int | None = None) -> int:
         """Free blocks that allocate(token_ids) would consume, counting cached hits that are
         idle (they leave the free queue when taken)."""
-        hits = self.cached_prefix(token_ids, root, max_reused)
+        return self._blocks_needed(len(token_ids), self.cached_prefix(token_ids, root, max_reused))
+
+    def _blocks_needed(self, num_tokens: int, hits: list[Block]) -> int:
         idle_hits = sum(1 for b in hits if b.ref_cnt == 0)
-        return self.blocks_for(len(token_ids)) - len(hits) + idle_hits
+        return self.blocks_for(num_tokens) - len(hits) + idle_hits
 
     # -------------------------------------------------------------- lifecycle
     def allocate(
@@ -185,7 +187,7 @@ class BlockManager:
         if not token_ids:
             raise ValueError("a sequence needs at least one token")
         hits = self.cached_prefix(token_ids, root, max_reused)
-        if self.blocks_needed(token_ids, root, max_reused=max_reused) > self.pool.num_free:
+        if self._blocks_needed(len(token_ids), hits) > self.pool.num_free:
             raise NoFreeBlocks
         table = BlockTable(root=root)
         for block in hits:
