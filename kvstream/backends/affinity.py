@@ -31,8 +31,8 @@ class SlotModel:
     chain's longest prefix held by some slot is its longest run of leading hashes that some
     slot's chain contains: each hash is counted over the idle chains (and over all of them)
     and a lookup walks the prompt's own chain, whatever the number of slots. lpm asks it for
-    every waiting request each time a slot frees; a scan of every slot made that the
-    scheduler's largest cost in front of a runtime with many slots."""
+    each request of its window every time a slot frees; comparing each with every slot made
+    that the scheduler's largest cost in front of a runtime with many slots."""
 
     def __init__(self, slots: int, block_size: int, identity: str) -> None:
         self.slots = slots
