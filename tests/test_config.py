@@ -57,6 +57,7 @@ def test_explicit_config_path(tmp_path):
         ({"KVSTREAM_SCHEDULER__PREEMPTION_POLICY": "kill"}, None, "scheduler.preemption_policy"),
         ({"KVSTREAM_MEMORY__NUM_GPU_BLOCKS": "0"}, None, "memory.num_gpu_blocks"),
         ({"KVSTREAM_BACKEND__SEED": "-2"}, None, "backend.seed"),
+        ({"KVSTREAM_SCHEDULER__LPM_WINDOW": "0"}, None, "scheduler.lpm_window"),
         ({"KVSTREAM_BACKEND__SEED": str(2**32)}, None, "backend.seed"),
         ({"KVSTREAM_SERVER__PORTT": "1"}, None, "unknown setting server.portt"),
         ({}, "memory:\n  block_size: 64\n", "memory.block_size (from"),
@@ -129,3 +130,12 @@ def test_a_server_seed_of_minus_one_is_llama_servers_random(tmp_path):
     """``--seed -1`` means a random seed at llama-server: here too, the same as none."""
     assert load_settings(environ={"KVSTREAM_BACKEND__SEED": "-1"}, cwd=tmp_path).settings.backend.seed is None
     assert load_settings(environ={"KVSTREAM_BACKEND__SEED": "42"}, cwd=tmp_path).settings.backend.seed == 42
+
+
+def test_the_lpm_window_set_reaches_the_scheduler_in_front_of_a_runtime(tmp_path):
+    from kvstream.backends.openai_compat import OpenAICompatibleBackend
+    from kvstream.engine import KVStreamEngine
+
+    settings = load_settings(environ={"KVSTREAM_SCHEDULER__LPM_WINDOW": "5"}, cwd=tmp_path).settings
+    engine = KVStreamEngine(OpenAICompatibleBackend("http://127.0.0.1:9", "m"), settings)
+    assert engine.scheduler.config.policy == "lpm" and engine.scheduler.config.lpm_window == 5
