@@ -14,6 +14,8 @@ from rich.console import Console
 
 from kvstream.bench import datasets
 from kvstream.bench.metrics import RequestResult, calculate, percentile, tpot, ttft_by_turn
+from kvstream.bench.runner import Load
+from kvstream.cli import bench as bench_cli
 from kvstream.cli import status as status_cli
 from tests.conftest import free_port, wait_http
 
@@ -50,6 +52,42 @@ def test_datasets_are_seeded_and_shaped():
     assert len({r.messages[0]["content"] for r in rep}) == 3 and len({r.messages[1]["content"] for r in rep}) == 12
     convs = datasets.multi_turn_dataset(2, 4, 30, 10, 8, seed=0)
     assert len(convs) == 2 and all(len(c.user_turns) == 4 for c in convs)
+
+
+def _prompt(item) -> str:
+    return item.system if isinstance(item, datasets.Conversation) else json.dumps(item.messages)
+
+
+def test_compared_servers_get_their_own_copies_in_alternating_rounds():
+    """Two servers in front of one runtime: neither may be served the other's prompts from the
+    runtime's cache, and neither may always follow itself (its slots warm for it alone)."""
+    items = datasets.prefix_repetition_dataset(8, 2, 40, 8, 8, seed=0)
+    before = json.dumps([r.messages for r in items])
+    plan = bench_cli.rounds(items, 2, False, Load(concurrency=4))
+    assert [i for i, _, _ in plan] == [0, 1, 0, 1]
+    assert all(load.total_requests is None and load.concurrency == 4 for _, _, load in plan)
+    sent = {i: [r for j, chunk, _ in plan if j == i for r in chunk] for i in (0, 1)}
+    for i, marker in enumerate(bench_cli.MARKERS):
+        assert len(sent[i]) == len(items)
+        assert [r.messages[0]["content"] for r in sent[i]] == [marker + r.messages[0]["content"] for r in items]
+        assert [r.messages[1:] for r in sent[i]] == [r.messages[1:] for r in items]
+    assert not {_prompt(r) for r in sent[0]} & {_prompt(r) for r in sent[1]}
+    assert json.dumps([r.messages for r in items]) == before  # the workload itself is left as it was
+    assert len(set(map(len, bench_cli.MARKERS))) == 1
+
+    # --total-requests is split over the rounds, not dropped; a duration runs each copy whole.
+    plan = bench_cli.rounds(items, 2, False, Load(concurrency=4, total_requests=12))
+    assert [len(chunk) for _, chunk, _ in plan] == [6, 6, 6, 6]
+    plan = bench_cli.rounds(items, 2, False, Load(duration=5.0))
+    assert [(i, len(chunk), load.duration) for i, chunk, load in plan] == [(0, 8, 5.0), (1, 8, 5.0)]
+    # Conversations and content parts are marked too; one server gets the workload as it is.
+    convs = datasets.multi_turn_dataset(2, 3, 30, 10, 8, seed=0)
+    plan = bench_cli.rounds(convs, 2, True, Load())
+    assert [c.system for _, chunk, _ in plan for c in chunk] == [m + c.system for m in bench_cli.MARKERS for c in convs[:1]] + \
+        [m + c.system for m in bench_cli.MARKERS for c in convs[1:]]
+    parts = [datasets.BenchRequest([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], 4)]
+    assert datasets.marked(parts, "[A] ")[0].messages[0]["content"] == [{"type": "text", "text": "[A] "}, {"type": "text", "text": "hi"}]
+    assert bench_cli.rounds(items, 1, False, Load()) == [(0, items, Load())]
 
 
 def test_file_dataset_reads_openai_and_sharegpt_lines(tmp_path):
@@ -202,6 +240,8 @@ def test_bench_compares_kvstream_with_llama_server_directly(llama_server, tmp_pa
         assert result["completed"] == 8 and result["failed"] == 0 and result["compare"]["completed"] == 8
         assert result["total_output_tokens"] > 0 and result["mean_queue_ms"] is not None
         assert result["compare"]["mean_queue_ms"] is None  # llama-server sends no KVStream headers
+        # Each server ran its own copy of the workload ([A] / [B] prompts): the same size in tokens.
+        assert result["total_input_tokens"] == result["compare"]["total_input_tokens"]
         # Failures are reported, not hidden: an unknown model through KVStream is a 404 each time.
         bad = subprocess.run(cmd[:6] + ["--model", "no-such-model", "--num-prompts", "3", "--json", str(out)],
                              capture_output=True, text=True, timeout=120)

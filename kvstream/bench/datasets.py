@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,4 +95,27 @@ def file_dataset(path: Path, n: int | None, output_len: int) -> list[BenchReques
             break
     if not out:
         raise ValueError(f"{path}: no requests")
+    return out
+
+
+def marked(items: list[BenchRequest] | list[Conversation], marker: str) -> list[BenchRequest] | list[Conversation]:
+    """A copy of a workload in which every prompt opens with ``marker`` (the first message of
+    a request, the system prompt of a conversation). Two servers compared in front of one
+    runtime each get their own marker, so that neither finds the other's prompts in the
+    runtime's cache: the second would otherwise be served the prefixes the first computed.
+    Markers of equal length keep the two copies the same size in tokens."""
+    out: list = []
+    for item in items:
+        if isinstance(item, Conversation):
+            out.append(replace(item, system=marker + item.system, user_turns=list(item.user_turns)))
+            continue
+        messages = [dict(m) for m in item.messages]
+        if messages:
+            first = messages[0]
+            content = first.get("content")
+            if isinstance(content, list):  # content parts: a text part goes first
+                first["content"] = [{"type": "text", "text": marker}, *content]
+            else:
+                first["content"] = marker + (content or "")
+        out.append(replace(item, messages=messages, extra=dict(item.extra)))
     return out

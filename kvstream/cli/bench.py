@@ -61,6 +61,30 @@ async def bench_one(target: Target, items: list, multi_turn: bool, load: Load, r
     return await run_requests(target, items, load, results, done)
 
 
+MARKERS = ("[A] ", "[B] ")  # one per compared server; equal lengths keep the copies equal in tokens
+
+
+def rounds(items: list, targets: int, multi_turn: bool, load: Load) -> list[tuple[int, list, Load]]:
+    """What to send to which target, in order: ``(target index, items, load)``.
+
+    One target: the workload once. Two (``--compare``, most often KVStream and the runtime
+    behind it, so one runtime's caches serve both): each gets its own copy of the workload,
+    every prompt marked ``[A]`` or ``[B]``, so that neither is served prefixes the other
+    computed (the second would otherwise find the first's prompts cached and look faster);
+    the copies run in alternating rounds over halves, A, B, A, B, so that each round but the
+    first starts where the other server's round left the runtime's slots, for both alike."""
+    if targets == 1:
+        return [(0, items, load)]
+    if load.total_requests is not None and not multi_turn:  # the rounds split the whole count
+        items = [items[i % len(items)] for i in range(load.total_requests)]
+    copies = [datasets.marked(items, marker) for marker in MARKERS]
+    if load.duration or len(items) < 2:
+        return [(i, copies[i], load) for i in (0, 1)]
+    half = len(items) // 2
+    halves = Load(load.concurrency, load.request_rate, None, None, load.seed)
+    return [(i, copies[i][part], halves) for part in (slice(None, half), slice(half, None)) for i in (0, 1)]
+
+
 ROWS = [
     ("Successful requests", "completed", "{:,.0f}"),
     ("Failed requests", "failed", "{:,.0f}"),
@@ -149,22 +173,12 @@ def run(urls: list[str], model: str | None, api_key: str | None, workload: Workl
                 sample = datasets.random_dataset(warmup, 16, 4, workload.seed + 1)
                 await run_requests(target, sample, Load(concurrency=min(warmup, load.concurrency)), [])
         items = workload.build()
-        # Comparing two servers: two rounds over halves of the workload, A then B, then
-        # B then A, so that warming caches or a drifting machine favour neither.
-        if len(targets) == 2 and not load.duration and len(items) >= 2:
-            half = len(items) // 2
-            rounds = [(items[:half], [0, 1]), (items[half:], [1, 0])]
-            round_load = Load(load.concurrency, load.request_rate, None, None, load.seed)
-        else:
-            rounds = [(items, list(range(len(targets))))]
-            round_load = load
-        for chunk, order in rounds:
-            for i in order:
-                url, results, elapsed = collected[i]
-                with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                              console=console, transient=True) as progress:
-                    elapsed += await bench_one(targets[i], chunk, multi_turn, round_load, results, progress)
-                collected[i] = (url, results, elapsed)
+        for i, chunk, chunk_load in rounds(items, len(targets), multi_turn, load):
+            url, results, elapsed = collected[i]
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=console, transient=True) as progress:
+                elapsed += await bench_one(targets[i], chunk, multi_turn, chunk_load, results, progress)
+            collected[i] = (url, results, elapsed)
 
     interrupted = False
     try:
