@@ -181,3 +181,53 @@ async def test_a_request_waits_for_the_busy_slot_running_its_prefix(server, star
     assert (await first).usage.prompt_tokens_details.cached_tokens < 100
     assert second.usage.prompt_tokens_details.cached_tokens > 200  # reused from the first's slot
     assert backend.inject.stats.slot_waits >= 1
+
+
+async def test_a_prefix_a_busy_slot_runs_is_restored_from_its_file_into_an_idle_slot(server, start_proxy, tmp_path):
+    """Two requests with one long, saved prefix at once: the first runs in the slot holding
+    it; the second gets it from the prefix's file in the idle slot (milliseconds) instead of
+    waiting for the busy slot (as long as computing the prefix would take)."""
+    import asyncio
+
+    srv = server(extra=["--cache-ram", "0"])
+    proxy, backend, client, model = await proxy_for(start_proxy, srv, tmp_path)
+    inject = backend.inject
+    await chat(client, model, "When do you open?")  # computed once, and saved
+    assert inject.stats.saves == 1
+    inject.prefill_tps = 10.0  # as on a slow machine: the wait would be the longest allowed
+    first = asyncio.ensure_future(
+        client.chat.completions.create(model=model, messages=ask("Tell me about the cakes."), max_tokens=48, temperature=0)
+    )
+    while not any(slot.busy for slot in inject.table.slots):
+        await asyncio.sleep(0.005)
+    second = await chat(client, model, "Do you deliver?")
+    assert inject.stats.slot_waits == 0 and inject.stats.restores == 1
+    assert second.usage.prompt_tokens_details.cached_tokens >= 300  # from the file
+    assert (await first).usage.prompt_tokens_details.cached_tokens >= 300  # from its slot
+
+
+async def test_one_miss_of_a_runtime_cache_that_is_off_turns_to_the_slot_files(server, start_proxy, tmp_path):
+    """llama-server's host-RAM prompt cache is trusted to hold prefixes it computed until it
+    misses one: here it is off (--cache-ram 0, as Ollama's runner works), so the first
+    revisit of an evicted prefix is computed again, and the next is restored from its file."""
+    import asyncio
+
+    srv = server(extra=["--cache-ram", "0"])
+    proxy, backend, client, model = await proxy_for(start_proxy, srv, tmp_path)
+    inject = backend.inject
+
+    async def evict(tag: str) -> None:  # two other long prompts at once take both slots
+        await asyncio.gather(*(
+            client.chat.completions.create(model=model, max_tokens=2, temperature=0,
+                                           messages=[{"role": "user", "content": f"{tag} {i}: " + "Tell me about ships. " * 40}])
+            for i in range(2)))
+
+    await chat(client, model, "When do you open?")
+    await evict("first")
+    missed = await chat(client, model, "Do you deliver?")
+    assert missed.usage.prompt_tokens_details.cached_tokens < 100 and inject.stats.restores == 0
+    assert not inject.trust_runtime_cache
+    await evict("second")
+    restored = await chat(client, model, "Do you sell rye bread?")
+    assert inject.stats.restores == 1
+    assert restored.usage.prompt_tokens_details.cached_tokens >= 300

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvstream.backends.llamacpp.slots import InjectStats, SlotFileStore, SlotState, SlotTable
+from kvstream.backends.llamacpp.slots import InjectStats, SlotFileStore, SlotState, SlotTable, common_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,6 @@ class HardInject:
         # whether its own host-RAM prompt cache can be trusted to still hold them.
         self._seen: dict[bytes, None] = {}
         self.trust_runtime_cache = True
-        self._runtime_cache_misses = 0
         self._max_task_seen = -1
         self.prefill_tps = DEFAULT_PREFILL_TPS  # measured: prompt tokens computed per second
 
@@ -156,16 +155,26 @@ class HardInject:
         tenant's chain root; only its own saved prefixes are found, and what it saves is
         found only by it."""
         await self._sync_with_runtime()
+        hashes = self.store.prefix_hashes(prompt, root) if self.store is not None else []
+        # At least one prompt token is left for the runtime to compute.
+        usable = hashes[: max(0, len(prompt) - 1) // self.block_size]
         held = self.table.holder(prompt) if swap_file is None else None
+        from_file = False  # the prefix a busy slot runs is restored from its file instead
         if held is not None and held[1] >= self.min_tokens:
             # A busy slot is running (so will hold) a longer prefix of this prompt than any
-            # idle slot: wait for it, at most as long as computing the difference would take
-            # (then take an idle slot and compute it), rather than evict another prefix.
-            self.stats.slot_waits += 1
-            await self.table.wait_for(held[0], min(SLOT_WAIT_S, held[1] / self.prefill_tps))
+            # idle slot. A saved file of (nearly) that prefix restores it into an idle slot
+            # in milliseconds: do that. Else wait for the busy slot, at most as long as
+            # computing the difference would take (then take an idle slot and compute it),
+            # rather than compute the prefix twice at once and evict another.
+            found = self.store.longest(usable) if self.enabled and self.store is not None else None
+            if found is not None and found[1] + self.min_tokens > common_prefix(held[0].running, prompt):
+                from_file = True
+            else:
+                self.stats.slot_waits += 1
+                await self.table.wait_for(held[0], min(SLOT_WAIT_S, held[1] / self.prefill_tps))
         await self.table.wait_idle(SLOT_WAIT_S)
         slot, shared = self.table.acquire(prompt)
-        route = Route(slot, prompt, self.store.prefix_hashes(prompt, root) if self.store is not None else [])
+        route = Route(slot, prompt, hashes)
         if swap_file is not None:
             await self._restore_swap(route, swap_file)
             return route
@@ -173,15 +182,15 @@ class HardInject:
             self.stats.affinity_hits += 1
         if not self.enabled or self.store is None:
             return route
-        # At least one prompt token is left for the runtime to compute.
-        usable = route.hashes[: max(0, len(prompt) - 1) // self.block_size]
         found = self.store.longest(usable)
         if found is None or found[1] < shared + self.min_tokens:
             return route
         seen = self._seen_prefix(usable)
-        if self.trust_runtime_cache and seen >= found[1]:
+        if self.trust_runtime_cache and seen >= found[1] and not from_file:
             # This runtime computed the prefix since it started: its own host-RAM prompt
             # cache (--cache-ram) restores it faster than a file would. Verified in finish.
+            # (Not while a busy slot runs it: llama-server moves a cached prompt into the
+            # slot that loads it, so the cache may hold no other copy.)
             route.expect_runtime_cache = seen
             route.pin = False
             return route
@@ -216,14 +225,15 @@ class HardInject:
                 else:
                     self._failures_in_a_row = 0
             expected = route.expect_runtime_cache
-            if expected and cached is not None:
+            if expected and cached is not None and self.trust_runtime_cache:
+                # One miss settles it: the prefix was in no busy slot (prepare restores from
+                # the file then), so a working host-RAM cache held a copy. Believing in a
+                # cache that is off costs a whole prefill per request; doubting one that is
+                # on, a file restore of a few milliseconds instead of a memory copy. (A hit
+                # proves little: the slot llama-server chose may have held the prefix.)
                 if cached + RESTORE_SLACK_TOKENS < min(expected, len(prompt) - 1):
-                    self._runtime_cache_misses += 1
-                    if self._runtime_cache_misses >= 2 and self.trust_runtime_cache:
-                        self.trust_runtime_cache = False
-                        logger.info("llama-server's own prompt cache misses (--cache-ram 0?); restoring from slot files instead")
-                else:
-                    self._runtime_cache_misses = 0
+                    self.trust_runtime_cache = False
+                    logger.info("llama-server's own prompt cache missed a prefix it computed (--cache-ram 0?); restoring from slot files instead")
             if completed:
                 self._remember_seen(route.hashes)
                 computed = len(prompt) - (cached or 0)
