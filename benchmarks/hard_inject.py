@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -110,26 +112,37 @@ def conversations(k: int, words: int, question: str) -> list[list[dict]]:
     return [[{"role": "system", "content": system_prompt(TOPICS[i % len(TOPICS)], words, i)}, {"role": "user", "content": question}] for i in range(k)]
 
 
+@contextlib.contextmanager
+def runtime_path(through_proxy: bool, extra: list[str] | None = None) -> Iterator[tuple[Runtime, Proxy | None, str]]:
+    """A fresh runtime with a slot directory of its own, and KVStream in front of it when
+    ``through_proxy``: (runtime, proxy, the URL to send to)."""
+    slot_dir = Path(tempfile.mkdtemp(prefix="kvs-bench-"))
+    rt = Runtime(slot_dir, extra)
+    proxy = None
+    try:
+        proxy = Proxy(rt, slot_dir) if through_proxy else None
+        yield rt, proxy, proxy.url if proxy else rt.url
+    finally:
+        if proxy:
+            proxy.close()
+        rt.close()
+
+
+async def compute_prefixes(url: str, proxy: Proxy | None, k: int, words: int) -> None:
+    """Each system prompt computed once (and, through KVStream, saved before going on)."""
+    for conv in conversations(k, words, "Say hello."):
+        await ttft(url, conv)
+    if proxy:
+        await settle(proxy.url)
+
+
 async def scenario_restart(k: int, words: int, cache_ram_off: bool) -> tuple[list[float], list[float]]:
-    extra = ["--cache-ram", "0"] if cache_ram_off else []
     results = []
     for through_proxy in (False, True):
-        slot_dir = Path(tempfile.mkdtemp(prefix="kvs-bench-"))
-        rt = Runtime(slot_dir, extra)
-        proxy = Proxy(rt, slot_dir) if through_proxy else None
-        url = proxy.url if proxy else rt.url
-        try:
-            for conv in conversations(k, words, "Say hello."):
-                await ttft(url, conv)
-            if proxy:
-                await settle(proxy.url)
+        with runtime_path(through_proxy, ["--cache-ram", "0"] if cache_ram_off else []) as (rt, proxy, url):
+            await compute_prefixes(url, proxy, k, words)
             rt.restart()
-            times = [await ttft(url, conv) for conv in conversations(k, words, "What is this place?")]
-        finally:
-            if proxy:
-                proxy.close()
-            rt.close()
-        results.append(times)
+            results.append([await ttft(url, conv) for conv in conversations(k, words, "What is this place?")])
     return results[0], results[1]
 
 
@@ -187,27 +200,16 @@ async def scenario_warm(k: int, words: int, repeat: int) -> tuple[list[float], l
 async def scenario_bursts(k: int, words: int, repeat: int) -> tuple[list[float], list[float]]:
     results = []
     for through_proxy in (False, True):
-        slot_dir = Path(tempfile.mkdtemp(prefix="kvs-bench-"))
-        rt = Runtime(slot_dir, ["--cache-ram", "0"])
-        proxy = Proxy(rt, slot_dir) if through_proxy else None
-        url = proxy.url if proxy else rt.url
-        times: list[float] = []
-        try:
-            for conv in conversations(k, words, "Say hello."):  # each prefix computed once
-                await ttft(url, conv)
-            if proxy:
-                await settle(proxy.url)
+        with runtime_path(through_proxy, ["--cache-ram", "0"]) as (_, proxy, url):
+            await compute_prefixes(url, proxy, k, words)
+            times: list[float] = []
             for turn in range(repeat):
                 system = conversations(k, words, "")[turn % k][0]
                 pair = [[system, {"role": "user", "content": f"Question {turn}.{j}?"}] for j in (0, 1)]
                 times += await asyncio.gather(*(ttft(url, conv) for conv in pair))
                 if proxy:
                     await settle(proxy.url)
-        finally:
-            if proxy:
-                proxy.close()
-            rt.close()
-        results.append(times)
+            results.append(times)
     return results[0], results[1]
 
 

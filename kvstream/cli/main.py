@@ -218,7 +218,7 @@ def bench(
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="stream responses (TTFT and ITL need it)")] = True,
     warmup: Annotated[int, typer.Option(help="short requests sent first, not measured")] = 2,
     timeout: Annotated[float, typer.Option(help="per-request timeout, seconds")] = 600.0,
-    compare: Annotated[Optional[str], typer.Option(help="a second URL: same workload, both columns and ratios")] = None,
+    compare: Annotated[Optional[str], typer.Option(help="a second URL: the same workload (each server its own copy, prompts marked [A] / [B], in alternating rounds), both columns and ratios")] = None,
     json_file: Annotated[Optional[Path], typer.Option("--json", help="write the results (vLLM's keys) to this file")] = None,
     plot_file: Annotated[Optional[Path], typer.Option("--plot", help="draw latency CDFs (and TTFT per turn) to this PNG")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="ask the server to generate exactly output-len tokens (llama.cpp, vLLM)")] = False,
