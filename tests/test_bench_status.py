@@ -90,6 +90,18 @@ def test_compared_servers_get_their_own_copies_in_alternating_rounds():
     assert bench_cli.rounds(items, 1, False, Load()) == [(0, items, Load())]
 
 
+def test_a_comparison_table_says_each_server_ran_its_own_copy():
+    metrics = calculate([RequestResult(True, 200, ttft=0.1, latency=0.2, itl=[0.1], prompt_tokens=5, output_tokens=2)], 1.0)
+
+    def rendered(named) -> str:
+        console = Console(width=200, file=io.StringIO())
+        console.print(bench_cli.summary_table(named))
+        return console.file.getvalue()
+
+    assert "its own copy of the workload" in rendered([("a", metrics), ("b", metrics)])
+    assert "its own copy" not in rendered([("a", metrics)])
+
+
 def test_file_dataset_reads_openai_and_sharegpt_lines(tmp_path):
     path = tmp_path / "reqs.jsonl"
     path.write_text(

@@ -110,6 +110,7 @@ def summary_table(named: list[tuple[str, dict[str, Any]]]) -> Table:
         table.add_column(name, justify="right")
     if len(named) == 2:
         table.add_column("ratio", justify="right")
+        table.caption = "each server ran its own copy of the workload (prompts marked [A] / [B]), in alternating rounds"
     for label, key, fmt in ROWS:
         values = [m.get(key) for _, m in named]
         if all(v is None for v in values):
