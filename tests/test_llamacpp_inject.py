@@ -155,6 +155,7 @@ async def test_inject_metrics_move(server, start_proxy, tmp_path):
             text = await resp.text()
     samples = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in text_string_to_metric_families(text) for x in f.samples}
     assert samples[("kvstream_hard_inject_enabled", ())] == 1
+    assert samples[("kvstream_hard_inject_runtime_cache_trusted", ())] == 1
     assert samples[("kvstream_hard_inject_restores_total", (("result", "ok"),))] == 1
     assert samples[("kvstream_hard_inject_saves_total", ())] == 1
     assert samples[("kvstream_hard_inject_restored_tokens_total", ())] >= 300
@@ -226,7 +227,7 @@ async def test_one_miss_of_a_runtime_cache_that_is_off_turns_to_the_slot_files(s
     await evict("first")
     missed = await chat(client, model, "Do you deliver?")
     assert missed.usage.prompt_tokens_details.cached_tokens < 100 and inject.stats.restores == 0
-    assert not inject.trust_runtime_cache
+    assert not inject.trust_runtime_cache and inject.snapshot()["runtime_cache_trusted"] is False
     await evict("second")
     restored = await chat(client, model, "Do you sell rye bread?")
     assert inject.stats.restores == 1

@@ -342,6 +342,8 @@ class HardInject:
             "swap_ins": s.swap_ins,
             "slot_waits": s.slot_waits,
             "prefill_tokens_per_s": round(self.prefill_tps, 1),
+            # False once llama-server's own prompt cache missed a prefix it computed.
+            "runtime_cache_trusted": self.trust_runtime_cache,
         }
 
 
@@ -351,6 +353,9 @@ def inject_metric_families(inject: HardInject) -> Iterator[Any]:
 
     s = inject.stats
     yield GaugeMetricFamily("kvstream_hard_inject_enabled", "1 while hard KV inject (slot save/restore) is on.", value=1.0 if inject.enabled else 0.0)
+    yield GaugeMetricFamily("kvstream_hard_inject_runtime_cache_trusted",
+                            "1 while llama-server's own prompt cache is trusted with prefixes it computed (0 once it missed one).",
+                            value=1.0 if inject.trust_runtime_cache else 0.0)
     restores = CounterMetricFamily("kvstream_hard_inject_restores", "Slot-file restores, by result.", labels=["result"])
     restores.add_metric(["ok"], s.restores)
     restores.add_metric(["failed"], s.restore_failures)
