@@ -196,8 +196,9 @@ async def test_a_prefix_a_busy_slot_runs_is_restored_from_its_file_into_an_idle_
     await chat(client, model, "When do you open?")  # computed once, and saved
     assert inject.stats.saves == 1
     inject.prefill_tps = 10.0  # as on a slow machine: the wait would be the longest allowed
-    first = asyncio.ensure_future(
-        client.chat.completions.create(model=model, messages=ask("Tell me about the cakes."), max_tokens=48, temperature=0)
+    first = asyncio.ensure_future(  # (48 tokens whatever the model says: still running when the second comes)
+        client.chat.completions.create(model=model, messages=ask("Tell me about the cakes."), max_tokens=48, temperature=0,
+                                       extra_body={"ignore_eos": True})
     )
     while not any(slot.busy for slot in inject.table.slots):
         await asyncio.sleep(0.005)

@@ -71,8 +71,13 @@ async def test_a_busy_slot_running_a_longer_prefix_is_worth_waiting_for():
 
     table = SlotTable(2)
     running, _ = table.acquire([1, 2, 3, 4, 5, 6])
-    assert table.holder([1, 2, 3, 4, 9]) == (running, 4)  # the idle slot shares nothing
+    assert table.holder([1, 2, 3, 4, 9]) == (running, 4, 4)  # the idle slot shares nothing
     assert table.holder([7, 8]) is None
+    (idle,) = [s for s in table.slots if not s.busy]
+    idle.tokens = [1, 2, 7]
+    assert table.holder([1, 2, 3, 4, 9]) == (running, 4, 2)  # 4 shared, 2 more than the idle slot
+    assert table.holder([1, 2, 7, 8]) is None
+    idle.tokens = []
     waiter = asyncio.ensure_future(table.wait_for(running, 5.0))
     await asyncio.sleep(0.01)
     assert not waiter.done()

@@ -160,7 +160,8 @@ def render(snap: dict[str, Any], history: History | None = None, url: str = "") 
             Text(f"{inject.get('restore_failures', 0)} failed", style="red" if inject.get("restore_failures") else ""),
             f"{inject.get('saves', 0)} saves", f"{inject.get('files', 0)} files, {inject.get('bytes_on_disk', 0) / 1e6:,.0f} MB",
             f"{inject.get('slot_waits', 0)} slot waits",
-            "runtime's cache " + ("trusted" if inject.get("runtime_cache_trusted", True) else "missed: files restore")))
+            *(["runtime's cache " + ("trusted" if inject["runtime_cache_trusted"] else "missed: files restore")]
+              if "runtime_cache_trusted" in inject else [])))
     _in_process_engine(backend, rows)
     stored, conversations = snap.get("responses") or {}, snap.get("conversations") or {}
     if stored.get("stored") or stored.get("running") or conversations.get("stored"):

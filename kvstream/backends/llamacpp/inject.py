@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvstream.backends.llamacpp.slots import InjectStats, SlotFileStore, SlotState, SlotTable, common_prefix
+from kvstream.backends.llamacpp.slots import InjectStats, SlotFileStore, SlotState, SlotTable
 
 logger = logging.getLogger(__name__)
 
@@ -160,18 +160,19 @@ class HardInject:
         usable = hashes[: max(0, len(prompt) - 1) // self.block_size]
         held = self.table.holder(prompt) if swap_file is None else None
         from_file = False  # the prefix a busy slot runs is restored from its file instead
-        if held is not None and held[1] >= self.min_tokens:
+        if held is not None and held[2] >= self.min_tokens:
+            busy_slot, busy_shared, beyond_idle = held
             # A busy slot is running (so will hold) a longer prefix of this prompt than any
             # idle slot. A saved file of (nearly) that prefix restores it into an idle slot
             # in milliseconds: do that. Else wait for the busy slot, at most as long as
             # computing the difference would take (then take an idle slot and compute it),
             # rather than compute the prefix twice at once and evict another.
             found = self.store.longest(usable) if self.enabled and self.store is not None else None
-            if found is not None and found[1] + self.min_tokens > common_prefix(held[0].running, prompt):
+            if found is not None and found[1] + self.min_tokens > busy_shared:
                 from_file = True
             else:
                 self.stats.slot_waits += 1
-                await self.table.wait_for(held[0], min(SLOT_WAIT_S, held[1] / self.prefill_tps))
+                await self.table.wait_for(busy_slot, min(SLOT_WAIT_S, beyond_idle / self.prefill_tps))
         await self.table.wait_idle(SLOT_WAIT_S)
         slot, shared = self.table.acquire(prompt)
         route = Route(slot, prompt, hashes)

@@ -236,16 +236,16 @@ class SlotTable:
             except TimeoutError:
                 return  # someone else shares the runtime: fall back to queueing inside it
 
-    def holder(self, prompt: Sequence[int]) -> tuple[SlotState, int] | None:
-        """The busy slot whose running prompt shares the most with ``prompt``, and how many
-        more tokens that is than the best idle slot shares; None when no busy slot beats
-        every idle one (nothing to wait for)."""
+    def holder(self, prompt: Sequence[int]) -> tuple[SlotState, int, int] | None:
+        """The busy slot whose running prompt shares the most with ``prompt``, the tokens it
+        shares, and how many more that is than the best idle slot shares; None when no busy
+        slot beats every idle one (nothing to wait for)."""
         idle_best = max((common_prefix(s.tokens, prompt) for s in self.slots if not s.busy), default=0)
         busy = [(common_prefix(s.running, prompt), s) for s in self.slots if s.busy]
         if not busy:
             return None
         shared, slot = max(busy, key=lambda pair: pair[0])
-        return (slot, shared - idle_best) if shared > idle_best else None
+        return (slot, shared, shared - idle_best) if shared > idle_best else None
 
     async def wait_for(self, slot: SlotState, timeout: float) -> None:
         """Wait (up to ``timeout``) until ``slot`` is idle."""
