@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -25,6 +26,28 @@ from kvstream.backends.llamacpp.runtime import free_port, stop_process  # noqa: 
 from kvstream.config import Settings, load_settings
 from kvstream.engine import KVStreamEngine
 from tests.doubles import Recorder, Script, openai_upstream
+
+
+@pytest.fixture
+def refused_port():
+    """Hand out loopback ports that refuse connections for the whole test.
+
+    A port from ``free_port()`` is released at once, so a server the test starts next (or the
+    kernel, for an outgoing connection) can draw the same number: a "dead" backend then answers,
+    or KVStream proxies to itself. Each port here stays bound, never listening, until teardown.
+    """
+    held: list[socket.socket] = []
+
+    def take() -> int:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        held.append(sock)
+        return sock.getsockname()[1]
+
+    yield take
+    for sock in held:
+        sock.close()
+
 
 # CI sets this so that a missing llama-server or model fails instead of skipping.
 REQUIRE_REAL = os.environ.get("KVSTREAM_REQUIRE_REAL") == "1"

@@ -416,8 +416,8 @@ def test_the_request_deadline_cuts_an_upstream_that_trickles(tmp_path):
 
 
 # ----------------------------------------------------------------- credentials
-def test_backend_url_credentials_never_show(tmp_path):
-    dead = free_port()
+def test_backend_url_credentials_never_show(tmp_path, refused_port):
+    dead = refused_port()
     server = start_kvstream(f"http://admin:hunter2secret@127.0.0.1:{dead}", tmp_path, {})
     try:
         seen = [

@@ -10,7 +10,6 @@ import pytest
 
 from kvstream.backends import OpenAICompatibleBackend
 from kvstream.backends.replicas import ReplicaSet
-from tests.conftest import free_port
 from tests.doubles import Script
 
 
@@ -79,9 +78,9 @@ async def test_a_loaded_replica_is_balanced_away_from(start_upstream, start_prox
     assert "balance" in routes and backends == set(urls)
 
 
-async def test_a_dead_replica_is_ejected_and_no_request_fails(start_upstream, start_proxy, http):
+async def test_a_dead_replica_is_ejected_and_no_request_fails(start_upstream, start_proxy, http, refused_port):
     url, _ = await start_upstream()
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{refused_port()}"
     replicas = ReplicaSet([OpenAICompatibleBackend(dead), OpenAICompatibleBackend(url)])
     proxy = await start_proxy(replicas, routing={"eject_after": 2, "policy": "round_robin"})
     for i in range(6):
@@ -181,8 +180,8 @@ async def test_repeating_backend_url_builds_a_replica_set(start_upstream):
     assert env.settings.backend.replicas == urls
 
 
-async def test_with_every_replica_gone_the_answer_is_a_clear_503(start_proxy, http):
-    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+async def test_with_every_replica_gone_the_answer_is_a_clear_503(start_proxy, http, refused_port):
+    dead = [f"http://127.0.0.1:{refused_port()}" for _ in range(2)]
     proxy = await start_proxy(ReplicaSet([OpenAICompatibleBackend(u) for u in dead]))
     async with http.post(proxy.v1 + "/chat/completions", json=chat(TENANTS[0])) as resp:
         body = await resp.json()

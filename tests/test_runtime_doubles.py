@@ -13,7 +13,7 @@ import pytest
 
 from kvstream.backends import FoundryBackend, LMStudioBackend, OllamaBackend
 from kvstream.backends.foundry import parse_status_output, resolve_alias
-from tests.conftest import free_port, wait_released
+from tests.conftest import wait_released
 from tests.doubles import PROTOCOLS, Script, foundry_double, lmstudio_double, ollama_double
 
 pytestmark = pytest.mark.timeout(60)
@@ -273,7 +273,7 @@ async def test_foundry_discovered_through_its_cli(start_upstream, start_proxy, t
     assert [m.id for m in (await client(proxy).models.list()).data] == ["Phi-4-mini-instruct-generic-cpu"]
 
 
-async def test_foundry_restarted_on_a_new_port_is_found_again_on_the_next_request(start_upstream, start_proxy, tmp_path, monkeypatch):
+async def test_foundry_restarted_on_a_new_port_is_found_again_on_the_next_request(start_upstream, start_proxy, tmp_path, monkeypatch, refused_port):
     """Foundry binds a new port each time its service starts: a request that cannot connect
     asks the CLI again and is retried there once (nothing had been sent)."""
     first, _ = await start_upstream(Script(), factory=foundry_double)
@@ -290,7 +290,7 @@ async def test_foundry_restarted_on_a_new_port_is_found_again_on_the_next_reques
     where.write_text(moved.rsplit(":", 1)[1])
     backend = proxy.engine.backend
     await backend.close()
-    backend.base_url = f"http://127.0.0.1:{free_port()}"
+    backend.base_url = f"http://127.0.0.1:{refused_port()}"
     await backend.start()
     out = await client(proxy).chat.completions.create(model="phi-4-mini", messages=[{"role": "user", "content": "hi"}])
     assert out.choices[0].message.content == "Hello, world!"
