@@ -68,3 +68,25 @@ def test_a_config_file_may_carry_settings_another_backend_would_use(tmp_path):
     (tmp_path / "kvstream.yaml").write_text("memory:\n  dtype: float16\nawq:\n  staging: copy\n  keep_first_k: 1\n")
     out = kvstream("serve", "--backend", "llamacpp", "--model", str(tmp_path / "missing.gguf"), cwd=tmp_path)
     assert out.returncode == 2 and "--backend-url" in out.stderr and "would ignore" not in out.stderr
+
+
+def test_a_backend_at_kvstreams_own_address_is_found_in_every_place_a_url_is_configured():
+    from kvstream.cli.serve import own_address_among_backends
+    from kvstream.config import UpstreamEntry
+    from tests.conftest import make_settings
+
+    def own(**sections):
+        return own_address_among_backends(make_settings(**sections))
+
+    assert own(server={"port": 9100}, backend={"type": "openai", "base_url": "http://[::1]:9100/v1"}) == "http://[::1]:9100/v1"
+    assert own(server={"port": 11434}, backend={"type": "ollama"}) == "http://127.0.0.1:11434"  # the type's default URL
+    assert own(server={"port": 9100}, backend={"type": "openai", "replicas": ["http://127.0.0.1:9101", "http://localhost:9100"]}) \
+        == "http://localhost:9100"
+    fleet = make_settings(server={"port": 80}).model_copy(update={"backends": [UpstreamEntry(type="ollama", url="http://0.0.0.0")]})
+    assert own_address_among_backends(fleet) == "http://0.0.0.0"
+    assert own(server={"host": "10.1.2.3", "port": 9100}, backend={"type": "openai", "base_url": "http://10.1.2.3:9100"})
+    # Another port, another machine, the managed llama-server (no URL), a malformed port: not KVStream.
+    assert own(server={"port": 9100}, backend={"type": "openai", "base_url": "http://127.0.0.1:9101"}) is None
+    assert own(server={"port": 9100}, backend={"type": "openai", "base_url": "http://gpu-box:9100"}) is None
+    assert own(server={"port": 9100}, backend={"type": "llamacpp"}) is None
+    assert own(server={"port": 9100}, backend={"type": "openai", "base_url": "http://127.0.0.1:x"}) is None

@@ -57,8 +57,8 @@ class Server:
         return self.log.read_text(errors="replace")
 
 
-def start_kvstream(backend_url: str, tmp: Path, env: dict[str, str], *, wait: bool = True) -> Server:
-    port = free_port()
+def start_kvstream(backend_url: str, tmp: Path, env: dict[str, str], *, wait: bool = True, port: int | None = None) -> Server:
+    port = port or free_port()
     log = tmp / f"kvstream-{port}.log"
     environ = os.environ | {"KVSTREAM_SERVER__PORT": str(port)} | env
     with log.open("w") as out:
@@ -432,6 +432,38 @@ def test_backend_url_credentials_never_show(tmp_path, refused_port):
     finally:
         stop(server.proc)
     assert "hunter2secret" not in server.log_text()
+
+
+def test_a_backend_url_that_is_kvstream_itself_is_refused_at_start(tmp_path):
+    port = free_port()
+    server = start_kvstream(f"http://localhost:{port}/v1", tmp_path, {}, wait=False, port=port)
+    assert server.proc.wait(timeout=30) == 2
+    assert f"the backend URL http://localhost:{port}/v1 is KVStream's own address" in server.log_text()
+
+
+def test_two_kvstreams_pointed_at_each_other_answer_508_at_once(tmp_path):
+    """A -> B -> A: the request comes back to A carrying A's name in Via and is refused there;
+    without that, every hop opened another connection until the listeners' caps (seconds of
+    hanging, then 503s for everyone). Managed and passed-through routes alike."""
+    port_a, port_b = free_port(), free_port()
+    assert port_a != port_b
+    a = start_kvstream(f"http://127.0.0.1:{port_b}", tmp_path, {}, port=port_a)
+    b = start_kvstream(f"http://127.0.0.1:{port_a}", tmp_path, {}, port=port_b)
+    try:
+        for method, path, body in (("POST", "/v1/chat/completions", CHAT), ("GET", "/props", None),
+                                   ("POST", "/v1/chat/completions", CHAT | {"stream": True})):
+            answer = httpx.request(method, a.url + path, json=body, timeout=10)  # before: a read timeout
+            assert answer.status_code == 508, (path, answer.text)
+            if path != "/props":  # the managed route answers in OpenAI's shape
+                assert answer.json()["error"]["code"] == "proxy_loop"
+            assert "leads to KVStream itself" in answer.text
+        for server in (a, b):
+            assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+            queue = httpx.get(server.url + "/status", timeout=5).json()["queue"]
+            assert queue["running"] == 0 and queue["waiting"] == 0
+    finally:
+        stop(a.proc, b.proc)
+    assert "leads to KVStream itself" in a.log_text()
 
 
 def test_url_credentials_reach_the_runtime_as_basic_auth(upstream, tmp_path):

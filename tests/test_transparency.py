@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 
 import aiohttp
 import openai
@@ -259,7 +260,8 @@ async def test_a_managed_chat_carries_the_clients_own_headers_upstream(runtime, 
     proxy = await start_proxy(OpenAICompatibleBackend(url, api_key="runtime-key"), server={"api_keys": [KEY]})
     body = {"model": "test-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     sent = {"Authorization": f"Bearer {KEY}", "X-Conversation-Id": "conv-1::m", "OpenAI-Organization": "org-1",
-            "Connection": "keep-alive, X-Drop", "X-Drop": "1", "X-KVStream-Priority": "high", "Accept-Encoding": "br"}
+            "Connection": "keep-alive, X-Drop", "X-Drop": "1", "X-KVStream-Priority": "high", "Accept-Encoding": "br",
+            "Via": "1.1 corp-gateway"}
     for stream in (True, False):
         async with http.post(proxy.url + "/v1/chat/completions", json=body | {"stream": stream}, headers=sent) as resp:
             assert resp.status == 200
@@ -269,6 +271,8 @@ async def test_a_managed_chat_carries_the_clients_own_headers_upstream(runtime, 
         assert upstream["Authorization"] == "Bearer runtime-key" and upstream["Content-Type"] == "application/json"
         assert upstream["X-Request-Id"] == resp.headers["X-Request-Id"]
         assert "X-Drop" not in upstream and "X-KVStream-Priority" not in upstream and upstream.get("Accept-Encoding") != "br"
+        # RFC 9110 7.6.3: the proxies the request passed, then this one (what detects a loop).
+        assert re.fullmatch(r"1\.1 corp-gateway, 1\.1 kvstream \([0-9a-f]{16}\)", upstream["Via"]), upstream["Via"]
     # The openai client's own headers arrive too (its SDK's X-Stainless-* among them).
     client = AsyncOpenAI(base_url=proxy.url + "/v1", api_key=KEY, default_headers={"X-Conversation-Id": "conv-2"})
     await client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])

@@ -18,6 +18,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from kvstream.api.openai_format import random_hex
 from kvstream.api.state import STATE
+from kvstream.backends.http import came_through_here
 from kvstream.types import BackendError, BackendRejected, BackendUnavailable
 from kvstream.scheduler import SchedulerError
 
@@ -125,6 +126,12 @@ _HTTP_CODES = {
 }
 
 
+LOOP_MESSAGE = (
+    "This request came back to the KVStream that sent it upstream: the backend URL leads to KVStream "
+    "itself (directly or through another proxy). Point --backend-url at the runtime."
+)
+
+
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -135,6 +142,10 @@ async def error_middleware(
     # log line of the request, which must not let a client forge or garble them.
     request_id = incoming if _REQUEST_ID_FORMAT.fullmatch(incoming) else f"req-{random_hex(128)}"
     request[REQUEST_ID] = request_id
+    if came_through_here(", ".join(request.headers.getall("Via", []))):
+        logger.warning("[%s] %s %s came back to this KVStream: its backend URL leads to KVStream itself",
+                       request_id, request.method, request.path)
+        return _shaped(request, APIError(508, LOOP_MESSAGE, code="proxy_loop")).response(request_id)
     try:
         response = await handler(request)
     except APIError as exc:

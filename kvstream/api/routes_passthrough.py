@@ -29,6 +29,7 @@ from kvstream.api.body import LimitedBody, content_encoding, inflate, read_raw, 
 from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception
 from kvstream.api.state import STATE
 from kvstream.api.streaming import GuardedResponse
+from kvstream.backends.http import via_with_this_hop
 from kvstream.jsonfast import loads
 from kvstream.scheduler import Priority
 from kvstream.types import BackendError
@@ -82,10 +83,11 @@ def forwarded_headers(request: web.Request, drop_authorization: bool) -> dict[st
         lower = name.lower()
         if lower in HOP_BY_HOP or lower in named or (drop_authorization and lower in CREDENTIAL_HEADERS):
             continue
-        if lower == "x-request-id":
-            continue  # KVStream's id for this request is sent below
+        if lower in ("x-request-id", "via"):
+            continue  # KVStream's id for this request is sent below; Via, with this hop added
         headers[name] = value
     headers["X-Request-Id"] = request[REQUEST_ID]
+    headers["Via"] = via_with_this_hop(", ".join(request.headers.getall("Via", [])) or None)
     return headers
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import secrets
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +24,24 @@ logger = logging.getLogger(__name__)
 # nothing reached the runtime's handler and no byte came back, so one retry is safe.
 _STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 _JSON_HEADERS = {"Content-Type": "application/json"}
+
+# This process's name in the Via header of every request it sends upstream (RFC 9110 7.6.3:
+# a proxy adds itself to Via in both directions). A request that arrives carrying it has gone
+# round a loop: a backend URL that leads back to this KVStream, directly or through other
+# proxies that keep Via. Answered at once with 508; otherwise each hop would open another
+# connection to itself until the listener's cap.
+INSTANCE_ID = secrets.token_hex(8)
+_VIA_HOP = f"1.1 kvstream ({INSTANCE_ID})"
+
+
+def via_with_this_hop(incoming: str | None) -> str:
+    """The Via header a request sends upstream: what it came with, then this KVStream."""
+    return f"{incoming}, {_VIA_HOP}" if incoming else _VIA_HOP
+
+
+def came_through_here(via: str | None) -> bool:
+    """Whether a request's Via names this process: the request went round a loop."""
+    return bool(via) and f"({INSTANCE_ID})" in via
 
 
 async def cli_output(*args: str, timeout: float = 10.0) -> str | None:
@@ -82,6 +101,9 @@ class UpstreamSession:
         # No connection limit: the scheduler bounds what is in flight (aiohttp's default of
         # 100 would queue requests the scheduler had admitted). No cookie jar: a proxy must
         # not carry one client's upstream cookies into another client's requests.
+        # Every request names this hop in Via, the side requests (tokenize, slots, probes)
+        # too; a forwarded client request replaces it with the client's chain plus this hop.
+        headers = {"Via": _VIA_HOP, **headers}
         self._pooled = aiohttp.ClientSession(
             timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(limit=0),
             cookie_jar=aiohttp.DummyCookieJar(),
@@ -266,6 +288,8 @@ async def raise_for_upstream_status(resp: aiohttp.ClientResponse) -> None:
         own = body if isinstance(body, dict) else None
         raise BackendRejected(message, resp.status, code=code or ("not_implemented" if resp.status == 501 else "invalid_request"),
                               param=param, body=own)
+    if resp.status == 508:  # a loop (see INSTANCE_ID): the innermost hop's words say what to fix
+        raise BackendError(message, 508, code=code or "proxy_loop")
     if resp.status == 401 or resp.status == 403:
         raise BackendError(f"the runtime refused KVStream's credentials: {message}", 502, code="backend_auth")
     raise BackendError(f"runtime error (HTTP {resp.status}): {message}", 502)

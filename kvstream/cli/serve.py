@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import urllib.parse
 
 import typer
 
@@ -92,7 +93,44 @@ async def build_backend(settings: Settings) -> BaseBackend:
         raise typer.Exit(2) from None
 
 
+_THIS_MACHINE = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0", "::"})
+
+
+def own_address_among_backends(settings: Settings) -> str | None:
+    """A configured backend URL that is KVStream's own listening address, or None.
+
+    Such a server would forward every request to itself (each hop answered 508 at run time,
+    see ``came_through_here``); at start it is plainly a mistake, and a likely one: KVStream
+    and llama-server both default to port 8080."""
+    b = settings.backend
+    default = None
+    if not b.base_url and not b.replicas and b.type != "auto":
+        try:
+            default = get_backend_class(b.type).default_url  # where the backend goes when given no URL
+        except KeyError:
+            pass  # an unknown type is build_backend's error to report
+    urls = [b.base_url, default, *b.replicas, *(entry.url for entry in settings.backends)]
+    own_hosts = _THIS_MACHINE | {settings.server.host}
+    for url in filter(None, urls):
+        parts = urllib.parse.urlsplit(url)
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            continue  # a malformed port is the backend constructor's error to report
+        if parts.hostname in own_hosts and port == settings.server.port:
+            return url
+    return None
+
+
 async def run(settings: Settings) -> None:
+    own = own_address_among_backends(settings)
+    if own is not None:
+        logger.error(
+            "config error: the backend URL %s is KVStream's own address (it listens on port %d): point "
+            "--backend-url at the runtime, or move KVStream with --port (llama-server also defaults to 8080)",
+            own, settings.server.port,
+        )
+        raise typer.Exit(2)
     backend = await build_backend(settings)
     engine = KVStreamEngine(backend, settings)
     try:
