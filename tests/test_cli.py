@@ -90,3 +90,16 @@ def test_a_backend_at_kvstreams_own_address_is_found_in_every_place_a_url_is_con
     assert own(server={"port": 9100}, backend={"type": "openai", "base_url": "http://gpu-box:9100"}) is None
     assert own(server={"port": 9100}, backend={"type": "llamacpp"}) is None
     assert own(server={"port": 9100}, backend={"type": "openai", "base_url": "http://127.0.0.1:x"}) is None
+
+
+def test_a_port_in_use_says_so_and_how_to_move(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = kvstream("serve", "--backend", "openai", "--backend-url", "http://127.0.0.1:9", "--port", str(port), cwd=tmp_path)
+    assert out.returncode == 1
+    assert f"something already listens on port {port}" in out.stderr and "--port N" in out.stderr
+    assert "Traceback" not in out.stderr

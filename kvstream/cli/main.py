@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import sys
 from pathlib import Path
@@ -158,7 +159,11 @@ def serve(
     except SystemExit:
         raise
     except OSError as exc:
-        print(f"cannot start: {exc}", file=sys.stderr)
+        hint = ""
+        if exc.errno == errno.EADDRINUSE:  # llama-server and KVStream both default to 8080
+            hint = (f" (something already listens on port {loaded.settings.server.port}: another KVStream, or a "
+                    "runtime on its default port; start KVStream with --port N)")
+        print(f"cannot start: {exc}{hint}", file=sys.stderr)
         raise typer.Exit(1) from None
 
 
