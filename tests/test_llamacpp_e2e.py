@@ -177,3 +177,15 @@ async def test_a_conversation_extended_turn_by_turn_is_tokenized_exactly_from_it
                              {"role": "user", "content": f"And question {turn + 1}?"}]
     # From the second turn on, the earlier messages came from the cache.
     assert backend.conversations.hits >= 1 and backend.conversations.mismatches == 0
+
+
+async def test_a_backend_url_given_as_the_runtimes_v1_base_works_as_its_root(start_proxy, llama_server):
+    """Users paste the base URL a runtime gives its OpenAI clients (``http://host:port/v1``):
+    KVStream adds ``/v1/...`` itself, and llama-server's own routes live at the root."""
+    proxy = await start_proxy(LlamaCppBackend(llama_server.url + "/v1/"))
+    assert proxy.engine.backend.base_url == llama_server.url
+    via = openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+    out = await via.chat.completions.create(model=await model_id(via), messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert out.choices[0].message.content
+    async with aiohttp.ClientSession() as http, http.get(proxy.url + "/props") as resp:
+        assert resp.status == 200 and (await resp.json())["total_slots"] >= 1  # a passed-through native route

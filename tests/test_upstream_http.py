@@ -109,3 +109,16 @@ async def test_upstream_cookies_are_never_replayed():
     finally:
         await session.close()
         await runner.cleanup()
+
+
+def test_api_root_drops_only_a_trailing_v1():
+    from kvstream.backends.http import api_root
+
+    assert api_root("http://127.0.0.1:1234/v1") == "http://127.0.0.1:1234"
+    assert api_root("http://127.0.0.1:1234/v1/") == "http://127.0.0.1:1234"
+    assert api_root("https://gateway.example/llm/v1") == "https://gateway.example/llm"  # a gateway's prefix stays
+    assert api_root("http://127.0.0.1:11434") == "http://127.0.0.1:11434"
+    assert api_root("http://127.0.0.1:8080/v1beta") == "http://127.0.0.1:8080/v1beta"
+    assert api_root("http://127.0.0.1:8080/api/v10") == "http://127.0.0.1:8080/api/v10"
+    assert api_root("http://127.0.0.1:8080/v1?key=x") == "http://127.0.0.1:8080?key=x"
+    assert api_root("") == ""

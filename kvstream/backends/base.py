@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvstream.backends import federation
-from kvstream.backends.http import UpstreamSession, split_credentials
+from kvstream.backends.http import UpstreamSession, api_root, split_credentials
 from kvstream.config import ConfigError, Settings
 from kvstream.scheduler import Scheduler, Sequence
 from kvstream.types import Embeddings, GenerateRequest, InfillParts, ModelInfo, RuntimeLimits, Token, UpstreamLoad
 
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -79,7 +81,10 @@ class BaseBackend(abc.ABC):
         self.settings = (settings or Settings()).with_overrides(**overrides)
         # Credentials in the URL (a runtime behind basic auth) are kept apart, so that the
         # URL shown in /status, /ready, logs and error messages never carries them.
-        self.base_url, self._url_auth = split_credentials((base_url or self.default_url or "").rstrip("/"))
+        given, self._url_auth = split_credentials((base_url or self.default_url or "").rstrip("/"))
+        self.base_url = api_root(given)
+        if self.base_url != given:
+            logger.info("backend URL %s: KVStream adds the /v1 API paths itself, so it uses %s", given, self.base_url)
         if self._url_auth is not None and self.settings.backend.api_key is not None:
             raise ConfigError(
                 "the backend URL carries credentials and backend.api_key is set: only one "

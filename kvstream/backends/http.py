@@ -77,6 +77,19 @@ def split_credentials(url: str) -> tuple[str, str | None]:
     return clean, "Basic " + base64.b64encode(pair).decode("ascii")
 
 
+def api_root(url: str) -> str:
+    """``url`` without a trailing ``/v1``: OpenAI-compatible runtimes give their base URL for
+    clients that way (LM Studio's ``http://localhost:1234/v1``, vLLM's, Ollama's OpenAI
+    routes), and users paste it; KVStream adds ``/v1/...`` itself, and the runtimes' native
+    routes (``/props``, ``/api/tags``, ``/health``) live at the root. A path in front of it
+    (a gateway's ``/llm/v1``) stays."""
+    parts = urllib.parse.urlsplit(url)
+    path = parts.path.rstrip("/")
+    if not path.endswith("/v1"):
+        return url
+    return urllib.parse.urlunsplit(parts._replace(path=path[: -len("/v1")]))
+
+
 class UpstreamSession:
     """Two aiohttp sessions to one runtime: a pooled one for normal traffic and a
     close-after-use one for the single retry after a stale pooled connection."""
