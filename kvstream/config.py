@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +43,30 @@ def split_list(value: Any) -> Any:
             return [k.strip() for k in items if k.strip()]
         return [k.strip() for k in text.split(",") if k.strip()]
     return value
+
+
+def runtime_url(value: str | None) -> str | None:
+    """A runtime's URL as given, checked: ``host:port`` without a scheme means http (as
+    curl and OLLAMA_HOST read it); anything but an http(s) URL with a host is refused here,
+    at start, rather than failing every request later with a client error."""
+    if value is None:
+        return None
+    url = value.strip()
+    if "://" not in url:
+        url = "http://" + url
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 (raises for a port that is not a number in range)
+    except ValueError:
+        raise ValueError(f"{value!r} has a port that is not a number from 1 to 65535") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{value!r} is not an http(s) URL of a runtime (e.g. http://127.0.0.1:8080)")
+    return url
+
+
+def _said(error: Any) -> str:
+    """A validation error's message without pydantic's "Value error, " before our own words."""
+    return error["msg"].removeprefix("Value error, ")
 
 
 class _Section(BaseModel):
@@ -85,6 +110,16 @@ class BackendSettings(_Section):
     def _split_replicas(cls, value: Any) -> Any:
         return split_list(value)
 
+    @field_validator("base_url")
+    @classmethod
+    def _base_url(cls, value: str | None) -> str | None:
+        return runtime_url(value)
+
+    @field_validator("replicas")
+    @classmethod
+    def _replica_urls(cls, value: list[str]) -> list[str]:
+        return [runtime_url(url) for url in value]
+
     @field_validator("seed")
     @classmethod
     def _random_seed(cls, value: int | None) -> int | None:
@@ -101,6 +136,11 @@ class UpstreamEntry(_Section):
     weight: float = Field(1.0, gt=0, description="its share of traffic relative to the others (round_robin, least_loaded, and where new prefixes go)")
     parallel: int | None = Field(None, ge=1, description="requests it runs at once, when it does not report it")
     api_key: SecretStr | None = Field(None, description="a key sent to it, if it needs one")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        return runtime_url(value)
 
 
 class MemorySettings(_Section):
@@ -272,7 +312,7 @@ class Settings(BaseSettings):
             return Settings(**merged)
         except ValidationError as exc:
             error = exc.errors()[0]
-            raise ConfigError(f"invalid setting {'.'.join(str(p) for p in error['loc'][:2])}: {error['msg']}") from None
+            raise ConfigError(f"invalid setting {'.'.join(str(p) for p in error['loc'][:2])}: {_said(error)}") from None
 
     def accepted_keys(self) -> list[str]:
         """Every API key from ``server.api_keys`` and ``server.api_keys_file``."""
@@ -398,7 +438,7 @@ def load_settings(
         loc = [str(p) for p in error["loc"]]
         key = f"{loc[0]}[{loc[1]}]" + (f".{loc[2]}" if len(loc) > 2 else "") if loc[0] in LIST_SETTINGS and len(loc) > 1 else ".".join(loc[:2])
         where = sources.get(loc[0] if loc[0] in LIST_SETTINGS else key, "?")
-        raise ConfigError(f"invalid setting {key} (from {where}): {error['msg']}") from None
+        raise ConfigError(f"invalid setting {key} (from {where}): {_said(error)}") from None
     return LoadedSettings(settings=settings, sources=sources)
 
 

@@ -63,6 +63,11 @@ def test_explicit_config_path(tmp_path):
         ({}, "memory:\n  block_size: 64\n", "memory.block_size (from"),
         ({}, "memroy:\n  block_size: 16\n", "unknown section 'memroy'"),
         ({}, "server: [1, 2\n", "not valid YAML"),
+        ({"KVSTREAM_BACKEND_URL": "ftp://127.0.0.1:21"}, None,
+         "backend.base_url (from KVSTREAM_BACKEND_URL): 'ftp://127.0.0.1:21' is not an http(s) URL of a runtime"),
+        ({"KVSTREAM_BACKEND__REPLICAS": "http://127.0.0.1:9931,http://127.0.0.1:99999"}, None,
+         "backend.replicas (from KVSTREAM_BACKEND__REPLICAS): 'http://127.0.0.1:99999' has a port that is not a number"),
+        ({}, "backends:\n  - {type: ollama, url: 'http://'}\n", "backends[0].url (from"),
     ],
 )
 def test_invalid_values_fail_with_one_line_naming_the_key(tmp_path, env, yaml_text, message):
@@ -139,3 +144,14 @@ def test_the_lpm_window_set_reaches_the_scheduler_in_front_of_a_runtime(tmp_path
     settings = load_settings(environ={"KVSTREAM_SCHEDULER__LPM_WINDOW": "5"}, cwd=tmp_path).settings
     engine = KVStreamEngine(OpenAICompatibleBackend("http://127.0.0.1:9", "m"), settings)
     assert engine.scheduler.config.policy == "lpm" and engine.scheduler.config.lpm_window == 5
+
+
+def test_a_runtime_url_without_a_scheme_is_http(tmp_path):
+    """``127.0.0.1:11434`` as curl and OLLAMA_HOST read it; before, every request failed with
+    "the runtime sent a malformed answer (NonHttpUrlClientError)"."""
+    (tmp_path / "kvstream.yaml").write_text("backends:\n  - {type: ollama, url: 'gpu-box:11434'}\n")
+    loaded = load_settings(environ={"KVSTREAM_BACKEND_URL": " localhost:8080/v1 ", "KVSTREAM_BACKEND__REPLICAS": "127.0.0.1:9931"},
+                           cwd=tmp_path).settings
+    assert loaded.backend.base_url == "http://localhost:8080/v1"
+    assert loaded.backend.replicas == ["http://127.0.0.1:9931"]
+    assert loaded.backends[0].url == "http://gpu-box:11434"

@@ -112,11 +112,8 @@ def own_address_among_backends(settings: Settings) -> str | None:
     urls = [b.base_url, default, *b.replicas, *(entry.url for entry in settings.backends)]
     own_hosts = _THIS_MACHINE | {settings.server.host}
     for url in filter(None, urls):
-        parts = urllib.parse.urlsplit(url)
-        try:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-        except ValueError:
-            continue  # a malformed port is the backend constructor's error to report
+        parts = urllib.parse.urlsplit(url)  # a valid http(s) URL: the settings checked it (runtime_url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
         if parts.hostname in own_hosts and port == settings.server.port:
             return url
     return None
