@@ -454,7 +454,10 @@ class Scheduler:
         """Whether preempting every running sequence of a class below ``below`` would free
         ``slots`` slots and ``blocks`` device blocks: a block counts only when the victims
         hold all of its references (one shared with a swapped or other running sequence
-        stays on the device)."""
+        stays on the device), and, when victims are swapped out, only when one victim holds
+        it: a swapped sequence keeps its shared blocks on the device, so forks of one prompt
+        swapped one after the other pin the prompt's blocks there (admission would preempt
+        them all and still not fit, leaving the engine idle with work waiting)."""
         victims = [s for s in self.running if self.preemptible and s.preemptible and s.priority > below]
         held: dict[int, int] = {}
         blocks_by_id = {}
@@ -462,7 +465,9 @@ class Scheduler:
             for block in self.bm.tables[victim.seq_id].blocks:
                 held[block.block_id] = held.get(block.block_id, 0) + 1
                 blocks_by_id[block.block_id] = block
-        freed = sum(1 for block_id, refs in held.items() if blocks_by_id[block_id].ref_cnt == refs)
+        most_refs = 1 if self.config.preemption_policy == "swap" else None
+        freed = sum(1 for block_id, refs in held.items()
+                    if blocks_by_id[block_id].ref_cnt == refs and (most_refs is None or refs <= most_refs))
         return len(victims) + sum(v.unforked for v in victims) >= slots and freed >= blocks
 
     def _can_resume(self, seq: Sequence) -> bool:

@@ -639,3 +639,39 @@ def test_a_preemption_that_cannot_make_room_is_not_made():
     assert sched.schedule().admitted == [high]
     sched.finish(high)
     assert sched.bm.is_idle()
+
+
+def test_a_higher_class_does_not_swap_out_forks_whose_shared_blocks_would_stay():
+    """Found by the property test: forks of one prompt swapped out one after the other keep
+    their shared blocks on the device, so preempting them all for a request of a higher
+    class freed too little; it was left waiting with nothing running (an idle engine, work
+    queued, no event to wake it). Admission now counts only the blocks a swap-out frees: the
+    request waits while the forks run, and is admitted when they finish."""
+    sched, _ = make(num_blocks=10, block_size=4, cpu=4, max_batch_size=3, preemption_policy="swap")
+    low = Sequence([1, 2, 3, 4, 5, 6, 7, 8] + [0] * 12, 1, Priority.LOW, arrival=1.0, num_samples=2)
+    sched.add(low)
+    sched.schedule()
+    sched.append(low, 0)
+    low_fork = Sequence(list(low.prompt_token_ids), 1, Priority.LOW, arrival=1.0)
+    sched.fork(low, low_fork)
+    sched.schedule()
+    normal = Sequence([1, 2, 3, 4, 9, 9, 9, 9] + [0] * 9, 1, Priority.NORMAL, arrival=2.0, num_samples=2)
+    sched.add(normal)
+    sched.schedule()
+    normal_fork = Sequence(list(normal.prompt_token_ids), 1, Priority.NORMAL, arrival=2.0)
+    sched.fork(normal, normal_fork)
+    sched.schedule()
+    high = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 0], 1, Priority.HIGH, arrival=3.0)
+    sched.add(high)
+    sched.schedule()
+    assert sched.running, "work waits on an idle engine"
+    # The running finish one by one; the swapped come back; the high one gets its turn.
+    for _ in range(20):
+        if high.status is SeqStatus.RUNNING:
+            break
+        for running in list(sched.running):
+            sched.finish(running)
+        sched.schedule()
+        assert sched.running or not (sched.waiting or sched.swapped)
+    assert high.status is SeqStatus.RUNNING
+    sched.check_invariants()
