@@ -249,6 +249,11 @@ class Scheduler:
                 f"{self.config.max_batch_size} sequences the engine runs at once."
             )
         limit = self.config.max_model_len
+        if limit is not None and len(seq.prompt_token_ids) >= limit:
+            raise NeverFits(
+                f"The prompt has {len(seq.prompt_token_ids)} tokens, more than the model's context of "
+                f"{limit} tokens holds with one token to generate."
+            )
         if limit is not None and seq.max_choice_tokens > limit:
             raise NeverFits(
                 f"This request needs {seq.max_choice_tokens} tokens ({len(seq.prompt_token_ids)} in the "

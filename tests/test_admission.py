@@ -65,14 +65,28 @@ async def test_queue_full_is_429_with_retry_after(start_upstream, start_proxy):
     assert proxy.engine.scheduler.bm.is_idle()
 
 
-async def test_a_request_that_can_never_fit_is_400_at_once(start_upstream, start_proxy):
+async def test_a_prompt_that_can_never_fit_is_400_at_once(start_upstream, start_proxy):
     url, recorder = await start_upstream()
     proxy = await start_proxy(OpenAICompatibleBackend(url), memory={"num_gpu_blocks": 4, "block_size": 8})
+    long = {"model": "test-model", "messages": [{"role": "user", "content": "word " * 40}], "max_tokens": 8}
     async with aiohttp.ClientSession() as s:
-        status, body, headers = await post(s, proxy, BODY | {"max_tokens": 64})
+        status, body, headers = await post(s, proxy, long)
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
     assert "32 tokens" in body["error"]["message"] and headers["x-should-retry"] == "false"
     assert recorder.bodies == []
+
+
+async def test_a_max_tokens_past_what_the_runtime_holds_goes_upstream_as_sent(start_upstream, start_proxy):
+    """Clients often send max_tokens 4096 or more by default; llama-server, Ollama and LM Studio
+    take it (vLLM answers its own 400). KVStream refused it with a 400 of its own, where the
+    runtime alone would have answered."""
+    url, recorder = await start_upstream()
+    proxy = await start_proxy(OpenAICompatibleBackend(url), memory={"num_gpu_blocks": 4, "block_size": 8})
+    async with aiohttp.ClientSession() as s:
+        status, body, _ = await post(s, proxy, BODY | {"max_tokens": 100_000})
+    assert status == 200 and body["choices"][0]["message"]["content"]
+    assert recorder.bodies[-1]["max_tokens"] == 100_000
+    assert proxy.engine.scheduler.bm.is_idle()
 
 
 async def test_client_leaving_while_queued_frees_its_place(one_slot):

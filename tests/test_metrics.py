@@ -70,7 +70,8 @@ async def test_every_series_moves_across_a_request_cycle(proxied):
         script.status = 500
         async with s.post(proxy.v1 + "/chat/completions", json=body) as resp:
             assert resp.status == 502
-        async with s.post(proxy.v1 + "/chat/completions", json=body | {"max_tokens": 5000}) as resp:
+        past = {"messages": [{"role": "user", "content": "word " * 20_000}]}  # a prompt past the pool
+        async with s.post(proxy.v1 + "/chat/completions", json=body | past) as resp:
             assert resp.status == 400
         last = await scrape(s, proxy)
     assert value(last, "kvstream_requests_total", route="chat", code="502") == 1

@@ -463,15 +463,22 @@ class KVStreamEngine:
         # the context; with no known context, assume FALLBACK_MAX_TOKENS, within what the pool
         # can ever hold.
         scheduler = self.scheduler
+        pool_tokens = scheduler.bm.pool.num_blocks * scheduler.bm.block_size
         limit = scheduler.config.max_model_len
         if limit is None:
-            pool_tokens = scheduler.bm.pool.num_blocks * scheduler.bm.block_size
             limit = len(prompt_ids) + min(FALLBACK_MAX_TOKENS, pool_tokens - len(prompt_ids))
         max_tokens = request.max_tokens
         if max_tokens is None:
             max_tokens = max(1, limit - len(prompt_ids))
             default = self.backend.default_max_tokens()
             max_tokens = max_tokens if default is None else min(default, max_tokens)
+        elif self.backend.runtime_judges_length:
+            # A max_tokens past what one request can hold goes upstream as sent: llama-server,
+            # Ollama and LM Studio take it and stop, or shift, at the end of the context (vLLM
+            # answers its own 400). KVStream counts only what the context holds; a prompt
+            # that cannot fit is still refused (check_fits).
+            room = min(scheduler.config.max_model_len or pool_tokens, pool_tokens)
+            max_tokens = min(max_tokens, max(1, room - len(prompt_ids)))
         seq = Sequence(prompt_ids, max_tokens, priority)
         seq.cache_root = tenant_root(request.cache_salt)
         return seq

@@ -378,6 +378,7 @@ class HFBackend(InProcessBackend):
     serves_token_prompts = True
     serves_echo = True  # the prompt's log-probabilities come from the same forward pass
     serves_embeddings = True  # the decoder's mean-pooled last hidden states (embeddings.py)
+    runtime_judges_length = False  # this is the runtime: prompt + max_tokens past the context is a 400
 
     def __init__(
         self,
