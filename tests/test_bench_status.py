@@ -157,6 +157,18 @@ def test_status_renders_a_recorded_snapshot():
     console = Console(record=True, width=140, file=io.StringIO())
     console.print(status_cli.render(SNAPSHOT | {"backend": trusted}, None, "http://127.0.0.1:8080"))
     assert "runtime's cache trusted" in console.export_text()
+    # Never on: why, not a row of zeros; turned off after failures: why, with its counters.
+    never = SNAPSHOT["backend"] | {"hard_inject": {"enabled": False, "off_reason": "llama-server was started without --slot-save-path",
+                                                   "restores": 0, "saves": 0, "slot_waits": 0, "runtime_cache_trusted": True}}
+    console = Console(record=True, width=140, file=io.StringIO())
+    console.print(status_cli.render(SNAPSHOT | {"backend": never}, None, "http://127.0.0.1:8080"))
+    text = console.export_text()
+    assert "off  llama-server was started without --slot-save-path" in text and "restores" not in text and "cache trusted" not in text
+    stopped = SNAPSHOT["backend"] | {"hard_inject": SNAPSHOT["backend"]["hard_inject"] | {
+        "enabled": False, "off_reason": "5 restores in a row failed or did nothing"}}
+    console = Console(record=True, width=140, file=io.StringIO())
+    console.print(status_cli.render(SNAPSHOT | {"backend": stopped}, None, "http://127.0.0.1:8080"))
+    assert "off: 5 restores in a row failed or did nothing  3 restores" in console.export_text()
 
 
 @pytest.mark.parametrize("width", [60, 80])

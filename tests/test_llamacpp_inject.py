@@ -136,6 +136,7 @@ async def test_a_server_without_slot_saving_gets_soft_inject(server, start_proxy
     out = await chat(client, model, "When do you open?")
     assert out.choices[0].message.content
     assert backend.inject is not None and not backend.inject.enabled and backend.inject.store is None
+    assert backend.describe()["hard_inject"]["off_reason"] == "llama-server was started without --slot-save-path"
     assert not list(tmp_path.glob("*.bin"))
 
 

@@ -86,3 +86,19 @@ async def test_a_busy_slot_running_a_longer_prefix_is_worth_waiting_for():
     slot, shared = table.acquire([1, 2, 3, 4, 9])
     assert slot is running and shared == 4
     await asyncio.wait_for(table.wait_for(slot, 0.05), 1.0)  # bounded: returns busy after the timeout
+
+
+def test_hard_inject_says_why_it_is_off(tmp_path):
+    """/status and the dashboard name the reason: never on (no slot directory), or turned off
+    after restores kept failing (each failure has already fallen back to computing)."""
+    from kvstream.backends.llamacpp.inject import HardInject
+
+    never = HardInject(None, 2, None, off_reason="llama-server was started without --slot-save-path")
+    assert never.snapshot()["enabled"] is False
+    assert never.snapshot()["off_reason"] == "llama-server was started without --slot-save-path"
+    inject = HardInject(None, 2, SlotFileStore(tmp_path, "m", block_size=4, budget_bytes=10_000), max_failures=3)
+    assert inject.snapshot()["off_reason"] is None
+    for _ in range(3):
+        inject._fail("the restore did nothing")
+    assert inject.snapshot()["enabled"] is False
+    assert inject.snapshot()["off_reason"] == "3 restores in a row failed or did nothing"

@@ -154,9 +154,13 @@ def render(snap: dict[str, Any], history: History | None = None, url: str = "") 
                                   f"{reqs.get('cancelled', 0):,} cancelled",
                                   "rejected " + (", ".join(f"{k} {v}" for k, v in rejected.items()) or "0")))
     inject = backend.get("hard_inject")
-    if inject:
+    if inject and not inject.get("enabled") and not inject.get("restores") and not inject.get("saves"):
+        # Never on: its counters say nothing; why it is off says what to do.
+        rows.add_row("hard inject", Flow(Text("off", style="yellow"), inject.get("off_reason") or ""))
+    elif inject:
         rows.add_row("hard inject", Flow(
-            "on" if inject.get("enabled") else Text("off", style="yellow"), f"{inject.get('restores', 0)} restores",
+            "on" if inject.get("enabled") else Text(f"off: {inject.get('off_reason') or 'disabled'}", style="yellow"),
+            f"{inject.get('restores', 0)} restores",
             Text(f"{inject.get('restore_failures', 0)} failed", style="red" if inject.get("restore_failures") else ""),
             f"{inject.get('saves', 0)} saves", f"{inject.get('files', 0)} files, {inject.get('bytes_on_disk', 0) / 1e6:,.0f} MB",
             f"{inject.get('slot_waits', 0)} slot waits",

@@ -115,13 +115,16 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         """On first contact: slot table for affinity, and hard inject if slot saving works."""
         slots = int(props.get("total_slots") or 1)
         store = None
+        off_reason = "backend.inject is false"
         config = self.settings.backend
         if config.inject:
             async with self.http.request("POST", "/slots/0?action=probe", json_body={}, timeout=10) as resp:
                 supported = resp.status != 501  # 400 "Invalid action" when slot actions are on
             if not supported:
+                off_reason = "llama-server was started without --slot-save-path"
                 logger.warning("llama-server at %s was started without --slot-save-path: hard KV inject is off (soft inject only)", self.base_url)
             elif self.slot_save_path is None:
+                off_reason = "KVStream needs --slot-save-path DIR, llama-server's slot directory"
                 logger.warning("hard KV inject needs --slot-save-path DIR (the server's slot directory) to manage its files; soft inject only")
             else:
                 identity = f"{props.get('model_path')}|{props.get('build_info')}|{(props.get('default_generation_settings') or {}).get('n_ctx')}"
@@ -129,7 +132,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                     self.slot_save_path, identity, self.settings.memory.block_size, config.slot_budget_bytes,
                 )
                 logger.info("hard KV inject on: %d slot files indexed in %s", len(store), self.slot_save_path)
-        self.inject = HardInject(self.http, slots, store, min_tokens=config.inject_min_tokens)
+        self.inject = HardInject(self.http, slots, store, min_tokens=config.inject_min_tokens, off_reason=off_reason)
         if store is not None:
             # Slot saving works: a running request can be paused (its slot saved to a swap
             # file) and resumed, so the scheduler may preempt for higher-priority requests.

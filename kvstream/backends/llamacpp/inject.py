@@ -64,7 +64,9 @@ class HardInject:
         min_tokens: int = 64,
         save_min_new_tokens: int = 128,
         max_failures: int = 5,
+        off_reason: str | None = None,
     ) -> None:
+        """``off_reason``: why there is no slot file store, for /status (None with a store)."""
         self.http = http
         self.table = SlotTable(slots)
         self.store = store
@@ -73,6 +75,7 @@ class HardInject:
         self.max_failures = max_failures
         self.stats = InjectStats()
         self.enabled = store is not None
+        self.off_reason = None if self.enabled else off_reason or "no slot directory"
         self._failures_in_a_row = 0
         # Prefixes (block hashes) this runtime instance has computed since it started, and
         # whether its own host-RAM prompt cache can be trusted to still hold them.
@@ -143,6 +146,7 @@ class HardInject:
         self._failures_in_a_row += 1
         if self._failures_in_a_row >= self.max_failures and self.enabled:
             self.enabled = False
+            self.off_reason = f"{self._failures_in_a_row} restores in a row failed or did nothing"
             logger.error("hard inject disabled after %d failed or ineffective restores in a row (last: %s)", self._failures_in_a_row, why)
 
     @property
@@ -331,6 +335,7 @@ class HardInject:
         s = self.stats
         return {
             "enabled": self.enabled,
+            "off_reason": self.off_reason,
             "restores": s.restores,
             "restore_failures": s.restore_failures,
             "ineffective_restores": s.ineffective,
