@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import hypothesis
 import pytest
 
 from kvstream.api.app import create_app
@@ -51,6 +52,14 @@ def refused_port():
 
 # CI sets this so that a missing llama-server or model fails instead of skipping.
 REQUIRE_REAL = os.environ.get("KVSTREAM_REQUIRE_REAL") == "1"
+
+# CI runs each property test on a fixed set of examples (derived from the test itself), so
+# that whether a commit lands does not depend on which random examples one run drew; local
+# runs keep drawing fresh ones (and replay from .hypothesis/ any that failed). Loaded before
+# the test modules are imported: their @settings inherit it.
+hypothesis.settings.register_profile("ci", derandomize=True, database=None)
+if REQUIRE_REAL or os.environ.get("CI"):
+    hypothesis.settings.load_profile("ci")
 
 
 def _cuda_device() -> bool:
