@@ -56,3 +56,32 @@ async def test_auto_skips_a_kvstream_on_llama_servers_old_port(start_upstream, s
     assert isinstance(found, OllamaBackend) and found.base_url == url
     # What the log line names: each runtime asked and where.
     assert tried == [f"llamacpp ({proxy.url})", f"ollama ({proxy.url})", f"ollama ({url})"]
+
+
+@pytest.mark.parametrize("value, url", [
+    ("0.0.0.0", "http://127.0.0.1:11434"),  # set so that the server listens everywhere; reached here on loopback
+    ("0.0.0.0:11500", "http://127.0.0.1:11500"),
+    (":11500", "http://127.0.0.1:11500"),
+    ("gpu-box", "http://gpu-box:11434"),
+    ("http://gpu-box", "http://gpu-box:80"),  # a scheme named: its port, as Ollama reads it
+    ("https://ollama.example.com", "https://ollama.example.com:443"),
+    ("[::1]:11434", "http://[::1]:11434"),
+    ("", None),
+    ("box:notaport", None),
+])
+def test_ollama_host_is_read_as_ollama_reads_it(value, url):
+    from kvstream.backends.ollama import ollama_host_url
+
+    assert ollama_host_url(value) == url
+
+
+async def test_ollama_is_found_where_ollama_host_says(start_upstream, monkeypatch):
+    """A user who runs Ollama elsewhere sets OLLAMA_HOST for its CLI and clients; ``--backend
+    ollama`` and ``auto`` (KVStream's own probe) look there too, not only at :11434."""
+    url, _ = await start_upstream(factory=ollama_double)
+    monkeypatch.setenv("OLLAMA_HOST", url.removeprefix("http://"))
+    assert OllamaBackend(None).base_url == url
+    monkeypatch.setattr(auto, "CANDIDATES", [(OllamaBackend, None)])
+    tried: list[str] = []
+    found = await auto.probe_runtimes(make_settings(), tried)
+    assert isinstance(found, OllamaBackend) and found.base_url == url and tried == [f"ollama ({url})"]

@@ -14,9 +14,10 @@ from kvstream.backends.ollama import OllamaBackend
 
 logger = logging.getLogger(__name__)
 
-# Each runtime at its default address. llama-server's default port moved from 8080 to 9931.
+# Each runtime at its default address (None: the backend's own default, OLLAMA_HOST for
+# Ollama). llama-server's default port moved from 8080 to 9931.
 CANDIDATES: list[tuple[type[BaseBackend], str | None]] = [
-    (OllamaBackend, "http://127.0.0.1:11434"),
+    (OllamaBackend, None),
     (LlamaCppBackend, "http://127.0.0.1:9931"),
     (LlamaCppBackend, "http://127.0.0.1:8080"),
     (LMStudioBackend, None),  # its default port, or where `lms server status` says

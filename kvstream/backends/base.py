@@ -87,7 +87,7 @@ class BaseBackend(abc.ABC):
         self.settings = (settings or Settings()).with_overrides(**overrides)
         # Credentials in the URL (a runtime behind basic auth) are kept apart, so that the
         # URL shown in /status, /ready, logs and error messages never carries them.
-        given, self._url_auth = split_credentials((base_url or self.default_url or "").rstrip("/"))
+        given, self._url_auth = split_credentials((base_url or self.default_base_url() or "").rstrip("/"))
         self.base_url = api_root(given)
         if self.base_url != given:
             logger.info("backend URL %s: KVStream adds the /v1 API paths itself, so it uses %s", given, self.base_url)
@@ -96,6 +96,12 @@ class BaseBackend(abc.ABC):
                 "the backend URL carries credentials and backend.api_key is set: only one "
                 "Authorization header can go upstream, so keep one of them"
             )
+
+    @classmethod
+    def default_base_url(cls) -> str | None:
+        """Where the runtime is when no URL is given: ``default_url``, unless the runtime's own
+        environment says otherwise (Ollama's OLLAMA_HOST)."""
+        return cls.default_url
 
     def runtime_reloaded(self, why: str, request: GenerateRequest | None = None) -> None:
         """Report that the runtime restarted or reloaded its model, so its prompt caches are

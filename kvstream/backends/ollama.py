@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import time
+import urllib.parse
 from datetime import datetime, timezone
 from collections.abc import AsyncIterator
 from typing import Any
@@ -128,13 +130,41 @@ def _openai_tool_calls(calls: list[dict[str, Any]], start_index: int) -> list[di
     return result
 
 
+def ollama_host_url(value: str | None) -> str | None:
+    """OLLAMA_HOST (``host``, ``host:port``, ``:port``, with or without a scheme) as the URL
+    Ollama's CLI and clients connect to, read as Ollama reads it: http, 127.0.0.1 and port
+    11434 where it leaves them out (80 or 443 when it names its scheme); a listen-everywhere
+    host (0.0.0.0, set so that other machines reach the server) is reached on this one at
+    127.0.0.1. None when unset, empty or not an address."""
+    value = (value or "").strip()
+    if not value:
+        return None
+    default_port = {"http": 80, "https": 443}.get(value.partition("://")[0], 11434) if "://" in value else 11434
+    parts = urllib.parse.urlsplit(value if "://" in value else "http://" + value)
+    try:
+        port = parts.port or default_port
+    except ValueError:
+        return None
+    host = parts.hostname or "127.0.0.1"
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"
+    elif ":" in host:
+        host = f"[{host}]"  # an IPv6 address
+    return f"{parts.scheme}://{host}:{port}"
+
+
 class OllamaBackend(BaseBackend):
-    """Adapter for an Ollama server (default http://127.0.0.1:11434)."""
+    """Adapter for an Ollama server (default http://127.0.0.1:11434, or OLLAMA_HOST)."""
 
     name = "ollama"
     may_keep_ollama_store = True
     default_url = "http://127.0.0.1:11434"
     serves_any_model_name = False  # Ollama answers 404 for a model it does not have
+
+    @classmethod
+    def default_base_url(cls) -> str | None:
+        """OLLAMA_HOST where it is set, as Ollama's own CLI and clients read it."""
+        return ollama_host_url(os.environ.get("OLLAMA_HOST")) or cls.default_url
 
     def __init__(
         self, base_url: str | None = None, model: str | None = None, settings: Settings | None = None, **overrides: Any

@@ -106,7 +106,7 @@ def own_address_among_backends(settings: Settings) -> str | None:
     default = None
     if not b.base_url and not b.replicas and b.type != "auto":
         try:
-            default = get_backend_class(b.type).default_url  # where the backend goes when given no URL
+            default = get_backend_class(b.type).default_base_url()  # where the backend goes when given no URL
         except KeyError:
             pass  # an unknown type is build_backend's error to report
     urls = [b.base_url, default, *b.replicas, *(entry.url for entry in settings.backends)]
