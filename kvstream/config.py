@@ -56,7 +56,7 @@ def runtime_url(value: str | None) -> str | None:
         url = "http://" + url
     parts = urllib.parse.urlsplit(url)
     try:
-        parts.port  # noqa: B018 (raises for a port that is not a number in range)
+        _ = parts.port  # raises for a port that is not a number in range
     except ValueError:
         raise ValueError(f"{value!r} has a port that is not a number from 1 to 65535") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:

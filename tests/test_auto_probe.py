@@ -4,6 +4,7 @@ answer relayed by a KVStream (its ``Via`` header) never counts."""
 
 from __future__ import annotations
 
+import aiohttp
 import pytest
 
 from kvstream.backends import LlamaCppBackend, LMStudioBackend, OllamaBackend, OpenAICompatibleBackend
@@ -45,6 +46,22 @@ async def test_real_llama_server_is_identified_and_a_kvstream_in_front_of_it_is_
         assert resp.status == 200 and "total_slots" in await resp.json()
         assert "kvstream" in resp.headers["Via"]
     assert await identified(proxy.url) == set()
+
+
+async def test_a_kvstream_in_another_process_is_told_apart_by_its_via_answer(llama_server, tmp_path):
+    """In-process proxies share this process's Via id, so the probes above are refused as a
+    loop (508); a KVStream of its own process answers /props with the runtime's body, and
+    only its Via header tells it apart."""
+    from tests.test_hostile import start_kvstream, stop
+
+    server = start_kvstream(llama_server.url, tmp_path, {})
+    try:
+        async with aiohttp.ClientSession() as http, http.get(server.url + "/props") as resp:
+            assert resp.status == 200 and "total_slots" in await resp.json()
+            assert "kvstream" in resp.headers["Via"]
+        assert await identified(server.url) == set()
+    finally:
+        stop(server.proc)
 
 
 async def test_auto_skips_a_kvstream_on_llama_servers_old_port(start_upstream, start_proxy, monkeypatch):
