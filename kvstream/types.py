@@ -148,6 +148,11 @@ class GenerateRequest:
     # passed through to runtimes that speak OpenAI, translated where a native API differs.
     extra: dict[str, Any] = field(default_factory=dict)
     request_id: str = ""
+    # The API this request came by answers 400 for a prompt (and max_tokens) past the model's
+    # context (OpenAI's Responses and Anthropic's Messages, which KVStream answers itself):
+    # KVStream refuses it. False: a remote runtime judges it as it would directly (see
+    # BaseBackend.runtime_judges_length).
+    refuse_past_context: bool = False
     # Prefill the prompt as a prefix of later ones (a warm-up): a backend that templates the
     # prompt itself leaves the assistant header off, which later requests would not share.
     prefix_only: bool = False

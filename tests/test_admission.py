@@ -9,10 +9,10 @@ import aiohttp
 import pytest
 
 from kvstream import KVStreamEngine
-from kvstream.backends import OpenAICompatibleBackend
+from kvstream.backends import OllamaBackend, OpenAICompatibleBackend
 from kvstream.types import GenerateRequest
 from tests.conftest import make_settings
-from tests.doubles import Script
+from tests.doubles import Script, ollama_double
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,28 +65,35 @@ async def test_queue_full_is_429_with_retry_after(start_upstream, start_proxy):
     assert proxy.engine.scheduler.bm.is_idle()
 
 
-async def test_a_prompt_that_can_never_fit_is_400_at_once(start_upstream, start_proxy):
+async def test_a_request_past_what_the_runtime_holds_goes_upstream_as_sent(start_upstream, start_proxy):
+    """The runtime judges a prompt or max_tokens past its context, as it would directly:
+    llama-server answers its own 400 for the prompt, Ollama and LM Studio truncate it, and all
+    three take a max_tokens past it (clients often send 4096 or more by default; vLLM answers
+    its 400). KVStream answered a 400 of its own where the runtime alone would have served
+    the request; it now counts what one request can hold there."""
     url, recorder = await start_upstream()
-    proxy = await start_proxy(OpenAICompatibleBackend(url), memory={"num_gpu_blocks": 4, "block_size": 8})
+    proxy = await start_proxy(OpenAICompatibleBackend(url), memory={"num_gpu_blocks": 4, "block_size": 8})  # 32 tokens
     long = {"model": "test-model", "messages": [{"role": "user", "content": "word " * 40}], "max_tokens": 8}
     async with aiohttp.ClientSession() as s:
-        status, body, headers = await post(s, proxy, long)
-    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+        for body in (BODY | {"max_tokens": 100_000}, long):
+            status, answer, _ = await post(s, proxy, body)
+            assert status == 200 and answer["choices"][0]["message"]["content"]
+            assert recorder.bodies[-1]["max_tokens"] == body["max_tokens"]
+            assert recorder.bodies[-1]["messages"] == body["messages"]
+    assert proxy.engine.scheduler.bm.is_idle()
+
+
+async def test_a_prompt_past_the_context_is_400_at_once_where_the_api_promises_it(start_upstream, start_proxy):
+    """OpenAI's Responses API (and Anthropic's Messages), answered by KVStream in front of a
+    runtime that does not speak it, promise a 400 for a prompt past the context."""
+    url, recorder = await start_upstream(factory=ollama_double)
+    proxy = await start_proxy(OllamaBackend(url, "llama3.2"), memory={"num_gpu_blocks": 4, "block_size": 8})
+    async with aiohttp.ClientSession() as s:
+        async with s.post(proxy.v1 + "/responses", json={"model": "llama3.2", "input": "word " * 40}) as resp:
+            body, headers = await resp.json(), resp.headers
+    assert resp.status == 400 and body["error"]["code"] == "context_length_exceeded"
     assert "32 tokens" in body["error"]["message"] and headers["x-should-retry"] == "false"
     assert recorder.bodies == []
-
-
-async def test_a_max_tokens_past_what_the_runtime_holds_goes_upstream_as_sent(start_upstream, start_proxy):
-    """Clients often send max_tokens 4096 or more by default; llama-server, Ollama and LM Studio
-    take it (vLLM answers its own 400). KVStream refused it with a 400 of its own, where the
-    runtime alone would have answered."""
-    url, recorder = await start_upstream()
-    proxy = await start_proxy(OpenAICompatibleBackend(url), memory={"num_gpu_blocks": 4, "block_size": 8})
-    async with aiohttp.ClientSession() as s:
-        status, body, _ = await post(s, proxy, BODY | {"max_tokens": 100_000})
-    assert status == 200 and body["choices"][0]["message"]["content"]
-    assert recorder.bodies[-1]["max_tokens"] == 100_000
-    assert proxy.engine.scheduler.bm.is_idle()
 
 
 async def test_client_leaving_while_queued_frees_its_place(one_slot):

@@ -191,16 +191,20 @@ async def test_a_backend_url_given_as_the_runtimes_v1_base_works_as_its_root(sta
         assert resp.status == 200 and (await resp.json())["total_slots"] >= 1  # a passed-through native route
 
 
-async def test_a_max_tokens_past_the_context_is_served_as_llama_server_serves_it(proxy, llama_server):
-    """llama-server takes a max_tokens past its context (it generates to the context's end);
-    many clients send 4096 or more by default. Through KVStream the same answer, not a 400."""
+async def test_a_request_past_the_context_is_answered_as_llama_server_answers_it(proxy, llama_server):
+    """llama-server takes a max_tokens past its context (it stops at the context's end; many
+    clients send 4096 or more by default) and refuses a prompt past it with its own 400.
+    Through KVStream the same answers: before, KVStream refused both with a 400 of its own."""
     via, direct = clients(proxy, llama_server)
     model = await model_id(via)
     kwargs = dict(model=model, messages=[{"role": "user", "content": "What is 2 + 2?"}], max_tokens=100_000, temperature=0)
     a = await direct.chat.completions.create(**kwargs)
     b = await via.chat.completions.create(**kwargs)
     assert b.choices[0].message.content == a.choices[0].message.content and b.choices[0].finish_reason == "stop"
-    # A prompt past the context stays a 400, before it reaches the runtime.
-    with pytest.raises(openai.BadRequestError) as err:
-        await via.chat.completions.create(model=model, messages=[{"role": "user", "content": "word " * 10_000}])
-    assert err.value.code == "context_length_exceeded" and "The prompt has" in err.value.message
+    refused = []
+    for c in (direct, via):
+        with pytest.raises(openai.BadRequestError) as err:
+            await c.chat.completions.create(model=model, messages=[{"role": "user", "content": "word " * 10_000}])
+        refused.append(err.value.body)
+    assert refused[0] == refused[1] and "exceeds the available context size" in refused[0]["message"]
+    assert proxy.engine.scheduler.bm.is_idle()

@@ -9,7 +9,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstream.backends import OpenAICompatibleBackend
+from kvstream.backends import GenerateRequest, OpenAICompatibleBackend
+from kvstream.scheduler import NeverFits
 from tests.doubles import Script
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,13 +71,18 @@ async def test_every_series_moves_across_a_request_cycle(proxied):
         script.status = 500
         async with s.post(proxy.v1 + "/chat/completions", json=body) as resp:
             assert resp.status == 502
-        past = {"messages": [{"role": "user", "content": "word " * 20_000}]}  # a prompt past the pool
-        async with s.post(proxy.v1 + "/chat/completions", json=body | past) as resp:
+        script.status = 400  # the runtime's own refusal, passed on
+        async with s.post(proxy.v1 + "/chat/completions", json=body) as resp:
             assert resp.status == 400
+        # KVStream's own (an API that promises a 400 for a prompt past the context).
+        past = GenerateRequest(model="test-model", messages=[{"role": "user", "content": "word " * 20_000}],
+                               refuse_past_context=True)
+        with pytest.raises(NeverFits):
+            await proxy.engine.submit(past)
         last = await scrape(s, proxy)
     assert value(last, "kvstream_requests_total", route="chat", code="502") == 1
     assert value(last, "kvstream_backend_errors_total", kind="error") == 1
-    assert value(last, "kvstream_request_outcomes_total", outcome="failed") == 1
+    assert value(last, "kvstream_request_outcomes_total", outcome="failed") == 2  # the runtime's 500 and its 400
     assert value(last, "kvstream_admission_rejections_total", reason="context_length_exceeded") == 1
     assert value(last, "kvstream_requests_total", route="chat", code="400") == 1
 

@@ -149,6 +149,9 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
         return await forward(request)  # the runtime's own
     arrived_at = time.monotonic()
     generate, data, named = await _generate_request(request, api, {})
+    # This API's contract (OpenAI's Responses, Anthropic's Messages): a 400 for a prompt past
+    # the context, whatever the runtime behind would make of it.
+    generate.refuse_past_context = True
     if api.fit is not None:
         await api.fit(state.engine, generate, data)
     request_id = request[REQUEST_ID]

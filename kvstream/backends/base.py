@@ -41,11 +41,13 @@ class BaseBackend(abc.ABC):
     # the client's body (GenerateRequest.body) and the runtime's own answer comes back.
     # False for a backend that translates (validated by KVStream, answered in its framing).
     forwards_body: bool = False
-    # Whether the runtime judges a request's max_tokens against its context itself: a remote
-    # runtime gets it as sent (llama-server, Ollama and LM Studio stop, or shift, at the end
-    # of the context; vLLM answers its 400), and KVStream refuses only a prompt it counts past
-    # the context. False for the in-process engine, which is the runtime: prompt + max_tokens
-    # past the context is its 400, as vLLM's.
+    # Whether the runtime judges a request's length against its context itself, as it would
+    # directly: a prompt or max_tokens past the context goes upstream as sent (llama-server
+    # answers its own 400 for the prompt, Ollama truncates it, LM Studio applies its overflow
+    # policy; past max_tokens they stop, or shift, at the context's end; vLLM answers its
+    # 400), KVStream counting what one request can hold. Not for an API KVStream answers
+    # itself (GenerateRequest.refuse_past_context). False for the in-process engine, which is
+    # the runtime: prompt + max_tokens past the context is its 400, as vLLM's.
     runtime_judges_length: bool = True
     # Whether a model name the runtime does not list is served by its one model, as a
     # single-model runtime does (llama-server); Ollama answers 404 instead.

@@ -458,12 +458,20 @@ class KVStreamEngine:
         # Never preempted: KVStream cannot pause a stream it does not read.
         return self._enqueue(request, prompt_ids, False, priority, None, preemptible=False)
 
-    def _sequence(self, request: GenerateRequest, prompt_ids: list[int], priority: Priority) -> Sequence:
+    def _sequence(self, request: GenerateRequest, prompt_ids: list[int], priority: Priority,
+                  runtime_judges: bool = False) -> Sequence:
         # Without max_tokens a request gets the backend's default, else may run to the end of
         # the context; with no known context, assume FALLBACK_MAX_TOKENS, within what the pool
         # can ever hold.
         scheduler = self.scheduler
         pool_tokens = scheduler.bm.pool.num_blocks * scheduler.bm.block_size
+        room = min(scheduler.config.max_model_len or pool_tokens, pool_tokens)
+        if runtime_judges:
+            # A prompt past what one request can hold goes upstream as sent, as it would
+            # directly: llama-server answers its own 400, Ollama truncates it, LM Studio
+            # applies its context-overflow policy. KVStream counts the most one request can
+            # hold there.
+            prompt_ids = prompt_ids[: room - 1]
         limit = scheduler.config.max_model_len
         if limit is None:
             limit = len(prompt_ids) + min(FALLBACK_MAX_TOKENS, pool_tokens - len(prompt_ids))
@@ -472,12 +480,9 @@ class KVStreamEngine:
             max_tokens = max(1, limit - len(prompt_ids))
             default = self.backend.default_max_tokens()
             max_tokens = max_tokens if default is None else min(default, max_tokens)
-        elif self.backend.runtime_judges_length:
-            # A max_tokens past what one request can hold goes upstream as sent: llama-server,
-            # Ollama and LM Studio take it and stop, or shift, at the end of the context (vLLM
-            # answers its own 400). KVStream counts only what the context holds; a prompt
-            # that cannot fit is still refused (check_fits).
-            room = min(scheduler.config.max_model_len or pool_tokens, pool_tokens)
+        elif runtime_judges:
+            # So does a max_tokens past it: llama-server, Ollama and LM Studio stop, or shift,
+            # at the end of the context (vLLM answers its 400); KVStream counts what fits.
             max_tokens = min(max_tokens, max(1, room - len(prompt_ids)))
         seq = Sequence(prompt_ids, max_tokens, priority)
         seq.cache_root = tenant_root(request.cache_salt)
@@ -485,7 +490,8 @@ class KVStreamEngine:
 
     async def fits(self, request: GenerateRequest) -> bool:
         """Whether ``request``'s prompt and ``max_tokens`` fit the model's context and the pool
-        (the check ``submit`` makes, NeverFits past it), without queueing it."""
+        (NeverFits past it when ``submit`` refuses what is past the context), without
+        queueing it."""
         prompt_ids, _ = await self.prompt_tokens(request)
         try:
             self.scheduler.check_fits(self._sequence(request, prompt_ids, Priority.NORMAL))
@@ -503,7 +509,8 @@ class KVStreamEngine:
         preemptible: bool = True,
         retention: tuple[tuple[int, float], ...] = (),
     ) -> Generation:
-        seq = self._sequence(request, prompt_ids, priority)
+        runtime_judges = self.backend.runtime_judges_length and not request.refuse_past_context
+        seq = self._sequence(request, prompt_ids, priority, runtime_judges)
         seq.cache_retention = retention
         if self.backend.capabilities.preemptible:
             seq.preemptible = preemptible and self.backend.can_resume(request)
