@@ -1,5 +1,5 @@
 """Soak: thousands of mixed requests (streaming, non-streaming, aborted mid-stream, invalid,
-never-fitting) at high concurrency through KVStream against an instant upstream. Reports
+past the context) at high concurrency through KVStream against an instant upstream. Reports
 requests served, answers by kind, KV blocks leaked (must be 0), and KVStream's RSS and open
 file descriptors at start and end (RSS growth must stay under 5%).
 
@@ -22,6 +22,8 @@ import aiohttp
 from _util import PYTHON, free_port, spawn, stop, wait_http
 
 CHAT = {"model": "bench", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8}
+# too_long: max_tokens past any context. In front of a runtime it goes upstream as sent (the
+# runtime judges it, as it would directly), counted as what one request can hold.
 KINDS = [("stream", 50), ("json", 20), ("aborted", 10), ("invalid", 10), ("too_long", 10)]
 
 
