@@ -29,6 +29,18 @@ from kvstream.engine import KVStreamEngine
 from tests.doubles import Recorder, Script, openai_upstream
 
 
+# CI sets this so that a missing llama-server or model fails instead of skipping.
+REQUIRE_REAL = os.environ.get("KVSTREAM_REQUIRE_REAL") == "1"
+
+# CI runs each property test on a fixed set of examples (derived from the test itself), so
+# that whether a commit lands does not depend on which random examples one run drew; local
+# runs keep drawing fresh ones (and replay from .hypothesis/ any that failed). Loaded before
+# the test modules are imported: their @settings inherit it.
+hypothesis.settings.register_profile("ci", derandomize=True, database=None)
+if REQUIRE_REAL or os.environ.get("CI"):
+    hypothesis.settings.load_profile("ci")
+
+
 @pytest.fixture
 def refused_port():
     """Hand out loopback ports that refuse connections for the whole test.
@@ -48,18 +60,6 @@ def refused_port():
     yield take
     for sock in held:
         sock.close()
-
-
-# CI sets this so that a missing llama-server or model fails instead of skipping.
-REQUIRE_REAL = os.environ.get("KVSTREAM_REQUIRE_REAL") == "1"
-
-# CI runs each property test on a fixed set of examples (derived from the test itself), so
-# that whether a commit lands does not depend on which random examples one run drew; local
-# runs keep drawing fresh ones (and replay from .hypothesis/ any that failed). Loaded before
-# the test modules are imported: their @settings inherit it.
-hypothesis.settings.register_profile("ci", derandomize=True, database=None)
-if REQUIRE_REAL or os.environ.get("CI"):
-    hypothesis.settings.load_profile("ci")
 
 
 def _cuda_device() -> bool:
