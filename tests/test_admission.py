@@ -67,10 +67,10 @@ async def test_queue_full_is_429_with_retry_after(start_upstream, start_proxy):
 
 async def test_a_request_past_what_the_runtime_holds_goes_upstream_as_sent(start_upstream, start_proxy):
     """The runtime judges a prompt or max_tokens past its context, as it would directly:
-    llama-server answers its own 400 for the prompt, Ollama and LM Studio truncate it, and all
-    three take a max_tokens past it (clients often send 4096 or more by default; vLLM answers
-    its 400). KVStream answered a 400 of its own where the runtime alone would have served
-    the request; it now counts what one request can hold there."""
+    llama-server answers its own 400 for the prompt, Ollama truncates it, LM Studio applies its
+    overflow policy, and all three take a max_tokens past it (clients often send 4096 or more
+    by default; vLLM answers its 400). KVStream answered a 400 of its own where the runtime
+    alone would have served the request; it now counts what one request can hold there."""
     url, recorder = await start_upstream()
     proxy = await start_proxy(OpenAICompatibleBackend(url), memory={"num_gpu_blocks": 4, "block_size": 8})  # 32 tokens
     long = {"model": "test-model", "messages": [{"role": "user", "content": "word " * 40}], "max_tokens": 8}
