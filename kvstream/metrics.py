@@ -225,6 +225,7 @@ class _EngineCollector(Collector):
         counted.add_metric(["exact"], stats.prompts_exact)
         counted.add_metric(["estimated"], stats.prompts_estimated)
         yield counted
+        yield CounterMetricFamily("kvstream_prompts_past_context", "Prompts counted exactly past the runtime's context and forwarded for it to judge (Ollama truncates them, llama-server refuses them).", value=stats.prompts_past_context)
         yield CounterMetricFamily("kvstream_runtime_reloads", "Times the runtime lost its prompt caches (model reload, restart), as KVStream learnt of it.", value=stats.runtime_reloads)
         yield CounterMetricFamily("kvstream_rewarmed_prefixes", "Hot prefixes re-prefilled after a runtime reload.", value=stats.rewarmed_prefixes)
         yield CounterMetricFamily("kvstream_runtime_cached_tokens", "Prompt tokens the runtime reported reusing from its cache (usage cached_tokens, llama.cpp timings.cache_n).", value=stats.runtime_cached_tokens)

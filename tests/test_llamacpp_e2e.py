@@ -208,3 +208,6 @@ async def test_a_request_past_the_context_is_answered_as_llama_server_answers_it
         refused.append(err.value.body)
     assert refused[0] == refused[1] and "exceeds the available context size" in refused[0]["message"]
     assert proxy.engine.scheduler.bm.is_idle()
+    # Said where an operator looks: /status (and the log, and kvstream_prompts_past_context_total).
+    async with aiohttp.ClientSession() as http, http.get(proxy.url + "/status") as resp:
+        assert (await resp.json())["requests"]["prompts_past_context"] == 1

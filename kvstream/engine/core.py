@@ -93,6 +93,9 @@ class EngineStats:
     # Prompts counted with the model's own tokenizer vs estimated (4 characters a token).
     prompts_exact: int = 0
     prompts_estimated: int = 0
+    # Prompts counted exactly past the runtime's context and forwarded for it to judge (Ollama
+    # truncates them silently; llama-server refuses them).
+    prompts_past_context: int = 0
     # Summed over finished requests: admission to the first token (the prompt's time), the
     # first token to the last (the answer's), and the longest prompt + answer, in tokens.
     prompt_seconds: float = 0.0
@@ -510,6 +513,12 @@ class KVStreamEngine:
         retention: tuple[tuple[int, float], ...] = (),
     ) -> Generation:
         runtime_judges = self.backend.runtime_judges_length and not request.refuse_past_context
+        context = self.scheduler.config.max_model_len
+        if runtime_judges and exact and context is not None and len(prompt_ids) >= context:
+            self.stats.prompts_past_context += 1
+            logger.warning("[%s] the prompt has %d tokens, past the runtime's context of %d: forwarded as sent, the "
+                           "runtime judges it (Ollama truncates it, llama-server refuses it)",
+                           request.request_id, len(prompt_ids), context)
         seq = self._sequence(request, prompt_ids, priority, runtime_judges)
         seq.cache_retention = retention
         if self.backend.capabilities.preemptible:
@@ -664,6 +673,8 @@ class KVStreamEngine:
                 "generation_tokens": self.stats.generation_tokens,
                 # How KVStream sized each prompt: the model's own tokenizer, or an estimate.
                 "prompts_counted": {"exact": self.stats.prompts_exact, "estimated": self.stats.prompts_estimated},
+                # Counted past the runtime's context and forwarded for it to judge.
+                "prompts_past_context": self.stats.prompts_past_context,
             },
             "preemption": {
                 "preemptions": sched.stats.preemptions,
