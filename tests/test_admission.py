@@ -83,16 +83,23 @@ async def test_a_request_past_what_the_runtime_holds_goes_upstream_as_sent(start
     assert proxy.engine.scheduler.bm.is_idle()
 
 
-async def test_a_prompt_past_the_context_is_400_at_once_where_the_api_promises_it(start_upstream, start_proxy):
-    """OpenAI's Responses API (and Anthropic's Messages), answered by KVStream in front of a
-    runtime that does not speak it, promise a 400 for a prompt past the context."""
+@pytest.mark.parametrize("path, body", [
+    ("/responses", {"model": "llama3.2", "input": "word " * 40}),
+    ("/messages", {"model": "llama3.2", "max_tokens": 8, "messages": [{"role": "user", "content": "word " * 40}]}),
+], ids=["responses", "messages"])
+async def test_a_prompt_past_the_context_is_400_at_once_where_the_api_promises_it(start_upstream, start_proxy, path, body):
+    """OpenAI's Responses API and Anthropic's Messages, answered by KVStream in front of a
+    runtime that does not speak them, promise a 400 for a prompt past the context."""
     url, recorder = await start_upstream(factory=ollama_double)
     proxy = await start_proxy(OllamaBackend(url, "llama3.2"), memory={"num_gpu_blocks": 4, "block_size": 8})
     async with aiohttp.ClientSession() as s:
-        async with s.post(proxy.v1 + "/responses", json={"model": "llama3.2", "input": "word " * 40}) as resp:
-            body, headers = await resp.json(), resp.headers
-    assert resp.status == 400 and body["error"]["code"] == "context_length_exceeded"
-    assert "32 tokens" in body["error"]["message"] and headers["x-should-retry"] == "false"
+        async with s.post(proxy.v1 + path, json=body) as resp:
+            answer = await resp.json()
+    assert resp.status == 400 and "32 tokens" in answer["error"]["message"]
+    if path == "/responses":
+        assert answer["error"]["code"] == "context_length_exceeded"
+    else:  # in Anthropic's shape
+        assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
     assert recorder.bodies == []
 
 
