@@ -79,11 +79,14 @@ class RequestControl:
     ``cached_tokens`` (prompt tokens the runtime reported reusing), ``saved_state`` (an opaque
     handle to the state a paused request left behind, given back to the backend on resume or
     to ``forget``).
+
+    Backend to API: ``runtime_grant`` (the CORS headers of the runtime's answer, {} for none;
+    None until one came), which the client's answer carries as the runtime gave them.
     """
 
     __slots__ = (
         "prompt_token_ids", "prefix_chain", "preempted", "save_state", "resume", "cached_tokens", "saved_state",
-        "replica", "route",
+        "replica", "route", "runtime_grant",
         "_interrupt",
     )
 
@@ -101,6 +104,7 @@ class RequestControl:
         # miss, balance, session, round_robin, least_loaded); None with one runtime.
         self.replica: str | None = None
         self.route: str | None = None
+        self.runtime_grant: dict[str, str] | None = None
         self._interrupt: Callable[[], None] | None = None
 
     def on_interrupt(self, callback: Callable[[], None] | None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from datetime import datetime, timedelta, timezone
 from collections.abc import Iterator
@@ -208,6 +209,33 @@ def _logprobs(tokens: list[str]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- Ollama
+# Ollama's CORS policy (gin-contrib/cors, server/routes.go): pages of localhost, 127.0.0.1 or
+# 0.0.0.0 (any port, http or https) and of app/file/tauri/vscode schemes by default, plus
+# OLLAMA_ORIGINS; another origin is answered 403, with no body, preflight or not.
+OLLAMA_LOCAL_ORIGIN = re.compile(r"^https?://(localhost|127\.0\.0\.1|0\.0\.0\.0)(:\d+)?$|^(app|file|tauri|vscode-webview|vscode-file)://")
+
+
+@web.middleware
+async def ollama_cors(request: web.Request, handler):
+    origin = request.headers.get("Origin")
+    if not origin or origin in (f"http://{request.host}", f"https://{request.host}"):
+        return await handler(request)
+    if not OLLAMA_LOCAL_ORIGIN.match(origin):
+        return web.Response(status=403)
+    if request.method == "OPTIONS":
+        return web.Response(status=204, headers={"Access-Control-Allow-Origin": origin, "Vary": "Origin",
+                                                 "Access-Control-Allow-Methods": "GET,POST,PUT,PATCH,DELETE,HEAD,OPTIONS"})
+    return await handler(request)
+
+
+async def ollama_cors_grant(request: web.Request, response: web.StreamResponse) -> None:
+    """The grant on an allowed origin's answer (as its head is sent: streamed answers too)."""
+    origin = request.headers.get("Origin")
+    if origin and OLLAMA_LOCAL_ORIGIN.match(origin) and "Access-Control-Allow-Origin" not in response.headers:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers.add("Vary", "Origin")
+
+
 def ollama_double(
     script: Script, recorder: Recorder, models: list[str] | None = None, model_info: dict[str, Any] | None = None
 ) -> web.Application:
@@ -292,7 +320,8 @@ def ollama_double(
             recorder.completed += 1
             return resp
 
-    app = web.Application()
+    app = web.Application(middlewares=[ollama_cors])
+    app.on_response_prepare.append(ollama_cors_grant)
     app.router.add_get("/api/version", version)
     app.router.add_get("/api/tags", list_tags)
     app.router.add_get("/api/ps", ps)

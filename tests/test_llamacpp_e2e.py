@@ -211,3 +211,29 @@ async def test_a_request_past_the_context_is_answered_as_llama_server_answers_it
     # Said where an operator looks: /status (and the log, and kvstream_prompts_past_context_total).
     async with aiohttp.ClientSession() as http, http.get(proxy.url + "/status") as resp:
         assert (await resp.json())["requests"]["prompts_past_context"] == 1
+
+
+async def test_a_web_page_reads_the_answers_through_kvstream_as_it_does_directly(proxy, llama_server):
+    """A browser app served from another origin (a chat UI on localhost:5173) can read
+    llama-server's answers because llama-server grants the page's origin on every answer. The
+    answers KVStream rebuilds carried no grant: the browser refused them all. Now each carries
+    the one llama-server gave (its own 400 too); without an Origin nothing is added."""
+    page = {"Origin": "http://localhost:5173"}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    asks = [("/v1/chat/completions", chat), ("/v1/chat/completions", dict(chat, stream=True)),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 2}), ("/completion", {"prompt": "hi", "n_predict": 2}),
+            ("/v1/chat/completions", {"messages": "not a list"})]
+    async with aiohttp.ClientSession() as http:
+        for path, body in asks:
+            grants = []
+            for base in (llama_server.url, proxy.url):
+                async with http.post(base + path, json=body, headers=page) as resp:
+                    await resp.read()
+                    grants.append((resp.status, resp.headers.get("Access-Control-Allow-Origin")))
+            assert grants[0] == grants[1] and grants[0][1] == page["Origin"], (path, grants)
+        # Ollama's API, which KVStream answers over llama-server's.
+        async with http.post(proxy.url + "/api/chat", json={"messages": chat["messages"], "stream": False}, headers=page) as resp:
+            assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == page["Origin"]
+        async with http.post(proxy.url + "/v1/chat/completions", json=chat) as resp:
+            assert resp.status == 200 and "Access-Control-Allow-Origin" not in resp.headers
+    assert proxy.engine.scheduler.bm.is_idle()

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from kvstream import __version__
+from kvstream.api import cors
 from kvstream.api import llamacpp_format as fmt
 from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception
 from kvstream.api.llamacpp_format import CompletionAnswer, LlamaCppError, invalid
@@ -319,6 +320,7 @@ async def _generate(request: web.Request, body: dict[str, Any], prompts: list[st
     answers = [CompletionAnswer(generate, body, named or model or "", index, server)
                for index, generate in enumerate(requests)]
     headers = {"X-Request-Id": request[REQUEST_ID]}
+    cors.follow_runtime(request, requests)
     if requests[0].stream:
         return await _stream(request, requests[0], answers[0], priority, arrived_at, headers)
     try:

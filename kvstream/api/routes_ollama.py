@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from kvstream import __version__
+from kvstream.api import cors
 from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, counted, from_exception
 from kvstream.api.routes_openai import default_model, parse_deadline, read_object, resolve_model
 from kvstream.api.routes_passthrough import forward
@@ -335,6 +336,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         generate.queue_deadline_s = parse_deadline(request)
     except APIError as exc:
         raise OllamaError(400, exc.message) from None
+    cors.follow_runtime(request, [generate])
     try:
         gen = await state.engine.submit(generate, Priority.NORMAL, arrived_at)
     except (SchedulerError, BackendError) as exc:

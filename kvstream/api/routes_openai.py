@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from kvstream.api import llama_timings
+from kvstream.api import cors, llama_timings
 from kvstream.api.body import read_bytes
 from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception, json_body_error
 from kvstream.api.openai_format import DONE, Aggregate, StreamFormatter
@@ -261,6 +261,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     batch, priority, include_usage, named = await _parse(request, state, chat)
     generate = batch[0]
     request_id = request[REQUEST_ID]
+    cors.follow_runtime(request, batch)
     try:
         gens = await state.engine.submit_all(batch, priority, arrived_at)
     except Exception as exc:

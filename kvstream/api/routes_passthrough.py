@@ -26,10 +26,11 @@ import aiohttp
 from aiohttp import web
 
 from kvstream.api.body import LimitedBody, content_encoding, inflate, read_raw, too_large
+from kvstream.api.cors import PASSED_GRANT
 from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception
 from kvstream.api.state import STATE
 from kvstream.api.streaming import GuardedResponse
-from kvstream.backends.http import via_with_this_hop
+from kvstream.backends.http import cors_grant, via_with_this_hop
 from kvstream.jsonfast import loads
 from kvstream.scheduler import Priority
 from kvstream.types import BackendError
@@ -186,6 +187,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
                 if upstream.content_length is not None and request.method != "HEAD":
                     response.content_length = upstream.content_length  # the raw bytes are forwarded
                 response.headers["X-Request-Id"] = request[REQUEST_ID]
+                request[PASSED_GRANT] = cors_grant(upstream.headers)
                 await response.prepare(request)
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)

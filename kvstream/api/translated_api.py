@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 from pydantic import ValidationError
 
-from kvstream.api import llama_timings
+from kvstream.api import cors, llama_timings
 from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, counted, from_exception
 from kvstream.api.routes_openai import (
     _error_kind,
@@ -161,6 +161,7 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
     timed = extras and llama_timings.wants(data, "timings_per_token")
     generate.queue_deadline_s = parse_deadline(request)
     priority = parse_priority(request, data.get("priority"))
+    cors.follow_runtime(request, [generate])
     try:
         gen = await state.engine.submit(generate, priority, arrived_at)
     except Exception as exc:

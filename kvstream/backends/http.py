@@ -9,7 +9,7 @@ import logging
 import secrets
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -32,6 +32,17 @@ _JSON_HEADERS = {"Content-Type": "application/json"}
 # connection to itself until the listener's cap.
 INSTANCE_ID = secrets.token_hex(8)
 _VIA_HOP = f"1.1 kvstream ({INSTANCE_ID})"
+
+# The headers of an answer that let a web page of another origin read it (the Fetch
+# standard's CORS response headers). A page reads an answer KVStream builds from the runtime's
+# only if it carries the grant the runtime gave: without it, a browser app that works against
+# the runtime directly fails through KVStream.
+CORS_ANSWER_HEADERS = ("Access-Control-Allow-Origin", "Access-Control-Allow-Credentials", "Access-Control-Expose-Headers")
+
+
+def cors_grant(headers: Mapping[str, str]) -> dict[str, str]:
+    """The CORS grant among an answer's headers ({} when it grants nothing)."""
+    return {name: headers[name] for name in CORS_ANSWER_HEADERS if name in headers}
 
 
 def via_with_this_hop(incoming: str | None) -> str:
@@ -303,6 +314,10 @@ async def raise_for_upstream_status(resp: aiohttp.ClientResponse) -> None:
                               param=param, body=own)
     if resp.status == 508:  # a loop (see INSTANCE_ID): the innermost hop's words say what to fix
         raise BackendError(message, 508, code=code or "proxy_loop")
+    if resp.status == 403 and not raw and "Origin" in resp.request_info.headers:
+        # The runtime's CORS policy refusing the web page the request came from (Ollama answers
+        # a page outside OLLAMA_ORIGINS so, with no body): the client's, as it is directly.
+        raise BackendRejected("The runtime refuses requests from this web page's origin.", 403, code="origin_refused")
     if resp.status == 401 or resp.status == 403:
         raise BackendError(f"the runtime refused KVStream's credentials: {message}", 502, code="backend_auth")
     raise BackendError(f"runtime error (HTTP {resp.status}): {message}", 502)

@@ -22,7 +22,7 @@ from kvstream.config import Settings
 from kvstream.backends.base import BaseBackend
 from kvstream.types import BackendError, GenerateRequest, ModelInfo, RuntimeLimits, Token, Usage
 from kvstream.backends.gguf_tokenizer import GGUFTokenizer
-from kvstream.backends.http import EventReader, UpstreamSession, decode_ndjson_line, raise_for_upstream_status
+from kvstream.backends.http import EventReader, UpstreamSession, cors_grant, decode_ndjson_line, raise_for_upstream_status
 from kvstream.backends.openai_compat import logprobs_from
 
 logger = logging.getLogger(__name__)
@@ -322,7 +322,8 @@ class OllamaBackend(BaseBackend):
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
         path, body = self.build_body(request)
         self._last_use[body["model"]] = time.monotonic()
-        async with self.http.request("POST", path, json_body=body) as resp:
+        async with self.http.request("POST", path, json_body=body, headers=request.headers) as resp:
+            request.control.runtime_grant = cors_grant(resp.headers)
             await raise_for_upstream_status(resp)
             tool_calls = 0
             objects = EventReader(resp, decode_ndjson_line)

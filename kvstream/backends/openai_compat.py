@@ -19,7 +19,7 @@ from kvstream.types import (
     Usage,
     as_burst,
 )
-from kvstream.backends.http import DONE, EventReader, UpstreamSession, raise_for_upstream_status, read_json
+from kvstream.backends.http import DONE, EventReader, UpstreamSession, cors_grant, raise_for_upstream_status, read_json
 
 
 def usage_from(payload: dict[str, Any] | None) -> Usage | None:
@@ -191,6 +191,7 @@ class OpenAICompatibleBackend(BaseBackend):
         path = self.chat_path if request.is_chat else self.completions_path
         forwarded = request.body is not None
         async with self.http.request("POST", path, json_body=body, headers=request.headers) as resp:
+            request.control.runtime_grant = cors_grant(resp.headers)
             await raise_for_upstream_status(resp)
             # The answer's own type decides how it is read (a runtime may stream for a
             # "stream" value KVStream does not take as true, or not stream at all).

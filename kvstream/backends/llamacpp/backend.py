@@ -20,7 +20,7 @@ from typing import Any
 from kvstream.config import Settings
 from kvstream.backends.base import Capabilities
 from kvstream.types import BackendError, BackendInterrupted, GenerateRequest, RuntimeLimits, Token, Usage
-from kvstream.backends.http import DONE, EventReader, raise_for_upstream_status
+from kvstream.backends.http import DONE, EventReader, cors_grant, raise_for_upstream_status
 from kvstream.backends.llamacpp.runtime import ManagedLlamaServer
 from kvstream.embedded import embedded_model
 from kvstream.kv.hashing import tenant_root
@@ -218,6 +218,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                 return
             # The client's own headers go with the resumed leg too, as with the first.
             async with self.http.request("POST", "/completion", json_body=body, headers=request.headers) as resp:
+                request.control.runtime_grant = cors_grant(resp.headers)
                 await raise_for_upstream_status(resp)
                 request.control.on_interrupt(lambda: resp.content.set_exception(BackendInterrupted()))
                 events = EventReader(resp)
