@@ -234,3 +234,8 @@ async def test_one_miss_of_a_runtime_cache_that_is_off_turns_to_the_slot_files(s
     restored = await chat(client, model, "Do you sell rye bread?")
     assert inject.stats.restores == 1
     assert restored.usage.prompt_tokens_details.cached_tokens >= 300
+    # A restarted runtime (its task ids in /slots going backwards) may run with other flags:
+    # its cache is trusted again until it misses (before, the doubt outlived the restart).
+    inject._max_task_seen = 10**9
+    await chat(client, model, "Do you bake cakes?")
+    assert inject.trust_runtime_cache and inject.snapshot()["runtime_cache_trusted"] is True

@@ -124,9 +124,12 @@ class HardInject:
             self.reset()
 
     def reset(self) -> None:
-        """The runtime lost its KV (restart): believe nothing about its slots or its cache."""
+        """The runtime lost its KV (restart): believe nothing about its slots or its cache.
+        Its own prompt cache is trusted again until it misses: a restarted llama-server may
+        run with other flags (``--cache-ram``), and one miss settles it again."""
         self.table.forget()
         self._seen.clear()
+        self.trust_runtime_cache = True
 
     def _seen_prefix(self, hashes: list[str]) -> int:
         """Tokens of the longest block-hash prefix this runtime instance has computed."""
