@@ -46,6 +46,9 @@ FALLBACK_MAX_TOKENS = 2048
 REWARM_PREFIXES = 4
 # How long the runtime's model list is reused before asking again.
 MODELS_TTL_S = 5.0
+# How often a runtime not yet sized (down, or still loading its model, when KVStream
+# started) is probed until it is.
+PROBE_UNTIL_SIZED_S = 2.0
 
 
 class QueueTimeout(SchedulerError):
@@ -290,6 +293,7 @@ class KVStreamEngine:
         self._models_refresh: asyncio.Future[list[ModelInfo]] | None = None
         self.hot = HotPrefixes()
         self._rewarm: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None
         backend.on_reload = self.runtime_reloaded
 
     # ----------------------------------------------------------------- setup
@@ -304,7 +308,8 @@ class KVStreamEngine:
         return self.runner.scheduler
 
     async def start(self) -> None:
-        """Start the backend and size the pool from the runtime, if it answers."""
+        """Start the backend and size the pool from the runtime, if it answers; else keep
+        probing it until it does."""
         if self._started:
             return
         self._started = True
@@ -316,6 +321,20 @@ class KVStreamEngine:
                 self.backend.name,
                 self.backend.base_url or "(undiscovered)",
             )
+        if not self._sized:
+            self._probe = asyncio.get_running_loop().create_task(self._probe_until_sized())
+
+    async def _probe_until_sized(self) -> None:
+        """A runtime started alongside KVStream, or loading its model (llama-server answers 503
+        meanwhile), is sized as soon as it answers. Before, it was sized at the first /ready
+        only: until then the pool and the batch size stayed defaults (8 in flight against a
+        runtime with fewer slots, its own queue taking the rest), hard inject stayed off and
+        /status said not ready while requests were served."""
+        while not self._sized:
+            await asyncio.sleep(PROBE_UNTIL_SIZED_S)
+            was_ready = self._ready
+            if await self.refresh() and not was_ready:
+                logger.info("backend %s at %s answers now", self.backend.name, self.backend.base_url or "(discovered)")
 
     async def refresh(self) -> bool:
         """Probe the runtime; on first contact size the pool from what it reports."""
@@ -345,10 +364,11 @@ class KVStreamEngine:
         return healthy
 
     async def close(self) -> None:
-        if self._rewarm is not None and not self._rewarm.done():
-            self._rewarm.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._rewarm
+        for task in (self._rewarm, self._probe):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for gen in list(self._generations.values()):
             gen.close("cancelled")
         if self._models_refresh is not None and not self._models_refresh.done():
