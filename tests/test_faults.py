@@ -112,3 +112,39 @@ async def test_a_managed_llama_server_dying_at_start_says_how(tmp_path, signal_n
     await server.stop()
     assert server.log_path.exists()  # it failed: the log stays, to say why
     server.log_path.unlink()
+
+
+async def test_ready_follows_the_runtime_going_down_and_coming_back(start_proxy, http):
+    """/status ``ready`` and ``kvstream_backend_up`` changed only when someone asked /ready: a
+    runtime that died went on reading as up. The engine probes it all along now."""
+    from aiohttp import web
+
+    from tests.doubles import Recorder, openai_upstream
+
+    runner = web.AppRunner(openai_upstream(Script(), Recorder()))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    proxy = await start_proxy(OpenAICompatibleBackend(f"http://127.0.0.1:{port}"), routing={"health_interval_s": 0.1})
+
+    async def reads(up: bool) -> None:
+        for _ in range(100):
+            async with http.get(proxy.url + "/status") as resp:
+                ready = (await resp.json())["backend"]["ready"]
+            async with http.get(proxy.url + "/metrics") as resp:
+                metric = f"kvstream_backend_up {1.0 if up else 0.0}" in await resp.text()
+            if ready is up and metric:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"ready never read {up}")
+
+    try:
+        await reads(True)
+        await runner.cleanup()  # the runtime dies, its connections with it
+        await reads(False)
+        runner = web.AppRunner(openai_upstream(Script(), Recorder()))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await reads(True)
+    finally:
+        await runner.cleanup()

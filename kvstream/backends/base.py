@@ -75,6 +75,10 @@ class BaseBackend(abc.ABC):
     # The runtime's own Prometheus route, whose families KVStream's /metrics carries after
     # its own (federation.py); None for a runtime that has none.
     metrics_path: str | None = None
+    # Whether the engine probes the runtime's health all along (``routing.health_interval_s``),
+    # keeping /status ``ready`` and ``kvstream_backend_up`` current. False for a backend that
+    # probes its runtimes itself (several replicas, each ejected and let back on its own).
+    engine_probes_health: bool = True
     # Set by the engine: called when the runtime lost its caches (see runtime_reloaded).
     on_reload: Callable[[str, GenerateRequest | None], None] | None = None
     # Set by the engine: called when a runtime that was saturated may take requests again.

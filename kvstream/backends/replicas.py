@@ -130,6 +130,8 @@ class ReplicaSet(BaseBackend):
     """Backends, each request routed to one of them (see the module doc). They may be of
     different types (``backends:``), each serving its own models."""
 
+    engine_probes_health = False  # each replica is probed by _check_health
+
     def __init__(self, replicas: list[BaseBackend], settings: Settings | None = None, weights: list[float] | None = None) -> None:
         if not replicas:
             raise ValueError("a replica set needs at least one replica")

@@ -47,7 +47,7 @@ REWARM_PREFIXES = 4
 # How long the runtime's model list is reused before asking again.
 MODELS_TTL_S = 5.0
 # How often a runtime not yet sized (down, or still loading its model, when KVStream
-# started) is probed until it is.
+# started) is probed until it is; after that, every ``routing.health_interval_s``.
 PROBE_UNTIL_SIZED_S = 2.0
 
 
@@ -321,20 +321,24 @@ class KVStreamEngine:
                 self.backend.name,
                 self.backend.base_url or "(undiscovered)",
             )
-        if not self._sized:
-            self._probe = asyncio.get_running_loop().create_task(self._probe_until_sized())
+        self._probe = asyncio.get_running_loop().create_task(self._watch_health())
 
-    async def _probe_until_sized(self) -> None:
-        """A runtime started alongside KVStream, or loading its model (llama-server answers 503
-        meanwhile), is sized as soon as it answers. Before, it was sized at the first /ready
-        only: until then the pool and the batch size stayed defaults (8 in flight against a
-        runtime with fewer slots, its own queue taking the rest), hard inject stayed off and
-        /status said not ready while requests were served."""
-        while not self._sized:
-            await asyncio.sleep(PROBE_UNTIL_SIZED_S)
+    async def _watch_health(self) -> None:
+        """Probe the runtime in the background. One started alongside KVStream, or loading its
+        model (llama-server answers 503 meanwhile), is sized as soon as it answers; before, it
+        was sized at the first /ready only: until then the pool and the batch size stayed
+        defaults (8 in flight against a runtime with fewer slots, its own queue taking the
+        rest), hard inject stayed off. After that the probe keeps ``ready`` current (it
+        changed only at /ready: a runtime that died went on reading as up)."""
+        while self.backend.engine_probes_health or not self._sized:
+            await asyncio.sleep(self.settings.routing.health_interval_s if self._sized else PROBE_UNTIL_SIZED_S)
             was_ready = self._ready
-            if await self.refresh() and not was_ready:
-                logger.info("backend %s at %s answers now", self.backend.name, self.backend.base_url or "(discovered)")
+            if await self.refresh() != was_ready:
+                where = f"{self.backend.name} at {self.backend.base_url or '(undiscovered)'}"
+                if self._ready:
+                    logger.info("backend %s answers now", where)
+                else:
+                    logger.warning("backend %s stopped answering its health probe", where)
 
     async def refresh(self) -> bool:
         """Probe the runtime; on first contact size the pool from what it reports."""
