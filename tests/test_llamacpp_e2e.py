@@ -239,28 +239,40 @@ async def test_a_web_page_reads_the_answers_through_kvstream_as_it_does_directly
     assert proxy.engine.scheduler.bm.is_idle()
 
 
-async def test_a_runtime_that_comes_up_after_kvstream_is_sized_as_soon_as_it_answers(start_proxy):
+async def test_a_runtime_that_comes_up_after_kvstream_or_restarts_is_sized_when_it_answers(start_proxy):
     """Started together (a compose file, a boot), KVStream may come up first, or while
     llama-server still loads its model. It was sized at the first /ready only: until then 8
     requests in flight against a 3-slot runtime, hard inject off, and /status not ready while
-    requests were served. Now it probes until the runtime answers."""
+    requests were served. Now it probes until the runtime answers, and sizes it again when it
+    comes back from a restart."""
     from tests.conftest import free_port, launch_llama_server
 
     port = free_port()
-    proxy = await start_proxy(LlamaCppBackend(f"http://127.0.0.1:{port}"))
+    proxy = await start_proxy(LlamaCppBackend(f"http://127.0.0.1:{port}"), routing={"health_interval_s": 0.2})
     default = proxy.engine.scheduler.config.max_batch_size
     assert not proxy.engine.ready and default != 3
-    server = await asyncio.to_thread(launch_llama_server, 3, 4096, None, None, port)
-    try:
-        for _ in range(100):  # the probe runs every 2 s
-            if proxy.engine.scheduler.config.max_batch_size == 3:
+
+    async def sized_to(slots: int) -> None:
+        for _ in range(100):  # probed every 2 s until sized
+            if proxy.engine.scheduler.config.max_batch_size == slots:
                 break
             await asyncio.sleep(0.1)
-        assert proxy.engine.scheduler.config.max_batch_size == 3 and proxy.engine.ready
+        assert proxy.engine.scheduler.config.max_batch_size == slots and proxy.engine.ready
+
+    server = await asyncio.to_thread(launch_llama_server, 3, 4096, None, None, port)
+    try:
+        await sized_to(3)
         assert proxy.engine.backend.inject is not None and proxy.engine.limits.n_ctx_per_request  # its slots read
         async with aiohttp.ClientSession() as http, http.get(proxy.url + "/status") as resp:
             assert (await resp.json())["backend"]["ready"] is True
         via = openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+        out = await via.chat.completions.create(model=await model_id(via), messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert out.choices[0].message.content
+        # Restarted with other slots: sized again when it comes back (and its slot table too).
+        server.stop()
+        server = await asyncio.to_thread(launch_llama_server, 2, 4096, None, None, port)
+        await sized_to(2)
+        assert len(proxy.engine.backend.inject.table.slots) == 2
         out = await via.chat.completions.create(model=await model_id(via), messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert out.choices[0].message.content
     finally:

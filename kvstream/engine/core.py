@@ -329,16 +329,23 @@ class KVStreamEngine:
         was sized at the first /ready only: until then the pool and the batch size stayed
         defaults (8 in flight against a runtime with fewer slots, its own queue taking the
         rest), hard inject stayed off. After that the probe keeps ``ready`` current (it
-        changed only at /ready: a runtime that died went on reading as up)."""
+        changed only at /ready: a runtime that died went on reading as up). A runtime that
+        comes back is sized again: it may have restarted with other slots, another context or
+        another model."""
         while self.backend.engine_probes_health or not self._sized:
             await asyncio.sleep(self.settings.routing.health_interval_s if self._sized else PROBE_UNTIL_SIZED_S)
-            was_ready = self._ready
-            if await self.refresh() != was_ready:
-                where = f"{self.backend.name} at {self.backend.base_url or '(undiscovered)'}"
-                if self._ready:
-                    logger.info("backend %s answers now", where)
-                else:
-                    logger.warning("backend %s stopped answering its health probe", where)
+            was_ready, was_sized = self._ready, self._sized
+            ready = await self.refresh()
+            if ready == was_ready:
+                continue
+            where = f"{self.backend.name} at {self.backend.base_url or '(undiscovered)'}"
+            if not ready:
+                logger.warning("backend %s stopped answering its health probe", where)
+                continue
+            logger.info("backend %s answers now", where)
+            if was_sized:
+                self._sized = False  # sized again at once if nothing runs, else at a later probe
+                await self.refresh()
 
     async def refresh(self) -> bool:
         """Probe the runtime; on first contact size the pool from what it reports."""

@@ -58,6 +58,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         self.props: dict[str, Any] | None = None
         self.runtime: ManagedLlamaServer | None = None
         self.inject: HardInject | None = None
+        self._inject_for: tuple[str, int] | None = None  # the server (identity, slots) it was set up for
         self.slot_save_path = self.settings.backend.slot_save_path
         self._runtime_restarts = 0
         self._background: set[asyncio.Task[None]] = set()
@@ -111,9 +112,18 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         if self.inject is not None:
             yield from inject_metric_families(self.inject)
 
+    @staticmethod
+    def _identity(props: dict[str, Any]) -> str:
+        """What a slot file's KV depends on: the model, the build, the context of a slot."""
+        return f"{props.get('model_path')}|{props.get('build_info')}|{(props.get('default_generation_settings') or {}).get('n_ctx')}"
+
     async def _setup_inject(self, props: dict[str, Any]) -> None:
-        """On first contact: slot table for affinity, and hard inject if slot saving works."""
+        """On first contact (and when the server came back as another: another model,
+        build, context or slot count): slot table for affinity, and hard inject if slot
+        saving works."""
+        identity = self._identity(props)
         slots = int(props.get("total_slots") or 1)
+        self._inject_for = (identity, slots)
         store = None
         off_reason = "backend.inject is false"
         config = self.settings.backend
@@ -127,16 +137,14 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                 off_reason = "KVStream needs --slot-save-path DIR, llama-server's slot directory"
                 logger.warning("hard KV inject needs --slot-save-path DIR (the server's slot directory) to manage its files; soft inject only")
             else:
-                identity = f"{props.get('model_path')}|{props.get('build_info')}|{(props.get('default_generation_settings') or {}).get('n_ctx')}"
                 store = SlotFileStore(
                     self.slot_save_path, identity, self.settings.memory.block_size, config.slot_budget_bytes,
                 )
                 logger.info("hard KV inject on: %d slot files indexed in %s", len(store), self.slot_save_path)
         self.inject = HardInject(self.http, slots, store, min_tokens=config.inject_min_tokens, off_reason=off_reason)
-        if store is not None:
-            # Slot saving works: a running request can be paused (its slot saved to a swap
-            # file) and resumed, so the scheduler may preempt for higher-priority requests.
-            self.capabilities = Capabilities(preemptible=True)
+        # Slot saving works: a running request can be paused (its slot saved to a swap file)
+        # and resumed, so the scheduler may preempt for higher-priority requests.
+        self.capabilities = Capabilities(preemptible=store is not None)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Token]:
         prompt = request.control.prompt_token_ids
@@ -298,7 +306,9 @@ class LlamaCppBackend(OpenAICompatibleBackend):
 
     async def limits(self) -> RuntimeLimits:
         props = await self.fetch_props()
-        if self.inject is None:
+        if self.inject is None or (self._identity(props), int(props.get("total_slots") or 1)) != self._inject_for:
+            if self.inject is not None:  # restarted as another server: its tokens may differ too
+                self.conversations = ConversationTokenCache()
             await self._setup_inject(props)
         slots = int(props.get("total_slots") or 1)
         n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0) or None
