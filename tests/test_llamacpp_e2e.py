@@ -277,3 +277,29 @@ async def test_a_runtime_that_comes_up_after_kvstream_or_restarts_is_sized_when_
         assert out.choices[0].message.content
     finally:
         server.stop()
+
+
+async def test_a_runtime_behind_its_own_api_key(start_proxy, caplog):
+    """llama-server started with --api-key: each client's key goes through with its request,
+    but KVStream's own reads (/props, /slots, /tokenize) need the key too. Without it the log
+    says which setting gives it (the warning said only "refused KVStream's credentials");
+    with it the runtime is sized from its slots and prompts are counted exactly."""
+    import logging
+
+    from tests.conftest import launch_llama_server
+
+    server = await asyncio.to_thread(launch_llama_server, 3, 4096, None, ["--api-key", "runtime-key"])
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvstream.engine.core"):
+            blind = await start_proxy(LlamaCppBackend(server.url))
+        assert "set backend.api_key (KVSTREAM_BACKEND__API_KEY)" in caplog.text
+        client = openai.AsyncOpenAI(base_url=blind.v1, api_key="runtime-key", max_retries=0)
+        out = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert out.choices[0].message.content  # the client's key went with its request
+        keyed = await start_proxy(LlamaCppBackend(server.url, api_key="runtime-key"))
+        assert keyed.engine.scheduler.config.max_batch_size == 3
+        client = openai.AsyncOpenAI(base_url=keyed.v1, api_key="unused", max_retries=0)
+        out = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert out.choices[0].message.content and keyed.engine.stats.prompts_exact == 1
+    finally:
+        server.stop()

@@ -358,7 +358,17 @@ class KVStreamEngine:
             try:
                 limits = await self.backend.limits()
             except BackendError as exc:
-                logger.warning("could not read the runtime's limits: %s", exc.message)
+                if exc.code == "backend_auth":
+                    # Its generations work (each client's own key goes with it), so only this
+                    # says why KVStream admits too many at once and estimates every prompt.
+                    logger.warning(
+                        "the runtime at %s asks for an API key KVStream was not given (%s): set backend.api_key "
+                        "(KVSTREAM_BACKEND__API_KEY) to its key; until then KVStream cannot read its slots or "
+                        "context (defaults: %d in flight) nor count prompts exactly",
+                        self.backend.base_url, exc.message, self.scheduler.config.max_batch_size,
+                    )
+                else:
+                    logger.warning("could not read the runtime's limits: %s", exc.message)
                 limits = RuntimeLimits()
             if self.runner.resize(limits):
                 self.limits, self._sized = limits, True
