@@ -1,6 +1,6 @@
 """Faults not covered elsewhere: a client that reads slowly (backpressure reaches the runtime
 instead of piling up in KVStream), a hanging runtime through the proxy (504), malformed
-NDJSON from Ollama."""
+NDJSON from Ollama, a runtime that dies and comes back."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import asyncio
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
 from kvstream.backends import OllamaBackend, OpenAICompatibleBackend
 from tests.conftest import assert_cancelled_and_released
-from tests.doubles import Script, ollama_double
+from tests.doubles import Recorder, Script, ollama_double, openai_upstream
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -117,10 +118,6 @@ async def test_a_managed_llama_server_dying_at_start_says_how(tmp_path, signal_n
 async def test_ready_follows_the_runtime_going_down_and_coming_back(start_proxy, http):
     """/status ``ready`` and ``kvstream_backend_up`` changed only when someone asked /ready: a
     runtime that died went on reading as up. The engine probes it all along now."""
-    from aiohttp import web
-
-    from tests.doubles import Recorder, openai_upstream
-
     runner = web.AppRunner(openai_upstream(Script(), Recorder()))
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
