@@ -245,10 +245,15 @@ async def test_a_runtime_that_comes_up_after_kvstream_or_restarts_is_sized_when_
     requests in flight against a 3-slot runtime, hard inject off, and /status not ready while
     requests were served. Now it probes until the runtime answers, and sizes it again when it
     comes back from a restart."""
-    from tests.conftest import free_port, launch_llama_server
+    import socket
 
-    port = free_port()
+    from tests.conftest import launch_llama_server
+
+    held = socket.socket()  # the runtime's port, held until KVStream listens (it cannot draw it then)
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
     proxy = await start_proxy(LlamaCppBackend(f"http://127.0.0.1:{port}"), routing={"health_interval_s": 0.2})
+    held.close()
     default = proxy.engine.scheduler.config.max_batch_size
     assert not proxy.engine.ready and default != 3
 
