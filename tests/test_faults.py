@@ -117,7 +117,8 @@ async def test_a_managed_llama_server_dying_at_start_says_how(tmp_path, signal_n
 
 async def test_ready_follows_the_runtime_going_down_and_coming_back(start_proxy, http):
     """/status ``ready`` and ``kvstream_backend_up`` changed only when someone asked /ready: a
-    runtime that died went on reading as up. The engine probes it all along now."""
+    runtime that died went on reading as up. The engine probes it all along now; a runtime
+    that comes back with the limits it had is not sized again."""
     runner = web.AppRunner(openai_upstream(Script(), Recorder()))
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -137,11 +138,14 @@ async def test_ready_follows_the_runtime_going_down_and_coming_back(start_proxy,
 
     try:
         await reads(True)
+        scheduler = proxy.engine.scheduler
         await runner.cleanup()  # the runtime dies, its connections with it
         await reads(False)
         runner = web.AppRunner(openai_upstream(Script(), Recorder()))
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         await reads(True)
+        # Back with the same limits: the pool is kept (and what it knows of cached prefixes).
+        assert proxy.engine.scheduler is scheduler
     finally:
         await runner.cleanup()

@@ -287,6 +287,7 @@ class KVStreamEngine:
         self._generations: dict[str, Generation] = {}
         self._sized = False
         self._ready = False
+        self._probed = False
         self._started = False
         self._models: list[ModelInfo] = []
         self._models_at = 0.0
@@ -329,60 +330,69 @@ class KVStreamEngine:
         was sized at the first /ready only: until then the pool and the batch size stayed
         defaults (8 in flight against a runtime with fewer slots, its own queue taking the
         rest), hard inject stayed off. After that the probe keeps ``ready`` current (it
-        changed only at /ready: a runtime that died went on reading as up). A runtime that
-        comes back is sized again: it may have restarted with other slots, another context or
-        another model."""
+        changed only at /ready: a runtime that died went on reading as up), and sizes again a
+        runtime that comes back with other limits (see ``refresh``)."""
         while self.backend.engine_probes_health or not self._sized:
             await asyncio.sleep(self.settings.routing.health_interval_s if self._sized else PROBE_UNTIL_SIZED_S)
-            was_ready, was_sized = self._ready, self._sized
-            ready = await self.refresh()
-            if ready == was_ready:
-                continue
-            where = f"{self.backend.name} at {self.backend.base_url or '(undiscovered)'}"
-            if not ready:
-                logger.warning("backend %s stopped answering its health probe", where)
-                continue
-            logger.info("backend %s answers now", where)
-            if was_sized:
-                self._sized = False  # sized again at once if nothing runs, else at a later probe
-                await self.refresh()
+            await self.refresh()
 
     async def refresh(self) -> bool:
-        """Probe the runtime; on first contact size the pool from what it reports."""
+        """Probe the runtime (the background probe, and /ready); on first contact size the
+        pool from what it reports, and again when it answers after it did not and reports
+        other limits (a restart with other slots, another context or model)."""
         try:
             healthy = await self.backend.health()
         except Exception:  # a probe must never take the proxy down
             logger.exception("health probe of backend %s failed", self.backend.name)
             healthy = False
-        if healthy and not self._sized:
-            try:
-                limits = await self.backend.limits()
-            except BackendError as exc:
-                if exc.code == "backend_auth":
-                    # Its generations work (each client's own key goes with it), so only this
-                    # says why KVStream admits too many at once and estimates every prompt.
-                    logger.warning(
-                        "the runtime at %s asks for an API key KVStream was not given (%s): set backend.api_key "
-                        "(KVSTREAM_BACKEND__API_KEY) to its key; until then KVStream cannot read its slots or "
-                        "context (defaults: %d in flight) nor count prompts exactly",
-                        self.backend.base_url, exc.message, self.scheduler.config.max_batch_size,
-                    )
-                else:
-                    logger.warning("could not read the runtime's limits: %s", exc.message)
-                limits = RuntimeLimits()
-            if self.runner.resize(limits):
-                self.limits, self._sized = limits, True
-                bm = self.scheduler.bm
-                logger.info(
-                    "KV pool: %d blocks x %d tokens%s; max in flight %d; model context %s",
-                    bm.pool.num_blocks,
-                    bm.block_size,
-                    " (sized from the runtime)" if limits.n_ctx_total and self.settings.memory.num_gpu_blocks == "auto" else "",
-                    self.scheduler.config.max_batch_size,
-                    limits.n_ctx_per_request or "unknown",
-                )
+        came_back = healthy and not self._ready and self._probed
+        if came_back or (self._probed and not healthy and self._ready):
+            where = f"{self.backend.name} at {self.backend.base_url or '(undiscovered)'}"
+            if healthy:
+                logger.info("backend %s answers now", where)
+            else:
+                logger.warning("backend %s stopped answering its health probe", where)
+        self._probed = True
+        if healthy and (not self._sized or came_back):
+            limits = await self._read_limits()
+            if not self._sized or limits != self.limits:
+                self._size(limits)  # if nothing runs now; else at a later probe
         self._ready = healthy
         return healthy
+
+    async def _read_limits(self) -> RuntimeLimits:
+        try:
+            return await self.backend.limits()
+        except BackendError as exc:
+            if exc.code == "backend_auth":
+                # Its generations work (each client's own key goes with it), so only this
+                # says why KVStream admits too many at once and estimates every prompt.
+                logger.warning(
+                    "the runtime at %s asks for an API key KVStream was not given (%s): set backend.api_key "
+                    "(KVSTREAM_BACKEND__API_KEY) to its key; until then KVStream cannot read its slots or "
+                    "context (defaults: %d in flight) nor count prompts exactly",
+                    self.backend.base_url, exc.message, self.scheduler.config.max_batch_size,
+                )
+            else:
+                logger.warning("could not read the runtime's limits: %s", exc.message)
+            return RuntimeLimits()
+
+    def _size(self, limits: RuntimeLimits) -> None:
+        """Rebuild the pool and batch from ``limits`` if nothing holds a block now (else
+        unsized: the background probe tries again)."""
+        self._sized = self.runner.resize(limits)
+        if not self._sized:
+            return
+        self.limits = limits
+        bm = self.scheduler.bm
+        logger.info(
+            "KV pool: %d blocks x %d tokens%s; max in flight %d; model context %s",
+            bm.pool.num_blocks,
+            bm.block_size,
+            " (sized from the runtime)" if limits.n_ctx_total and self.settings.memory.num_gpu_blocks == "auto" else "",
+            self.scheduler.config.max_batch_size,
+            limits.n_ctx_per_request or "unknown",
+        )
 
     async def close(self) -> None:
         for task in (self._rewarm, self._probe):
