@@ -94,10 +94,10 @@ async def test_a_prompt_past_the_context_is_400_at_once_where_the_api_promises_i
     proxy = await start_proxy(OllamaBackend(url, "llama3.2"), memory={"num_gpu_blocks": 4, "block_size": 8})
     async with aiohttp.ClientSession() as s:
         async with s.post(proxy.v1 + path, json=body) as resp:
-            answer = await resp.json()
+            answer, headers = await resp.json(), resp.headers
     assert resp.status == 400 and "32 tokens" in answer["error"]["message"]
     if path == "/responses":
-        assert answer["error"]["code"] == "context_length_exceeded"
+        assert answer["error"]["code"] == "context_length_exceeded" and headers["x-should-retry"] == "false"
     else:  # in Anthropic's shape
         assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
     assert recorder.bodies == []
