@@ -149,3 +149,21 @@ async def test_ready_follows_the_runtime_going_down_and_coming_back(start_proxy,
         assert proxy.engine.scheduler is scheduler
     finally:
         await runner.cleanup()
+
+
+async def test_a_runtime_reporting_malformed_limits_is_served_with_the_defaults(start_upstream, start_proxy, monkeypatch, caplog):
+    """A runtime whose report of its limits does not parse (llama-server's /props with a slot
+    count that is not a number, as a proxy in front of it might mangle it) is served with the
+    defaults and said in the log; the start no longer fails with it."""
+    url, _ = await start_upstream()
+    backend = OpenAICompatibleBackend(url)
+
+    async def malformed():
+        return int("abc")
+
+    monkeypatch.setattr(backend, "limits", malformed)
+    proxy = await start_proxy(backend)
+    assert "its answer is malformed (ValueError" in caplog.text
+    client = openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+    out = await client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
+    assert out.choices[0].message.content == "Hello, world!" and proxy.engine.ready

@@ -334,7 +334,10 @@ class KVStreamEngine:
         runtime that comes back with other limits (see ``refresh``)."""
         while self.backend.engine_probes_health or not self._sized:
             await asyncio.sleep(self.settings.routing.health_interval_s if self._sized else PROBE_UNTIL_SIZED_S)
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:  # one failed probe must not end the probing
+                logger.exception("probing backend %s failed", self.backend.name)
 
     async def refresh(self) -> bool:
         """Probe the runtime (the background probe, and /ready); on first contact size the
@@ -361,8 +364,13 @@ class KVStreamEngine:
         return healthy
 
     async def _read_limits(self) -> RuntimeLimits:
+        """What the runtime reports of its limits; the defaults when it cannot be read (said
+        in the log), so that a runtime answering nonsense is still served."""
         try:
             return await self.backend.limits()
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a malformed answer (a slot count "abc")
+            logger.warning("could not read the runtime's limits: its answer is malformed (%s: %s)", type(exc).__name__, exc)
+            return RuntimeLimits()
         except BackendError as exc:
             if exc.code == "backend_auth":
                 # Its generations work (each client's own key goes with it), so only this
