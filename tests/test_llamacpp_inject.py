@@ -239,3 +239,66 @@ async def test_one_miss_of_a_runtime_cache_that_is_off_turns_to_the_slot_files(s
     inject._max_task_seen = 10**9
     await chat(client, model, "Do you bake cakes?")
     assert inject.trust_runtime_cache and inject.snapshot()["runtime_cache_trusted"] is True
+
+
+# A long prompt that shares nothing with SYSTEM (about 600 tokens).
+LOG = [{"role": "user", "content": "Summarize the log. " + "The harbour master wrote down every ship that came in. " * 50}]
+
+
+async def test_a_prompt_another_client_left_in_a_slot_is_found_through_kvstream(server, start_proxy, tmp_path):
+    """Mixed traffic: a client talking to llama-server directly left a long prompt in slot 1
+    before KVStream started. KVStream cannot know what the slot holds (/slots says only how
+    many tokens), so it lets llama-server pick the slot for a request that may share them,
+    as llama-server would for that client: the prompt is reused, not computed again in
+    slot 0. Then it knows where the prompt is and pins the next one there."""
+    srv = server()
+    direct = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    model = (await direct.models.list()).data[0].id
+    await direct.chat.completions.create(model=model, messages=ask("When do you open?"), max_tokens=2, temperature=0,
+                                         extra_body={"id_slot": 0})
+    first = await direct.chat.completions.create(model=model, messages=LOG, max_tokens=12, temperature=0, extra_body={"id_slot": 1})
+    await direct.close()
+    proxy, backend, client, model = await proxy_for(start_proxy, srv, tmp_path)
+    inject = backend.inject
+    through = await client.chat.completions.create(model=model, messages=LOG, max_tokens=12, temperature=0)
+    assert through.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    assert through.choices[0].message.content == first.choices[0].message.content
+    assert inject.stats.left_to_runtime == 1 and inject.stats.foreign_uses == 0  # (there before KVStream: not counted)
+    assert inject.table.slots[1].tokens and not inject.table.slots[1].unknown  # learned where it ran
+    again = await client.chat.completions.create(model=model, messages=LOG, max_tokens=12, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    assert inject.stats.left_to_runtime == 1  # pinned to the slot it now knows
+    # Slot 0 still holds the other client's bakery prompt, which KVStream cannot name: a
+    # request that shares it is left to llama-server too, and finds it.
+    bakery = await chat(client, model, "Do you deliver?")
+    assert bakery.usage.prompt_tokens_details.cached_tokens >= 300
+    assert inject.stats.left_to_runtime == 2
+    assert proxy.engine.scheduler.bm.is_idle()
+
+
+async def test_a_slot_another_client_used_is_not_overwritten_by_kvstream(server, start_proxy, tmp_path):
+    """Mixed traffic while KVStream runs: another client's long prompt lands in the slot
+    KVStream believes holds its bakery prefix. KVStream sees the slot's new task in /slots,
+    forgets its belief, and leaves the next request to llama-server, which puts it in the
+    other slot: the other client's prompt survives (no host-RAM prompt cache here to save it:
+    --cache-ram 0), and KVStream's own request for it reuses it."""
+    srv = server(extra=["--cache-ram", "0"])
+    proxy, backend, client, model = await proxy_for(start_proxy, srv, tmp_path)
+    inject = backend.inject
+    await chat(client, model, "When do you open?")  # slot 0
+    await client.chat.completions.create(model=model, max_tokens=2, temperature=0,  # slot 1
+                                         messages=[{"role": "user", "content": "Tell me about trains. " * 30}])
+    direct = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    first = await direct.chat.completions.create(model=model, messages=LOG, max_tokens=12, temperature=0, extra_body={"id_slot": 0})
+    await direct.close()
+    await chat(client, model, "Do you deliver?")  # (its own slot was slot 0: now llama-server picks)
+    assert inject.stats.foreign_uses == 1
+    through = await client.chat.completions.create(model=model, messages=LOG, max_tokens=12, temperature=0)
+    assert through.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    assert through.choices[0].message.content == first.choices[0].message.content
+    # Both slots are known again: the bakery prompt is pinned to its slot and reused.
+    pinned = inject.stats.left_to_runtime
+    bakery = await chat(client, model, "Is there parking?")
+    assert bakery.usage.prompt_tokens_details.cached_tokens >= 300 and inject.stats.left_to_runtime == pinned
+    snapshot = inject.snapshot()
+    assert snapshot["foreign_slot_uses"] == 1 and snapshot["left_to_runtime"] == pinned

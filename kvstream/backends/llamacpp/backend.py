@@ -178,8 +178,9 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                     prefilled = True
                     if token.finish_reason is not None:
                         cached = request.control.cached_tokens
-                        if cached is None and token.usage is not None:
-                            cached = token.usage.cached_tokens
+                        if token.usage is not None:
+                            cached = cached if cached is not None else token.usage.cached_tokens
+                            route.generated = token.usage.completion_tokens
                     yield token
         finally:
             await self._after(request, inject, route, cached, prefilled)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvstream.backends.llamacpp.slots import InjectStats, SlotFileStore, SlotState, SlotTable
@@ -41,10 +42,15 @@ class Route:
     restored: int = 0
     expect_runtime_cache: int = 0
     first_token_s: float | None = None  # from sending the request to its first token
+    generated: int | None = None  # completion tokens, once the runtime said
     # Send the request to this slot (id_slot). Off when the runtime's own prompt cache is
-    # expected to serve the prefix: llama-server then picks the slot itself, from what its
+    # expected to serve the prefix, or a slot holds a prompt KVStream cannot name that may
+    # share more with this one: llama-server then picks the slot itself, from what its
     # slots really hold (another client may have changed them behind KVStream's back).
     pin: bool = True
+    # Each slot's task id in /slots when the request was placed: the slot llama-server chose
+    # for an unpinned request is one whose task changed since.
+    tasks_before: dict[int, int | None] = field(default_factory=dict)
 
 
 class HardInject:
@@ -82,6 +88,8 @@ class HardInject:
         self._seen: dict[bytes, None] = {}
         self.trust_runtime_cache = True
         self._max_task_seen = -1
+        self._tasks: dict[int, int | None] = {}  # slot id -> its task id when /slots was last read
+        self._unpinned_in_flight = 0
         self.prefill_tps = DEFAULT_PREFILL_TPS  # measured: prompt tokens computed per second
 
     async def _post(self, path: str, body: dict | None = None) -> tuple[int, dict]:
@@ -92,36 +100,85 @@ class HardInject:
                 payload = {}
             return resp.status, payload if isinstance(payload, dict) else {}
 
-    async def _sync_with_runtime(self) -> None:
-        """Compare what we believe the slots hold with what llama-server reports (cheap: an
-        idle GET /slots takes under a millisecond). A slot holding fewer tokens than we
-        believe, or task ids going backwards, means the runtime restarted or dropped its KV:
-        believe nothing about its slots or its own prompt cache then."""
+    async def _read_slots(self) -> list[dict[str, Any]] | None:
+        """llama-server's /slots entries for the slots KVStream knows (None: unreadable)."""
         try:
             reported = await self.http.get_json("/slots", timeout=10)
         except Exception as exc:
             logger.debug("GET /slots failed: %r", exc)
-            return
+            return None
         if not isinstance(reported, list):
-            return
-        lost = False
-        max_task = -1
+            return None
+        count = len(self.table.slots)
+        return [e for e in reported if isinstance(e, dict) and isinstance(e.get("id"), int) and 0 <= e["id"] < count]
+
+    async def _sync_with_runtime(self) -> None:
+        """Compare what we believe the slots hold with what llama-server reports (cheap: an
+        idle GET /slots takes under a millisecond); see ``_observe``."""
+        reported = await self._read_slots()
+        if reported is not None:
+            self._observe(reported)
+
+    def _observe(self, reported: list[dict[str, Any]], ran: SlotState | None = None) -> None:
+        """Update the slot beliefs from a /slots report. ``ran``: the slot an unpinned request
+        of KVStream's was found to have run in (its new task is not another client's).
+
+        A slot whose task id changed although KVStream sent nothing there ran another
+        client's prompt (one sent to llama-server directly): KVStream forgets what it
+        believed the slot holds and notes that it holds that many tokens it cannot name, so
+        a request that may share them is left to llama-server's own slot choice (see
+        ``_leave_to_runtime``). A slot seen for the first time that already holds tokens (from
+        before KVStream started) is noted the same way. A slot holding fewer tokens than we
+        believe with no new task, or task ids going backwards, means the runtime restarted or
+        dropped its KV: believe nothing about its slots or its own prompt cache then."""
+        was_dispatched = {slot.id: slot.dispatched for slot in self.table.slots}
+        tasks = {e["id"]: e.get("id_task") if isinstance(e.get("id_task"), int) else None for e in reported}
+        max_task = max((t for t in tasks.values() if t is not None), default=-1)
+        restarted, self._max_task_seen = max_task < self._max_task_seen, max_task
+        lost = restarted
+        now = time.monotonic()
         for entry in reported:
-            if not isinstance(entry, dict) or not isinstance(entry.get("id"), int) or entry["id"] >= len(self.table.slots):
-                continue
+            slot, task = self.table.slots[entry["id"]], tasks[entry["id"]]
             # A slot that never ran a task lists no token counts: it holds nothing.
-            held = entry.get("n_prompt_tokens", 0)
-            believed = self.table.slots[entry["id"]]
-            if isinstance(held, int) and held < len(believed.tokens) and not believed.busy:
+            held = entry.get("n_prompt_tokens", 0) if isinstance(entry.get("n_prompt_tokens"), int) else 0
+            first_sight = slot.id not in self._tasks
+            changed = not first_sight and task != self._tasks[slot.id]
+            self._tasks[slot.id] = task
+            slot.dispatched = slot.busy
+            if restarted or slot.busy:
+                continue
+            # Another client's prompt ran here: KVStream sent nothing here since the last
+            # report, or its own request ran and then another (the slot holds another count
+            # of tokens than that request left).
+            foreign = changed and slot is not ran and (not was_dispatched[slot.id] or (slot.held is not None and held != slot.held))
+            if foreign or (first_sight and not slot.tokens):
+                slot.tokens, slot.unknown, slot.held = [], held, None
+                slot.last_used = now  # as in llama-server's own least-recently-used order
+                if changed and not self._unpinned_in_flight:
+                    self.stats.foreign_uses += 1
+            elif not changed and held < len(slot.tokens):
                 lost = True
-            task = entry.get("id_task")
-            max_task = max(max_task, task if isinstance(task, int) else -1)
-        if max_task < self._max_task_seen:
-            lost = True
-        self._max_task_seen = max_task
         if lost:
             logger.info("llama-server lost its KV (restart or eviction); slot and prompt-cache beliefs reset")
             self.reset()
+
+    def _leave_to_runtime(self, route: Route, shared: int) -> bool:
+        """Send ``route`` unpinned: some idle slot holds a prompt KVStream cannot name that is
+        long enough to share more with this one than the best slot it knows (``shared``
+        tokens). llama-server's own choice (the slot sharing the most, else the least
+        recently used) then finds another client's prompt, or leaves it alone when this
+        one does not share it; pinned, KVStream would compute a prompt that sits in
+        another slot, or overwrite it."""
+        want = shared + self.min_tokens
+        if len(route.prompt) < want or not any((s is route.slot or not s.busy) and s.unknown >= want for s in self.table.slots):
+            return False
+        self._unpin(route)
+        self.stats.left_to_runtime += 1
+        return True
+
+    def _unpin(self, route: Route) -> None:
+        route.pin = False
+        self._unpinned_in_flight += 1
 
     def reset(self) -> None:
         """The runtime lost its KV (restart): believe nothing about its slots or its cache.
@@ -182,16 +239,15 @@ class HardInject:
                 await self.table.wait_for(busy_slot, min(SLOT_WAIT_S, beyond_idle / self.prefill_tps))
         await self.table.wait_idle(SLOT_WAIT_S)
         slot, shared = self.table.acquire(prompt)
-        route = Route(slot, prompt, hashes)
+        route = Route(slot, prompt, hashes, tasks_before=dict(self._tasks))
         if swap_file is not None:
             await self._restore_swap(route, swap_file)
             return route
         if shared >= self.min_tokens:
             self.stats.affinity_hits += 1
-        if not self.enabled or self.store is None:
-            return route
-        found = self.store.longest(usable)
+        found = self.store.longest(usable) if self.enabled and self.store is not None else None
         if found is None or found[1] < shared + self.min_tokens:
+            self._leave_to_runtime(route, shared)
             return route
         seen = self._seen_prefix(usable)
         if self.trust_runtime_cache and seen >= found[1] and not from_file:
@@ -200,7 +256,7 @@ class HardInject:
             # (Not while a busy slot runs it: llama-server moves a cached prompt into the
             # slot that loads it, so the cache may hold no other copy.)
             route.expect_runtime_cache = seen
-            route.pin = False
+            self._unpin(route)
             return route
         name, n_tokens = found
         status, body = await self._post(f"/slots/{slot.id}?action=restore", {"filename": name})
@@ -208,7 +264,7 @@ class HardInject:
             self.stats.restore_failures += 1
             logger.warning("restore of %s into slot %d failed (HTTP %s: %s); prefilling instead", name, slot.id, status, body.get("error", body))
             await self._post(f"/slots/{slot.id}?action=erase")
-            slot.tokens = []
+            slot.tokens, slot.unknown = [], 0
             self.store.remove(name)
             self._fail(f"HTTP {status}")
             return route
@@ -216,7 +272,7 @@ class HardInject:
         self.stats.restored_tokens += n_tokens
         self.stats.restored_bytes += int(body.get("n_read") or 0)
         self.store.touch(name)
-        slot.tokens = list(prompt[:n_tokens])
+        slot.tokens, slot.unknown = list(prompt[:n_tokens]), 0
         route.restored = n_tokens
         return route
 
@@ -225,7 +281,10 @@ class HardInject:
         release the slot. ``completed``: the runtime has the prompt's KV (it produced at
         least one token); ``cached``: prompt tokens it reports having reused."""
         prompt = route.prompt
+        ran: SlotState | None = route.slot  # the slot the request ran in, when known
         try:
+            if not route.pin:
+                ran = await self._slot_that_ran(route) if completed else None
             if route.restored and cached is not None:
                 if cached + RESTORE_SLACK_TOKENS < min(route.restored, len(prompt) - 1):
                     self.stats.ineffective += 1
@@ -249,13 +308,55 @@ class HardInject:
                     rate = computed / route.first_token_s
                     self.prefill_tps = 0.7 * self.prefill_tps + 0.3 * rate if self.stats.prefill_samples else rate
                     self.stats.prefill_samples += 1
-            if completed and self.enabled and self.store is not None and len(prompt) >= self.min_tokens:
+            if completed and ran is not None and self.enabled and self.store is not None and len(prompt) >= self.min_tokens:
                 found = self.store.longest(route.hashes)
                 if (found[1] if found else 0) + self.save_min_new_tokens <= len(prompt):
-                    await self._save(route)
+                    await self._save(route, ran)
         finally:
-            # Unpinned, the runtime chose the slot: believe nothing about what this one holds.
-            self.table.release(route.slot, prompt if completed and route.pin else None)
+            self._release(route, ran if completed else None)
+
+    def _release(self, route: Route, ran: SlotState | None) -> None:
+        """Release the route's slot, believing the prompt is in ``ran`` (None: unknown)."""
+        held = self._held_after(route) if ran is not None else None
+        if not route.pin:
+            self._unpinned_in_flight -= 1
+        if route.pin or ran is route.slot:
+            self.table.release(route.slot, route.prompt if ran is not None else None, held=held)
+        elif ran is not None:  # llama-server chose another slot: this one holds what it held
+            ran.tokens, ran.unknown, ran.held, ran.last_used = list(route.prompt), 0, held, time.monotonic()
+            self.table.release(route.slot, route.slot.tokens, route.slot.unknown, route.slot.held)
+        else:
+            # The runtime chose a slot KVStream could not tell: this one may hold the prompt.
+            self.table.release(route.slot, None, unknown=len(route.prompt))
+
+    @staticmethod
+    def _held_after(route: Route) -> int | None:
+        """The token count /slots reports for the slot a request ran in (its prompt and all
+        but the last generated token), when the runtime said how many it generated."""
+        return len(route.prompt) + route.generated - 1 if route.generated else None
+
+    async def _slot_that_ran(self, route: Route) -> SlotState | None:
+        """The slot llama-server chose for an unpinned request that completed: the one slot
+        whose task changed since the request was placed and that holds at least its prompt,
+        not running another of KVStream's requests. None when no one slot fits (another
+        request finished meanwhile); the slot beliefs are updated from the same report."""
+        reported = await self._read_slots()
+        if reported is None:
+            return None
+        expected = self._held_after(route)
+        candidates = []
+        for entry in reported:
+            slot = self.table.slots[entry["id"]]
+            held = entry.get("n_prompt_tokens")
+            if (
+                (slot is route.slot or not slot.busy)
+                and entry.get("id_task") != route.tasks_before.get(slot.id)
+                and isinstance(held, int) and (held == expected if expected is not None else held >= len(route.prompt))
+            ):
+                candidates.append(slot)
+        ran = candidates[0] if len(candidates) == 1 else None
+        self._observe(reported, ran=ran)
+        return ran
 
     async def _restore_swap(self, route: Route, name: str) -> None:
         status, body = await self._post(f"/slots/{route.slot.id}?action=restore", {"filename": name})
@@ -268,7 +369,7 @@ class HardInject:
         n = int(body.get("n_restored") or 0)
         self.stats.swap_ins += 1
         self.stats.restored_bytes += int(body.get("n_read") or 0)
-        route.slot.tokens = list(route.prompt[:n])
+        route.slot.tokens, route.slot.unknown = list(route.prompt[:n]), 0
         route.restored = min(n, len(route.prompt) - 1)
 
     async def suspend(self, route: Route, save: bool) -> str | None:
@@ -291,7 +392,7 @@ class HardInject:
                 else:
                     logger.warning("saving preempted slot %d failed (HTTP %s)", route.slot.id, status)
         finally:
-            self.table.release(route.slot, None)
+            self._release(route, None)
         return name
 
     async def _wait_slot_stopped(self, slot_id: int, timeout: float = 10.0) -> bool:
@@ -318,12 +419,12 @@ class HardInject:
         with contextlib.suppress(FileNotFoundError):
             (self.store.directory / name).unlink()
 
-    async def _save(self, route: Route) -> None:
+    async def _save(self, route: Route, slot: SlotState) -> None:
+        """Save ``slot`` (holding the route's prompt) to the file its prefix hashes name."""
         assert self.store is not None
         if not route.hashes:
             return
         name = self.store.filename_for_hashes(route.hashes)
-        slot = route.slot
         status, body = await self._post(f"/slots/{slot.id}?action=save", {"filename": name})
         if status != 200:
             logger.warning("saving slot %d failed (HTTP %s: %s)", slot.id, status, body.get("error", body))
@@ -350,6 +451,8 @@ class HardInject:
             "swap_outs": s.swap_outs,
             "swap_ins": s.swap_ins,
             "slot_waits": s.slot_waits,
+            "foreign_slot_uses": s.foreign_uses,
+            "left_to_runtime": s.left_to_runtime,
             "prefill_tokens_per_s": round(self.prefill_tps, 1),
             # False once llama-server's own prompt cache missed a prefix it computed.
             "runtime_cache_trusted": self.trust_runtime_cache,
@@ -377,5 +480,11 @@ def inject_metric_families(inject: HardInject) -> Iterator[Any]:
     yield CounterMetricFamily("kvstream_hard_inject_evicted_files", "Slot files deleted for the byte budget.", value=s.evicted_files)
     yield CounterMetricFamily("kvstream_slot_affinity_hits", "Requests routed to a slot already holding their prefix.", value=s.affinity_hits)
     yield CounterMetricFamily("kvstream_slot_waits", "Requests that waited for the busy slot running their prefix rather than evict another.", value=s.slot_waits)
+    yield CounterMetricFamily("kvstream_slot_foreign_uses",
+                              "Slots seen in /slots to have run a prompt KVStream did not send there (another client of the runtime).",
+                              value=s.foreign_uses)
+    yield CounterMetricFamily("kvstream_slot_left_to_runtime",
+                              "Requests sent without a slot: a slot held a prompt KVStream could not name, so llama-server chose.",
+                              value=s.left_to_runtime)
     store = inject.store
     yield GaugeMetricFamily("kvstream_hard_inject_disk_bytes", "Bytes of slot files on disk.", value=store.total_bytes if store is not None else 0)

@@ -49,6 +49,15 @@ class SlotState:
     tokens: list[int] = field(default_factory=list)
     last_used: float = 0.0
     running: list[int] = field(default_factory=list)  # the prompt running there while busy
+    # Tokens it holds that KVStream cannot name: a prompt another client ran there (or one
+    # that was there before KVStream started), or one whose slot llama-server chose itself.
+    unknown: int = 0
+    # KVStream sent (or may have sent) a request here since /slots was last read: a new task
+    # id there is its own, not another client's.
+    dispatched: bool = False
+    # Tokens llama-server reports in /slots after KVStream's last request here (its prompt
+    # and all but the last token it generated); None when not known.
+    held: int | None = None
 
 
 @dataclass
@@ -67,6 +76,8 @@ class InjectStats:
     swap_outs: int = 0  # preempted requests whose slot state was saved
     swap_ins: int = 0  # resumed requests whose saved state was restored
     slot_waits: int = 0  # requests that waited for the busy slot running their prefix
+    foreign_uses: int = 0  # slots another client ran a prompt in, seen in /slots
+    left_to_runtime: int = 0  # requests sent unpinned: a slot held a prompt KVStream could not name
     prefill_samples: int = 0  # requests whose prefill speed was measured
 
 
@@ -265,14 +276,18 @@ class SlotTable:
             # do, llama-server queues the request behind it.
             idle = list(self.slots)
         best = max(idle, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
-        best.busy = True
+        best.busy = best.dispatched = True
         best.running = list(prompt)
         return best, common_prefix(best.tokens, prompt)
 
-    def release(self, slot: SlotState, tokens: list[int] | None) -> None:
-        """Mark idle; ``tokens`` is what it holds now (None: unknown, so assume nothing)."""
+    def release(self, slot: SlotState, tokens: list[int] | None, unknown: int = 0, held: int | None = None) -> None:
+        """Mark idle; ``tokens`` is what it holds now (None: unknown, so assume nothing),
+        ``unknown`` how many tokens it may hold that KVStream cannot name, ``held`` how many
+        llama-server will report it holds (see SlotState.held)."""
         slot.busy = False
         slot.tokens = tokens or []
+        slot.unknown = unknown
+        slot.held = held
         slot.running = []
         slot.last_used = time.monotonic()
         self._released.set()
@@ -281,3 +296,4 @@ class SlotTable:
         """The runtime lost its KV (restart): believe nothing about any slot."""
         for slot in self.slots:
             slot.tokens = []
+            slot.unknown = 0
