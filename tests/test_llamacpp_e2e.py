@@ -284,6 +284,39 @@ async def test_a_runtime_that_comes_up_after_kvstream_or_restarts_is_sized_when_
         server.stop()
 
 
+async def test_a_restart_between_two_health_probes_is_sized_again(start_proxy):
+    """llama-server restarted with fewer slots faster than the health probe looks (here it
+    never looks): the first request after it sees the task ids in /slots go back. Before,
+    that reset the slot beliefs only, and KVStream kept 3 requests in flight against 2 slots
+    (llama-server's own queue taking the third) until the runtime next went down for longer
+    than a probe interval. Now the engine reads the limits again at once (and until then
+    leaves requests to llama-server's own slot choice: a slot id may not exist)."""
+    from tests.conftest import launch_llama_server
+
+    server = await asyncio.to_thread(launch_llama_server, 3, 4096)
+    port = int(server.url.rsplit(":", 1)[1])
+    proxy = await start_proxy(LlamaCppBackend(server.url), routing={"health_interval_s": 3600})
+    try:
+        assert proxy.engine.scheduler.config.max_batch_size == 3
+        via = openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+        model = await model_id(via)
+        await via.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        server.stop()
+        server = await asyncio.to_thread(launch_llama_server, 2, 4096, None, None, port)
+        out = await via.chat.completions.create(model=model, messages=[{"role": "user", "content": "bye"}], max_tokens=2)
+        assert out.choices[0].message.content
+        for _ in range(100):
+            if proxy.engine.scheduler.config.max_batch_size == 2:
+                break
+            await asyncio.sleep(0.1)
+        assert proxy.engine.scheduler.config.max_batch_size == 2 and len(proxy.engine.backend.inject.table.slots) == 2
+        assert proxy.engine.stats.runtime_reloads == 1
+        out = await via.chat.completions.create(model=model, messages=[{"role": "user", "content": "again"}], max_tokens=2)
+        assert out.choices[0].message.content
+    finally:
+        server.stop()
+
+
 async def test_a_runtime_behind_its_own_api_key(start_proxy, caplog):
     """llama-server started with --api-key: each client's key goes through with its request,
     but KVStream's own reads (/props, /slots, /tokenize) need the key too. Without it the log

@@ -295,6 +295,9 @@ class KVStreamEngine:
         self.hot = HotPrefixes()
         self._rewarm: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None
+        # The runtime restarted (seen by the backend between two probes): read its limits again.
+        self._limits_stale = False
+        self._reread: asyncio.Task[None] | None = None
         backend.on_reload = self.runtime_reloaded
 
     # ----------------------------------------------------------------- setup
@@ -356,10 +359,11 @@ class KVStreamEngine:
             else:
                 logger.warning("backend %s stopped answering its health probe", where)
         self._probed = True
-        if healthy and (not self._sized or came_back):
+        if healthy and (not self._sized or came_back or self._limits_stale):
             limits = await self._read_limits()
             if not self._sized or limits != self.limits:
                 self._size(limits)  # if nothing runs now; else at a later probe
+            self._limits_stale = not self._sized
         self._ready = healthy
         return healthy
 
@@ -403,7 +407,7 @@ class KVStreamEngine:
         )
 
     async def close(self) -> None:
-        for task in (self._rewarm, self._probe):
+        for task in (self._rewarm, self._probe, self._reread):
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -655,6 +659,11 @@ class KVStreamEngine:
         prefixes in the background, at low priority, before they are asked for. The prefix
         of ``request`` (the one that found out) is being computed by it already."""
         self.stats.runtime_reloads += 1
+        # A restart the health probe did not see (back within one interval) may have brought
+        # other slots or another context: read the limits again now, not at the next outage.
+        self._limits_stale = True
+        if self._reread is None or self._reread.done():
+            self._reread = asyncio.get_running_loop().create_task(self._reread_limits())
         if self._rewarm is not None and not self._rewarm.done():
             return
         skip = HotPrefixes.prefix_of(request) if request is not None else None
@@ -662,6 +671,17 @@ class KVStreamEngine:
         logger.info("%s: its caches are empty; re-prefilling the %d hottest prefixes", why, len(todo))
         if todo:
             self._rewarm = asyncio.get_running_loop().create_task(self._rewarm_prefixes(todo))
+
+    async def _reread_limits(self) -> None:
+        """Probe until the restarted runtime's limits are read and, if they changed, the pool
+        is sized again (it cannot be while requests hold blocks: tried every 2 s)."""
+        while self._limits_stale:
+            try:
+                await self.refresh()
+            except Exception:  # one failed probe must not end the rereading
+                logger.exception("probing backend %s failed", self.backend.name)
+            if self._limits_stale:
+                await asyncio.sleep(PROBE_UNTIL_SIZED_S)
 
     async def _rewarm_prefixes(self, requests: list[GenerateRequest]) -> None:
         for request in requests:

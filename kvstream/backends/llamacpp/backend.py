@@ -164,6 +164,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
             inject.reset()  # the managed server restarted: its slots and caches are empty
             self.runtime_reloaded("the managed llama-server restarted", request)
         route = await inject.prepare(prompt, root=tenant_root(request.cache_salt))
+        self._report_lost_kv(inject, request)
         body = self.build_body(request)
         if route.pin:
             body["id_slot"] = route.slot.id
@@ -184,6 +185,13 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                     yield token
         finally:
             await self._after(request, inject, route, cached, prefilled)
+
+    def _report_lost_kv(self, inject: HardInject, request: GenerateRequest) -> None:
+        """/slots showed a restart the health probe did not see (or lost KV): the engine reads
+        the limits again and re-prefills hot prefixes, but for this request's own."""
+        if inject.kv_lost:
+            inject.kv_lost = False
+            self.runtime_reloaded("llama-server restarted or dropped its KV (seen in /slots)", request)
 
     async def _after(self, request: GenerateRequest, inject: HardInject, route: Any, cached: int | None, prefilled: bool) -> None:
         """Runs on completion, failure, preemption and a client leaving alike.
@@ -216,6 +224,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         tokens = list(prompt) + generated
         swap_file, request.control.saved_state = request.control.saved_state, None
         route = await inject.prepare(tokens, swap_file=swap_file, root=tenant_root(request.cache_salt))
+        self._report_lost_kv(inject, request)
         remaining = request.max_tokens - done if request.max_tokens is not None else -1
         body = self._resume_sampling(request) | {
             "prompt": tokens, "n_predict": remaining, "stream": True, "cache_prompt": True, "id_slot": route.slot.id,

@@ -90,6 +90,11 @@ class HardInject:
         self._max_task_seen = -1
         self._tasks: dict[int, int | None] = {}  # slot id -> its task id when /slots was last read
         self._unpinned_in_flight = 0
+        self._reported_slots: int | None = None  # how many slots /slots last listed
+        # Set when /slots showed the runtime restarted or dropped its KV (a restart is seen
+        # only by its empty slots when no task of the old instance was seen); the backend
+        # reports it (the runtime may have come back with other limits, its caches empty).
+        self.kv_lost = False
         self.prefill_tps = DEFAULT_PREFILL_TPS  # measured: prompt tokens computed per second
 
     async def _post(self, path: str, body: dict | None = None) -> tuple[int, dict]:
@@ -109,6 +114,7 @@ class HardInject:
             return None
         if not isinstance(reported, list):
             return None
+        self._reported_slots = len(reported)
         count = len(self.table.slots)
         return [e for e in reported if isinstance(e, dict) and isinstance(e.get("id"), int) and 0 <= e["id"] < count]
 
@@ -161,6 +167,7 @@ class HardInject:
         if lost:
             logger.info("llama-server lost its KV (restart or eviction); slot and prompt-cache beliefs reset")
             self.reset()
+            self.kv_lost = True
 
     def _leave_to_runtime(self, route: Route, shared: int) -> bool:
         """Send ``route`` unpinned: some idle slot holds a prompt KVStream cannot name that is
@@ -187,6 +194,7 @@ class HardInject:
         self.table.forget()
         self._seen.clear()
         self.trust_runtime_cache = True
+        self._max_task_seen = -1  # (a restart already reported is not reported again)
 
     def _seen_prefix(self, hashes: list[str]) -> int:
         """Tokens of the longest block-hash prefix this runtime instance has computed."""
@@ -242,6 +250,11 @@ class HardInject:
         route = Route(slot, prompt, hashes, tasks_before=dict(self._tasks))
         if swap_file is not None:
             await self._restore_swap(route, swap_file)
+            return route
+        if self._reported_slots not in (None, len(self.table.slots)):
+            # Restarted with another slot count, not yet read again: a slot id may not exist
+            # (llama-server then picks a slot itself, but KVStream would believe the wrong one).
+            self._unpin(route)
             return route
         if shared >= self.min_tokens:
             self.stats.affinity_hits += 1
