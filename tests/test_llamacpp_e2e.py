@@ -77,6 +77,40 @@ async def test_streaming_equals_non_streaming_and_completions_work(proxy, llama_
     assert b.choices[0].finish_reason == "length"
 
 
+async def test_a_batch_of_prompts_streams_every_prompt_as_directly(proxy, llama_server):
+    """OpenAI's completions take a list of prompts; llama-server streams their generations
+    interleaved, with a `data: null` line between them. KVStream read that line as the
+    stream's end ([DONE] decodes to None too), so the client got the first prompt's text
+    and never the second's; and it pinned the batch to one slot, where the prompts ran one
+    after another instead of side by side."""
+    via, direct = clients(proxy, llama_server)
+    model = await model_id(via)
+    prompts = ["Once upon a time", "The sky is", "My favourite fruit is"]
+
+    async def texts(client: openai.AsyncOpenAI) -> dict[int, tuple[str, str | None]]:
+        out: dict[int, list] = {}
+        stream = await client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0, stream=True)
+        async for chunk in stream:
+            if chunk is None:  # (the openai client hands llama-server's `data: null` on as None)
+                continue
+            for choice in chunk.choices:
+                text, finish = out.get(choice.index, ("", None))
+                out[choice.index] = (text + choice.text, choice.finish_reason or finish)
+        return out
+
+    through = await texts(via)
+    assert sorted(through) == [0, 1, 2] and all(finish == "length" and text for text, finish in through.values())
+    assert through == await texts(direct)
+    # Token ids as the prompt are counted as they are (they were the text of the list).
+    from kvstream.api.schemas import forwarded_request
+
+    request = forwarded_request({"model": model, "prompt": [1, 2, 3, 4], "max_tokens": 1}, False, "req-ids")
+    assert await proxy.engine.prompt_tokens(request) == ([1, 2, 3, 4], True)
+    out = await via.completions.create(model=model, prompt=[1, 2, 3, 4], max_tokens=1)
+    assert out.usage.prompt_tokens == 4
+    assert proxy.engine.scheduler.bm.is_idle()
+
+
 async def test_prompt_token_count_is_exact(proxy, llama_server):
     backend = proxy.engine.backend
     via, _ = clients(proxy, llama_server)

@@ -346,6 +346,8 @@ def decode_sse_line(line: bytes) -> Any:
             payload = loads(value)
         except ValueError:
             raise BackendError("the runtime sent a malformed stream event") from None
+        if payload is None:
+            return SKIP  # llama-server streams `data: null` between the prompts of a batch
         if isinstance(payload, dict) and "error" in payload and not payload.get("choices"):
             raise BackendError(f"the runtime failed mid-stream: {error_message(payload)[0]}")
         return payload

@@ -215,6 +215,8 @@ class OpenAICompatibleBackend(BaseBackend):
                 for event in batch:
                     if event is DONE:
                         break
+                    if not isinstance(event, dict):
+                        raise BackendError("the runtime sent a stream event that is not a JSON object")
                     if "usage" in event:
                         usage = usage_from(event["usage"]) or usage
                     cached = cache_n(event) if "timings" in event else cached

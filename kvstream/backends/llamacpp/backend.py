@@ -154,7 +154,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                 async for token in tokens:
                     yield token
             return
-        if inject is None or not prompt:
+        if inject is None or not prompt or self._several_prompts(request):
             async with contextlib.aclosing(super().generate(request)) as tokens:
                 async for token in tokens:
                     yield token
@@ -185,6 +185,14 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                     yield token
         finally:
             await self._after(request, inject, route, cached, prefilled)
+
+    @staticmethod
+    def _several_prompts(request: GenerateRequest) -> bool:
+        """A completions body with a batch of prompts: llama-server runs each as a task of its
+        own, in parallel slots when it picks them (pinned to one slot they would run one after
+        another, and KVStream knows only an estimate of their tokens)."""
+        prompt = (request.body or {}).get("prompt") if not request.is_chat else None
+        return isinstance(prompt, list) and len(prompt) > 1 and not all(type(t) is int for t in prompt)
 
     def _report_lost_kv(self, inject: HardInject, request: GenerateRequest) -> None:
         """/slots showed a restart the health probe did not see (or lost KV): the engine reads
@@ -344,6 +352,9 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         that extends a conversation seen before sends only its new tail to /tokenize (see
         llamacpp_tokens)."""
         if not request.is_chat:
+            prompt = (request.body or {}).get("prompt")
+            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+                return list(prompt)  # token ids: llama-server computes them as they are
             return await self._tokenize_raw(request.prompt or "", add_special=True, parse_special=False)
         messages = request.messages or []
         # A forwarded body is templated whole: tools and template options shape the prompt.
