@@ -352,10 +352,13 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         that extends a conversation seen before sends only its new tail to /tokenize (see
         llamacpp_tokens)."""
         if not request.is_chat:
-            prompt = (request.body or {}).get("prompt")
+            prompt = (request.body or {}).get("prompt", request.prompt)
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]  # a batch of one (LangChain sends every prompt so)
             if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
                 return list(prompt)  # token ids: llama-server computes them as they are
-            return await self._tokenize_raw(request.prompt or "", add_special=True, parse_special=False)
+            text = prompt if isinstance(prompt, str) else request.prompt or ""  # a batch: estimated
+            return await self._tokenize_raw(text, add_special=True, parse_special=False)
         messages = request.messages or []
         # A forwarded body is templated whole: tools and template options shape the prompt.
         text = await self._apply_template(messages, context=request.body)
