@@ -253,7 +253,7 @@ async def main() -> None:
     parser.add_argument("--prompts", type=int, default=3, help="distinct long system prompts (K)")
     parser.add_argument("--words", type=int, default=900, help="words per system prompt (~1.3 tokens each)")
     parser.add_argument("--repeat", type=int, default=12, help="revisits in scenario (d)")
-    parser.add_argument("--bursts", type=int, default=6, help="turns of two requests in scenario (e)")
+    parser.add_argument("--bursts", type=int, default=6, help="turns in scenarios (e) (two requests each) and (f)")
     parser.add_argument("--only", nargs="+", choices=list("abcdef"), help="run only these scenarios")
     args = parser.parse_args()
     scenarios = {

@@ -324,7 +324,8 @@ async def test_a_runtime_that_comes_up_after_kvstream_or_restarts_is_sized_when_
 
 async def test_a_restart_between_two_health_probes_is_sized_again(start_proxy):
     """llama-server restarted with fewer slots faster than the health probe looks (here it
-    never looks): the first request after it sees the task ids in /slots go back. Before,
+    never looks): the first request after it sees it in /slots (its slots hold less than
+    KVStream left there). Before,
     that reset the slot beliefs only, and KVStream kept 3 requests in flight against 2 slots
     (llama-server's own queue taking the third) until the runtime next went down for longer
     than a probe interval. Now the engine reads the limits again at once (and until then

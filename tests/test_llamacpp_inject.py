@@ -278,20 +278,22 @@ async def test_a_prompt_another_client_left_in_a_slot_is_found_through_kvstream(
 
 async def test_a_slot_another_client_used_is_not_overwritten_by_kvstream(server, start_proxy, tmp_path):
     """Mixed traffic while KVStream runs: another client's long prompt lands in the slot
-    KVStream believes holds its bakery prefix. KVStream sees the slot's new task in /slots,
-    forgets its belief, and leaves the next request to llama-server, which puts it in the
-    other slot: the other client's prompt survives (no host-RAM prompt cache here to save it:
+    KVStream's own last request ran in, before KVStream reads /slots again. The slot then
+    holds another count of tokens than KVStream's request left there, so KVStream forgets
+    its belief and leaves the next request to llama-server, which puts it in the other slot:
+    the other client's prompt survives (no host-RAM prompt cache here to save it:
     --cache-ram 0), and KVStream's own request for it reuses it."""
     srv = server(extra=["--cache-ram", "0"])
     proxy, backend, client, model = await proxy_for(start_proxy, srv, tmp_path)
     inject = backend.inject
     await chat(client, model, "When do you open?")  # slot 0
-    await client.chat.completions.create(model=model, max_tokens=2, temperature=0,  # slot 1
+    # Slot 0 again: it shares the chat template's first tokens, the empty slot 1 nothing.
+    await client.chat.completions.create(model=model, max_tokens=2, temperature=0,
                                          messages=[{"role": "user", "content": "Tell me about trains. " * 30}])
     direct = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
     first = await direct.chat.completions.create(model=model, messages=LOG, max_tokens=12, temperature=0, extra_body={"id_slot": 0})
     await direct.close()
-    await chat(client, model, "Do you deliver?")  # (its own slot was slot 0: now llama-server picks)
+    await chat(client, model, "Do you deliver?")  # (left to llama-server: slot 1)
     assert inject.stats.foreign_uses == 1
     through = await client.chat.completions.create(model=model, messages=LOG, max_tokens=12, temperature=0)
     assert through.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
