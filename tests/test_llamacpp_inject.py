@@ -278,17 +278,15 @@ async def test_a_prompt_another_client_left_in_a_slot_is_found_through_kvstream(
 
 async def test_a_slot_another_client_used_is_not_overwritten_by_kvstream(server, start_proxy, tmp_path):
     """Mixed traffic while KVStream runs: another client's long prompt lands in the slot
-    KVStream's own last request ran in, before KVStream reads /slots again. The slot then
-    holds another count of tokens than KVStream's request left there, so KVStream forgets
-    its belief and leaves the next request to llama-server, which puts it in the other slot:
-    the other client's prompt survives (no host-RAM prompt cache here to save it:
+    KVStream believes holds its bakery prefix. KVStream sees the slot's new task in /slots,
+    forgets its belief, and leaves the next request to llama-server, which puts it in the
+    other slot: the other client's prompt survives (no host-RAM prompt cache here to save it:
     --cache-ram 0), and KVStream's own request for it reuses it."""
     srv = server(extra=["--cache-ram", "0"])
     proxy, backend, client, model = await proxy_for(start_proxy, srv, tmp_path)
     inject = backend.inject
     await chat(client, model, "When do you open?")  # slot 0
-    # Slot 0 again: it shares the chat template's first tokens, the empty slot 1 nothing.
-    await client.chat.completions.create(model=model, max_tokens=2, temperature=0,
+    await client.chat.completions.create(model=model, max_tokens=2, temperature=0,  # slot 1
                                          messages=[{"role": "user", "content": "Tell me about trains. " * 30}])
     direct = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
     first = await direct.chat.completions.create(model=model, messages=LOG, max_tokens=12, temperature=0, extra_body={"id_slot": 0})
@@ -304,3 +302,28 @@ async def test_a_slot_another_client_used_is_not_overwritten_by_kvstream(server,
     assert bakery.usage.prompt_tokens_details.cached_tokens >= 300 and inject.stats.left_to_runtime == pinned
     snapshot = inject.snapshot()
     assert snapshot["foreign_slot_uses"] == 1 and snapshot["left_to_runtime"] == pinned
+
+
+RAILWAY = (
+    "You are the guide of the Blue Ridge mountain railway. Trains leave the valley station every hour from eight "
+    "to five, and the ride to the summit takes forty minutes. Tickets cost twelve euros, children under six ride "
+    "free, and dogs are welcome on a lead. The summit cafe serves soup and cake. Answer in one sentence. "
+) * 4
+
+
+async def test_two_conversations_taking_turns_keep_a_slot_each(server, start_proxy, tmp_path):
+    """Two long system prompts taking turns on a 2-slot llama-server get a slot each, as
+    llama-server gives them directly. Before, the second took the first's slot because the
+    two share the chat template's first tokens (an empty slot shares none): one slot served
+    both and, with no host-RAM cache and no slot files, every turn computed its prompt again."""
+    srv = server(slot_saving=False, extra=["--cache-ram", "0"])
+    proxy, backend, client, model = await proxy_for(start_proxy, srv, tmp_path)
+    railway = [{"role": "system", "content": RAILWAY}, {"role": "user", "content": "When is the first train?"}]
+    await chat(client, model, "When do you open?")
+    await client.chat.completions.create(model=model, messages=railway, max_tokens=4, temperature=0)
+    again = await chat(client, model, "Do you deliver?")
+    assert again.usage.prompt_tokens_details.cached_tokens >= 300
+    railway[1]["content"] = "Can I bring my dog?"
+    back = await client.chat.completions.create(model=model, messages=railway, max_tokens=4, temperature=0)
+    assert back.usage.prompt_tokens_details.cached_tokens >= back.usage.prompt_tokens - 20  # all but the question
+    assert sorted(len(s.tokens) > 250 for s in backend.inject.table.slots) == [True, True]

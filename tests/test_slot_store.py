@@ -102,3 +102,51 @@ def test_hard_inject_says_why_it_is_off(tmp_path):
         inject._fail("the restore did nothing")
     assert inject.snapshot()["enabled"] is False
     assert inject.snapshot()["off_reason"] == "3 restores in a row failed or did nothing"
+
+
+def test_slots_another_client_used_are_told_from_kvstreams_own():
+    """/slots names the task that last ran in each slot and how many tokens it holds: a new
+    task where KVStream sent nothing, or a count other than its own request left, is another
+    client's; KVStream forgets what it believed the slot holds and notes the unnamed tokens."""
+    from kvstream.backends.llamacpp.inject import HardInject
+
+    inject = HardInject(None, 2, None)
+    s0, s1 = inject.table.slots
+    # First sight: slot 0 holds a prompt from before KVStream started.
+    inject._observe([{"id": 0, "id_task": 5, "n_prompt_tokens": 40}, {"id": 1}])
+    assert (s0.unknown, s1.unknown, inject.stats.foreign_uses) == (40, 0, 0)
+    prompt = list(range(100))
+    slot, _ = inject.table.acquire(prompt)
+    assert slot is s1  # the empty slot, not the one holding someone's tokens
+    inject.table.release(s1, prompt, held=100 + 3 - 1)  # 3 tokens generated
+    inject._observe([{"id": 0, "id_task": 5, "n_prompt_tokens": 40}, {"id": 1, "id_task": 9, "n_prompt_tokens": 102}])
+    assert s1.tokens == prompt and inject.stats.foreign_uses == 0  # its own task
+    # Another client runs in slot 0, where KVStream sent nothing.
+    inject._observe([{"id": 0, "id_task": 12, "n_prompt_tokens": 300}, {"id": 1, "id_task": 9, "n_prompt_tokens": 102}])
+    assert (inject.stats.foreign_uses, s0.unknown, s1.tokens) == (1, 300, prompt)
+    # KVStream's request in slot 1, then another client's there, between two reads.
+    longer = prompt + [7, 8]
+    slot, shared = inject.table.acquire(longer)
+    assert slot is s1 and shared == 100
+    inject.table.release(s1, longer, held=102 + 1 - 1)
+    inject._observe([{"id": 0, "id_task": 12, "n_prompt_tokens": 300}, {"id": 1, "id_task": 20, "n_prompt_tokens": 500}])
+    assert (inject.stats.foreign_uses, s1.tokens, s1.unknown) == (2, [], 500)
+    assert not inject.kv_lost
+    # The runtime restarted: its slots list no tasks any more.
+    inject._observe([{"id": 0}, {"id": 1}])
+    assert inject.kv_lost and inject.stats.foreign_uses == 2
+
+
+def test_a_short_shared_prefix_does_not_choose_the_slot():
+    """Every chat shares its template's first tokens: a slot sharing only those is not worth
+    evicting while another slot is empty (or less recently used)."""
+    from kvstream.backends.llamacpp.slots import SlotTable
+
+    table = SlotTable(2, min_shared=8)
+    first, _ = table.acquire([1, 2, 3] + [10] * 20)
+    table.release(first, [1, 2, 3] + [10] * 20)
+    second, shared = table.acquire([1, 2, 3] + [20] * 20)
+    assert second is not first and shared == 0
+    table.release(second, [1, 2, 3] + [20] * 20)
+    again, shared = table.acquire([1, 2, 3] + [10] * 20 + [5])
+    assert again is first and shared == 23

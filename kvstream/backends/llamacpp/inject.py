@@ -74,7 +74,7 @@ class HardInject:
     ) -> None:
         """``off_reason``: why there is no slot file store, for /status (None with a store)."""
         self.http = http
-        self.table = SlotTable(slots)
+        self.table = SlotTable(slots, min_shared=min_tokens)
         self.store = store
         self.min_tokens = min_tokens
         self.save_min_new_tokens = save_min_new_tokens
@@ -157,7 +157,7 @@ class HardInject:
             # report, or its own request ran and then another (the slot holds another count
             # of tokens than that request left).
             foreign = changed and slot is not ran and (not was_dispatched[slot.id] or (slot.held is not None and held != slot.held))
-            if foreign or (first_sight and not slot.tokens):
+            if foreign or (first_sight and held and not slot.tokens):
                 slot.tokens, slot.unknown, slot.held = [], held, None
                 slot.last_used = now  # as in llama-server's own least-recently-used order
                 if changed and not self._unpinned_in_flight:

@@ -230,8 +230,10 @@ class SlotFileStore:
 class SlotTable:
     """KVStream's view of llama-server's slots, for affinity routing."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, min_shared: int = 1) -> None:
+        """``min_shared``: the fewest shared tokens worth choosing a slot for (see acquire)."""
         self.slots = [SlotState(i) for i in range(count)]
+        self.min_shared = min_shared
         self._released = asyncio.Event()
 
     async def wait_idle(self, timeout: float) -> None:
@@ -268,14 +270,22 @@ class SlotTable:
                 await asyncio.wait_for(self._released.wait(), max(0.0, deadline - loop.time()))
 
     def acquire(self, prompt: Sequence[int]) -> tuple[SlotState, int]:
-        """The idle slot sharing the longest prefix with ``prompt`` (least recently used
-        among equals), marked busy, and the length of that shared prefix."""
+        """The idle slot sharing the longest prefix with ``prompt``, marked busy, and the
+        length of that shared prefix. A prefix shorter than ``min_shared`` does not count:
+        every chat shares its template's first tokens, and choosing by those would put each
+        new conversation in the slot of the last one (an empty slot shares nothing),
+        evicting it while other slots stay unused. Among equals, the least recently used."""
         idle = [s for s in self.slots if not s.busy]
         if not idle:
             # More in flight than slots (another client shares the runtime): any slot will
             # do, llama-server queues the request behind it.
             idle = list(self.slots)
-        best = max(idle, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
+
+        def worth(slot: SlotState) -> int:
+            shared = common_prefix(slot.tokens, prompt)
+            return shared if shared >= self.min_shared else 0
+
+        best = max(idle, key=lambda s: (worth(s), -s.last_used))
         best.busy = best.dispatched = True
         best.running = list(prompt)
         return best, common_prefix(best.tokens, prompt)
