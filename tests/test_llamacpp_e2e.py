@@ -106,6 +106,8 @@ async def test_a_batch_of_prompts_streams_every_prompt_as_directly(proxy, llama_
 
     request = forwarded_request({"model": model, "prompt": [1, 2, 3, 4], "max_tokens": 1}, False, "req-ids")
     assert await proxy.engine.prompt_tokens(request) == ([1, 2, 3, 4], True)
+    single = forwarded_request({"model": model, "prompt": [5], "max_tokens": 1}, False, "req-id")
+    assert await proxy.engine.prompt_tokens(single) == ([5], True)
     # A batch of one prompt (LangChain's way) is that prompt's tokens, not its list's text.
     one = forwarded_request({"model": model, "prompt": ["The sky is"], "max_tokens": 1}, False, "req-one")
     plain = forwarded_request({"model": model, "prompt": "The sky is", "max_tokens": 1}, False, "req-plain")

@@ -189,8 +189,10 @@ class LlamaCppBackend(OpenAICompatibleBackend):
     @staticmethod
     def _several_prompts(request: GenerateRequest) -> bool:
         """A completions body with a batch of prompts: llama-server runs each as a task of its
-        own, in parallel slots when it picks them (pinned to one slot they would run one after
-        another, and KVStream knows only an estimate of their tokens)."""
+        own, in parallel slots when it picks them; pinned to one slot they run one after
+        another (two prompts of 48 tokens: 1.67 s pinned, 1.25 s not; ``n`` choices of one
+        prompt run side by side either way), and KVStream knows only an estimate of their
+        tokens."""
         prompt = (request.body or {}).get("prompt") if not request.is_chat else None
         return isinstance(prompt, list) and len(prompt) > 1 and not all(type(t) is int for t in prompt)
 
@@ -353,7 +355,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         llamacpp_tokens)."""
         if not request.is_chat:
             prompt = (request.body or {}).get("prompt", request.prompt)
-            if isinstance(prompt, list) and len(prompt) == 1:
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]  # a batch of one (LangChain sends every prompt so)
             if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
                 return list(prompt)  # token ids: llama-server computes them as they are
