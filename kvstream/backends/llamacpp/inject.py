@@ -294,10 +294,10 @@ class HardInject:
         release the slot. ``completed``: the runtime has the prompt's KV (it produced at
         least one token); ``cached``: prompt tokens it reports having reused."""
         prompt = route.prompt
-        ran: SlotState | None = route.slot  # the slot the request ran in, when known
+        ran: SlotState | None = route.slot if route.pin else None  # the slot it ran in, when known
         try:
-            if not route.pin:
-                ran = await self._slot_that_ran(route) if completed else None
+            if not route.pin and completed:
+                ran = await self._slot_that_ran(route)
             if route.restored and cached is not None:
                 if cached + RESTORE_SLACK_TOKENS < min(route.restored, len(prompt) - 1):
                     self.stats.ineffective += 1
@@ -350,7 +350,8 @@ class HardInject:
 
     async def _slot_that_ran(self, route: Route) -> SlotState | None:
         """The slot llama-server chose for an unpinned request that completed: the one slot
-        whose task changed since the request was placed and that holds at least its prompt,
+        whose task changed since the request was placed and that holds as many tokens as the
+        request left (at least its prompt when the runtime did not say how many it generated),
         not running another of KVStream's requests. None when no one slot fits (another
         request finished meanwhile); the slot beliefs are updated from the same report."""
         reported = await self._read_slots()
