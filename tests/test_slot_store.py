@@ -150,3 +150,33 @@ def test_a_short_shared_prefix_does_not_choose_the_slot():
     table.release(second, [1, 2, 3] + [20] * 20)
     again, shared = table.acquire([1, 2, 3] + [10] * 20 + [5])
     assert again is first and shared == 23
+
+
+async def test_a_malformed_slots_report_changes_nothing_it_cannot_read():
+    """/slots answers that are not a list, entries without an id or out of range, task ids and
+    counts of the wrong type: ignored, never an error on a request's path."""
+    from kvstream.backends.llamacpp.inject import HardInject
+
+    class Runtime:
+        def __init__(self, answer):
+            self.answer = answer
+
+        async def get_json(self, path, timeout=None):
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    inject = HardInject(Runtime({"error": "nope"}), 2, None)
+    await inject._sync_with_runtime()
+    assert inject._tasks == {} and not inject.kv_lost
+    inject.http = Runtime(ConnectionError("down"))
+    await inject._sync_with_runtime()
+    assert inject._tasks == {}
+    inject.http = Runtime([None, "x", {"id": "0"}, {"id": 7, "id_task": 3}, {"id": 0, "id_task": "3", "n_prompt_tokens": "40"},
+                           {"id": 1, "id_task": 4, "n_prompt_tokens": None}])
+    await inject._sync_with_runtime()
+    s0, s1 = inject.table.slots
+    assert inject._tasks == {0: None, 1: 4} and (s0.unknown, s1.unknown) == (0, 0) and not inject.kv_lost
+    assert inject._reported_slots == 3  # (a slot 7: another slot count than KVStream's table)
+    slot, _ = inject.table.acquire(list(range(10)))
+    assert slot in (s0, s1)

@@ -114,9 +114,10 @@ class HardInject:
             return None
         if not isinstance(reported, list):
             return None
-        self._reported_slots = len(reported)
+        entries = [e for e in reported if isinstance(e, dict) and type(e.get("id")) is int]
+        self._reported_slots = len(entries)
         count = len(self.table.slots)
-        return [e for e in reported if isinstance(e, dict) and isinstance(e.get("id"), int) and 0 <= e["id"] < count]
+        return [e for e in entries if 0 <= e["id"] < count]
 
     async def _sync_with_runtime(self) -> None:
         """Compare what we believe the slots hold with what llama-server reports (cheap: an
