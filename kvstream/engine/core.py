@@ -337,10 +337,14 @@ class KVStreamEngine:
         runtime that comes back with other limits (see ``refresh``)."""
         while self.backend.engine_probes_health or not self._sized:
             await asyncio.sleep(self.settings.routing.health_interval_s if self._sized else PROBE_UNTIL_SIZED_S)
-            try:
-                await self.refresh()
-            except Exception:  # one failed probe must not end the probing
-                logger.exception("probing backend %s failed", self.backend.name)
+            await self._probe_once()
+
+    async def _probe_once(self) -> None:
+        """``refresh`` for a background loop: one failed probe must not end the probing."""
+        try:
+            await self.refresh()
+        except Exception:
+            logger.exception("probing backend %s failed", self.backend.name)
 
     async def refresh(self) -> bool:
         """Probe the runtime (the background probe, and /ready); on first contact size the
@@ -676,10 +680,7 @@ class KVStreamEngine:
         """Probe until the restarted runtime's limits are read and, if they changed, the pool
         is sized again (it cannot be while requests hold blocks: tried every 2 s)."""
         while self._limits_stale:
-            try:
-                await self.refresh()
-            except Exception:  # one failed probe must not end the rereading
-                logger.exception("probing backend %s failed", self.backend.name)
+            await self._probe_once()
             if self._limits_stale:
                 await asyncio.sleep(PROBE_UNTIL_SIZED_S)
 
