@@ -361,6 +361,17 @@ class ModelInfo:
     capabilities: tuple[str, ...] = ()
     # Ollama's ``details`` (family, parameter_size, quantization_level, format) where known.
     details: dict[str, str] = field(default_factory=dict)
+    # Bytes of the weights in memory (Ollama's ``size``), and of them on the GPU (``size_vram``);
+    # 0 where the backend cannot tell.
+    size: int = 0
+    size_vram: int = 0
+
+
+def parameter_size(count: int) -> str:
+    """A parameter count as Ollama writes it in ``details``: 135M, 1.5B."""
+    if count >= 10**9:
+        return f"{count / 10**9:.1f}B".replace(".0B", "B")
+    return f"{round(count / 10**6)}M"
 
 
 @dataclass

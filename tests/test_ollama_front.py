@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 
 import ollama
 import pytest
@@ -417,3 +418,42 @@ async def test_ollama_apps_pull_through_kvstream_in_front_of_llama_server(start_
     with pytest.raises(ollama.ResponseError) as caught:
         await client.embeddings(model=name, prompt="hi")
     assert caught.value.status_code == 501 and "--embeddings" in caught.value.error
+
+
+@pytest.mark.llamacpp
+@pytest.mark.timeout(120)
+async def test_ollama_apps_read_what_llama_server_serves_from_list_ps_and_show(start_proxy, llama_server, tmp_path):
+    """What apps read of a model through the Ollama front over llama-server: its size, file
+    type and parameter count (llama-server's /v1/models meta), a digest of 64 hex digits
+    (Ollama's CLI prints ``digest[:12]`` in ``ollama list``/``ps`` and fails on an empty
+    one), an expiry far ahead (the model stays loaded: Ollama's keep_alive -1, "Forever";
+    a time past reads "Stopping..."), and the capabilities apps gate features on: tools
+    where the chat template takes them (a llama-server whose template does), vision never
+    for this text-only model."""
+    from datetime import datetime, timedelta, timezone
+
+    from tests.conftest import launch_llama_server
+
+    client = ollama.AsyncClient(host=(await start_proxy(LlamaCppBackend(llama_server.url))).url)
+    listed, running = (await client.list()).models, (await client.ps()).models
+    assert len(listed) == len(running) == 1
+    model, loaded = listed[0], running[0]
+    assert model.model == loaded.model and model.digest == loaded.digest and re.fullmatch(r"[0-9a-f]{64}", model.digest)
+    assert model.size == loaded.size and 50 * 2**20 < model.size < 200 * 2**20  # the 135M model's Q4_1 file
+    assert (model.details.format, model.details.quantization_level, model.details.parameter_size) == ("gguf", "Q4_1", "135M")
+    assert loaded.expires_at > datetime.now(timezone.utc) + timedelta(days=365 * 20)
+    assert loaded.context_length == 2048  # loaded: -c 4096 over 2 slots (trained: 8192, in show)
+    shown = await client.show(model.model)
+    assert shown.capabilities == ["completion"]  # SmolLM2's template shows no tools
+    assert shown.details.quantization_level == "Q4_1" and shown.modelinfo == {"general.context_length": 8192}
+
+    template = tmp_path / "tools.jinja"
+    template.write_text("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+                        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with_tools = launch_llama_server(slots=1, ctx=1024, slot_saving=False, extra=["--jinja", "--chat-template-file", str(template)])
+    try:
+        client = ollama.AsyncClient(host=(await start_proxy(LlamaCppBackend(with_tools.url))).url)
+        assert (await client.show(model.model)).capabilities == ["completion", "tools"]
+    finally:
+        with_tools.stop()

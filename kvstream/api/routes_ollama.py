@@ -14,10 +14,11 @@ runtime's ``/v1/embeddings``, or the in-process engine computes it (``/api/embed
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from aiohttp import web
@@ -33,7 +34,7 @@ from kvstream.api.streaming import GuardedResponse
 from kvstream.engine import Generation
 from kvstream.jsonfast import dumps
 from kvstream.scheduler import Priority, SchedulerError
-from kvstream.types import BackendError, GenerateRequest, Token, TokenLogprob
+from kvstream.types import BackendError, GenerateRequest, ModelInfo, Token, TokenLogprob
 
 logger = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -414,14 +415,22 @@ async def api_generate(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=False)
 
 
-def _model_entry(info: Any, context: int | None) -> dict[str, Any]:
-    """A model as Ollama lists it, with the details the backend knows (ModelInfo.details)."""
+# Ollama's expiry of a model loaded with keep_alive < 0 (never unloaded): now plus Go's
+# longest duration, which its CLI shows as "Forever" (a time in the past: "Stopping...").
+_NEVER_EXPIRES = timedelta(microseconds=(2**63 - 1) // 1000)
+
+
+def _model_entry(info: ModelInfo, context: int | None) -> dict[str, Any]:
+    """A model as Ollama lists it, with the details the backend knows (ModelInfo.details).
+    Its ``digest`` is a stable hash of what the backend says the model is: Ollama's own
+    CLI prints its first 12 characters (``ollama list``/``ps`` fail on a shorter one)."""
     details = {"parent_model": "", "format": "gguf", "family": "", "families": [], "parameter_size": "", "quantization_level": ""}
     details |= info.details
     if details["family"]:
         details["families"] = [details["family"]]
+    digest = hashlib.sha256(dumps([info.id, info.owned_by, info.size, info.details])).hexdigest()
     return {
-        "name": info.id, "model": info.id, "modified_at": now_iso(), "size": 0, "digest": "", "details": details,
+        "name": info.id, "model": info.id, "modified_at": now_iso(), "size": info.size, "digest": digest, "details": details,
         **({"context_length": context} if context else {}),
     }
 
@@ -444,8 +453,12 @@ async def api_tags(request: web.Request) -> web.StreamResponse:
 @ollama_answers_itself
 async def api_ps(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    # The backend's models are always loaded: nothing expires.
-    models = [_model_entry(m, m.context_length) | {"expires_at": "0001-01-01T00:00:00Z", "size_vram": 0} for m in await _models(state)]
+    # The backend's models are always loaded: nothing expires (Ollama's keep_alive -1). The
+    # context is the one loaded (a request's, as the runtime reported it), not the trained.
+    expires = (datetime.now(timezone.utc) + _NEVER_EXPIRES).isoformat().replace("+00:00", "Z")
+    loaded = state.engine.limits.n_ctx_per_request
+    models = [_model_entry(m, loaded or m.context_length) | {"expires_at": expires, "size_vram": m.size_vram}
+              for m in await _models(state)]
     return web.json_response({"models": models})
 
 
@@ -461,10 +474,21 @@ async def api_show(request: web.Request) -> web.StreamResponse:
     return web.json_response({
         "modelfile": "", "parameters": "", "template": "",
         "details": _model_entry(info, None)["details"],
-        "model_info": {"general.context_length": info.context_length} if info.context_length else {},
+        "model_info": _model_info(info),
         "capabilities": list(info.capabilities) or ["completion"],
         "modified_at": now_iso(),
     })
+
+
+def _model_info(info: ModelInfo) -> dict[str, Any]:
+    """/api/show's ``model_info`` (a GGUF's metadata, in Ollama) as far as the backend knows
+    it. Apps find the context as ``<family>.context_length`` (some by the family in
+    ``details``, others by any key ending so): ``general.`` where the family is unknown."""
+    family = info.details.get("family") or ""
+    out: dict[str, Any] = {"general.architecture": family} if family else {}
+    if info.context_length:
+        out[f"{family or 'general'}.context_length"] = info.context_length
+    return out
 
 
 def unless_the_runtime_keeps_a_store(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:

@@ -46,6 +46,7 @@ from kvstream.types import (
     Token,
     TokenLogprob,
     Usage,
+    parameter_size,
 )
 
 if TYPE_CHECKING:
@@ -355,13 +356,6 @@ class EngineThread(Executor):
 MAX_EMBEDDING_TOKENS = 300_000
 
 
-def _parameter_size(count: int) -> str:
-    """A parameter count as Ollama writes it: 135M, 1.5B."""
-    if count >= 10**9:
-        return f"{count / 10**9:.1f}B".replace(".0B", "B")
-    return f"{round(count / 10**6)}M"
-
-
 def _non_text_parts(messages: list[dict[str, Any]]) -> list[str]:
     """The types of the content parts other than text in ``messages`` (images, audio...)."""
     kinds = {part.get("type") for message in messages if isinstance(message.get("content"), list)
@@ -523,8 +517,11 @@ class HFBackend(InProcessBackend):
         if self._model_facts is None:
             self._model_facts = self._facts()
         capabilities, details = self._model_facts
+        weights = self.loaded.weights_snapshot() if self.loaded is not None else {}
+        size = int(weights.get("resident_bytes") or 0)
+        on_gpu = next(self.runner.model.parameters()).device.type == "cuda"
         return [ModelInfo(self.model_name or "hf", context_length=self.runner.config.max_model_len,
-                          capabilities=capabilities, details=details)]
+                          capabilities=capabilities, details=details, size=size, size_vram=size if on_gpu else 0)]
 
     def _template_renders_tools(self) -> bool:
         """Whether the model's chat template shows it the tools of a request (probed once)."""
@@ -561,7 +558,7 @@ class HFBackend(InProcessBackend):
         parameters = sum(t.numel() for t in weights_held.values())
         details = {
             "format": "safetensors", "family": str(getattr(model.config, "model_type", "") or ""),
-            "parameter_size": "" if awq else _parameter_size(parameters),
+            "parameter_size": "" if awq else parameter_size(parameters),
             "quantization_level": "AWQ 4-bit" if awq else {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(dtype, dtype),
         }
         return capabilities, details

@@ -19,7 +19,9 @@ from typing import Any
 
 from kvstream.config import Settings
 from kvstream.backends.base import Capabilities
-from kvstream.types import BackendError, BackendInterrupted, GenerateRequest, RuntimeLimits, Token, Usage
+from kvstream.types import (
+    BackendError, BackendInterrupted, GenerateRequest, ModelInfo, RuntimeLimits, Token, Usage, parameter_size,
+)
 from kvstream.backends.http import DONE, EventReader, cors_grant, raise_for_upstream_status
 from kvstream.backends.llamacpp.runtime import ManagedLlamaServer
 from kvstream.embedded import embedded_model
@@ -323,6 +325,32 @@ class LlamaCppBackend(OpenAICompatibleBackend):
     async def fetch_props(self) -> dict[str, Any]:
         self.props = await self.http.get_json("/props")
         return self.props
+
+    async def models(self) -> list[ModelInfo]:
+        """/v1/models, with what /v1/models' ``meta`` and /props say of the model in Ollama's
+        words: tools where the chat template takes them (``chat_template_caps``), vision
+        where a projector is loaded, the GGUF's file type, parameter count and size."""
+        payload = await self.http.get_json(self.models_path)
+        props = self.props if self.props is not None else await self.fetch_props()
+        caps = props.get("chat_template_caps") if isinstance(props.get("chat_template_caps"), dict) else {}
+        modalities = props.get("modalities") if isinstance(props.get("modalities"), dict) else {}
+        capabilities = ("completion", *(("tools",) if caps.get("supports_tools") else ()),
+                        *(("vision",) if modalities.get("vision") else ()))
+        models = []
+        for entry in payload.get("data", []) if isinstance(payload, dict) else []:
+            if not isinstance(entry, dict) or "id" not in entry:
+                continue
+            meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}
+            params, size = meta.get("n_params"), meta.get("size")
+            details = {"format": "gguf",
+                       **({"quantization_level": meta["ftype"]} if isinstance(meta.get("ftype"), str) else {}),
+                       **({"parameter_size": parameter_size(params)} if isinstance(params, int) and params > 0 else {})}
+            models.append(ModelInfo(
+                id=str(entry["id"]), owned_by=str(entry.get("owned_by") or self.name), created=int(entry.get("created") or 0),
+                context_length=meta.get("n_ctx_train") if isinstance(meta.get("n_ctx_train"), int) else None,
+                capabilities=capabilities, details=details, size=size if isinstance(size, int) and size > 0 else 0,
+            ))
+        return models
 
     async def limits(self) -> RuntimeLimits:
         props = await self.fetch_props()
