@@ -388,7 +388,9 @@ class LlamaCppBackend(OpenAICompatibleBackend):
             if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
                 return list(prompt)  # token ids: llama-server computes them as they are
             text = prompt if isinstance(prompt, str) else request.prompt or ""  # a batch: estimated
-            return await self._tokenize_raw(text, add_special=True, parse_special=False)
+            # As llama-server reads a completions prompt: special tokens' spellings are those
+            # tokens (a prompt written in the chat markup: Ollama's raw mode, hand-made ones).
+            return await self._tokenize_raw(text, add_special=True, parse_special=True)
         messages = request.messages or []
         # A forwarded body is templated whole: tools and template options shape the prompt.
         text = await self._apply_template(messages, context=request.body)
