@@ -457,3 +457,55 @@ async def test_ollama_apps_read_what_llama_server_serves_from_list_ps_and_show(s
         assert (await client.show(model.model)).capabilities == ["completion", "tools"]
     finally:
         with_tools.stop()
+
+
+@pytest.mark.llamacpp
+@pytest.mark.timeout(120)
+async def test_a_generate_context_continues_the_conversation_as_ollama_builds_it(start_proxy, llama_server, http):
+    """/api/generate's ``context`` (Ollama's deprecated conversation memory, still sent by
+    apps written for it): an answer carries its prompt's and its own tokens, and a request
+    that sends them back is that context followed by its own templated turn, as Ollama builds
+    it (it detokenizes the context and prepends the text): the same greedy answer as that
+    prompt sent raw, and the whole of it counted. Raw answers carry none, as in Ollama."""
+    proxy = await start_proxy(LlamaCppBackend(llama_server.url))
+    client = ollama.AsyncClient(host=proxy.url)
+    options = {"temperature": 0, "num_predict": 12}
+    first = await client.generate(model="m", prompt="My name is Ada and I live in Lyon.", options=options)
+
+    async def direct(path: str, body: dict) -> dict:
+        async with http.post(llama_server.url + path, json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
+    templated = (await direct("/apply-template", {"messages": [{"role": "user", "content": "My name is Ada and I live in Lyon."}]}))["prompt"]
+    assert first.prompt_eval_count > 10 and len(first.context) >= first.prompt_eval_count + 1
+    assert (await direct("/detokenize", {"tokens": first.context}))["content"] == templated + first.response
+
+    turn = (await direct("/apply-template", {"messages": [{"role": "user", "content": "What is my name?"}]}))["prompt"]
+    tokens = (await direct("/tokenize", {"content": turn, "add_special": True, "parse_special": True}))["tokens"]
+    second = await client.generate(model="m", prompt="What is my name?", context=first.context, options=options)
+    assert second.prompt_eval_count == len(first.context) + len(tokens)
+    raw = await client.generate(model="m", prompt=templated + first.response + turn, raw=True, options=options)
+    assert second.response == raw.response and raw.context is None
+    streamed = [part async for part in await client.generate(model="m", prompt="What is my name?", context=first.context,
+                                                               options=options, stream=True)]
+    assert "".join(p.response for p in streamed) == second.response and streamed[-1].context == second.context
+    assert second.context[:len(first.context)] == first.context
+
+    for body, error in [({"context": ["a"]}, "context must be an array of token ids"),
+                        ({"context": [1, 2], "raw": True}, "raw mode does not support template, system, or context"),
+                        ({"context": [10**9]}, "invalid tokens")]:
+        async with http.post(proxy.url + "/api/generate", json={"model": "m", "prompt": "hi", "stream": False} | body) as resp:
+            assert resp.status == 400 and error in (await resp.json())["error"], body
+    await wait_released(proxy)
+
+
+async def test_a_generate_context_needs_a_backend_that_tokenizes(front):
+    """In front of a runtime whose tokens KVStream cannot get, a context cannot be continued:
+    a 400 that says what to do instead (not ignored, the conversation silently forgotten),
+    and an answer's context is empty."""
+    _, _, _, client = front
+    assert (await client.generate(model="llama3.2", prompt="hi")).context == []
+    with pytest.raises(ollama.ResponseError) as caught:
+        await client.generate(model="llama3.2", prompt="hi", context=[1, 2, 3])
+    assert caught.value.status_code == 400 and "send the conversation as messages to /api/chat" in caught.value.error

@@ -18,6 +18,7 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -260,8 +261,6 @@ class OllamaAnswer:
         if whole and self.logprobs:
             obj["logprobs"] = self.logprobs
         obj["done_reason"] = "length" if finish_reason == "length" else "stop"
-        if not self.chat:
-            obj["context"] = []  # KVStream keeps the conversation's KV itself; no token context
         now = time.monotonic()
         usage = gen.usage
         first = gen.first_token_at or now
@@ -307,6 +306,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if not isinstance(prompt, str):
             raise OllamaError(400, "prompt must be a string")
         suffix, images, system = body.get("suffix"), body.get("images"), body.get("system")
+        context = body.get("context")
+        if context is not None and not (isinstance(context, list) and all(type(t) is int and t >= 0 for t in context)):
+            raise OllamaError(400, "context must be an array of token ids (the context of an earlier answer)")
         if suffix is not None and not isinstance(suffix, str):
             raise OllamaError(400, "suffix must be a string")
         if images is not None and not (isinstance(images, list) and all(isinstance(i, str) for i in images)):
@@ -316,8 +318,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             # suffix (code completion): a completion, the suffix in OpenAI's field.
             if images:
                 raise OllamaError(400, "this runtime takes images in a templated prompt only: leave raw and suffix out")
-            if body.get("raw") and system:
+            if body.get("raw") and (system or context):
                 raise OllamaError(400, "raw mode does not support template, system, or context")
+            if context:
+                raise OllamaError(400, "context continues a templated prompt: leave suffix out")
             generate = _request(body, request_id, None, prompt)
             if suffix:
                 generate.extra["suffix"] = suffix
@@ -327,6 +331,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             generate = _request(body, request_id, messages + _messages([user]), None)
     model_name = body.get("model") if isinstance(body.get("model"), str) else None
     generate.model = await _model(state, body)
+    if not chat and body.get("context"):
+        generate = await _continued(state, generate, body["context"])
     if chat and not generate.messages:
         # An empty chat loads the model in Ollama; here the model is always loaded.
         return web.json_response({"model": model_name or generate.model, "created_at": now_iso(), "message": {"role": "assistant", "content": ""}, "done_reason": "load", "done": True})
@@ -355,7 +361,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             async for token in stream:
                 if token.finish_reason is not None:
                     outcome = "finished"
-                    return web.Response(body=dumps(answer.final(gen, token.finish_reason, whole=True)), content_type="application/json", headers=headers)
+                    final = answer.final(gen, token.finish_reason, whole=True) | await _context_after(state, generate, answer)
+                    return web.Response(body=dumps(final), content_type="application/json", headers=headers)
                 answer.piece(token)
             raise BackendError("the runtime ended the stream without finishing the generation")
         # The first token before the headers: a runtime that fails at once gets its own status.
@@ -367,7 +374,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             async for token in _chain(first, stream):
                 if token.finish_reason is not None:
-                    await response.write_eof(dumps(answer.final(gen, token.finish_reason, whole=False)) + b"\n")
+                    final = answer.final(gen, token.finish_reason, whole=False) | await _context_after(state, generate, answer)
+                    await response.write_eof(dumps(final) + b"\n")
                     outcome = "finished"
                     return response
                 piece = answer.piece(token)
@@ -388,6 +396,38 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     finally:
         await stream.aclose()
         gen.close(outcome)
+
+
+async def _continued(state: AppState, generate: GenerateRequest, context: list[int]) -> GenerateRequest:
+    """/api/generate with an earlier answer's ``context`` (Ollama's deprecated conversation
+    memory): the prompt is that context's tokens, then this prompt templated as a turn of its
+    own (its system prompt and images too; a template that opens every prompt with a default
+    system prompt or a BOS in its text opens this turn so too), as Ollama builds it. Needs a
+    backend that tokenizes a chat exactly (llama-server, the in-process engine)."""
+    try:
+        turn = await state.engine.backend.tokenize(generate)
+    except BackendError as exc:
+        raise _ollama_error(exc) from None
+    if not turn:
+        raise OllamaError(400, f"context needs the model's own tokens, which the {state.engine.backend.name} backend "
+                               "cannot give: send the conversation as messages to /api/chat instead")
+    return replace(generate, messages=None, prompt=None, prompt_token_ids=[*context, *turn], continue_final_message=False)
+
+
+async def _context_after(state: AppState, generate: GenerateRequest, answer: OllamaAnswer) -> dict[str, Any]:
+    """Ollama's ``context`` on a templated /api/generate answer: the prompt's tokens and the
+    answer's, for the next request to continue from (Ollama too tokenizes the answer's text).
+    Empty where the prompt's tokens were estimated; none in raw mode, as in Ollama."""
+    if answer.chat or generate.messages is None and generate.prompt_token_ids is None:
+        return {}
+    prompt = generate.control.prompt_token_ids
+    text = "".join(answer.text)
+    try:
+        tokens = await state.engine.backend.plain_text_ids(text) if text else []
+    except BackendError as exc:
+        logger.debug("[%s] tokenizing the answer for its context failed: %s", generate.request_id, exc.message)
+        tokens = None
+    return {"context": [*prompt, *tokens] if prompt and tokens is not None else []}
 
 
 async def _chain(first: Token, rest: AsyncIterator[Token]) -> AsyncIterator[Token]:

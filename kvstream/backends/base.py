@@ -165,6 +165,12 @@ class BaseBackend(abc.ABC):
         tokenizer (the default: a runtime's is the runtime's own route)."""
         return None
 
+    async def plain_text_ids(self, text: str) -> list[int] | None:
+        """``text``'s token ids as plain text (nothing added around it, special tokens'
+        spellings read as text): a generated answer's, to hand back in Ollama's ``context``.
+        By ``text_tokens`` here; a runtime's tokenizer where the backend reaches one."""
+        return await asyncio.to_thread(self.text_tokens, text, False, False)
+
     def token_bytes(self, token_ids: list[int]) -> list[bytes] | None:
         """Each token's bytes (a token may hold part of a UTF-8 character), or None where the
         backend holds no tokenizer; ValueError for an id outside the vocabulary."""

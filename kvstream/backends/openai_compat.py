@@ -165,7 +165,7 @@ class OpenAICompatibleBackend(BaseBackend):
         if request.is_chat:
             body["messages"] = request.messages
         else:
-            body["prompt"] = request.prompt
+            body["prompt"] = request.prompt if request.prompt_token_ids is None else request.prompt_token_ids
         for key in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
             value = getattr(request, key)
             if value is not None:

@@ -508,7 +508,9 @@ async def test_the_ollama_client_pulls_the_served_model_and_is_told_the_store_is
     # SmolLM2's template renders no tools (offered the generic way: generic_calls.py), no thinking
     assert shown.capabilities == ["completion", "tools", "embedding"]
     assert (shown.details.family, shown.details.parameter_size, shown.details.quantization_level) == ("llama", "135M", "F32")
-    assert (await client.list()).models[0].details.family == "llama"
+    listed = (await client.list()).models[0]
+    assert listed.details.family == "llama" and listed.size > 500 * 2**20  # 135M parameters in float32
+    assert (await client.ps()).models[0].size_vram == 0  # on the CPU
     assert (await client.pull("smollm2")).status == "success"
     assert [part.status async for part in await client.pull("smollm2", stream=True)] == ["success"]
     for call in (client.delete("smollm2"), client.copy("smollm2", "other"), client.create("other", from_="smollm2"),
@@ -661,3 +663,26 @@ async def test_typical_p_is_honoured_and_seeded_answers_repeat(oa):
     first = await oa.chat.completions.create(**kwargs)
     again = await oa.chat.completions.create(**kwargs)
     assert first.choices[0].message.content == again.choices[0].message.content
+
+
+async def test_a_generate_context_continues_on_the_in_process_engine(hf_proxy, smollm2):
+    """Ollama's ``context`` on the in-process engine: the answer's tokens are the prompt's and
+    the answer's own, and sent back they open the next prompt (the same greedy answer as the
+    whole conversation sent raw)."""
+    import ollama
+
+    from kvstream.hf.loader import chat_token_ids
+
+    _, _, tokenizer = smollm2
+    client = ollama.AsyncClient(host=hf_proxy.url)
+    options = {"temperature": 0, "num_predict": 8}
+    first = await client.generate(model="smollm2", prompt="My name is Ada.", options=options)
+    prompt_ids = chat_token_ids(tokenizer, [{"role": "user", "content": "My name is Ada."}])
+    assert first.context[:len(prompt_ids)] == prompt_ids and len(first.context) > len(prompt_ids)
+    assert tokenizer.decode(first.context[len(prompt_ids):]) == first.response
+    second = await client.generate(model="smollm2", prompt="What is my name?", context=first.context, options=options)
+    turn = chat_token_ids(tokenizer, [{"role": "user", "content": "What is my name?"}])
+    assert second.prompt_eval_count == len(first.context) + len(turn)
+    raw = await client.generate(model="smollm2", prompt=tokenizer.decode(first.context + turn), raw=True, options=options)
+    assert second.response == raw.response
+    await wait_idle(hf_proxy)

@@ -232,7 +232,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         resume = request.control.resume
         assert resume is not None
         text, done = resume.text, resume.tokens
-        generated = await self._tokenize_text(text) if text else []
+        generated = (await self.plain_text_ids(text) or []) if text else []
         tokens = list(prompt) + generated
         swap_file, request.control.saved_state = request.control.saved_state, None
         route = await inject.prepare(tokens, swap_file=swap_file, root=tenant_root(request.cache_salt))
@@ -285,8 +285,8 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                 fields["stop"] = request.stop
         return {k: v for k, v in fields.items() if k not in RESUME_OWN_FIELDS}
 
-    async def _tokenize_text(self, text: str) -> list[int]:
-        return await self._tokenize_raw(text, add_special=False, parse_special=False) or []
+    async def plain_text_ids(self, text: str) -> list[int] | None:
+        return await self._tokenize_raw(text, add_special=False, parse_special=False)
 
     def can_resume(self, request: GenerateRequest) -> bool:
         # A resumed leg continues raw text through /completion: features that the chat route
@@ -382,6 +382,8 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         that extends a conversation seen before sends only its new tail to /tokenize (see
         llamacpp_tokens)."""
         if not request.is_chat:
+            if request.prompt_token_ids is not None:  # built as token ids (an Ollama context continued)
+                return list(request.prompt_token_ids)
             prompt = (request.body or {}).get("prompt", request.prompt)
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]  # a batch of one (LangChain sends every prompt so)
