@@ -167,6 +167,23 @@ async def test_model_routes_describe_the_backend(front, http):
         assert await resp.json() == {"version": kvstream.__version__}
 
 
+async def test_an_empty_chat_or_prompt_loads_or_unloads_and_generates_nothing(front):
+    """Apps preload a model with an empty chat or prompt (``ollama run`` does) and unload it
+    with ``keep_alive: 0`` (``ollama stop``): answered as Ollama answers them, ``done_reason``
+    "load" or "unload", without a generation (the backend's model stays loaded)."""
+    proxy, _, recorder, client = front
+    loaded = await client.chat(model="llama3.2", messages=[])
+    assert (loaded.done, loaded.done_reason, loaded.message.content) == (True, "load", "")
+    unloaded = await client.chat(model="llama3.2", messages=[], keep_alive=0)
+    assert unloaded.done_reason == "unload"
+    for keep_alive, reason in [(None, "load"), ("0s", "unload"), ("0", "unload"), ("5m", "load"), (-1, "load"), (0.0, "unload")]:
+        answer = await client.generate(model="llama3.2", prompt="", keep_alive=keep_alive, stream=False)
+        assert (answer.done, answer.done_reason, answer.response) == (True, reason, ""), keep_alive
+    streamed = [part async for part in await client.generate(model="llama3.2", stream=True)]
+    assert [(p.done, p.done_reason) for p in streamed] == [(True, "load")]
+    assert recorder.bodies == [] and proxy.engine.stats.requests_total == 0
+
+
 async def test_errors_come_in_ollamas_shape(start_upstream, start_proxy, http):
     url, _ = await start_upstream(Script(status=500))
     proxy = await start_proxy(OpenAICompatibleBackend(url))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -331,11 +332,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             generate = _request(body, request_id, messages + _messages([user]), None)
     model_name = body.get("model") if isinstance(body.get("model"), str) else None
     generate.model = await _model(state, body)
+    if not generate.messages if chat else not prompt:
+        # An empty chat or prompt loads the model in Ollama (unloads it with keep_alive 0):
+        # the backend's model is loaded already and stays so; nothing is generated.
+        done = {"done_reason": "unload" if _is_zero_duration(body.get("keep_alive")) else "load", "done": True}
+        text = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+        return web.json_response({"model": model_name or generate.model, "created_at": now_iso()} | text | done)
     if not chat and body.get("context"):
         generate = await _continued(state, generate, body["context"])
-    if chat and not generate.messages:
-        # An empty chat loads the model in Ollama; here the model is always loaded.
-        return web.json_response({"model": model_name or generate.model, "created_at": now_iso(), "message": {"role": "assistant", "content": ""}, "done_reason": "load", "done": True})
     _check_message_count(state, generate.messages)
     generate.cache_salt = request.get(CACHE_SALT)
     generate.session = request.headers.get("X-KVStream-Session") or None
@@ -396,6 +400,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     finally:
         await stream.aclose()
         gen.close(outcome)
+
+
+def _is_zero_duration(value: object) -> bool:
+    """Whether an Ollama ``keep_alive`` (seconds, or a Go duration such as "0", "0s", "0m")
+    is zero: unload now."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value == 0
+    return isinstance(value, str) and re.fullmatch(r"[+-]?(?:0+(?:\.0*)?(?:ns|us|µs|ms|s|m|h)?)+", value.strip()) is not None
 
 
 async def _continued(state: AppState, generate: GenerateRequest, context: list[int]) -> GenerateRequest:
