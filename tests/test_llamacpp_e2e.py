@@ -327,6 +327,33 @@ async def test_a_runtime_that_comes_up_after_kvstream_or_restarts_is_sized_when_
         server.stop()
 
 
+async def test_limits_that_failed_to_be_read_at_first_contact_are_read_again(start_proxy, llama_server, monkeypatch, caplog):
+    """A read of llama-server's /props that fails at first contact (a timeout, a 503 while
+    it is busy) sized KVStream with the defaults until the runtime next went down: 8 in
+    flight against its 2 slots, hard inject off. Now it is read again at the next probes,
+    said once in the log."""
+    from kvstream.types import BackendError
+
+    backend = LlamaCppBackend(llama_server.url)
+    real, failures = backend.fetch_props, [BackendError("runtime error (HTTP 503): busy")] * 3
+
+    async def flaky() -> dict:
+        if failures:
+            raise failures.pop()
+        return await real()
+
+    monkeypatch.setattr(backend, "fetch_props", flaky)
+    proxy = await start_proxy(backend)
+    assert proxy.engine.scheduler.config.max_batch_size != 2
+    for _ in range(150):  # probed every 2 s until read
+        if proxy.engine.scheduler.config.max_batch_size == 2:
+            break
+        await asyncio.sleep(0.1)
+    assert proxy.engine.scheduler.config.max_batch_size == 2 and not failures
+    assert backend.inject is not None and proxy.engine.limits.n_ctx_per_request == 2048
+    assert caplog.text.count("could not read the runtime's limits (read again at the next probe)") == 1
+
+
 async def test_a_restart_between_two_health_probes_is_sized_again(start_proxy):
     """llama-server restarted with fewer slots faster than the health probe looks (here it
     never looks): the first request after it sees it in /slots (its slots hold less than

@@ -49,6 +49,9 @@ MODELS_TTL_S = 5.0
 # How often a runtime not yet sized (down, or still loading its model, when KVStream
 # started) is probed until it is; after that, every ``routing.health_interval_s``.
 PROBE_UNTIL_SIZED_S = 2.0
+# Failed reads of a runtime's limits at first contact before it is served with the defaults
+# meanwhile (about 10 s at PROBE_UNTIL_SIZED_S); it is still read again at every probe.
+DEFAULTS_AFTER_UNREAD = 5
 
 
 class QueueTimeout(SchedulerError):
@@ -297,6 +300,7 @@ class KVStreamEngine:
         self._probe: asyncio.Task[None] | None = None
         # The runtime restarted (seen by the backend between two probes): read its limits again.
         self._limits_stale = False
+        self._limits_unread = 0  # probes in a row that failed to read the runtime's limits
         self._reread: asyncio.Task[None] | None = None
         backend.on_reload = self.runtime_reloaded
 
@@ -364,16 +368,22 @@ class KVStreamEngine:
                 logger.warning("backend %s stopped answering its health probe", where)
         self._probed = True
         if healthy and (not self._sized or came_back or self._limits_stale):
-            limits = await self._read_limits()
-            if not self._sized or limits != self.limits:
+            read = await self._read_limits()
+            self._limits_unread = 0 if read is not None else self._limits_unread + 1
+            limits = read
+            if read is None and not self._sized and self._limits_unread >= DEFAULTS_AFTER_UNREAD:
+                limits = RuntimeLimits()  # served with the defaults meanwhile, read again at each probe
+            if limits is not None and (not self._sized or limits != self.limits):
                 self._size(limits)  # if nothing runs now; else at a later probe
-            self._limits_stale = not self._sized
+            self._limits_stale = not self._sized or read is None
         self._ready = healthy
         return healthy
 
-    async def _read_limits(self) -> RuntimeLimits:
-        """What the runtime reports of its limits; the defaults when it cannot be read (said
-        in the log), so that a runtime answering nonsense is still served."""
+    async def _read_limits(self) -> RuntimeLimits | None:
+        """What the runtime reports of its limits: the defaults where its answer is malformed
+        or needs a key KVStream lacks (said in the log), so that it is still served; None
+        where reading failed (a timeout, a 5xx while it loads): read again at the next probe,
+        not sized with the defaults until the runtime next goes down (``refresh``)."""
         try:
             return await self.backend.limits()
         except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a malformed answer (a slot count "abc")
@@ -389,9 +399,12 @@ class KVStreamEngine:
                     "context (defaults: %d in flight) nor count prompts exactly",
                     self.backend.base_url, exc.message, self.scheduler.config.max_batch_size,
                 )
-            else:
-                logger.warning("could not read the runtime's limits: %s", exc.message)
-            return RuntimeLimits()
+                return RuntimeLimits()
+            # Said once per streak of failures: a runtime that never reports them is asked at
+            # every probe.
+            log = logger.warning if self._limits_unread == 0 else logger.debug
+            log("could not read the runtime's limits (read again at the next probe): %s", exc.message)
+            return None
 
     def _size(self, limits: RuntimeLimits) -> None:
         """Rebuild the pool and batch from ``limits`` if nothing holds a block now (else
