@@ -511,7 +511,8 @@ async def test_a_generate_context_continues_the_conversation_as_ollama_builds_it
 
     for body, error in [({"context": ["a"]}, "context must be an array of token ids"),
                         ({"context": [1, 2], "raw": True}, "raw mode does not support template, system, or context"),
-                        ({"context": [10**9]}, "invalid tokens")]:
+                        ({"context": [10**9]}, "invalid tokens"),
+                        ({"context": [1, 2], "images": ["aGk="]}, "images cannot follow a context here")]:
         async with http.post(proxy.url + "/api/generate", json={"model": "m", "prompt": "hi", "stream": False} | body) as resp:
             assert resp.status == 400 and error in (await resp.json())["error"], body
     await wait_released(proxy)

@@ -3,6 +3,8 @@ between two stores on one directory, and names that carry no user text."""
 
 from __future__ import annotations
 
+import asyncio
+
 import re
 
 from kvstream.backends.llamacpp.slots import SlotFileStore
@@ -180,3 +182,37 @@ async def test_a_malformed_slots_report_changes_nothing_it_cannot_read():
     assert inject._reported_slots == 3  # (a slot 7: another slot count than KVStream's table)
     slot, shared = inject.table.acquire(list(range(10)))
     assert slot is s0 and shared == 0 and not s0.tokens  # nothing believed from the garbage: the first empty slot
+
+
+async def test_slots_read_ahead_are_used_only_if_nothing_changed_since():
+    """The slots are read while a prompt is tokenized (``read_ahead``); ``prepare`` uses that
+    report only if KVStream's beliefs about the slots did not change after it was asked for
+    (a report from before another request of KVStream's finished would look like a restart:
+    task ids going back), else it reads again."""
+    from kvstream.backends.llamacpp.inject import HardInject
+
+    class Runtime:
+        def __init__(self):
+            self.task, self.reads = 5, 0
+
+        async def get_json(self, path, timeout=None):
+            self.reads += 1
+            return [{"id": 0, "id_task": self.task, "n_prompt_tokens": 0}, {"id": 1}]
+
+    runtime = Runtime()
+    inject = HardInject(runtime, 2, None)
+    inject.read_ahead()
+    inject.read_ahead()  # a second request tokenized meanwhile: the same read serves it
+    route = await inject.prepare(list(range(10)))
+    assert runtime.reads == 1 and inject._tasks[0] == 5
+    inject._release(route, None)
+    # Read (task 7), then a newer report observed (another request's own read) before it is
+    # used: used after it, task 7 after task 9 would read as a restart.
+    runtime.task = 7
+    inject.read_ahead()
+    await asyncio.sleep(0)
+    runtime.task = 9
+    inject._observe(await inject._read_slots())
+    runtime.task = 10
+    await inject.prepare(list(range(20)))
+    assert runtime.reads == 4 and inject._tasks[0] == 10 and not inject.kv_lost

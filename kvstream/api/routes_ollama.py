@@ -314,6 +314,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             raise OllamaError(400, "suffix must be a string")
         if images is not None and not (isinstance(images, list) and all(isinstance(i, str) for i in images)):
             raise OllamaError(400, "images must be a list of base64-encoded images")
+        if images and context:  # a context continues as token ids, which carry no image
+            raise OllamaError(400, "images cannot follow a context here: send the conversation as messages to /api/chat")
         if body.get("raw") or suffix:
             # The prompt as it is (raw), or a fill-in-the-middle between the prompt and the
             # suffix (code completion): a completion, the suffix in OpenAI's field.

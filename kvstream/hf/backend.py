@@ -396,7 +396,7 @@ class HFBackend(InProcessBackend):
         self.model_name: str | None = None
         self._start_lock = asyncio.Lock()
         self._error: str | None = None
-        self._model_facts: tuple[tuple[str, ...], dict[str, str]] | None = None  # models()' capabilities, details
+        self._model_facts: tuple[tuple[str, ...], dict[str, str], int, int] | None = None  # models()' capabilities, details, sizes
         self._renders_tools: bool | None = None  # whether the chat template shows the model tools
         self._engine_thread: EngineThread | None = None  # loads the model, then runs the steps
 
@@ -516,12 +516,9 @@ class HFBackend(InProcessBackend):
             raise BackendUnavailable(self._error or "the model is still loading")
         if self._model_facts is None:
             self._model_facts = self._facts()
-        capabilities, details = self._model_facts
-        weights = self.loaded.weights_snapshot() if self.loaded is not None else {}
-        size = int(weights.get("resident_bytes") or 0)
-        on_gpu = next(self.runner.model.parameters()).device.type == "cuda"
+        capabilities, details, size, size_vram = self._model_facts
         return [ModelInfo(self.model_name or "hf", context_length=self.runner.config.max_model_len,
-                          capabilities=capabilities, details=details, size=size, size_vram=size if on_gpu else 0)]
+                          capabilities=capabilities, details=details, size=size, size_vram=size_vram)]
 
     def _template_renders_tools(self) -> bool:
         """Whether the model's chat template shows it the tools of a request (probed once)."""
@@ -538,10 +535,11 @@ class HFBackend(InProcessBackend):
                 self._renders_tools = False
         return self._renders_tools
 
-    def _facts(self) -> tuple[tuple[str, ...], dict[str, str]]:
+    def _facts(self) -> tuple[tuple[str, ...], dict[str, str], int, int]:
         """What the model can be asked for (Ollama's capabilities: tools where its template
         renders them or they are offered the generic way, thinking where it shows ``<think>``
-        blocks) and Ollama's details."""
+        blocks), Ollama's details, and the bytes of its resident weights (all of them, and of
+        them on the GPU)."""
         from kvstream.hf.reasoning import thinks
 
         assert self.runner is not None
@@ -561,7 +559,8 @@ class HFBackend(InProcessBackend):
             "parameter_size": "" if awq else parameter_size(parameters),
             "quantization_level": "AWQ 4-bit" if awq else {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(dtype, dtype),
         }
-        return capabilities, details
+        size = int(weights.get("resident_bytes") or 0)
+        return capabilities, details, size, size if next(model.parameters()).device.type == "cuda" else 0
 
     def default_max_tokens(self) -> int | None:
         return self.settings.backend.default_max_tokens

@@ -331,7 +331,12 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         words: tools where the chat template takes them (``chat_template_caps``), vision
         where a projector is loaded, the GGUF's file type, parameter count and size."""
         payload = await self.http.get_json(self.models_path)
-        props = self.props if self.props is not None else await self.fetch_props()
+        props = self.props
+        if props is None:
+            try:
+                props = await self.fetch_props()
+            except BackendError:  # the models are listed still, their capabilities unknown
+                props = {}
         caps = props.get("chat_template_caps") if isinstance(props.get("chat_template_caps"), dict) else {}
         modalities = props.get("modalities") if isinstance(props.get("modalities"), dict) else {}
         capabilities = ("completion", *(("tools",) if caps.get("supports_tools") else ()),
@@ -380,7 +385,9 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         """The exact prompt tokens: the model's own chat template, then its tokenizer, the way
         llama-server itself prepares the prompt (special tokens added and parsed). A chat
         that extends a conversation seen before sends only its new tail to /tokenize (see
-        llamacpp_tokens)."""
+        llamacpp_tokens). The slots are read meanwhile, for the slot choice that follows."""
+        if self.inject is not None and not self._several_prompts(request):
+            self.inject.read_ahead()
         if not request.is_chat:
             if request.prompt_token_ids is not None:  # built as token ids (an Ollama context continued)
                 return list(request.prompt_token_ids)

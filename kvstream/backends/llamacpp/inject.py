@@ -29,6 +29,8 @@ SLOT_WAIT_S = 30.0
 DEFAULT_PREFILL_TPS = 1000.0
 # Block hashes remembered as computed by the running runtime (a bounded LRU).
 MAX_SEEN_BLOCKS = 200_000
+# Oldest a /slots report read ahead (while the prompt was tokenized) may be when used.
+PREFETCH_MAX_AGE_S = 1.0
 
 
 @dataclass
@@ -96,6 +98,10 @@ class HardInject:
         # reports it (the runtime may have come back with other limits, its caches empty).
         self.kv_lost = False
         self.prefill_tps = DEFAULT_PREFILL_TPS  # measured: prompt tokens computed per second
+        # Bumped whenever KVStream's beliefs about the slots change (a report observed, a
+        # slot taken or freed): a report read before a change is older than those beliefs.
+        self._epoch = 0
+        self._read_ahead: tuple[int, float, asyncio.Task[list[dict[str, Any]] | None]] | None = None
 
     async def _post(self, path: str, body: dict | None = None) -> tuple[int, dict]:
         async with self.http.request("POST", path, json_body=body or {}, timeout=120) as resp:
@@ -119,10 +125,31 @@ class HardInject:
         count = len(self.table.slots)
         return [e for e in entries if 0 <= e["id"] < count]
 
+    def read_ahead(self) -> None:
+        """Start reading /slots for the next ``prepare`` now, while the request's prompt is
+        tokenized (a round trip of about a millisecond off every request's way). ``prepare``
+        uses the report only if nothing changed KVStream's beliefs about the slots since it
+        was asked for, and it is fresh; otherwise it reads again."""
+        ahead = self._read_ahead
+        if ahead is not None and ahead[0] == self._epoch and time.monotonic() - ahead[1] < PREFETCH_MAX_AGE_S:
+            return  # one asked for since the last change serves this request too
+        self._read_ahead = (self._epoch, time.monotonic(), asyncio.ensure_future(self._read_slots()))
+
     async def _sync_with_runtime(self) -> None:
         """Compare what we believe the slots hold with what llama-server reports (cheap: an
         idle GET /slots takes under a millisecond); see ``_observe``."""
-        reported = await self._read_slots()
+        reported = None
+        ahead, self._read_ahead = self._read_ahead, None
+        if ahead is not None:
+            epoch, asked_at, task = ahead
+            if epoch == self._epoch and time.monotonic() - asked_at < PREFETCH_MAX_AGE_S:
+                reported = await task
+                if epoch != self._epoch:  # beliefs changed while it was read: it may predate them
+                    reported = None
+            elif not task.done():
+                task.cancel()
+        if reported is None:
+            reported = await self._read_slots()
         if reported is not None:
             self._observe(reported)
 
@@ -138,6 +165,7 @@ class HardInject:
         before KVStream started) is noted the same way. A slot holding fewer tokens than we
         believe with no new task, or task ids going backwards, means the runtime restarted or
         dropped its KV: believe nothing about its slots or its own prompt cache then."""
+        self._epoch += 1
         was_dispatched = {slot.id: slot.dispatched for slot in self.table.slots}
         tasks = {e["id"]: e.get("id_task") if isinstance(e.get("id_task"), int) else None for e in reported}
         max_task = max((t for t in tasks.values() if t is not None), default=-1)
@@ -193,6 +221,7 @@ class HardInject:
         Its own prompt cache is trusted again until it misses: a restarted llama-server may
         run with other flags (``--cache-ram``), and one miss settles it again."""
         self.table.forget()
+        self._epoch += 1
         self._seen.clear()
         self.trust_runtime_cache = True
         self._max_task_seen = -1  # (a restart already reported is not reported again)
@@ -248,6 +277,7 @@ class HardInject:
                 await self.table.wait_for(busy_slot, min(SLOT_WAIT_S, beyond_idle / self.prefill_tps))
         await self.table.wait_idle(SLOT_WAIT_S)
         slot, shared = self.table.acquire(prompt)
+        self._epoch += 1
         route = Route(slot, prompt, hashes, tasks_before=dict(self._tasks))
         if swap_file is not None:
             await self._restore_swap(route, swap_file)
@@ -331,6 +361,7 @@ class HardInject:
 
     def _release(self, route: Route, ran: SlotState | None) -> None:
         """Release the route's slot, believing the prompt is in ``ran`` (None: unknown)."""
+        self._epoch += 1
         held = self._held_after(route) if ran is not None else None
         if not route.pin:
             self._unpinned_in_flight -= 1
