@@ -211,6 +211,7 @@ class _EngineCollector(Collector):
         outcomes = CounterMetricFamily("kvstream_request_outcomes", "Requests that ended, by outcome.", labels=["outcome"])
         outcomes.add_metric(["finished"], stats.requests_finished)
         outcomes.add_metric(["failed"], stats.requests_failed)
+        outcomes.add_metric(["refused"], stats.requests_refused)
         outcomes.add_metric(["cancelled"], stats.requests_cancelled)
         yield outcomes
         rejected = CounterMetricFamily("kvstream_admission_rejections", "Requests refused by admission, by reason.", labels=["reason"])

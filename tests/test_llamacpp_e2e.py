@@ -251,9 +251,11 @@ async def test_a_request_past_the_context_is_answered_as_llama_server_answers_it
         refused.append(err.value.body)
     assert refused[0] == refused[1] and "exceeds the available context size" in refused[0]["message"]
     assert proxy.engine.scheduler.bm.is_idle()
-    # Said where an operator looks: /status (and the log, and kvstream_prompts_past_context_total).
+    # Said where an operator looks: /status (and the log, and kvstream_prompts_past_context_total);
+    # the runtime's refusal of the client's request counted as such, not as a failure.
     async with aiohttp.ClientSession() as http, http.get(proxy.url + "/status") as resp:
-        assert (await resp.json())["requests"]["prompts_past_context"] == 1
+        requests = (await resp.json())["requests"]
+    assert requests["prompts_past_context"] == 1 and (requests["refused"], requests["failed"]) == (1, 0)
 
 
 async def test_a_web_page_reads_the_answers_through_kvstream_as_it_does_directly(proxy, llama_server):

@@ -82,7 +82,9 @@ async def test_every_series_moves_across_a_request_cycle(proxied):
         last = await scrape(s, proxy)
     assert value(last, "kvstream_requests_total", route="chat", code="502") == 1
     assert value(last, "kvstream_backend_errors_total", kind="error") == 1
-    assert value(last, "kvstream_request_outcomes_total", outcome="failed") == 2  # the runtime's 500 and its 400
+    # The runtime's 500 failed; its 400 refused the client's request (not counted a failure).
+    assert value(last, "kvstream_request_outcomes_total", outcome="failed") == 1
+    assert value(last, "kvstream_request_outcomes_total", outcome="refused") == 1
     assert value(last, "kvstream_admission_rejections_total", reason="context_length_exceeded") == 1
     assert value(last, "kvstream_requests_total", route="chat", code="400") == 1
 
@@ -121,7 +123,7 @@ async def test_labels_stay_bounded_whatever_clients_send(proxied):
         "kind": {"unavailable", "rejected", "timeout", "error"},
         "tier": {"gpu", "cpu"},
         "state": {"used", "free", "cached", "retained"},
-        "outcome": {"finished", "failed", "cancelled"},
+        "outcome": {"finished", "failed", "refused", "cancelled"},
         "reason": {"queue_full", "queue_timeout", "context_length_exceeded"},
         "direction": {"in", "out"},
         "store": {"ram", "disk"},

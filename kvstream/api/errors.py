@@ -101,6 +101,13 @@ class APIError(Exception):
         return web.json_response(self.body(), status=self.status, headers=headers)
 
 
+def failure_outcome(exc: BaseException) -> str:
+    """How a request that ended in ``exc`` is counted: ``refused`` where the runtime refused
+    it as invalid (a 4xx, the client's own request: not a failure of the runtime or of
+    KVStream, nor worth a warning in the log), else ``failed``."""
+    return "refused" if isinstance(exc, BackendRejected) and exc.status < 500 else "failed"
+
+
 def from_exception(exc: BaseException, retry_after: int = 1) -> APIError:
     """The APIError for any exception the request path can raise."""
     if isinstance(exc, APIError):

@@ -29,7 +29,7 @@ from aiohttp import web
 from kvstream import __version__
 from kvstream.api import cors
 from kvstream.api import llamacpp_format as fmt
-from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception
+from kvstream.api.errors import REQUEST_ID, APIError, counted, failure_outcome, from_exception
 from kvstream.api.llamacpp_format import CompletionAnswer, LlamaCppError, invalid
 from kvstream.api.routes_openai import (
     _next,
@@ -351,8 +351,8 @@ async def _running(state: AppState, generate: GenerateRequest, priority: Priorit
     try:
         await gen.admitted()
         yield run
-    except BackendError:
-        run.outcome = "failed"
+    except BackendError as exc:
+        run.outcome = failure_outcome(exc)
         raise
     finally:
         try:

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from kvstream import __version__
 from kvstream.api import cors
-from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, counted, from_exception
+from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, counted, failure_outcome, from_exception
 from kvstream.api.routes_openai import default_model, parse_deadline, read_object, resolve_model
 from kvstream.api.routes_passthrough import forward
 from kvstream.api.schemas import is_prefill
@@ -397,7 +397,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         except ConnectionError:
             return response
     except BackendError as exc:
-        outcome = "failed"
+        outcome = failure_outcome(exc)
         raise _ollama_error(exc) from None
     finally:
         await stream.aclose()

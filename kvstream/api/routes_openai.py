@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvstream.api import cors, llama_timings
 from kvstream.api.body import read_bytes
-from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception, json_body_error
+from kvstream.api.errors import REQUEST_ID, APIError, counted, failure_outcome, from_exception, json_body_error
 from kvstream.api.openai_format import DONE, Aggregate, StreamFormatter
 from kvstream.api.prompt_batch import PromptBatch
 from kvstream.api.schemas import ChatCompletionRequest, CompletionRequest, WarmRequest, forwarded_request
@@ -324,9 +324,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         build = aggregate.chat_response if chat else aggregate.completion_response
         return web.Response(body=dumps(build(fmt, gen.usage)), content_type="application/json", charset="utf-8", headers=headers)
     except BackendError as exc:
-        outcome = "failed"
+        outcome = failure_outcome(exc)
         state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
-        logger.warning("[%s] backend error: %s", request_id, exc.message)
+        log = logger.info if outcome == "refused" else logger.warning
+        log("[%s] %s: %s", request_id, "the runtime refused the request" if outcome == "refused" else "backend error", exc.message)
         raise from_exception(exc, retry_after(state)) from None
     finally:
         if outcome != "detached":

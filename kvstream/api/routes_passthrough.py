@@ -192,7 +192,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
                 await response.write_eof()
-                outcome = "finished" if upstream.status < 400 else "failed"
+                # The runtime's own 4xx refuses the client's request; a 5xx is a failure.
+                outcome = "finished" if upstream.status < 400 else "refused" if upstream.status < 500 else "failed"
                 return response
         except (BackendError, aiohttp.ClientError) as exc:
             outcome = "failed"

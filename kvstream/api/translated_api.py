@@ -26,7 +26,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from kvstream.api import cors, llama_timings
-from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, counted, from_exception
+from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, counted, failure_outcome, from_exception
 from kvstream.api.routes_openai import (
     _error_kind,
     _next,
@@ -204,7 +204,7 @@ async def serve(request: web.Request, api: TranslatedAPI) -> web.StreamResponse:
         outcome = await _write_events(request, out, api, data, gen, stream, answer, token, timed)
         return out
     except BackendError as exc:
-        outcome = "failed"
+        outcome = failure_outcome(exc)
         state.engine.metrics.backend_errors.inc(_error_kind(exc))  # type: ignore[union-attr]
         raise from_exception(exc, retry_after(state)) from None
     finally:

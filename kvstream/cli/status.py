@@ -151,7 +151,7 @@ def render(snap: dict[str, Any], history: History | None = None, url: str = "") 
     rejected = reqs.get("rejected", {})
     rows.add_row("requests", Flow(f"{reqs.get('total', 0):,} total", f"{reqs.get('finished', 0):,} finished",
                                   Text(f"{reqs.get('failed', 0):,} failed", style="red" if reqs.get("failed") else ""),
-                                  f"{reqs.get('cancelled', 0):,} cancelled",
+                                  f"{reqs.get('cancelled', 0):,} cancelled", f"{reqs.get('refused', 0):,} refused",
                                   "rejected " + (", ".join(f"{k} {v}" for k, v in rejected.items()) or "0")))
     inject = backend.get("hard_inject")
     if inject and not inject.get("enabled") and not inject.get("restores") and not inject.get("saves"):

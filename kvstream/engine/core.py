@@ -83,6 +83,8 @@ class EngineStats:
     requests_total: int = 0
     requests_finished: int = 0
     requests_failed: int = 0
+    # The runtime refused them as invalid (a 4xx: the client's request, not a failure).
+    requests_refused: int = 0
     requests_cancelled: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0
@@ -269,6 +271,8 @@ class Generation:
                 stats.longest_sequence = max(stats.longest_sequence, self.usage.prompt_tokens + self.usage.completion_tokens)
         elif outcome == "failed":
             stats.requests_failed += 1
+        elif outcome == "refused":
+            stats.requests_refused += 1
         elif outcome == "cancelled":
             stats.requests_cancelled += 1
 
@@ -760,6 +764,7 @@ class KVStreamEngine:
                 "total": self.stats.requests_total,
                 "finished": self.stats.requests_finished,
                 "failed": self.stats.requests_failed,
+                "refused": self.stats.requests_refused,
                 "cancelled": self.stats.requests_cancelled,
                 "rejected": dict(self.stats.rejected),
                 "prompt_tokens": self.stats.prompt_tokens,
