@@ -133,6 +133,8 @@ class HardInject:
         ahead = self._read_ahead
         if ahead is not None and ahead[0] == self._epoch and time.monotonic() - ahead[1] < PREFETCH_MAX_AGE_S:
             return  # one asked for since the last change serves this request too
+        if ahead is not None and not ahead[2].done():
+            ahead[2].cancel()  # stale: nobody will use it
         self._read_ahead = (self._epoch, time.monotonic(), asyncio.ensure_future(self._read_slots()))
 
     async def _sync_with_runtime(self) -> None:
