@@ -458,11 +458,13 @@ async def test_ollama_apps_read_what_llama_server_serves_from_list_ps_and_show(s
     assert model.model == loaded.model and model.digest == loaded.digest and re.fullmatch(r"[0-9a-f]{64}", model.digest)
     assert model.size == loaded.size and 50 * 2**20 < model.size < 200 * 2**20  # the 135M model's Q4_1 file
     assert (model.details.format, model.details.quantization_level, model.details.parameter_size) == ("gguf", "Q4_1", "135M")
+    assert model.details.family == "llama" and model.details.families == ["llama"]  # the GGUF's own header
     assert loaded.expires_at > datetime.now(timezone.utc) + timedelta(days=365 * 20)
     assert loaded.context_length == 2048  # loaded: -c 4096 over 2 slots (trained: 8192, in show)
     shown = await client.show(model.model)
     assert shown.capabilities == ["completion"]  # SmolLM2's template shows no tools
-    assert shown.details.quantization_level == "Q4_1" and shown.modelinfo == {"general.context_length": 8192}
+    assert shown.details.quantization_level == "Q4_1"
+    assert shown.modelinfo == {"general.architecture": "llama", "llama.context_length": 8192}  # as Ollama names them
 
     template = tmp_path / "tools.jinja"
     template.write_text("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvstream.config import Settings
 from kvstream.backends.base import Capabilities
@@ -23,6 +24,7 @@ from kvstream.types import (
     BackendError, BackendInterrupted, GenerateRequest, ModelInfo, RuntimeLimits, Token, Usage, parameter_size,
 )
 from kvstream.backends.http import DONE, EventReader, cors_grant, raise_for_upstream_status
+from kvstream.backends.llamacpp.gguf_header import read_gguf_metadata
 from kvstream.backends.llamacpp.runtime import ManagedLlamaServer
 from kvstream.embedded import embedded_model
 from kvstream.kv.hashing import tenant_root
@@ -65,6 +67,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         self._runtime_restarts = 0
         self._background: set[asyncio.Task[None]] = set()
         self.conversations = ConversationTokenCache()
+        self._families: dict[str, str | None] = {}  # model path -> its GGUF's architecture
         chat_template = self.settings.backend.chat_template
         if chat_template is not None and base_url:
             raise ValueError("--chat-template applies to a llama-server KVStream starts (--model FILE.gguf); "
@@ -341,13 +344,14 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         modalities = props.get("modalities") if isinstance(props.get("modalities"), dict) else {}
         capabilities = ("completion", *(("tools",) if caps.get("supports_tools") else ()),
                         *(("vision",) if modalities.get("vision") else ()))
+        family = self._family(props.get("model_path"))
         models = []
         for entry in payload.get("data", []) if isinstance(payload, dict) else []:
             if not isinstance(entry, dict) or "id" not in entry:
                 continue
             meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}
             params, size = meta.get("n_params"), meta.get("size")
-            details = {"format": "gguf",
+            details = {"format": "gguf", **({"family": family} if family else {}),
                        **({"quantization_level": meta["ftype"]} if isinstance(meta.get("ftype"), str) else {}),
                        **({"parameter_size": parameter_size(params)} if isinstance(params, int) and params > 0 else {})}
             models.append(ModelInfo(
@@ -356,6 +360,23 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                 capabilities=capabilities, details=details, size=size if isinstance(size, int) and size > 0 else 0,
             ))
         return models
+
+    def _family(self, model_path: object) -> str | None:
+        """The model's architecture (Ollama's family: "llama", "qwen2"...), which llama-server
+        does not report: read from its GGUF's header when the file is on this machine (the
+        runtime KVStream starts, or one on loopback); None otherwise or when unreadable."""
+        if not isinstance(model_path, str) or not model_path:
+            return None
+        if model_path not in self._families:
+            family = None
+            local = self.runtime is not None or urlsplit(self.base_url or "").hostname in ("127.0.0.1", "localhost", "::1")
+            if local and Path(model_path).is_file():
+                try:
+                    family = read_gguf_metadata(model_path, {"general.architecture"}).get("general.architecture")
+                except (OSError, ValueError) as exc:
+                    logger.debug("reading %s's GGUF header failed: %s", model_path, exc)
+            self._families[model_path] = family if isinstance(family, str) and family else None
+        return self._families[model_path]
 
     async def limits(self) -> RuntimeLimits:
         props = await self.fetch_props()
