@@ -167,3 +167,48 @@ async def test_a_runtime_reporting_malformed_limits_is_served_with_the_defaults(
     client = openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
     out = await client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
     assert out.choices[0].message.content == "Hello, world!" and proxy.engine.ready
+
+
+async def test_limits_that_never_read_serve_with_the_defaults_and_are_read_again_until_they_do(start_upstream, start_proxy, monkeypatch, caplog):
+    """A runtime whose limits fail to be read (a 503 on /props, a timeout) is not sized with
+    the defaults at the first failure: read again at each probe, served with the defaults
+    after a few failures (said once in the log, not at every probe), and sized from its own
+    report as soon as one is read."""
+    from kvstream.engine import core
+    from kvstream.types import BackendError, RuntimeLimits
+
+    monkeypatch.setattr(core, "PROBE_UNTIL_SIZED_S", 0.02)
+    url, _ = await start_upstream()
+    backend = OpenAICompatibleBackend(url)
+    reads = {"n": 0, "answer": None}
+
+    async def limits():
+        reads["n"] += 1
+        if reads["answer"] is None:
+            raise BackendError("runtime error (HTTP 503): busy")
+        return reads["answer"]
+
+    monkeypatch.setattr(backend, "limits", limits)
+    proxy = await start_proxy(backend, routing={"health_interval_s": 0.05})
+    engine = proxy.engine
+    for _ in range(200):
+        if engine._sized:
+            break
+        await asyncio.sleep(0.02)
+    assert engine._sized and reads["n"] >= core.DEFAULTS_AFTER_UNREAD and engine.limits == RuntimeLimits()
+    before = reads["n"]
+    await asyncio.sleep(0.3)
+    assert reads["n"] > before  # still read at every probe
+    assert caplog.text.count("could not read the runtime's limits") == 1
+    reads["answer"] = RuntimeLimits(parallel=3, n_ctx_per_request=4096, n_ctx_total=12288)
+    for _ in range(200):
+        if engine.scheduler.config.max_batch_size == 3:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.scheduler.config.max_batch_size == 3 and engine.limits.n_ctx_per_request == 4096
+    settled = reads["n"]
+    await asyncio.sleep(0.3)
+    assert reads["n"] == settled  # read: no longer asked at every probe
+    client = openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+    out = await client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
+    assert out.choices[0].message.content == "Hello, world!"

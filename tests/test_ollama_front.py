@@ -511,6 +511,21 @@ async def test_a_generate_context_continues_the_conversation_as_ollama_builds_it
     assert "".join(p.response for p in streamed) == second.response and streamed[-1].context == second.context
     assert second.context[:len(first.context)] == first.context
 
+    # The runtime failing to tokenize the answer: the answer still comes, its context empty
+    # (the next request then starts afresh), never an error after the text was served.
+    from kvstream.types import BackendError
+
+    async def failing(text: str) -> list[int]:
+        raise BackendError("runtime error (HTTP 500): tokenizer gone")
+
+    backend = proxy.engine.backend
+    backend.plain_text_ids = failing
+    try:
+        gone = await client.generate(model="m", prompt="What is my name?", context=first.context, options=options)
+    finally:
+        del backend.plain_text_ids
+    assert gone.response == second.response and gone.context == []
+
     for body, error in [({"context": ["a"]}, "context must be an array of token ids"),
                         ({"context": [1, 2], "raw": True}, "raw mode does not support template, system, or context"),
                         ({"context": [10**9]}, "invalid tokens"),
