@@ -365,6 +365,9 @@ class ModelInfo:
     # 0 where the backend cannot tell.
     size: int = 0
     size_vram: int = 0
+    # The model's own metadata in GGUF's names (``general.architecture``, ``general.basename``...)
+    # where the backend reads it: Ollama's ``model_info``.
+    metadata: dict[str, str] = field(default_factory=dict)
 
 
 def parameter_size(count: int) -> str:

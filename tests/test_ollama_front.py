@@ -163,8 +163,23 @@ async def test_model_routes_describe_the_backend(front, http):
     assert [m.model for m in (await client.ps()).models] == ["test-model"]
     shown = await client.show("test-model")
     assert shown.details is not None and shown.capabilities == ["completion"]
+    # The double reports no architecture: named "unknown" so that apps reading
+    # model_info[<architecture>.context_length] find it; its name is the model's id.
+    assert shown.modelinfo["general.architecture"] == "unknown" and shown.modelinfo["general.basename"] == "test-model"
+    assert set(shown.modelinfo) <= {"general.architecture", "general.basename", "unknown.context_length"}
+
+
+async def test_version_is_the_ollama_api_it_speaks_which_apps_check_before_connecting(front, http):
+    """/api/version is the Ollama release whose API the front follows (apps gate on it: VS
+    Code's Copilot refuses a server below 0.6.4, and KVStream's own 0.1.0 read as one);
+    KVStream's own version is in /status and the Via header."""
+    proxy, _, _, client = front
     async with http.get(proxy.url + "/api/version") as resp:
-        assert await resp.json() == {"version": kvstream.__version__}
+        version = (await resp.json())["version"]
+    assert tuple(int(part) for part in version.split(".")) >= (0, 12, 11)  # logprobs, answered by the front
+    async with http.get(proxy.url + "/status") as resp:
+        assert (await resp.json())["version"] == kvstream.__version__
+        assert f"kvstream/{kvstream.__version__}" in resp.headers["Via"]
 
 
 async def test_an_empty_chat_or_prompt_loads_or_unloads_and_generates_nothing(front):
@@ -464,7 +479,9 @@ async def test_ollama_apps_read_what_llama_server_serves_from_list_ps_and_show(s
     shown = await client.show(model.model)
     assert shown.capabilities == ["completion"]  # SmolLM2's template shows no tools
     assert shown.details.quantization_level == "Q4_1"
-    assert shown.modelinfo == {"general.architecture": "llama", "llama.context_length": 8192}  # as Ollama names them
+    assert shown.modelinfo == {  # as Ollama names them, read from the GGUF's header
+        "general.architecture": "llama", "llama.context_length": 8192, "general.basename": "smollm2",
+        "general.name": "Smollm2 135M 8k Lc100K Mix1 Ep2", "general.size_label": "135M", "general.finetune": "8k-lc100k-mix1-ep2"}
 
     template = tmp_path / "tools.jinja"
     template.write_text("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"

@@ -25,7 +25,6 @@ from typing import Any
 
 from aiohttp import web
 
-from kvstream import __version__
 from kvstream.api import cors
 from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, counted, failure_outcome, from_exception
 from kvstream.api.routes_openai import default_model, parse_deadline, read_object, resolve_model
@@ -40,6 +39,10 @@ from kvstream.types import BackendError, GenerateRequest, ModelInfo, Token, Toke
 
 logger = logging.getLogger(__name__)
 routes = web.RouteTableDef()
+
+# The Ollama release whose API this front follows, the version /api/version reports: 0.12.11
+# brought logprobs to /api/chat and /api/generate, the newest of its fields answered here.
+OLLAMA_API_VERSION = "0.12.11"
 
 # Ollama's options -> the OpenAI field KVStream sends (or reads itself).
 SAMPLING_OPTIONS = {
@@ -536,12 +539,15 @@ async def api_show(request: web.Request) -> web.StreamResponse:
 
 def _model_info(info: ModelInfo) -> dict[str, Any]:
     """/api/show's ``model_info`` (a GGUF's metadata, in Ollama) as far as the backend knows
-    it. Apps find the context as ``<family>.context_length`` (some by the family in
-    ``details``, others by any key ending so): ``general.`` where the family is unknown."""
-    family = info.details.get("family") or ""
-    out: dict[str, Any] = {"general.architecture": family} if family else {}
+    it. Apps find the context as ``<general.architecture>.context_length`` (VS Code's Copilot
+    falls back to 4,096 tokens without it; others refuse the model) and show
+    ``general.basename`` as the model's name: an architecture the backend does not report
+    is named ``unknown`` so that the context is found still, the name is the model's id
+    where its file's own is unknown."""
+    family = info.details.get("family") or info.metadata.get("general.architecture") or "unknown"
+    out: dict[str, Any] = {"general.basename": info.id} | info.metadata | {"general.architecture": family}
     if info.context_length:
-        out[f"{family or 'general'}.context_length"] = info.context_length
+        out[f"{family}.context_length"] = info.context_length
     return out
 
 
@@ -594,7 +600,10 @@ for _method, _path in [("POST", "/api/create"), ("POST", "/api/copy"), ("POST", 
 @routes.get("/api/version")
 @ollama_answers_itself
 async def api_version(request: web.Request) -> web.StreamResponse:
-    return web.json_response({"version": __version__})
+    """The Ollama release whose API this front speaks, not KVStream's own version: apps check
+    it before they connect (VS Code's Copilot refuses a server below 0.6.4) and gate features
+    on it. KVStream's own version is in its ``Via`` header and ``/status``."""
+    return web.json_response({"version": OLLAMA_API_VERSION})
 
 
 @routes.post("/api/embed")

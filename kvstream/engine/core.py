@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvstream import __version__
 from kvstream.backends.base import BaseBackend
 from kvstream.config import Settings
 from kvstream.engine.estimate import CHARS_PER_TOKEN, estimate_tokens, flatten_messages
@@ -719,6 +720,7 @@ class KVStreamEngine:
         now = time.monotonic()
         waits = [now - g.submitted_at for g in self._generations.values() if not g.ticket.done()]
         return {
+            "version": __version__,
             "backend": self.backend.describe() | {"ready": self._ready},
             "uptime_s": round(time.time() - self.stats.started_at, 1),
             "queue": {

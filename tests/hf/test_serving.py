@@ -508,6 +508,8 @@ async def test_the_ollama_client_pulls_the_served_model_and_is_told_the_store_is
     # SmolLM2's template renders no tools (offered the generic way: generic_calls.py), no thinking
     assert shown.capabilities == ["completion", "tools", "embedding"]
     assert (shown.details.family, shown.details.parameter_size, shown.details.quantization_level) == ("llama", "135M", "F32")
+    assert (shown.modelinfo["general.architecture"], shown.modelinfo["general.basename"]) == ("llama", "smollm2")
+    assert shown.modelinfo["llama.context_length"] == 8192  # where apps look for it: <architecture>.context_length
     listed = (await client.list()).models[0]
     assert listed.details.family == "llama" and listed.size > 500 * 2**20  # 135M parameters in float32
     assert (await client.ps()).models[0].size_vram == 0  # on the CPU

@@ -24,7 +24,7 @@ from kvstream.types import (
     BackendError, BackendInterrupted, GenerateRequest, ModelInfo, RuntimeLimits, Token, Usage, parameter_size,
 )
 from kvstream.backends.http import DONE, EventReader, cors_grant, raise_for_upstream_status
-from kvstream.backends.llamacpp.gguf_header import read_gguf_metadata
+from kvstream.backends.llamacpp.gguf_header import GGUF_GENERAL_KEYS, read_gguf_metadata
 from kvstream.backends.llamacpp.runtime import ManagedLlamaServer
 from kvstream.embedded import embedded_model
 from kvstream.kv.hashing import tenant_root
@@ -67,7 +67,7 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         self._runtime_restarts = 0
         self._background: set[asyncio.Task[None]] = set()
         self.conversations = ConversationTokenCache()
-        self._families: dict[str, str | None] = {}  # model path -> its GGUF's architecture
+        self._gguf_general: dict[str, dict[str, str]] = {}  # model path -> its GGUF's general.* facts
         chat_template = self.settings.backend.chat_template
         if chat_template is not None and base_url:
             raise ValueError("--chat-template applies to a llama-server KVStream starts (--model FILE.gguf); "
@@ -344,7 +344,8 @@ class LlamaCppBackend(OpenAICompatibleBackend):
         modalities = props.get("modalities") if isinstance(props.get("modalities"), dict) else {}
         capabilities = ("completion", *(("tools",) if caps.get("supports_tools") else ()),
                         *(("vision",) if modalities.get("vision") else ()))
-        family = self._family(props.get("model_path"))
+        general = self._general_facts(props.get("model_path"))
+        family = general.get("general.architecture")
         models = []
         for entry in payload.get("data", []) if isinstance(payload, dict) else []:
             if not isinstance(entry, dict) or "id" not in entry:
@@ -358,25 +359,27 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                 id=str(entry["id"]), owned_by=str(entry.get("owned_by") or self.name), created=int(entry.get("created") or 0),
                 context_length=meta.get("n_ctx_train") if isinstance(meta.get("n_ctx_train"), int) else None,
                 capabilities=capabilities, details=details, size=size if isinstance(size, int) and size > 0 else 0,
+                metadata=general,
             ))
         return models
 
-    def _family(self, model_path: object) -> str | None:
-        """The model's architecture (Ollama's family: "llama", "qwen2"...), which llama-server
-        does not report: read from its GGUF's header when the file is on this machine (the
-        runtime KVStream starts, or one on loopback); None otherwise or when unreadable."""
+    def _general_facts(self, model_path: object) -> dict[str, str]:
+        """The GGUF's ``general.*`` facts that llama-server does not report: the architecture
+        (Ollama's family: "llama", "qwen2"...) and the model's names, read from its header when
+        the file is on this machine (the runtime KVStream starts, or one on loopback); empty
+        otherwise or when unreadable."""
         if not isinstance(model_path, str) or not model_path:
-            return None
-        if model_path not in self._families:
-            family = None
+            return {}
+        if model_path not in self._gguf_general:
+            facts: dict[str, object] = {}
             local = self.runtime is not None or urlsplit(self.base_url or "").hostname in ("127.0.0.1", "localhost", "::1")
             if local and Path(model_path).is_file():
                 try:
-                    family = read_gguf_metadata(model_path, {"general.architecture"}).get("general.architecture")
+                    facts = read_gguf_metadata(model_path, set(GGUF_GENERAL_KEYS))
                 except (OSError, ValueError) as exc:
                     logger.debug("reading %s's GGUF header failed: %s", model_path, exc)
-            self._families[model_path] = family if isinstance(family, str) and family else None
-        return self._families[model_path]
+            self._gguf_general[model_path] = {k: v for k, v in facts.items() if isinstance(v, str) and v}
+        return self._gguf_general[model_path]
 
     async def limits(self) -> RuntimeLimits:
         props = await self.fetch_props()

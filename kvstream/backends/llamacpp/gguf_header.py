@@ -21,6 +21,10 @@ _MAX_ENTRIES = 1 << 16
 _MAX_STRING = 1 << 24
 
 
+# The keys of a model's identity that Ollama shows in /api/show's model_info.
+GGUF_GENERAL_KEYS = ("general.architecture", "general.basename", "general.name", "general.size_label", "general.finetune")
+
+
 def read_gguf_metadata(path: str | Path, wanted: set[str], max_entries: int = 64) -> dict[str, Any]:
     """The values of the ``wanted`` scalar keys found among the first ``max_entries`` of the
     file's metadata (stops once all are found). ValueError for a file that is not GGUF."""
