@@ -121,6 +121,9 @@ def test_model_aliases_prefer_exact_ids_over_file_names():
     ollama = model_aliases([ModelInfo(id="llama3.2:latest"), ModelInfo(id="qwen2.5:7b")])
     assert ollama["llama3.2"] == "llama3.2:latest" and "llama3" not in ollama and "qwen2" not in ollama
     assert "qwen2.5" not in ollama  # only :latest is the default tag
+    # ...and apps written for Ollama add it to a name that has no tag (LM Studio's, a GGUF's)
+    assert aliases["qwen:latest"] == "qwen" and aliases["llama-3:latest"] == "llama-3.gguf"
+    assert "qwen2.5:7b:latest" not in ollama and "llama3.2:latest:latest" not in ollama
 
 
 def test_dumps_takes_what_orjson_refuses():

@@ -140,6 +140,10 @@ def _aliases(ids: tuple[str, ...]) -> dict[str, str]:
             aliases[path.stem] = model_id
         if model_id.endswith(":latest"):  # Ollama's default tag: "llama3.2" is "llama3.2:latest" there
             aliases[model_id.removesuffix(":latest")] = model_id
+        elif ":" not in path.name and path.suffix.lower() in MODEL_FILE_SUFFIXES:
+            aliases[f"{path.stem}:latest"] = model_id
+    # Apps written for Ollama send "qwen2.5-7b:latest" for an untagged id (LM Studio's, a GGUF's).
+    aliases.update({f"{model_id}:latest": model_id for model_id in ids if ":" not in PurePath(model_id).name})
     aliases.update({model_id: model_id for model_id in ids})  # an exact id beats any alias
     return aliases
 
