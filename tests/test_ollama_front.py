@@ -10,6 +10,7 @@ import json
 import re
 
 import ollama
+import openai
 import pytest
 
 import kvstream
@@ -331,6 +332,12 @@ async def test_a_runtime_without_embeddings_says_so_through_embed_as_a_501(start
     with pytest.raises(ollama.ResponseError) as caught:
         await ollama.AsyncClient(host=proxy.url).embed(model="m", input="a")
     assert caught.value.status_code == 501 and "Start it with `--embeddings`" in caught.value.error
+    async with openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0) as client:
+        with pytest.raises(openai.APIStatusError) as refused:  # the OpenAI route: passed through as it came
+            await client.embeddings.create(model="m", input="a")
+    assert refused.value.status_code == 501
+    # The runtime's configuration, not its failure: counted refused (not red in `kvstream status`)
+    assert (proxy.engine.stats.requests_refused, proxy.engine.stats.requests_failed) == (2, 0)
 
 
 async def test_in_front_of_ollama_embed_is_ollamas_own(start_upstream, start_proxy, http):

@@ -101,11 +101,18 @@ class APIError(Exception):
         return web.json_response(self.body(), status=self.status, headers=headers)
 
 
+def is_refusal(status: int) -> bool:
+    """Whether a runtime's error status refuses the request rather than fails it: a 4xx (the
+    client's own request is invalid) or a 501 (the runtime does not do what was asked, as
+    llama-server's embeddings without ``--embeddings``: its configuration). Neither is a
+    failure of the runtime or of KVStream, nor worth a warning in the log."""
+    return 400 <= status < 500 or status == 501
+
+
 def failure_outcome(exc: BaseException) -> str:
     """How a request that ended in ``exc`` is counted: ``refused`` where the runtime refused
-    it as invalid (a 4xx, the client's own request: not a failure of the runtime or of
-    KVStream, nor worth a warning in the log), else ``failed``."""
-    return "refused" if isinstance(exc, BackendRejected) and exc.status < 500 else "failed"
+    it (is_refusal), else ``failed``."""
+    return "refused" if isinstance(exc, BackendRejected) and is_refusal(exc.status) else "failed"
 
 
 def from_exception(exc: BaseException, retry_after: int = 1) -> APIError:

@@ -656,7 +656,7 @@ async def _embeddings(state: AppState, name: str | None, inputs: list[str], body
             await gen.admitted()
             result = await session.post_json("/v1/embeddings", {"model": name, "input": inputs})
         except (SchedulerError, BackendError) as exc:
-            outcome = "failed"
+            outcome = failure_outcome(exc)
             raise _ollama_error(exc) from None
         outcome = "finished"
     finally:

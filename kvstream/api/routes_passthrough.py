@@ -27,7 +27,7 @@ from aiohttp import web
 
 from kvstream.api.body import LimitedBody, content_encoding, inflate, read_raw, too_large
 from kvstream.api.cors import PASSED_GRANT
-from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception
+from kvstream.api.errors import REQUEST_ID, APIError, counted, from_exception, is_refusal
 from kvstream.api.state import STATE
 from kvstream.api.streaming import GuardedResponse
 from kvstream.backends.http import cors_grant, via_with_this_hop
@@ -192,8 +192,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
                 await response.write_eof()
-                # The runtime's own 4xx refuses the client's request; a 5xx is a failure.
-                outcome = "finished" if upstream.status < 400 else "refused" if upstream.status < 500 else "failed"
+                # The runtime's own 4xx (or 501) refuses the client's request; a 5xx is a failure.
+                outcome = "finished" if upstream.status < 400 else "refused" if is_refusal(upstream.status) else "failed"
                 return response
         except (BackendError, aiohttp.ClientError) as exc:
             outcome = "failed"
