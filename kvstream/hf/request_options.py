@@ -87,6 +87,12 @@ def check_unsupported(extra: dict[str, Any]) -> None:
     best_of = extra.get("best_of")  # (completions' own is GenerateRequest.best_of, not extra)
     if best_of is not None and best_of != 1:
         raise _unsupported("best_of", "a chat request has no best_of (completions do); use n for several choices")
+    modalities = extra.get("modalities")
+    if modalities is not None and (not isinstance(modalities, list) or set(modalities) - {"text"}):
+        # (an app asking for spoken answers would otherwise get text with no audio, silently)
+        raise _unsupported("modalities", "this engine answers in text only (['text'])")
+    if extra.get("audio") is not None:
+        raise _unsupported("audio", "this engine answers in text only, it has no audio output")
     sampler = first_unsupported(extra)
     if sampler is not None:
         raise _unsupported(sampler, f"it has no such sampler or constraint (taken only at a value that turns it off, not "

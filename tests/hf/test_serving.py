@@ -609,6 +609,9 @@ async def test_logit_bias_and_penalties_change_the_answer(oa, smollm2):
         ({"extra_body": {"guided_regex": "(?:ab|c){1000000}"}}, "guided_regex"),
         ({"extra_body": {"structured_outputs": {"regex": "(?=a)(?:(?:a{1000}){1000}){64}"}}}, "structured_outputs.regex"),
         ({"extra_body": {"guided_choice": "a"}}, "guided_choice"),
+        # A spoken answer asked of a text model (OpenAI's audio output): not text without audio.
+        ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ],
 )
 async def test_what_the_engine_cannot_honour_is_a_400_naming_the_field(hf_proxy, oa, kwargs, param):
@@ -628,7 +631,8 @@ async def test_completions_refuse_suffix_and_take_tools_none(oa):
     # tool_choice "none": the client wants no call; the tools are left out and it is answered.
     reply = await oa.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2, tool_choice="none",
-        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], user="someone", metadata={"a": "b"}, store=False)
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], user="someone", metadata={"a": "b"}, store=False,
+        modalities=["text"])
     assert reply.choices[0].message.content is not None
     # Samplers the engine lacks, sent at the values that leave them off (llama.cpp's web UI does): taken.
     reply = await oa.chat.completions.create(
