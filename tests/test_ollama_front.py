@@ -559,6 +559,39 @@ async def test_a_generate_context_continues_the_conversation_as_ollama_builds_it
     await wait_released(proxy)
 
 
+@pytest.mark.llamacpp
+@pytest.mark.timeout(120)
+async def test_a_generate_template_of_the_requests_own_is_rendered_as_ollama_renders_it(start_proxy, llama_server, http):
+    """/api/generate's ``template`` (a Go template replacing the model's for one request):
+    rendered over .System and .Prompt, cut where .Response stands, and sent as it is: the
+    same greedy answer and count as that text sent raw, with a context to continue from (a
+    templated answer carries one in Ollama). One KVStream cannot read is a 400 naming it,
+    not ignored (the model's own template silently used instead)."""
+    proxy = await start_proxy(LlamaCppBackend(llama_server.url))
+    client = ollama.AsyncClient(host=proxy.url)
+    options = {"temperature": 0, "num_predict": 8}
+    template = ("{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}<|im_start|>user\n{{ .Prompt }}"
+                "<|im_end|>\n<|im_start|>assistant\n{{ .Response }}<|im_end|>\n")
+    own = await client.generate(model="m", prompt="Name a fruit.", system="Answer in French.", template=template, options=options)
+    text = "<|im_start|>system\nAnswer in French.<|im_end|>\n<|im_start|>user\nName a fruit.<|im_end|>\n<|im_start|>assistant\n"
+    async with http.post(llama_server.url + "/tokenize", json={"content": text, "add_special": True, "parse_special": True}) as resp:
+        tokens = (await resp.json())["tokens"]
+    # (the prompt's tokens compared, not the answers: llama.cpp's greedy answer to the same
+    # tokens may differ with what its slot held, its batches then computed otherwise)
+    assert own.prompt_eval_count == len(tokens) and own.context[:len(tokens)] == tokens
+    assert len(own.context) > len(tokens) and own.response
+    raw = await client.generate(model="m", prompt=text, raw=True, options=options)
+    assert raw.prompt_eval_count == len(tokens) and raw.context is None
+    bare = await client.generate(model="m", prompt="Name a fruit.", template="{{ .Prompt }}", options=options)
+    assert bare.prompt_eval_count < 8  # the prompt alone, not the model's chat template around it
+    for body, error in [({"template": "{{ range .Messages }}{{ .Content }}{{ end }}"}, "'{{ range .Messages }}' in 'template'"),
+                        ({"template": ["x"]}, "template must be a string"),
+                        ({"template": "{{ .Prompt }}", "raw": True}, "raw mode does not support template"),
+                        ({"template": "{{ .Prompt }}", "suffix": "}"}, "a suffix cannot go with a template")]:
+        async with http.post(proxy.url + "/api/generate", json={"model": "m", "prompt": "hi", "stream": False} | body) as resp:
+            assert resp.status == 400 and error in (await resp.json())["error"], body
+
+
 async def test_a_generate_context_needs_a_backend_that_tokenizes(front):
     """In front of a runtime whose tokens KVStream cannot get, a context cannot be continued:
     a 400 that says what to do instead (not ignored, the conversation silently forgotten),

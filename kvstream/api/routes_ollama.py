@@ -27,6 +27,7 @@ from aiohttp import web
 
 from kvstream.api import cors
 from kvstream.api.errors import ERROR_SHAPE, REQUEST_ID, APIError, counted, failure_outcome, from_exception
+from kvstream.api.ollama_template import TemplateUnsupported, render_generate_template
 from kvstream.api.routes_openai import default_model, parse_deadline, read_object, resolve_model
 from kvstream.api.routes_passthrough import forward
 from kvstream.api.schemas import is_prefill
@@ -319,22 +320,36 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             raise OllamaError(400, "images must be a list of base64-encoded images")
         if images and context:  # a context continues as token ids, which carry no image
             raise OllamaError(400, "images cannot follow a context here: send the conversation as messages to /api/chat")
+        template = body.get("template")
+        if template is not None and not isinstance(template, str):
+            raise OllamaError(400, "template must be a string")
         if body.get("raw") or suffix:
             # The prompt as it is (raw), or a fill-in-the-middle between the prompt and the
             # suffix (code completion): a completion, the suffix in OpenAI's field.
             if images:
                 raise OllamaError(400, "this runtime takes images in a templated prompt only: leave raw and suffix out")
-            if body.get("raw") and (system or context):
+            if body.get("raw") and (system or context or template):
                 raise OllamaError(400, "raw mode does not support template, system, or context")
+            if template:  # (Ollama's would place the suffix by .Suffix, which is not read here)
+                raise OllamaError(400, "a suffix cannot go with a template here: leave the template out")
             if context:
                 raise OllamaError(400, "context continues a templated prompt: leave suffix out")
             generate = _request(body, request_id, None, prompt)
             if suffix:
                 generate.extra["suffix"] = suffix
+        elif template:  # the client's own template for this request, rendered here and sent as it is
+            if images:
+                raise OllamaError(400, "images cannot go with a template here: leave the template out")
+            try:
+                rendered = render_generate_template(template, system if isinstance(system, str) else "", prompt)
+            except TemplateUnsupported as exc:
+                raise OllamaError(400, str(exc)) from None
+            generate = _request(body, request_id, None, rendered)
         else:  # Ollama templates a generate prompt as a user turn (with its system prompt and images)
             messages = ([{"role": "system", "content": system}] if isinstance(system, str) and system else [])
             user = {"role": "user", "content": prompt} | ({"images": images} if images else {})
             generate = _request(body, request_id, messages + _messages([user]), None)
+    raw = not chat and bool(body.get("raw") or body.get("suffix"))
     model_name = body.get("model") if isinstance(body.get("model"), str) else None
     generate.model = await _model(state, body)
     if not generate.messages if chat else not prompt:
@@ -370,7 +385,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             async for token in stream:
                 if token.finish_reason is not None:
                     outcome = "finished"
-                    final = answer.final(gen, token.finish_reason, whole=True) | await _context_after(state, generate, answer)
+                    final = answer.final(gen, token.finish_reason, whole=True) | await _context_after(state, generate, answer, raw)
                     return web.Response(body=dumps(final), content_type="application/json", headers=headers)
                 answer.piece(token)
             raise BackendError("the runtime ended the stream without finishing the generation")
@@ -383,7 +398,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             async for token in _chain(first, stream):
                 if token.finish_reason is not None:
-                    final = answer.final(gen, token.finish_reason, whole=False) | await _context_after(state, generate, answer)
+                    final = answer.final(gen, token.finish_reason, whole=False) | await _context_after(state, generate, answer, raw)
                     await response.write_eof(dumps(final) + b"\n")
                     outcome = "finished"
                     return response
@@ -431,11 +446,12 @@ async def _continued(state: AppState, generate: GenerateRequest, context: list[i
     return replace(generate, messages=None, prompt=None, prompt_token_ids=[*context, *turn], continue_final_message=False)
 
 
-async def _context_after(state: AppState, generate: GenerateRequest, answer: OllamaAnswer) -> dict[str, Any]:
-    """Ollama's ``context`` on a templated /api/generate answer: the prompt's tokens and the
-    answer's, for the next request to continue from (Ollama too tokenizes the answer's text).
-    Empty where the prompt's tokens were estimated; none in raw mode, as in Ollama."""
-    if answer.chat or generate.messages is None and generate.prompt_token_ids is None:
+async def _context_after(state: AppState, generate: GenerateRequest, answer: OllamaAnswer, raw: bool) -> dict[str, Any]:
+    """Ollama's ``context`` on a templated /api/generate answer (the model's template or the
+    request's own): the prompt's tokens and the answer's, for the next request to continue
+    from (Ollama too tokenizes the answer's text). Empty where the prompt's tokens were
+    estimated; none in raw mode (or a fill-in-the-middle), as in Ollama."""
+    if answer.chat or raw:
         return {}
     prompt = generate.control.prompt_token_ids
     text = "".join(answer.text)
