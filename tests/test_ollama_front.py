@@ -75,6 +75,21 @@ async def test_an_option_of_the_wrong_type_is_a_400_naming_it_as_ollama_does(fro
     assert not recorder.bodies  # nothing reached the runtime
 
 
+@pytest.mark.parametrize("fmt", ["xml", 123, ["json"], True])
+async def test_a_format_neither_json_nor_a_schema_is_a_400_in_ollamas_words(front, http, fmt):
+    """Ollama refuses a ``format`` that is neither "json" nor a JSON schema object (null and ""
+    are "not set"): the answer is not silently left unconstrained."""
+    proxy, _, recorder, _ = front
+    for path, field in (("/api/chat", {"messages": [{"role": "user", "content": "hi"}]}), ("/api/generate", {"prompt": "hi"})):
+        async with http.post(proxy.url + path, json={"model": "llama3.2", "stream": False, "format": fmt} | field) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"].endswith('expected "json" or a valid JSON Schema object')
+    assert not recorder.bodies  # nothing reached the runtime
+    async with http.post(proxy.url + "/api/chat", json={"model": "llama3.2", "stream": False, "format": "",
+                                                        "messages": [{"role": "user", "content": "hi"}]}) as resp:
+        assert resp.status == 200
+
+
 async def test_options_are_read_as_ollama_reads_them(front):
     """Integer options take any number, truncated; null is unset; a num_predict of 0 or less
     is no limit, and one stop string is a list of one."""

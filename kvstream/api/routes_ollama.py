@@ -138,6 +138,8 @@ def _request(body: dict[str, Any], request_id: str, messages: list[dict[str, Any
         extra["response_format"] = {"type": "json_object"}
     elif isinstance(fmt, dict):
         extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    elif fmt not in (None, ""):  # (null and "" are "not set" in Ollama too)
+        raise OllamaError(400, f'invalid format: {dumps(fmt).decode()}; expected "json" or a valid JSON Schema object')
     if body.get("tools"):
         extra["tools"] = body["tools"]
     think = body.get("think")
