@@ -90,6 +90,31 @@ async def test_a_format_neither_json_nor_a_schema_is_a_400_in_ollamas_words(fron
         assert resp.status == 200
 
 
+@pytest.mark.parametrize("field, error", [
+    ({"tools": "get_weather"}, "tools must be a list of tools (objects)"),
+    ({"tools": ["get_weather"]}, "tools must be a list of tools (objects)"),
+    ({"stream": "yes"}, "stream must be a boolean"),
+    ({"keep_alive": "a while"}, 'time: invalid duration "a while"'),
+    ({"keep_alive": True}, "time: invalid duration true"),
+])
+async def test_a_malformed_field_is_a_400_naming_it(front, http, field, error):
+    """Fields of the wrong shape are refused before anything runs, saying which (a tools
+    string reached the chat template and came back as a Python attribute error)."""
+    proxy, _, recorder, _ = front
+    async with http.post(proxy.url + "/api/chat", json={"model": "llama3.2", "messages": [{"role": "user", "content": "hi"}]}
+                         | field) as resp:
+        assert resp.status == 400 and (await resp.json())["error"] == error
+    assert not recorder.bodies
+
+
+async def test_keep_alive_is_taken_in_every_form_apps_send(front):
+    """Seconds, Go durations, and seconds in a string ("-1": apps send Ollama's "forever" so)."""
+    _, _, _, client = front
+    for keep_alive in (300, -1, "5m", "1h30m", "-1", "-1s", "", None):
+        reply = await client.chat(model="llama3.2", messages=[{"role": "user", "content": "hi"}], keep_alive=keep_alive)
+        assert reply.done
+
+
 async def test_options_are_read_as_ollama_reads_them(front):
     """Integer options take any number, truncated; null is unset; a num_predict of 0 or less
     is no limit, and one stop string is a list of one."""

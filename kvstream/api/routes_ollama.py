@@ -140,8 +140,14 @@ def _request(body: dict[str, Any], request_id: str, messages: list[dict[str, Any
         extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
     elif fmt not in (None, ""):  # (null and "" are "not set" in Ollama too)
         raise OllamaError(400, f'invalid format: {dumps(fmt).decode()}; expected "json" or a valid JSON Schema object')
-    if body.get("tools"):
-        extra["tools"] = body["tools"]
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise OllamaError(400, "tools must be a list of tools (objects)")
+    if tools:
+        extra["tools"] = tools
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise OllamaError(400, "stream must be a boolean")
+    _check_keep_alive(body.get("keep_alive"))
     think = body.get("think")
     if think is not None:
         if not isinstance(think, bool) and think not in ("low", "medium", "high"):  # Ollama's own rule
@@ -422,6 +428,19 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     finally:
         await stream.aclose()
         gen.close(outcome)
+
+
+# A Go duration, as Ollama's keep_alive takes one ("5m", "1h30m", "-1s", "0"); a bare number
+# of seconds in a string ("-1", "300") is taken too, as apps send it so (Go would want a unit).
+_GO_DURATION = re.compile(r"[+-]?(?:(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+|\d+(?:\.\d*)?)")
+
+
+def _check_keep_alive(value: object) -> None:
+    """400 for a ``keep_alive`` that is no duration: seconds (a number) or a Go duration string."""
+    if value is None or value == "" or isinstance(value, (int, float)) and not isinstance(value, bool):
+        return
+    if not isinstance(value, str) or not _GO_DURATION.fullmatch(value.strip()):
+        raise OllamaError(400, f"time: invalid duration {dumps(value).decode()}")
 
 
 def _is_zero_duration(value: object) -> bool:
