@@ -182,8 +182,10 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         raise _invalid("'tools' must be a list.", "tools")
     out = []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict):
+            raise _invalid(f"Invalid type for 'tools[{i}]': expected an object.", f"tools[{i}]")
+        if tool.get("type") != "function":
+            kind = tool.get("type")
             raise _invalid(f"Invalid value for 'tools[{i}].type': {kind!r} tools are not supported here (function tools are).",
                            f"tools[{i}].type")
         function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None}

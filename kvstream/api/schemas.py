@@ -124,6 +124,9 @@ class ChatCompletionRequest(_Sampling):
     """Body of POST /v1/chat/completions."""
 
     messages: list[Message] = Field(min_length=1)
+    # Passed on as they are; only their shape is checked (a list of objects: a string reached
+    # a chat template as an attribute error, and llama-server answers it with a 500).
+    tools: list[dict[str, Any]] | None = None
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -149,7 +152,7 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _cache_breakpoints(self) -> ChatCompletionRequest:
-        tools = (self.model_extra or {}).get("tools")
+        tools = self.tools
         if self.prompt_cache_retention is not None or _marked(self.messages, tools):  # (the hot path skips the rest)
             messages = [m.model_dump(exclude_none=True) for m in self.messages]
             self._breakpoints = chat_breakpoints(messages, tools, self.prompt_cache_retention)

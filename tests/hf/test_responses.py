@@ -170,6 +170,7 @@ async def test_structured_output_through_the_parse_helper(oa):
         ({"max_output_tokens": -1}, "max_output_tokens"),
         ({"temperature": 3}, "temperature"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": ["get_weather"]}, "tools[0]"),
         ({"input": [{"type": "web_search_call", "id": "x"}]}, "input[0].type"),
         ({"input": [{"type": "item_reference", "id": "msg_unknown"}]}, "input[0].id"),
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),

@@ -609,6 +609,9 @@ async def test_logit_bias_and_penalties_change_the_answer(oa, smollm2):
         ({"extra_body": {"guided_regex": "(?:ab|c){1000000}"}}, "guided_regex"),
         ({"extra_body": {"structured_outputs": {"regex": "(?=a)(?:(?:a{1000}){1000}){64}"}}}, "structured_outputs.regex"),
         ({"extra_body": {"guided_choice": "a"}}, "guided_choice"),
+        # Tools of the wrong shape: said so, not a chat template's attribute error about 'messages'.
+        ({"tools": "get_weather"}, "tools"),
+        ({"tools": ["get_weather"]}, "tools.0"),
         # A spoken answer asked of a text model (OpenAI's audio output): not text without audio.
         ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
