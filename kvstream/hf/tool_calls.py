@@ -57,10 +57,11 @@ def forced_names(tools: Any, choice: Any) -> ForcedNames | None:
     listed function, or one that is not a choice."""
     if choice is None or choice in ("auto", "none"):
         return None
-    functions = _functions(tools)
-    if choice == "required":
-        return ForcedNames(tuple(functions), named=False)
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+    if choice == "required" or named:
+        functions = _functions(tools)
+        if not named:
+            return ForcedNames(tuple(functions), named=False)
         name = choice["function"].get("name")
         if name not in functions:
             raise _invalid(f"Invalid value for 'tool_choice': no function named {name!r} in 'tools'.")

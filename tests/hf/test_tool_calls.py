@@ -63,6 +63,11 @@ def test_the_forced_call_schema():
     ):
         with pytest.raises(BackendRejected):
             forced_call_schema(tools, choice)
+    # A choice that is no choice is said to be one, tools or none (not "'tools' lists none").
+    for tools in ([WEATHER], None):
+        with pytest.raises(BackendRejected) as caught:
+            forced_names(tools, 5)
+        assert caught.value.message.startswith("Invalid value for 'tool_choice': 'none', 'auto', 'required'")
 
 
 def test_a_call_is_read_whole_or_as_far_as_it_went():
