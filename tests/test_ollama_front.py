@@ -507,8 +507,8 @@ async def test_ollama_apps_read_what_llama_server_serves_from_list_ps_and_show(s
     (Ollama's CLI prints ``digest[:12]`` in ``ollama list``/``ps`` and fails on an empty
     one), an expiry far ahead (the model stays loaded: Ollama's keep_alive -1, "Forever";
     a time past reads "Stopping..."), and the capabilities apps gate features on: tools
-    where the chat template takes them (a llama-server whose template does), vision never
-    for this text-only model."""
+    where the chat template takes them (a llama-server whose template does), thinking where
+    it shows <think> blocks, vision never for this text-only model."""
     from datetime import datetime, timedelta, timezone
 
     from tests.conftest import launch_llama_server
@@ -540,6 +540,16 @@ async def test_ollama_apps_read_what_llama_server_serves_from_list_ps_and_show(s
         assert (await client.show(model.model)).capabilities == ["completion", "tools"]
     finally:
         with_tools.stop()
+    # A template that shows the model <think> blocks (Qwen3's way): apps offer their thinking switch.
+    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% if not enable_thinking %}<think>\n\n</think>\n\n"
+                        "{% endif %}{% endif %}")
+    thinking = launch_llama_server(slots=1, ctx=1024, slot_saving=False, extra=["--jinja", "--chat-template-file", str(template)])
+    try:
+        client = ollama.AsyncClient(host=(await start_proxy(LlamaCppBackend(thinking.url))).url)
+        assert (await client.show(model.model)).capabilities == ["completion", "thinking"]
+    finally:
+        thinking.stop()
 
 
 @pytest.mark.llamacpp

@@ -332,7 +332,8 @@ class LlamaCppBackend(OpenAICompatibleBackend):
     async def models(self) -> list[ModelInfo]:
         """/v1/models, with what /v1/models' ``meta`` and /props say of the model in Ollama's
         words: tools where the chat template takes them (``chat_template_caps``), vision
-        where a projector is loaded, the GGUF's file type, parameter count and size."""
+        where a projector is loaded, thinking where the template shows ``<think>`` blocks,
+        the GGUF's file type, parameter count and size."""
         payload = await self.http.get_json(self.models_path)
         props = self.props
         if props is None:
@@ -342,8 +343,12 @@ class LlamaCppBackend(OpenAICompatibleBackend):
                 props = {}
         caps = props.get("chat_template_caps") if isinstance(props.get("chat_template_caps"), dict) else {}
         modalities = props.get("modalities") if isinstance(props.get("modalities"), dict) else {}
+        template = props.get("chat_template")
         capabilities = ("completion", *(("tools",) if caps.get("supports_tools") else ()),
-                        *(("vision",) if modalities.get("vision") else ()))
+                        *(("vision",) if modalities.get("vision") else ()),
+                        # a template that shows the model <think> blocks (Qwen3, DeepSeek-R1...): Ollama
+                        # apps offer their thinking switch, which reaches llama-server as enable_thinking
+                        *(("thinking",) if isinstance(template, str) and "<think>" in template else ()))
         general = self._general_facts(props.get("model_path"))
         family = general.get("general.architecture")
         models = []
