@@ -380,6 +380,39 @@ async def test_a_runtime_without_embeddings_says_so_through_embed_as_a_501(start
     assert (proxy.engine.stats.requests_refused, proxy.engine.stats.requests_failed) == (2, 0)
 
 
+@pytest.mark.llamacpp
+@pytest.mark.timeout(120)
+async def test_embed_over_llama_server_truncates_and_shortens_as_ollama_does(start_proxy, http):
+    """Ollama's ``truncate`` (on by default) and ``dimensions`` over a real llama-server with
+    embeddings on: an input past the context is cut to it (llama-server itself fails on it,
+    a 500), refused with a 400 when truncate is false; a shortened vector is renormalized.
+    A short input's vector is llama-server's own."""
+    from tests.conftest import launch_llama_server
+
+    # (-ub 1024: llama-server computes a whole input in one physical batch, 512 by default)
+    server = launch_llama_server(slots=2, ctx=2048, slot_saving=False, extra=["--embeddings", "--pooling", "mean", "-ub", "1024"])
+    try:
+        proxy = await start_proxy(LlamaCppBackend(server.url))
+        client = ollama.AsyncClient(host=proxy.url)
+        long = "harbour " * 3000
+        async with http.post(server.url + "/v1/embeddings", json={"input": long}) as resp:
+            assert resp.status == 500  # directly: too long for llama-server
+        cut = await client.embed(model="m", input=["hello world", long])
+        assert len(cut.embeddings) == 2 and cut.prompt_eval_count >= 1024  # the long one: the 1,024 a request may use
+        with pytest.raises(ollama.ResponseError) as caught:
+            await client.embed(model="m", input=long, truncate=False)
+        assert caught.value.status_code == 400 and caught.value.error == "the input length exceeds the context length"
+        async with http.post(server.url + "/v1/embeddings", json={"input": "hello world"}) as resp:
+            own = (await resp.json())["data"][0]["embedding"]
+        assert cut.embeddings[0] == pytest.approx(own, abs=1e-6)
+        short = (await client.embed(model="m", input="hello world", dimensions=64)).embeddings[0]
+        assert len(short) == 64 and sum(x * x for x in short) == pytest.approx(1.0)
+        assert short == pytest.approx([x / sum(y * y for y in own[:64]) ** 0.5 for x in own[:64]], abs=1e-6)
+        assert (await client.embeddings(model="m", prompt="hello world")).embedding == pytest.approx(own, abs=1e-6)
+    finally:
+        server.stop()
+
+
 async def test_in_front_of_ollama_embed_is_ollamas_own(start_upstream, start_proxy, http):
     url, _ = await start_upstream(Script(), factory=ollama_double)
     proxy = await start_proxy(OllamaBackend(url))

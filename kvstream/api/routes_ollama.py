@@ -677,29 +677,69 @@ async def api_embeddings(request: web.Request) -> web.StreamResponse:
 
 async def _embeddings(state: AppState, name: str | None, inputs: list[str], body: dict[str, Any]) -> tuple[list[Any], int]:
     """The vectors of ``inputs`` and the tokens read: the in-process engine's (_embed_here),
-    or an OpenAI-compatible runtime's /v1/embeddings, admitted like any forward pass."""
+    or an OpenAI-compatible runtime's /v1/embeddings, admitted like any forward pass; each
+    input cut to the context unless ``truncate`` is false, and the vectors to ``dimensions``
+    (renormalized), as Ollama does."""
+    truncate, dimensions = body.get("truncate", True), body.get("dimensions")
+    if not isinstance(truncate, bool):
+        raise OllamaError(400, "truncate must be a boolean")
+    if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1):
+        raise OllamaError(400, "dimensions must be a positive integer")
     backend = state.engine.backend
     session = backend.upstream() if backend.forwards_body else None
     if session is None and not backend.serves_embeddings:
         raise OllamaError(501, f"the {backend.name} backend does not serve embeddings")
-    if session is None:
-        return await _embed_here(state, inputs, body)
     if not inputs:
         return [], 0
-    gen = state.engine.reserve(len(dumps(inputs)), 0)
-    outcome = "cancelled"
-    try:
+    if session is None:
+        vectors, tokens = await _embed_here(state, inputs, truncate)
+    else:
+        sent = await _fitted(state, inputs, truncate)
+        gen = state.engine.reserve(len(dumps(sent)), 0)
+        outcome = "cancelled"
         try:
-            await gen.admitted()
-            result = await session.post_json("/v1/embeddings", {"model": name, "input": inputs})
-        except (SchedulerError, BackendError) as exc:
-            outcome = failure_outcome(exc)
-            raise _ollama_error(exc) from None
-        outcome = "finished"
-    finally:
-        gen.close(outcome)
-    data = sorted(result.get("data") or [], key=lambda d: d.get("index", 0))
-    return [d.get("embedding") for d in data], (result.get("usage") or {}).get("prompt_tokens", 0)
+            try:
+                await gen.admitted()
+                result = await session.post_json("/v1/embeddings", {"model": name, "input": sent})
+            except (SchedulerError, BackendError) as exc:
+                outcome = failure_outcome(exc)
+                raise _ollama_error(exc) from None
+            outcome = "finished"
+        finally:
+            gen.close(outcome)
+        data = sorted(result.get("data") or [], key=lambda d: d.get("index", 0))
+        vectors, tokens = [d.get("embedding") for d in data], (result.get("usage") or {}).get("prompt_tokens", 0)
+    if dimensions is not None and vectors and isinstance(vectors[0], list) and dimensions < len(vectors[0]):
+        vectors = [_unit(v[:dimensions]) for v in vectors]
+    return vectors, tokens
+
+
+async def _fitted(state: AppState, inputs: list[str], truncate: bool) -> list[str | list[int]]:
+    """``inputs`` for a runtime's /v1/embeddings, each within the context a request may use:
+    one longer is cut to it (as token ids, which /v1/embeddings takes) or, without
+    ``truncate``, a 400 as Ollama answers. Only an input of more UTF-8 bytes than the context
+    has tokens can be longer (a token is at least a byte), so the others are sent as they
+    are, untokenized; where the runtime's tokens or context are unknown, all are."""
+    limit = state.engine.limits.n_ctx_per_request
+    if not limit:
+        return list(inputs)
+    fitted: list[str | list[int]] = []
+    for text in inputs:
+        ids = await _plain_ids(state, text) if len(text.encode()) > limit else None
+        if ids is not None and len(ids) > limit:
+            if not truncate:
+                raise OllamaError(400, "the input length exceeds the context length")
+            fitted.append(ids[:limit])
+        else:
+            fitted.append(text)
+    return fitted
+
+
+async def _plain_ids(state: AppState, text: str) -> list[int] | None:
+    try:
+        return await state.engine.backend.plain_text_ids(text) or None
+    except BackendError:
+        return None  # the runtime judges the input itself
 
 
 def _embed_inputs(value: Any) -> list[str]:
@@ -713,24 +753,14 @@ def _embed_inputs(value: Any) -> list[str]:
     return [item for item in value if item]
 
 
-async def _embed_here(state: AppState, inputs: list[str], body: dict[str, Any]) -> tuple[list[list[float]], int]:
+async def _embed_here(state: AppState, inputs: list[str], truncate: bool) -> tuple[list[list[float]], int]:
     """The in-process engine's embeddings of ``inputs``, cut to the context unless
-    ``truncate`` is false, and to ``dimensions`` (renormalized) as Ollama does."""
-    truncate, dimensions = body.get("truncate", True), body.get("dimensions")
-    if not isinstance(truncate, bool):
-        raise OllamaError(400, "truncate must be a boolean")
-    if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1):
-        raise OllamaError(400, "dimensions must be a positive integer")
-    if not inputs:
-        return [], 0
+    ``truncate`` is false."""
     try:
         result = await state.engine.backend.embed(list(inputs), truncate=truncate)
     except (SchedulerError, BackendError) as exc:
         raise _ollama_error(exc) from None
-    vectors = result.vectors
-    if dimensions is not None and dimensions < len(vectors[0]):
-        vectors = [_unit(v[:dimensions]) for v in vectors]
-    return vectors, result.prompt_tokens
+    return result.vectors, result.prompt_tokens
 
 
 def _unit(vector: list[float]) -> list[float]:
