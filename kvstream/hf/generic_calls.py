@@ -25,6 +25,7 @@ from kvstream.hf.tool_calls import forced_call_schema
 
 GENERIC = "generic"
 _HEAD = re.compile(r'\s*\{\s*"(tool_calls|response)"\s*:\s*')
+_HEADS = ('{"tool_calls":', '{"response":')  # the object's two openings, without whitespace
 _MARK = "\x00calls\x00"  # what the inner list scanner is told the calls follow (never in a model's text)
 
 
@@ -106,11 +107,18 @@ class GenericAnswerScanner:
         return self._response()
 
     def finish(self) -> list[Piece]:
-        """The rest at the choice's end: a cut-short call as far as it went, or text held."""
+        """The rest at the choice's end: a cut-short call as far as it went, or text held.
+        An answer cut before it said anything (inside the object's opening, or inside the
+        calls' list before a call's arguments began) has no content: that text is the form
+        the answer was held to, never words for the client."""
         if self._mode == "calls":
             assert self._calls is not None
-            # What follows the list (the object's closing brace) is not content.
-            return [piece for piece in self._calls.finish() if piece.call is not None or piece.text.strip() not in ("", "}")]
+            # The list's own text (the object's closing brace, a call cut before its
+            # arguments, the inner scanner's mark when no call began) is not content.
+            return [piece for piece in self._calls.finish() if piece.call is not None]
+        if self._mode == "" and any(head.startswith(re.sub(r"\s+", "", self._pending)) for head in _HEADS):
+            self._pending = ""
+            return []
         if self._mode in ("", "text"):
             text, self._pending = self._pending, ""
             return [Piece(text=text)] if text else []

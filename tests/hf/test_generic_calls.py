@@ -61,6 +61,21 @@ def test_text_that_is_neither_form_is_content_and_a_cut_response_gives_what_it_h
     assert scanned(['{"response": "cut sh', "ort \\u00"])[0] == "cut short "  # an escape never finished is dropped
 
 
+def test_an_answer_cut_before_it_said_anything_has_no_content():
+    """max_tokens ending the answer inside the object's opening, or inside the calls' list
+    before a call's arguments began: no content (the held form's text, and the scanner's own
+    mark, came back as content), no call; a call whose arguments began is the call as far
+    as it went."""
+    for cut in ['{\n  "tool_calls', '{"resp', '{', '{"tool_calls": [', '{"tool_calls": [{"name": "get_',
+                '{"tool_calls": [{"name": "get_weather", "arg']:
+        assert scanned([cut]) == ("", [], 0), cut
+    content, calls, count = scanned(['{"tool_calls": [{"name": "a", "arguments": {}}, {"name": "b",'])
+    assert content == "" and count == 1 and [c["function"]["name"] for c in calls if "id" in c] == ["a"]
+    content, calls, count = scanned(['{"tool_calls": [{"name": "a", "arguments": {"x": 1'])
+    assert content == "" and count == 1 and "".join(c["function"].get("arguments", "") for c in calls) == '{"x": 1'
+    assert scanned(['{"oth'])[0] == '{"oth'  # not the opening of either form: text as written
+
+
 def test_the_prompt_and_schema_name_every_tool_and_one_call_when_parallel_calls_are_off():
     text = tools_prompt([WEATHER], single_call=False)
     assert '"name": "get_weather"' in text and '"description": "The current weather in a city."' in text
