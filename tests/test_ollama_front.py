@@ -56,6 +56,42 @@ async def test_chat_without_streaming_maps_options_format_and_tools(front):
     assert "num_ctx" not in sent  # a load-time option, the runtime's own
 
 
+async def test_a_tool_loop_reaches_the_runtime_with_each_result_paired_with_its_call(front, http):
+    """An app's tool loop as Ollama's clients send it (arguments as objects, results named by
+    ``tool_name``) reaches an OpenAI runtime as OpenAI's: arguments as JSON text (one sent
+    as text, OpenAI's habit, kept, not encoded twice), each result's ``tool_call_id`` its
+    call's (templates pair them), an earlier answer's thinking left out."""
+    proxy, _, recorder, client = front
+    await client.chat(model="llama3.2", stream=False, messages=[
+        {"role": "user", "content": "Weather and time in Paris?"},
+        {"role": "assistant", "content": "", "thinking": "Two tools.", "tool_calls": [
+            {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"function": {"name": "get_time", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "14:00", "tool_name": "get_time"},
+        {"role": "tool", "content": "22C"},
+    ])
+    assistant, time_result, weather_result = recorder.bodies[-1]["messages"][1:]
+    calls = {call["function"]["name"]: call for call in assistant["tool_calls"]}
+    assert json.loads(calls["get_weather"]["function"]["arguments"]) == {"city": "Paris"} and "thinking" not in assistant
+    assert time_result["tool_call_id"] == calls["get_time"]["id"] and weather_result["tool_call_id"] == calls["get_weather"]["id"]
+    assert len({call["id"] for call in assistant["tool_calls"]}) == 2
+    async with http.post(proxy.url + "/api/chat", json={"model": "llama3.2", "stream": False, "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": '{"a": 1}'}}]}]}) as resp:
+        assert resp.status == 200  # (the ollama client itself only sends objects)
+    assert recorder.bodies[-1]["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+
+
+@pytest.mark.parametrize("calls", [[{"x": 1}], "get_weather", [{"function": {"arguments": {}}}],
+                                   [{"function": {"name": "f", "arguments": [1]}}]])
+async def test_malformed_tool_calls_in_the_history_are_a_400_not_a_500(front, http, calls):
+    proxy, _, recorder, _ = front
+    async with http.post(proxy.url + "/api/chat", json={"model": "llama3.2", "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls}]}) as resp:
+        assert resp.status == 400 and "tool call" in (await resp.json())["error"]
+    assert not recorder.bodies
+
+
 @pytest.mark.parametrize("options, error", [
     ({"num_predict": "x"}, 'option "num_predict" must be of type integer'),
     ({"num_predict": True}, 'option "num_predict" must be of type integer'),

@@ -85,10 +85,14 @@ def now_iso() -> str:
 
 def _messages(raw: Any) -> list[dict[str, Any]]:
     """Ollama chat messages as OpenAI messages (base64 ``images`` become image parts, tool
-    call arguments become JSON strings)."""
+    call arguments become JSON strings, a ``tool`` result answers the earlier calls (the one
+    its ``tool_name`` names, else the first unanswered) as their ``tool_call_id``, which
+    templates that pair calls with results render; an earlier answer's ``thinking`` is left
+    out, as templates drop it from the history)."""
     if not isinstance(raw, list):
         raise OllamaError(400, "messages must be a list")
-    out = []
+    out: list[dict[str, Any]] = []
+    unanswered: list[dict[str, Any]] = []  # the last assistant turn's calls not yet answered
     for message in raw:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise OllamaError(400, "each message needs a role")
@@ -103,15 +107,39 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
             converted["content"] = parts
         calls = message.get("tool_calls")
         if calls:
-            converted["tool_calls"] = [
-                {"id": f"call_{i}", "type": "function",
-                 "function": {"name": c["function"]["name"], "arguments": dumps(c["function"].get("arguments") or {}).decode()}}
-                for i, c in enumerate(calls)
-            ]
+            converted["tool_calls"] = [_tool_call(call, len(out), i) for i, call in enumerate(_listed(calls))]
+            unanswered = list(converted["tool_calls"])
+        elif message["role"] == "assistant":
+            unanswered = []
         if message.get("tool_name"):
             converted["name"] = message["tool_name"]
+        if message["role"] == "tool" and unanswered:
+            named = [c for c in unanswered if c["function"]["name"] == message.get("tool_name")]
+            answered = (named or unanswered)[0]
+            unanswered.remove(answered)
+            converted["tool_call_id"] = answered["id"]
         out.append(converted)
     return out
+
+
+def _listed(calls: Any) -> list[Any]:
+    if not isinstance(calls, list):
+        raise OllamaError(400, "tool_calls must be a list of tool calls")
+    return calls
+
+
+def _tool_call(call: Any, turn: int, index: int) -> dict[str, Any]:
+    """One of an assistant turn's ``tool_calls`` the OpenAI way; 400 for one malformed.
+    Arguments are Ollama's object (a JSON string, OpenAI's form, is taken as it is)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise OllamaError(400, "each tool call needs a function with a name")
+    arguments = function.get("arguments")
+    if arguments is None or isinstance(arguments, dict):
+        arguments = dumps(arguments or {}).decode()
+    elif not isinstance(arguments, str):
+        raise OllamaError(400, "tool call arguments must be an object")
+    return {"id": f"call_{turn}_{index}", "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 def _request(body: dict[str, Any], request_id: str, messages: list[dict[str, Any]] | None, prompt: str | None) -> GenerateRequest:
