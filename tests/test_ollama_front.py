@@ -622,6 +622,22 @@ async def test_ollama_apps_read_what_llama_server_serves_from_list_ps_and_show(s
 
 
 @pytest.mark.llamacpp
+@pytest.mark.timeout(60)
+async def test_images_for_a_llama_server_without_vision_are_a_400(start_proxy, llama_server, http):
+    """llama-server without a projector answers images with a 500; its /props say it has no
+    vision, so the Ollama front refuses them as the client's mistake, saying why."""
+    proxy = await start_proxy(LlamaCppBackend(llama_server.url))
+    client = ollama.AsyncClient(host=proxy.url)
+    image = "iVBORw0KGgo="
+    for call in (client.chat(model="m", messages=[{"role": "user", "content": "What is it?", "images": [image]}]),
+                 client.generate(model="m", prompt="What is it?", images=[image])):
+        with pytest.raises(ollama.ResponseError) as caught:
+            await call
+        assert caught.value.status_code == 400 and "does not support image input" in caught.value.error
+    assert proxy.engine.stats.requests_failed == 0
+
+
+@pytest.mark.llamacpp
 @pytest.mark.timeout(120)
 async def test_a_generate_context_continues_the_conversation_as_ollama_builds_it(start_proxy, llama_server, http):
     """/api/generate's ``context`` (Ollama's deprecated conversation memory, still sent by

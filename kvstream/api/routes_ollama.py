@@ -388,6 +388,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     raw = not chat and bool(body.get("raw") or body.get("suffix"))
     model_name = body.get("model") if isinstance(body.get("model"), str) else None
     generate.model = await _model(state, body)
+    if _has_images(generate.messages):
+        await _check_vision(state, generate.model)
     if not generate.messages if chat else not prompt:
         # An empty chat or prompt loads the model in Ollama (unloads it with keep_alive 0):
         # the backend's model is loaded already and stays so; nothing is generated.
@@ -469,6 +471,20 @@ def _check_keep_alive(value: object) -> None:
         return
     if not isinstance(value, str) or not _GO_DURATION.fullmatch(value.strip()):
         raise OllamaError(400, f"time: invalid duration {dumps(value).decode()}")
+
+
+def _has_images(messages: list[dict[str, Any]] | None) -> bool:
+    return any(isinstance(m.get("content"), list) and any(p.get("type") == "image_url" for p in m["content"])
+               for m in messages or ())
+
+
+async def _check_vision(state: AppState, model: str | None) -> None:
+    """400 for images sent to a model the backend says cannot see them (its capabilities
+    known and without ``vision``: llama-server without a projector answers a 500 for them)."""
+    info = next((m for m in await _models(state) if m.id == model), None)
+    if info is not None and info.capabilities and "vision" not in info.capabilities:
+        raise OllamaError(400, f"{model} does not support image input (the runtime loaded no vision projector)"
+                          if state.engine.backend.name == "llamacpp" else f"{model} does not support image input")
 
 
 def _is_zero_duration(value: object) -> bool:
