@@ -599,26 +599,25 @@ async def test_ollama_apps_read_what_llama_server_serves_from_list_ps_and_show(s
         "general.architecture": "llama", "llama.context_length": 8192, "general.basename": "smollm2",
         "general.name": "Smollm2 135M 8k Lc100K Mix1 Ep2", "general.size_label": "135M", "general.finetune": "8k-lc100k-mix1-ep2"}
 
-    template = tmp_path / "tools.jinja"
-    template.write_text("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
-                        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    with_tools = launch_llama_server(slots=1, ctx=1024, slot_saving=False, extra=["--jinja", "--chat-template-file", str(template)])
-    try:
-        client = ollama.AsyncClient(host=(await start_proxy(LlamaCppBackend(with_tools.url))).url)
-        assert (await client.show(model.model)).capabilities == ["completion", "tools"]
-    finally:
-        with_tools.stop()
-    # A template that shows the model <think> blocks (Qwen3's way): apps offer their thinking switch.
-    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% if not enable_thinking %}<think>\n\n</think>\n\n"
-                        "{% endif %}{% endif %}")
-    thinking = launch_llama_server(slots=1, ctx=1024, slot_saving=False, extra=["--jinja", "--chat-template-file", str(template)])
-    try:
-        client = ollama.AsyncClient(host=(await start_proxy(LlamaCppBackend(thinking.url))).url)
-        assert (await client.show(model.model)).capabilities == ["completion", "thinking"]
-    finally:
-        thinking.stop()
+    # Templates that take tools, and that show the model <think> blocks (Qwen3's way): apps
+    # then offer tools, and their thinking switch.
+    templates = {
+        "tools": "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+                 "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        "thinking": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if not enable_thinking %}<think>\n\n</think>\n\n"
+                    "{% endif %}{% endif %}",
+    }
+    for capability, text in templates.items():
+        template = tmp_path / f"{capability}.jinja"
+        template.write_text(text)
+        server = launch_llama_server(slots=1, ctx=1024, slot_saving=False, extra=["--jinja", "--chat-template-file", str(template)])
+        try:
+            client = ollama.AsyncClient(host=(await start_proxy(LlamaCppBackend(server.url))).url)
+            assert (await client.show(model.model)).capabilities == ["completion", capability]
+        finally:
+            server.stop()
 
 
 @pytest.mark.llamacpp
