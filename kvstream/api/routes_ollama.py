@@ -769,7 +769,7 @@ async def _fitted(state: AppState, inputs: list[str], truncate: bool) -> list[st
         return list(inputs)
     fitted: list[str | list[int]] = []
     for text in inputs:
-        ids = await _plain_ids(state, text) if len(text.encode()) > limit else None
+        ids = await _prompt_ids(state, text) if len(text.encode()) > limit else None
         if ids is not None and len(ids) > limit:
             if not truncate:
                 raise OllamaError(400, "the input length exceeds the context length")
@@ -779,9 +779,11 @@ async def _fitted(state: AppState, inputs: list[str], truncate: bool) -> list[st
     return fitted
 
 
-async def _plain_ids(state: AppState, text: str) -> list[int] | None:
+async def _prompt_ids(state: AppState, text: str) -> list[int] | None:
+    """``text``'s tokens as the runtime reads an input (its BOS too, where the model adds
+    one: a cut input sent as ids keeps it); None where the backend cannot tell."""
     try:
-        return await state.engine.backend.plain_text_ids(text) or None
+        return await state.engine.backend.tokenize(GenerateRequest(model=None, prompt=text)) or None
     except BackendError:
         return None  # the runtime judges the input itself
 
