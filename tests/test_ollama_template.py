@@ -19,6 +19,10 @@ def test_fields_and_conditions_render_and_the_text_after_response_is_cut():
     assert render_generate_template(CHATML, "", "hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert render_generate_template("{{ .Prompt }}", "ignored", "as it is") == "as it is"
     assert render_generate_template("{{/* a comment */}}{{ .Prompt }}", "", "x") == "x"
+    # .Response inside a branch cuts there too; tested, it is empty (the answer is not written yet)
+    branch = "{{ if .System }}S:{{ .Response }}never{{ end }}after"
+    assert render_generate_template(branch, "s", "p") == "S:" and render_generate_template(branch, "", "p") == "after"
+    assert render_generate_template("{{ if .Response }}r{{ else }}none{{ end }}", "", "") == "none"
 
 
 def test_else_branches_and_gos_whitespace_trims():

@@ -28,19 +28,11 @@ class _If:
     branches: list[tuple[str | None, list[object]]] = field(default_factory=list)  # (field or None for else, body)
 
 
-class _Cut(Exception):
-    """``.Response`` reached: the prompt ends here."""
-
-
 def render_generate_template(template: str, system: str, prompt: str) -> str:
     """The prompt ``template`` makes of ``system`` and ``prompt``, cut where ``.Response``
     stands (the answer follows). TemplateUnsupported for what it cannot read."""
-    nodes = _parse(_lex(template))
     out: list[str] = []
-    try:
-        _run(nodes, {"System": system, "Prompt": prompt, "Response": ""}, out)
-    except _Cut:
-        pass
+    _run(_parse(_lex(template)), {"System": system, "Prompt": prompt}, out)
     return "".join(out)
 
 
@@ -108,17 +100,20 @@ def _parse(pieces: list[tuple[str, str]]) -> list[object]:
     return root
 
 
-def _run(nodes: list[object], values: dict[str, str], out: list[str]) -> None:
+def _run(nodes: list[object], values: dict[str, str], out: list[str]) -> bool:
+    """Render ``nodes`` into ``out``; True once ``.Response`` is reached (the prompt ends
+    there; ``.Response`` is empty when tested, as the answer is not written yet)."""
     for node in nodes:
         if isinstance(node, str):
             out.append(node)
         elif isinstance(node, _If):
             for name, body in node.branches:
-                if name is None or values[name]:
-                    _run(body, values, out)
+                if name is None or values.get(name):
+                    if _run(body, values, out):
+                        return True
                     break
+        elif node[1] == "Response":  # type: ignore[index]
+            return True
         else:
-            name = node[1]  # type: ignore[index]
-            if name == "Response":
-                raise _Cut
-            out.append(values[name])
+            out.append(values[node[1]])  # type: ignore[index]
+    return False
